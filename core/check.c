@@ -1,0 +1,128 @@
+/* check.c - the invariant checker (ck_ring_valid-style), for tests and the
+ * operator's stat tool.  It reads a quiescent segment: with operations in
+ * flight it can report transient states (a FILLING slot with a live
+ * writer is fine; a BUILDING lease is not).
+ *
+ * Checked:
+ *   C1 slots conserved: every slot FREE, FILLING or READY (no EVICTING,
+ *      DOOMED or FROZEN left behind), masks within the shard count, READY
+ *      slots with a full ready mask and no writer, writer fields and
+ *      writing bits in agreement and naming live entries;
+ *   C2 index <-> slots: every entry names a live slot of its generation
+ *      under the right bucket and tag; every live slot has exactly one
+ *      entry; no key has two live slots (kvt__index_check);
+ *   C3 pins: every READY slot's pin count equals the number of refs to
+ *      (slot, gen) in ACTIVE leases; every ref of an ACTIVE lease names a
+ *      READY slot of that generation; no lease BUILDING or RELEASING;
+ *   C4 rank table: no dead entry left unreaped, no journal left open.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kvt_format.h"
+
+#define FAIL(...) do { snprintf(msg, len, __VA_ARGS__); rc = -EUCLEAN; goto out; } while (0)
+
+int kvt_check(kvt_seg *s, char *msg, size_t len)
+{
+	uint32_t n = s->geo.n_slots;
+	uint64_t full = kvt__full_mask(s->d.n_shards);
+	uint32_t *pins = calloc(n, sizeof(uint32_t));
+	char dummy[8];
+	int rc = 0;
+
+	if (!msg || !len) {
+		msg = dummy;
+		len = sizeof(dummy);
+	}
+	msg[0] = 0;
+	if (!pins)
+		return -ENOMEM;
+	/* C4 */
+	for (uint32_t e = 0; e < s->d.n_entries; e++) {
+		uint64_t w = kvt_load(&s->ents[e].owner, KVT_ACQ);
+		uint32_t st = KVT_OWNER_ST(w);
+		if (st > KVT_ENT_REAPING)
+			FAIL("ranks: entry %u has unknown state %u", e, st);
+		if (st == KVT_ENT_EMPTY)
+			continue;
+		if (!kvt__entry_alive(s, e))
+			FAIL("ranks: entry %u (pid %d) is dead and not reaped", e, KVT_OWNER_PID(w));
+		if (kvt_load(&s->ents[e].journal, KVT_ACQ) != 0)
+			FAIL("ranks: entry %u has an open journal %#llx", e,
+			     (unsigned long long)kvt_load(&s->ents[e].journal, KVT_ACQ));
+	}
+	/* C1 */
+	for (uint32_t x = 0; x < n; x++) {
+		struct kvt_slot *sl = kvt__slot(s, x);
+		uint64_t w = kvt_load(&sl->state, KVT_ACQ);
+		uint64_t wr = kvt_load(&sl->writing, KVT_ACQ);
+		uint64_t rd = kvt_load(&sl->ready, KVT_ACQ);
+		uint32_t st = KVT_ST(w);
+
+		if (w & KVT_ST_FROZEN)
+			FAIL("slots: slot %u is frozen", x);
+		if (st != KVT_S_FREE && st != KVT_S_FILLING && st != KVT_S_READY)
+			FAIL("slots: slot %u left in state %u", x, st);
+		if (KVT_PINS(w) && st != KVT_S_READY)
+			FAIL("slots: slot %u has %u pins in state %u", x, KVT_PINS(w), st);
+		if (st == KVT_S_FREE)
+			continue;
+		if ((wr | rd) & ~full)
+			FAIL("slots: slot %u masks %#llx/%#llx exceed %u shards", x,
+			     (unsigned long long)wr, (unsigned long long)rd, s->d.n_shards);
+		if (st == KVT_S_READY && (rd != full || wr))
+			FAIL("slots: READY slot %u has ready %#llx writing %#llx", x,
+			     (unsigned long long)rd, (unsigned long long)wr);
+		for (uint32_t sh = 0; sh < s->d.n_shards; sh++) {
+			uint32_t who = kvt_load(&sl->writer[sh], KVT_ACQ);
+			int bit = (int)((wr >> sh) & 1);
+			if ((who != 0) != bit)
+				FAIL("slots: slot %u shard %u: writer %u but writing bit %d",
+				     x, sh, who, bit);
+			if (who && (who > s->d.n_entries || !kvt__entry_alive(s, who - 1)))
+				FAIL("slots: slot %u shard %u is claimed by dead entry %u",
+				     x, sh, who - 1);
+		}
+	}
+	/* C2 */
+	rc = kvt__index_check(s, msg, len);
+	if (rc)
+		goto out;
+	/* C3 */
+	for (uint32_t i = 0; i < s->geo.n_leases; i++) {
+		struct kvt_lease *l = kvt__lease(s, i);
+		uint64_t w = kvt_load(&l->state, KVT_ACQ);
+		uint32_t st = KVT_LST(w), nr;
+
+		if (st == KVT_L_FREE)
+			continue;
+		if (st != KVT_L_ACTIVE)
+			FAIL("leases: lease %u left in state %u", i, st);
+		nr = kvt_load(&l->n_refs, KVT_ACQ);
+		if (nr == 0 || nr > s->geo.lease_max_chunks)
+			FAIL("leases: lease %u has %u refs", i, nr);
+		for (uint32_t k = 0; k < nr; k++) {
+			uint64_t ref = kvt_load(&l->refs[k], KVT_ACQ);
+			uint32_t x = KVT_REF_SLOT(ref);
+			if (!ref || x >= n)
+				FAIL("leases: lease %u ref %u is %#llx", i, k, (unsigned long long)ref);
+			uint64_t sw = kvt_load(&kvt__slot(s, x)->state, KVT_ACQ);
+			if (KVT_ST(sw) != KVT_S_READY ||
+			    (KVT_GEN(sw) & 0xffffffffULL) != KVT_REF_GEN(ref))
+				FAIL("leases: lease %u pins slot %u gen %llu which is not READY "
+				     "in that generation", i, x, (unsigned long long)KVT_REF_GEN(ref));
+			pins[x]++;
+		}
+	}
+	for (uint32_t x = 0; x < n; x++) {
+		uint64_t w = kvt_load(&kvt__slot(s, x)->state, KVT_ACQ);
+		if (KVT_PINS(w) != pins[x])
+			FAIL("pins: slot %u has %u pins but %u lease references", x,
+			     KVT_PINS(w), pins[x]);
+	}
+out:
+	free(pins);
+	return rc;
+}

@@ -1,0 +1,246 @@
+/* kvt_core.h - the shared segment: format, index, slots, pins, leases,
+ * eviction, rank table, counters.  Internal API of kvtier (engines use
+ * tier/include/kvtier.h); depends on libc and pthreads only.
+ *
+ * Conventions (STYLE.md): every int function returns 0 or a count on
+ * success and -errno on failure, never touches errno's value for the
+ * caller, and sets the calling thread's last-error message on failure
+ * (kvt_core_last_error()).  Handles are per process (or per thread: two
+ * handles in one process are independent attachments).  Unless said
+ * otherwise a function is lock-free, never blocks, and may be called from
+ * any thread that owns the handle; one handle must not be used by two
+ * threads at once.
+ */
+#ifndef KVT_CORE_H
+#define KVT_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVT_NAME_MAX       64   /* segment name: [A-Za-z0-9._-]{1,64}, not ".." */
+#define KVT_MAX_WORLD      64   /* shard masks are 64-bit */
+#define KVT_MAX_GROUPS     8
+#define KVT_MAX_INSTANCES  16
+#define KVT_MAX_CLIENTS    32   /* table entries for tools, benches, tests */
+
+typedef struct kvt_seg kvt_seg;
+
+/* A 128-bit chunk key.  Keys are chained prefix hashes: equal keys mean
+ * equal chunk *and* equal prefix. */
+typedef struct kvt_key {
+	uint64_t lo, hi;
+} kvt_key;
+
+enum kvt_mode {
+	KVT_MODE_SHARDED    = 0, /* each rank holds different heads: world shards */
+	KVT_MODE_REPLICATED = 1, /* MLA / DP attention: one shared shard */
+};
+
+struct kvt_layer_group {
+	uint32_t layers;          /* layers in the group */
+	uint32_t bytes_per_token; /* per layer, for one rank */
+};
+
+/* Geometry, fixed when the segment is created. */
+struct kvt_geometry {
+	uint32_t chunk_tokens;     /* tokens per chunk, >= 1 */
+	uint32_t world;            /* shards of one model replica, 1..64 */
+	uint32_t n_instances;      /* engine instances sharing it, 1..16 */
+	uint32_t mode;             /* enum kvt_mode */
+	uint32_t n_groups;         /* 1..KVT_MAX_GROUPS */
+	struct kvt_layer_group groups[KVT_MAX_GROUPS];
+	kvt_key model_id;          /* caller's model identity (enters the fingerprint) */
+	uint32_t n_slots;          /* chunks the arena holds, 1..2^30 */
+	uint32_t n_leases;         /* concurrent lookups, 0 = default (1024) */
+	uint32_t lease_max_chunks; /* chunks one lookup can pin, 0 = default (512) */
+	uint32_t fill_timeout_ms;  /* an abandoned FILLING slot is reclaimed
+				    * after this; 0 = default (30000) */
+};
+
+/* Bytes of one shard of one chunk (what one rank writes), as stored:
+ * rounded up to 64 bytes, or to 4096 when it is at least 4096. */
+uint64_t kvt_geometry_shard_bytes(const struct kvt_geometry *g);
+
+/* Segment flags. */
+#define KVT_SEG_F_GROUP     0x1u /* create: mode 0660 instead of 0600 */
+#define KVT_SEG_F_REPLACE   0x2u /* create: remove an existing segment first */
+#define KVT_SEG_F_PREFAULT  0x4u /* create: fault the arena in now */
+#define KVT_SEG_F_ANY_UID   0x8u /* attach: accept a segment of another uid */
+#define KVT_SEG_F_MASK      0xfu
+
+enum kvt_role {
+	KVT_ROLE_OBSERVER  = 0, /* read-only: stats, check; no table entry */
+	KVT_ROLE_RANK      = 1, /* (instance, rank): saves its shard, loads */
+	KVT_ROLE_SCHEDULER = 2, /* one per instance: lookup, step, release */
+	KVT_ROLE_CLIENT    = 3, /* tools, benches, tests: may do everything */
+};
+
+struct kvt_seg_attach_opts {
+	size_t size;            /* sizeof(struct kvt_seg_attach_opts) */
+	const char *name;       /* segment name */
+	const char *dir;        /* NULL: POSIX shm; else a directory (hugetlbfs) */
+	uint32_t role;          /* enum kvt_role */
+	uint32_t instance;      /* RANK and SCHEDULER */
+	uint32_t rank;          /* RANK */
+	uint32_t world;         /* expected world size; 0 = any (required for RANK) */
+	uint32_t flags;         /* KVT_SEG_F_ANY_UID */
+	const kvt_key *fingerprint; /* expected layout fingerprint, NULL = any */
+};
+
+struct kvt_seg_create_opts {
+	size_t size;            /* sizeof(struct kvt_seg_create_opts) */
+	const char *name;
+	const char *dir;        /* NULL: POSIX shm; else a directory (hugetlbfs) */
+	const struct kvt_geometry *geo;
+	uint32_t flags;         /* KVT_SEG_F_GROUP | _REPLACE | _PREFAULT */
+	uint32_t reserved;      /* must be 0 */
+};
+
+/* Validates a segment name: [A-Za-z0-9._-], 1..64 chars, not "." or "..".
+ * Returns 0 or -EINVAL. */
+int kvt_seg_name_valid(const char *name);
+
+/* Creates the segment and attaches to it as described by *a (NULL: as a
+ * client).  -EEXIST when it exists (unless KVT_SEG_F_REPLACE), -EINVAL for a
+ * bad name or geometry, -ENOMEM/-ENOSPC when it cannot be sized, -errno of
+ * shm_open/ftruncate/mmap otherwise.  Touches only the header (and the arena
+ * with KVT_SEG_F_PREFAULT), so the caller may bind the arena to NUMA nodes
+ * before first touch.  Blocks (system calls). */
+int kvt_seg_create(const struct kvt_seg_create_opts *c,
+		   const struct kvt_seg_attach_opts *a, kvt_seg **out);
+
+/* Attaches to an existing segment.  Validates every header field before use:
+ * -ENOENT (no segment), -EPROTO (bad magic / version / layout / checksum),
+ * -EINVAL (field out of range, world or rank mismatch), -EPERM (another
+ * uid), -EBUSY (the (instance, rank) is attached by a live process),
+ * -ESTALE (fingerprint differs).  The message names the field.  A dead
+ * previous holder of the same entry is reaped first. */
+int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out);
+
+/* Releases the table entry (its leases stay; its writing bits are
+ * aborted) and unmaps.  Always succeeds for a valid handle. */
+int kvt_seg_detach(kvt_seg *s);
+
+/* Removes the name (mappings stay valid).  0, -ENOENT, -EINVAL. */
+int kvt_seg_unlink(const char *name, const char *dir);
+
+/* Thread-local description of the last failure in this thread. */
+const char *kvt_core_last_error(void);
+
+/* Accessors. */
+const struct kvt_geometry *kvt_seg_geometry(const kvt_seg *s);
+void kvt_seg_fingerprint(const kvt_seg *s, kvt_key *out);
+uint64_t kvt_seg_shard_bytes(const kvt_seg *s);
+uint32_t kvt_seg_n_shards(const kvt_seg *s); /* world (sharded) or 1 */
+uint32_t kvt_seg_entry(const kvt_seg *s);    /* own table entry, UINT32_MAX if none */
+void *kvt_seg_base(const kvt_seg *s);
+uint64_t kvt_seg_size(const kvt_seg *s);
+/* The arena, or the part of it that holds one shard's sub-slots (rank-major,
+ * each part 2 MiB aligned).  shard = UINT32_MAX: the whole arena. */
+int kvt_seg_arena(const kvt_seg *s, uint32_t shard, void **ptr, uint64_t *len);
+/* Address of sub-slot (slot, shard); NULL when out of range. */
+void *kvt_slot_shard_ptr(const kvt_seg *s, uint32_t slot, uint32_t shard);
+
+/* ---- saving (writers) ------------------------------------------------ */
+
+struct kvt_wref {
+	uint32_t slot;
+	uint32_t shard;
+	uint64_t gen;
+};
+
+#define KVT_SKIP 1 /* returned by kvt_write_begin: nothing to write */
+
+/* Finds or allocates the slot for key and claims the caller's shard.
+ * Returns 0 with *w set: write the shard at kvt_slot_shard_ptr(), then call
+ * kvt_write_end().  KVT_SKIP: the shard is ready or being written (dedupe).
+ * -ENOSPC: nothing could be evicted (never waits).  -EINVAL: bad shard.
+ * -EPERM: the handle has no table entry.  Lock-free, never blocks. */
+int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
+		    uint32_t shard, struct kvt_wref *w);
+
+/* Ends a write.  ok != 0: the shard's data is complete; sets its ready bit
+ * and publishes the chunk when the mask is full.  ok == 0: aborts the
+ * claim.  Returns 0, 1 when this call made the chunk READY, -ESTALE when the
+ * slot was reclaimed meanwhile (the data was dropped). */
+int kvt_write_end(kvt_seg *s, const struct kvt_wref *w, int ok);
+
+/* ---- lookups and leases ------------------------------------------------ */
+
+/* Walks keys in order, stops at the first absent or not-READY key, pins
+ * every hit and records the pins in a new lease.  Returns the number of hit
+ * chunks (>= 0) and *lease (0 when no hit), or -ENOSPC (lease table full;
+ * nothing pinned), -EPERM (no table entry).  At most lease_max_chunks hits
+ * are taken.  Lock-free, never blocks. */
+int kvt_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease);
+
+/* The slots (and generations) a lease pinned, in key order.  Returns the
+ * count, -ESTALE if the lease id is not live. */
+int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots,
+		    uint64_t *gens, uint32_t max);
+
+/* Rank `rank` of the lease's instance finished loading: sets its loaded
+ * bit; when every rank of the world has loaded, releases the lease.
+ * Returns 0, 1 when this call released it, -ESTALE (not live). */
+int kvt_lease_loaded(kvt_seg *s, uint64_t lease, uint32_t rank);
+
+/* Releases explicitly (abort).  Returns 0; a lease that is no longer live
+ * is counted as a double unpin and returns -EALREADY, changing nothing. */
+int kvt_lease_release(kvt_seg *s, uint64_t lease);
+
+/* One scheduler step for the handle's instance: leases of the instance
+ * absent from `live` for two consecutive steps are released and counted as
+ * stale unpins.  Returns how many were released. */
+int kvt_step(kvt_seg *s, const uint64_t *live, uint32_t n);
+
+/* ---- liveness and repair ------------------------------------------------ */
+
+/* Reaps every table entry whose process is dead: fixes pins left ambiguous
+ * by an interrupted pin/unpin, clears its writing bits and reclaims slots it
+ * left FILLING, releases its leases (and those of its instance still waiting
+ * for its load).  Returns the number of entries reaped.  Callable by any
+ * attached process; may wait briefly (yield) for live processes to finish an
+ * operation on a slot being repaired. */
+int kvt_reap(kvt_seg *s);
+
+/* Checks the invariants (slots conserved, index <-> slot agreement, at most
+ * one live slot per key, pin counts equal to live lease references, masks
+ * in range).  Meaningful on a quiescent segment.  0, or -EUCLEAN with a
+ * description in msg. */
+int kvt_check(kvt_seg *s, char *msg, size_t len);
+
+/* ---- counters -------------------------------------------------------- */
+
+enum kvt_counter {
+	KVT_C_LOOKUPS, KVT_C_LOOKUP_CHUNKS, KVT_C_HIT_CHUNKS, KVT_C_HIT_TOKENS,
+	KVT_C_SAVED_CHUNKS, KVT_C_SAVE_SKIPS, KVT_C_SAVE_NOSPC,
+	KVT_C_LOADED_CHUNKS, KVT_C_BYTES_SAVED, KVT_C_BYTES_LOADED,
+	KVT_C_EVICTIONS, KVT_C_STALE_UNPINS, KVT_C_DOUBLE_UNPINS,
+	KVT_C_REAPED_RANKS, KVT_C_FILL_ABORTS, KVT_C_FILL_TIMEOUTS,
+	KVT_C_LEASES_FULL, KVT_C_INDEX_FULL, KVT_C_DISK_WRITES, KVT_C_DISK_READS,
+	KVT_C__COUNT
+};
+const char *kvt_counter_name(enum kvt_counter c);
+/* Adds to a counter of the handle's block (relaxed; other layers use it
+ * for bytes saved/loaded, disk traffic). */
+void kvt_counter_add(kvt_seg *s, enum kvt_counter c, uint64_t v);
+/* Sums every block. */
+void kvt_counters_read(const kvt_seg *s, uint64_t out[KVT_C__COUNT]);
+
+/* Occupancy snapshot (for stat tools; racy by nature). */
+struct kvt_occupancy {
+	uint64_t free, filling, ready, evicting, pinned, leases_live, ranks_live;
+};
+void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o);
+
+/* Per-process liveness helpers. */
+uint64_t kvt_proc_start_time(int pid); /* 0 when the process does not exist */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVT_CORE_H */

@@ -1,0 +1,295 @@
+/* index.c - the lock-free key -> slot index.
+ *
+ * Shape: n_buckets (a power of two) cache-line buckets, each a control word
+ * and 7 entries.  A key hashes to a primary bucket b1 and a secondary b2;
+ * a lookup reads at most those two lines (plus the slot's meta line to
+ * compare the full 128-bit key).
+ *
+ * Entry word: [tentative][gen low 15][tag 16][slot + 1].  0 is empty.
+ *
+ * Invariant I1: at most one live (FILLING or READY) slot per key is
+ *   reachable through a final entry.
+ * Invariant I2: a lookup never returns a slot whose key or generation
+ *   differs from what it matched (find re-reads the state word after the
+ *   key compare; pins CAS on the full state word, generation included).
+ *
+ * Inserts of a key are serialized through its primary bucket's control
+ * word, without a lock:
+ *
+ *   1. c = ctl(b1); if c is pending, help finish that insert first.
+ *   2. scan b1, b2: a final entry whose slot is live for the key -> use it.
+ *   3. claim an empty entry with CAS as TENTATIVE, stamped with the
+ *      version this insert will commit (c.version + 1, low 16 bits).
+ *   4. commit: CAS ctl c -> (version + 1, pending, position, slot).  If it
+ *      fails, another insert for a key of this primary committed since
+ *      step 1, so our scan may be stale: undo the tentative entry and
+ *      start over.  If it succeeds, no other insert for this key can have
+ *      committed between our scan and our commit (all go through this
+ *      word), which gives I1.
+ *   5. finalize: CAS the entry TENTATIVE -> final and clear the pending
+ *      bit.  Anyone who finds the pending bit does steps 5 itself (help),
+ *      so a process that dies after its commit blocks nobody; the helper
+ *      identifies the entry by (position, slot, version stamp), so a stale
+ *      helper cannot finalize another insert's entry.
+ *
+ * Lookups ignore tentative entries (their slots are FILLING anyway).
+ * Removal is a CAS of the entry back to 0 by the process that holds the
+ * slot in EVICTING (or a helper completing that eviction); it needs no
+ * serialization because removing can never create a duplicate.  A process
+ * that dies between steps 3 and 4 leaves a tentative entry that no ctl
+ * points to: the slot it names is FILLING with the dead process's writing
+ * bit, so the reaper dooms and reclaims the slot, and reclaiming removes
+ * every entry naming (slot, generation).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvt_format.h"
+
+#define CTL_PEND(ver, pos, slot) (((uint64_t)(ver) << 37) | (1ULL << 36) | \
+	((uint64_t)(pos) << 32) | ((uint64_t)(slot) + 1))
+#define CTL_VER(c)     ((c) >> 37)
+#define CTL_IS_PEND(c) (((c) >> 36) & 1u)
+#define CTL_POS(c)     ((uint32_t)((c) >> 32) & 0xfu)
+#define CTL_SLOT(c)    ((uint32_t)(c) - 1u)
+#define CTL_IDLE(ver)  ((uint64_t)(ver) << 37)
+#define VTAG(ver)      ((uint32_t)(ver) & 0xffffu)
+
+void kvt__key_hash(const kvt_seg *s, const kvt_key *k, uint32_t *b1,
+		   uint32_t *b2, uint32_t *tag)
+{
+	/* Keys may be small integers (a trace's block ids): mix both halves. */
+	uint64_t h = kvt__mix64(k->lo ^ kvt__mix64(k->hi ^ 0x9e3779b97f4a7c15ULL));
+	uint64_t h2 = kvt__mix64(h);
+
+	*b1 = (uint32_t)h & s->bucket_mask;
+	*b2 = (uint32_t)(h2 >> 17) & s->bucket_mask;
+	if (*b2 == *b1)
+		*b2 = *b1 ^ 1u;
+	*tag = (uint32_t)(h >> 48);
+}
+
+static kvt_a64 *entry_at(kvt_seg *s, uint32_t b1, uint32_t b2, uint32_t pos)
+{
+	return pos < KVT_BUCKET_WAYS ? &s->buckets[b1].e[pos]
+				     : &s->buckets[b2].e[pos - KVT_BUCKET_WAYS];
+}
+
+static int key_eq(const struct kvt_slot *sl, const kvt_key *k)
+{
+	/* Relaxed: the caller validates the generation around this read. */
+	return kvt_load(&sl->key_lo, KVT_RLX) == k->lo &&
+	       kvt_load(&sl->key_hi, KVT_RLX) == k->hi;
+}
+
+int kvt__slot_state_live(uint64_t w)
+{
+	return KVT_ST(w) == KVT_S_FILLING || KVT_ST(w) == KVT_S_READY;
+}
+
+int kvt__index_find(kvt_seg *s, const kvt_key *k, uint32_t tag,
+		    uint64_t *gen_out, uint32_t *slot_out, int want_filling)
+{
+	uint32_t b1, b2, t;
+
+	kvt__key_hash(s, k, &b1, &b2, &t);
+	(void)tag;
+	for (uint32_t pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++) {
+		/* A1: acquire pairs with the release CAS that published the
+		 * entry (insert step 3/5): the slot's key and depth, written
+		 * before, are visible. */
+		uint64_t e = kvt_load(entry_at(s, b1, b2, pos), KVT_ACQ);
+		uint32_t x;
+		uint64_t w, w2;
+
+		if (!e || (e & KVT_E_TENT) || KVT_E_TAG(e) != t)
+			continue;
+		x = KVT_E_SLOT(e);
+		if (x >= s->geo.n_slots)
+			continue; /* corrupt entry: never dereference it */
+		struct kvt_slot *sl = kvt__slot(s, x);
+		/* A2: acquire pairs with the release that made the slot READY
+		 * (kvt_write_end): the payload of every shard is visible. */
+		w = kvt_load(&sl->state, KVT_ACQ);
+		if ((KVT_GEN(w) & 0x7fffULL) != KVT_E_GEN(e))
+			continue;
+		if (!(KVT_ST(w) == KVT_S_READY ||
+		      (want_filling && KVT_ST(w) == KVT_S_FILLING)))
+			continue;
+		if (!key_eq(sl, k))
+			continue;
+		/* The key we compared belongs to generation KVT_GEN(w) only
+		 * if the generation did not move meanwhile. */
+		w2 = kvt_load(&sl->state, KVT_ACQ);
+		if (KVT_GEN(w2) != KVT_GEN(w))
+			continue;
+		*slot_out = x;
+		*gen_out = KVT_GEN(w);
+		return 1;
+	}
+	return 0;
+}
+
+/* Step 5, for whoever finds ctl pending. */
+static void index_help(kvt_seg *s, uint32_t b1, uint64_t c)
+{
+	uint32_t pos = CTL_POS(c), x = CTL_SLOT(c);
+
+	if (pos < 2 * KVT_BUCKET_WAYS && x < s->geo.n_slots) {
+		struct kvt_slot *sl = kvt__slot(s, x);
+		kvt_key k = { kvt_load(&sl->key_lo, KVT_RLX), kvt_load(&sl->key_hi, KVT_RLX) };
+		uint32_t kb1, kb2, tag;
+		kvt__key_hash(s, &k, &kb1, &kb2, &tag);
+		/* If the slot was reused meanwhile, the key (hence kb2) is
+		 * another's and the exact-match test below fails: harmless. */
+		kvt_a64 *ep = entry_at(s, b1, kb2, pos);
+		uint64_t e = kvt_load(ep, KVT_ACQ);
+		if ((e & KVT_E_TENT) && KVT_E_SLOT(e) == x &&
+		    KVT_E_TAG(e) == VTAG(CTL_VER(c)) && kb1 == b1) {
+			uint64_t fin = (e & ~(KVT_E_TENT | (0xffffULL << 32))) |
+				       ((uint64_t)tag << 32);
+			/* R1: release publishes the entry to finders (A1). */
+			kvt_cas(ep, &e, fin, KVT_AR);
+		}
+	}
+	/* Clear pending; failure means someone else already did. */
+	kvt_cas(&s->buckets[b1].ctl, &c, CTL_IDLE(CTL_VER(c)), KVT_AR);
+}
+
+int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
+		      uint32_t *existing, uint64_t *existing_gen)
+{
+	uint32_t b1, b2, tag;
+
+	kvt__key_hash(s, k, &b1, &b2, &tag);
+	for (int tries = 0; tries < 100000; tries++) {
+		kvt_a64 *ctl = &s->buckets[b1].ctl;
+		/* A3: acquire pairs with the commit/clear CAS of other inserts
+		 * (R2/R1), so the scan below sees the entries they committed. */
+		uint64_t c = kvt_load(ctl, KVT_ACQ), e0 = 0, tent;
+		uint32_t pos;
+
+		if (CTL_IS_PEND(c)) {
+			index_help(s, b1, c);
+			continue;
+		}
+		if (kvt__index_find(s, k, tag, existing_gen, existing, 1))
+			return 1;
+		for (pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++)
+			if (kvt_load(entry_at(s, b1, b2, pos), KVT_RLX) == 0)
+				break;
+		if (pos == 2 * KVT_BUCKET_WAYS)
+			return -ENOSPC;
+		tent = KVT_E(slot, gen, VTAG(CTL_VER(c) + 1), 1);
+		/* Release: the slot's key, written before, is visible to a
+		 * helper that reads this entry. */
+		if (!kvt_cas(entry_at(s, b1, b2, pos), &e0, tent, KVT_AR))
+			continue;
+		/* R2: the commit point (see the essay above). */
+		if (!kvt_cas(ctl, &c, CTL_PEND(CTL_VER(c) + 1, pos, slot), KVT_AR)) {
+			uint64_t t = tent;
+			kvt_cas(entry_at(s, b1, b2, pos), &t, 0, KVT_AR);
+			continue;
+		}
+		index_help(s, b1, CTL_PEND(CTL_VER(c) + 1, pos, slot));
+		return 0;
+	}
+	return -EAGAIN;
+}
+
+void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen)
+{
+	struct kvt_slot *sl = kvt__slot(s, slot);
+	kvt_key k = { kvt_load(&sl->key_lo, KVT_RLX), kvt_load(&sl->key_hi, KVT_RLX) };
+	uint32_t b1, b2, tag;
+	int found;
+
+	kvt__key_hash(s, &k, &b1, &b2, &tag);
+	do {
+		found = 0;
+		for (uint32_t pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++) {
+			kvt_a64 *ep = entry_at(s, b1, b2, pos);
+			uint64_t e = kvt_load(ep, KVT_ACQ);
+			if (e && KVT_E_SLOT(e) == slot && KVT_E_GEN(e) == (gen & 0x7fffULL)) {
+				found = 1;
+				kvt_cas(ep, &e, 0, KVT_AR);
+			}
+		}
+	} while (found);
+}
+
+static int key_cmp(const void *a, const void *b)
+{
+	const uint64_t *x = a, *y = b;
+
+	if (x[1] != y[1])
+		return x[1] < y[1] ? -1 : 1;
+	if (x[0] != y[0])
+		return x[0] < y[0] ? -1 : 1;
+	return 0;
+}
+
+#define CHECK_FAIL(...) do { snprintf(msg, len, __VA_ARGS__); rc = -EUCLEAN; goto out; } while (0)
+
+int kvt__index_check(kvt_seg *s, char *msg, size_t len)
+{
+	uint32_t n = s->geo.n_slots, *refs = calloc(n, sizeof(uint32_t));
+	uint64_t (*keys)[2] = calloc(n, sizeof(*keys));
+	uint32_t nk = 0;
+	int rc = 0;
+
+	if (!refs || !keys) {
+		free(refs);
+		free(keys);
+		return -ENOMEM;
+	}
+	for (uint32_t b = 0; b < s->d.n_buckets; b++) {
+		uint64_t c = kvt_load(&s->buckets[b].ctl, KVT_ACQ);
+		if (CTL_IS_PEND(c))
+			CHECK_FAIL("index: bucket %u has an unfinished insert", b);
+		for (uint32_t w = 0; w < KVT_BUCKET_WAYS; w++) {
+			uint64_t e = kvt_load(&s->buckets[b].e[w], KVT_ACQ);
+			if (!e)
+				continue;
+			if (e & KVT_E_TENT)
+				CHECK_FAIL("index: bucket %u way %u is tentative", b, w);
+			uint32_t x = KVT_E_SLOT(e);
+			if (x >= n)
+				CHECK_FAIL("index: bucket %u way %u names slot %u of %u", b, w, x, n);
+			struct kvt_slot *sl = kvt__slot(s, x);
+			uint64_t st = kvt_load(&sl->state, KVT_ACQ);
+			if (!kvt__slot_state_live(st) || (KVT_GEN(st) & 0x7fff) != KVT_E_GEN(e))
+				CHECK_FAIL("index: bucket %u way %u names slot %u which is not "
+					   "live (state %u)", b, w, x, KVT_ST(st));
+			kvt_key k = { kvt_load(&sl->key_lo, KVT_RLX), kvt_load(&sl->key_hi, KVT_RLX) };
+			uint32_t b1, b2, tag;
+			kvt__key_hash(s, &k, &b1, &b2, &tag);
+			if ((b != b1 && b != b2) || tag != KVT_E_TAG(e))
+				CHECK_FAIL("index: slot %u is filed under bucket %u, its key "
+					   "belongs in %u or %u", x, b, b1, b2);
+			refs[x]++;
+		}
+	}
+	for (uint32_t x = 0; x < n; x++) {
+		struct kvt_slot *sl = kvt__slot(s, x);
+		uint64_t st = kvt_load(&sl->state, KVT_ACQ);
+		if (kvt__slot_state_live(st)) {
+			if (refs[x] != 1)
+				CHECK_FAIL("index: live slot %u has %u index entries", x, refs[x]);
+			keys[nk][0] = kvt_load(&sl->key_lo, KVT_RLX);
+			keys[nk][1] = kvt_load(&sl->key_hi, KVT_RLX);
+			nk++;
+		}
+	}
+	qsort(keys, nk, sizeof(*keys), key_cmp);
+	for (uint32_t i = 1; i < nk; i++)
+		if (!key_cmp(keys[i - 1], keys[i]))
+			CHECK_FAIL("index: two live slots hold key %016llx%016llx",
+				   (unsigned long long)keys[i][1], (unsigned long long)keys[i][0]);
+out:
+	free(refs);
+	free(keys);
+	return rc;
+}

@@ -1,0 +1,357 @@
+/* kvt_format.h - the on-segment format (layout version 1) and the private
+ * per-process handle.  Everything here is internal to core/.
+ *
+ * The segment, as mapped (offsets are from the start of the mapping; every
+ * region starts on a 4 KiB boundary, the arena on a 2 MiB one, and the
+ * whole size is a multiple of 2 MiB so that it can live on huge pages):
+ *
+ *   0      +------------------------------------------------------------+
+ *          | header, page 0                                             |
+ *          |   0    magic "KVTIER01"   (written last, release)          |
+ *          |   8    version, hdr_size, total_size, page_size            |
+ *          |   32   creator uid, pid, start time, creation time         |
+ *          |   64   geometry (struct kvt_geometry, 120 bytes)           |
+ *          |   192  derived sizes: shard, slot meta, lease, shard part, |
+ *          |        shards, entries, buckets, counter block             |
+ *          |   256  layout fingerprint (128 bit)                        |
+ *          |   272  regions[6] {off, size}                              |
+ *          |   368  header checksum over bytes 8..367                   |
+ *          |  2048  mutable words, one cache line each: clock hand,     |
+ *          |        lease hint, per-instance step epochs                |
+ *   4096   +------------------------------------------------------------+
+ *          | rank table: n_entries x 64 B                               |
+ *          |   instance i: world rank entries, then its scheduler;      |
+ *          |   then KVT_MAX_CLIENTS client entries                      |
+ *          +------------------------------------------------------------+
+ *          | counters: (n_entries + 1) blocks of KVT_C__COUNT u64,      |
+ *          |   each block padded to cache lines; the last block is for  |
+ *          |   processes without an entry (observers)                   |
+ *          +------------------------------------------------------------+
+ *          | lease table: n_leases x (64 B header + refs[max] u64)      |
+ *          +------------------------------------------------------------+
+ *          | index: n_buckets x 64 B (ctl word + 7 entries)             |
+ *          +------------------------------------------------------------+
+ *          | slot meta: n_slots x slot_meta_bytes                       |
+ *          |   64 B of words + writer[n_shards] u16, padded to 64 B     |
+ *          +------------------------------------------------------------+ 2 MiB
+ *          | arena: n_shards parts of shard_part bytes (2 MiB aligned); |
+ *          |   part s holds shard s of every slot: slot i at i x shard  |
+ *          +------------------------------------------------------------+
+ *
+ * Nothing in the segment is a pointer: offsets only.  All of it is
+ * derivable from the geometry, so attach recomputes the layout and compares
+ * field by field (kvt__layout_compute / kvt__hdr_validate).
+ */
+#ifndef KVT_FORMAT_H
+#define KVT_FORMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "kvt_atomic.h"
+#include "kvt_core.h"
+
+/* "KVTIER01" as a little-endian u64 */
+#define KVT_MAGIC          0x313052454954564bULL
+#define KVT_LAYOUT_VERSION 1u
+#define KVT_CACHELINE      64u
+#define KVT_PAGE           4096u
+#define KVT_ARENA_ALIGN    (2u << 20)
+#define KVT_HDR_MUTABLE    2048u
+
+#define KVT_DEFAULT_LEASES       1024u
+#define KVT_DEFAULT_LEASE_CHUNKS 512u
+#define KVT_DEFAULT_FILL_MS      30000u
+
+/* ---- geometry limits ---- */
+#define KVT_MAX_SLOTS        (1u << 30)
+#define KVT_MAX_LEASES       (1u << 20)
+#define KVT_MAX_LEASE_CHUNKS 65536u
+#define KVT_MAX_CHUNK_TOKENS (1u << 20)
+#define KVT_MAX_LAYERS       4096u
+#define KVT_MAX_BPT          (1u << 20)
+
+enum kvt_region_id {
+	KVT_R_RANKS, KVT_R_COUNTERS, KVT_R_LEASES, KVT_R_INDEX, KVT_R_SLOTS,
+	KVT_R_ARENA, KVT_R__COUNT
+};
+
+struct kvt_region {
+	uint64_t off;
+	uint64_t size;
+};
+
+/* Sizes derived from the geometry; stored in the header and re-derived at
+ * attach. */
+struct kvt_derived {
+	uint64_t shard_bytes;     /* one sub-slot, rounded */
+	uint64_t slot_meta_bytes;
+	uint64_t lease_bytes;
+	uint64_t shard_part;      /* arena bytes of one shard, 2 MiB rounded */
+	uint32_t n_shards;
+	uint32_t n_entries;
+	uint32_t n_buckets;       /* power of two */
+	uint32_t counter_block;   /* bytes */
+	uint64_t pad[2];
+};
+
+struct kvt_hdr {
+	kvt_a64  magic;                /*   0 */
+	uint32_t version;              /*   8 */
+	uint32_t hdr_size;             /*  12 */
+	uint64_t total_size;           /*  16 */
+	uint64_t page_size;            /*  24 */
+	uint32_t creator_uid;          /*  32 */
+	uint32_t creator_pid;          /*  36 */
+	uint64_t creator_start;        /*  40 */
+	uint64_t created_ns;           /*  48 */
+	uint64_t reserved0;            /*  56 */
+	struct kvt_geometry geo;       /*  64 */
+	uint8_t  pad0[192 - 64 - sizeof(struct kvt_geometry)];
+	struct kvt_derived d;          /* 192 */
+	kvt_key  fingerprint;          /* 256 */
+	struct kvt_region regions[KVT_R__COUNT]; /* 272 */
+	uint64_t checksum;             /* 368 */
+	uint8_t  pad1[KVT_HDR_MUTABLE - 376];
+	/* Mutable words, each on its own line: written by every process. */
+	kvt_a64  clock_hand;           /* 2048 */
+	uint8_t  pad2[KVT_CACHELINE - 8];
+	kvt_a64  lease_hint;           /* 2112 */
+	uint8_t  pad3[KVT_CACHELINE - 8];
+	struct {
+		kvt_a64 epoch;
+		uint8_t pad[KVT_CACHELINE - 8];
+	} step[KVT_MAX_INSTANCES];     /* 2176 */
+	uint8_t  pad4[KVT_PAGE - 2176 - KVT_MAX_INSTANCES * KVT_CACHELINE];
+};
+
+_Static_assert(sizeof(struct kvt_geometry) == 120, "geometry is frozen");
+_Static_assert(sizeof(struct kvt_derived) == 64, "derived is frozen");
+_Static_assert(offsetof(struct kvt_hdr, version) == 8, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, geo) == 64, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, d) == 192, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, fingerprint) == 256, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, regions) == 272, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, checksum) == 368, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, clock_hand) == KVT_HDR_MUTABLE, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, lease_hint) % KVT_CACHELINE == 0, "own line");
+_Static_assert(offsetof(struct kvt_hdr, step) % KVT_CACHELINE == 0, "own line");
+_Static_assert(sizeof(struct kvt_hdr) == KVT_PAGE, "header is one page");
+
+/* ---- rank table ----
+ * owner word: [63..40 unused][39..32 state][31..0 pid]. */
+enum kvt_ent_state {
+	KVT_ENT_EMPTY = 0, KVT_ENT_CLAIMING = 1, KVT_ENT_ATTACHED = 2,
+	KVT_ENT_REAPING = 3,
+};
+#define KVT_OWNER(st, pid) (((uint64_t)(st) << 32) | (uint32_t)(pid))
+#define KVT_OWNER_ST(w)    ((uint32_t)((w) >> 32) & 0xffu)
+#define KVT_OWNER_PID(w)   ((int)(uint32_t)(w))
+
+/* journal word: the one pin/unpin/alloc/freeze in progress for this entry.
+ * [63..61 op][60 blocked][59..32 gen low 28 bits][31..0 slot + 1]. */
+enum kvt_jop { KVT_J_NONE = 0, KVT_J_PIN = 1, KVT_J_UNPIN = 2, KVT_J_ALLOC = 3,
+	       KVT_J_FREEZE = 4 };
+#define KVT_J(op, slot, gen) (((uint64_t)(op) << 61) | \
+	(((uint64_t)(gen) & 0xfffffffULL) << 32) | ((uint64_t)(slot) + 1))
+#define KVT_J_OP(w)      ((uint32_t)((w) >> 61))
+#define KVT_J_BLOCKED    (1ULL << 60)
+#define KVT_J_GEN(w)     (((w) >> 32) & 0xfffffffULL)
+#define KVT_J_SLOT(w)    ((uint32_t)(w) - 1u)  /* valid when op != NONE */
+
+struct kvt_ent {
+	kvt_a64 owner;      /* state + pid; CAS only */
+	kvt_a64 start;      /* process start time (clock ticks since boot) */
+	kvt_a64 attach_gen; /* bumped at every attach */
+	kvt_a64 heartbeat;  /* CLOCK_MONOTONIC ns, refreshed by kvt_reap callers */
+	kvt_a64 journal;
+	kvt_a32 role;
+	kvt_a32 instance;
+	kvt_a32 rank;
+	kvt_a32 pad32;
+	uint8_t pad[KVT_CACHELINE - 56];
+};
+_Static_assert(sizeof(struct kvt_ent) == KVT_CACHELINE, "entry is one line");
+
+/* ---- slot meta ----
+ * state word: [63..24 gen (40)][23..4 pins (20)][3 frozen][2..0 state]. */
+enum kvt_slot_state {
+	KVT_S_FREE = 0, KVT_S_FILLING = 1, KVT_S_READY = 2, KVT_S_EVICTING = 3,
+	KVT_S_DOOMED = 4, /* FILLING that will never be READY; reclaimed when
+			   * its writing mask drains */
+};
+#define KVT_ST(w)        ((uint32_t)(w) & 7u)
+#define KVT_ST_FROZEN    (1ULL << 3)
+#define KVT_PIN_ONE      (1ULL << 4)
+#define KVT_PINS(w)      ((uint32_t)(((w) >> 4) & 0xfffffu))
+#define KVT_PINS_MAX     0xfffffu
+#define KVT_GEN(w)       ((w) >> 24)
+#define KVT_GEN_MASK     0xffffffffffULL
+#define KVT_SW(st, gen, pins) (((uint64_t)(gen) << 24) | \
+	((uint64_t)(pins) << 4) | (uint64_t)(st))
+
+struct kvt_slot {
+	kvt_a64 state;
+	kvt_a64 writing;  /* shards being written */
+	kvt_a64 ready;    /* shards written */
+	kvt_a64 key_lo;
+	kvt_a64 key_hi;
+	kvt_a64 fill_ns;  /* CLOCK_MONOTONIC when allocated */
+	kvt_a32 depth;    /* chunk index in its prompt */
+	kvt_a32 ref;      /* CLOCK reference count 0..2 */
+	kvt_a32 owner;    /* entry + 1 of the allocator */
+	kvt_a32 tag;      /* index tag of key */
+	kvt_a16 writer[]; /* n_shards: entry + 1 of each shard's writer */
+};
+_Static_assert(sizeof(struct kvt_slot) == 64, "slot meta head is one line");
+
+/* ---- leases ----
+ * state word: [63..4 gen][3..0 state].  Lease id: [63..32 gen low][31..0 idx+1]. */
+enum kvt_lease_state {
+	KVT_L_FREE = 0, KVT_L_BUILDING = 1, KVT_L_ACTIVE = 2, KVT_L_RELEASING = 3,
+};
+#define KVT_LW(st, gen)  (((uint64_t)(gen) << 4) | (uint64_t)(st))
+#define KVT_LST(w)       ((uint32_t)(w) & 0xfu)
+#define KVT_LGEN(w)      ((w) >> 4)
+#define KVT_LEASE_ID(idx, gen) ((((gen) & 0xffffffffULL) << 32) | ((uint64_t)(idx) + 1))
+/* ref word: [63..32 slot gen low 32][31..0 slot + 1]; 0 = none. */
+#define KVT_REF(slot, gen) ((((uint64_t)(gen) & 0xffffffffULL) << 32) | ((uint64_t)(slot) + 1))
+#define KVT_REF_SLOT(r)    ((uint32_t)(r) - 1u)
+#define KVT_REF_GEN(r)     ((r) >> 32)
+
+struct kvt_lease {
+	kvt_a64 state;
+	kvt_a32 owner;     /* entry + 1 of the builder */
+	kvt_a32 releaser;  /* entry + 1 of whoever is releasing */
+	kvt_a32 instance;
+	kvt_a32 n_refs;
+	kvt_a64 loaded;    /* ranks that finished loading */
+	kvt_a32 misses;    /* consecutive steps absent from the load set */
+	kvt_a32 pad32;
+	kvt_a64 last_step;
+	uint8_t pad[KVT_CACHELINE - 48];
+	kvt_a64 refs[];
+};
+_Static_assert(sizeof(struct kvt_lease) == KVT_CACHELINE, "lease head is one line");
+
+/* ---- index ----
+ * A bucket is one cache line: a control word and 7 entries.  A key has a
+ * primary and a secondary bucket; inserts of a key are serialized through
+ * its primary bucket's control word (see index.c).
+ * entry: [63 tentative][62..48 gen low 15][47..32 tag or commit tag][31..0 slot + 1]
+ * ctl:   [63..5 version][4 pending][3..0 position 0..13 of the pending entry] */
+#define KVT_BUCKET_WAYS 7u
+struct kvt_bucket {
+	kvt_a64 ctl;
+	kvt_a64 e[KVT_BUCKET_WAYS];
+};
+_Static_assert(sizeof(struct kvt_bucket) == KVT_CACHELINE, "bucket is one line");
+
+#define KVT_E_TENT       (1ULL << 63)
+#define KVT_E(slot, gen, tag, tent) ((tent ? KVT_E_TENT : 0) | \
+	(((uint64_t)(gen) & 0x7fffULL) << 48) | (((uint64_t)(tag) & 0xffffULL) << 32) | \
+	((uint64_t)(slot) + 1))
+#define KVT_E_SLOT(e)    ((uint32_t)(e) - 1u)
+#define KVT_E_GEN(e)     (((e) >> 48) & 0x7fffULL)
+#define KVT_E_TAG(e)     ((uint32_t)((e) >> 32) & 0xffffu)
+#define KVT_CTL_PENDING  (1ULL << 4)
+#define KVT_CTL_POS(c)   ((uint32_t)(c) & 0xfu)
+#define KVT_CTL_VER(c)   ((c) >> 5)
+#define KVT_CTL(ver, pending, pos) (((uint64_t)(ver) << 5) | \
+	((pending) ? KVT_CTL_PENDING : 0) | (uint64_t)(pos))
+
+/* ---- the per-process handle ---- */
+struct kvt_seg {
+	uint8_t *base;
+	uint64_t size;
+	struct kvt_hdr *hdr;
+	struct kvt_geometry geo;  /* validated copy */
+	struct kvt_derived d;     /* validated copy */
+	struct kvt_region r[KVT_R__COUNT];
+	struct kvt_ent *ents;
+	uint8_t *counters;
+	uint8_t *leases;
+	struct kvt_bucket *buckets;
+	uint8_t *slots;
+	uint8_t *arena;
+	uint32_t role;
+	uint32_t instance;
+	uint32_t rank;
+	uint32_t entry;           /* UINT32_MAX: none */
+	uint64_t *my_counters;    /* this handle's counter block */
+	uint64_t chunk_bytes;     /* unrounded shard payload */
+	int pid;
+	uint64_t start;
+	uint32_t bucket_mask;
+	uint32_t lease_scan;      /* private lease allocation cursor */
+	char name[KVT_NAME_MAX + 1];
+};
+
+static inline struct kvt_slot *kvt__slot(const kvt_seg *s, uint32_t i)
+{
+	return (struct kvt_slot *)(s->slots + (uint64_t)i * s->d.slot_meta_bytes);
+}
+
+static inline struct kvt_lease *kvt__lease(const kvt_seg *s, uint32_t i)
+{
+	return (struct kvt_lease *)(s->leases + (uint64_t)i * s->d.lease_bytes);
+}
+
+static inline _Atomic uint64_t *kvt__ctr(const kvt_seg *s, uint32_t block)
+{
+	return (_Atomic uint64_t *)(s->counters + (uint64_t)block * s->d.counter_block);
+}
+
+static inline void kvt__count(kvt_seg *s, enum kvt_counter c, uint64_t v)
+{
+	/* Relaxed: counters are statistics; each block has one writer process
+	 * (or the shared observer block), readers sum them racily. */
+	kvt_fadd((_Atomic uint64_t *)&s->my_counters[c], v, KVT_RLX);
+}
+
+static inline uint64_t kvt__full_mask(uint32_t n)
+{
+	return n >= 64 ? ~0ULL : ((1ULL << n) - 1);
+}
+
+/* ---- internal functions shared between core files ---- */
+int kvt__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+uint64_t kvt__now_ns(void);
+uint64_t kvt__hash64(const void *p, size_t n, uint64_t seed);
+uint64_t kvt__mix64(uint64_t x);
+int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
+			struct kvt_region r[KVT_R__COUNT], uint64_t *total);
+void kvt__fingerprint(const struct kvt_geometry *g, kvt_key *out);
+uint64_t kvt__hdr_checksum(const struct kvt_hdr *h);
+int kvt__geometry_check(const struct kvt_geometry *g);
+
+/* ranks.c */
+int kvt__entry_claim(kvt_seg *s, uint32_t e);
+void kvt__entry_release(kvt_seg *s);
+int kvt__entry_alive(const kvt_seg *s, uint32_t e);
+uint32_t kvt__entry_index(const kvt_seg *s, uint32_t role, uint32_t instance,
+			  uint32_t rank);
+int kvt__reap_entry(kvt_seg *s, uint32_t e);
+
+/* index.c */
+int kvt__index_find(kvt_seg *s, const kvt_key *k, uint32_t tag,
+		    uint64_t *slot_gen_out, uint32_t *slot_out, int want_filling);
+int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
+		      uint32_t *existing, uint64_t *existing_gen);
+void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen);
+void kvt__key_hash(const kvt_seg *s, const kvt_key *k, uint32_t *b1,
+		   uint32_t *b2, uint32_t *tag);
+int kvt__index_check(kvt_seg *s, char *msg, size_t len);
+
+/* slots.c */
+void kvt__slot_reclaim(kvt_seg *s, uint32_t slot);
+int kvt__slot_unpin(kvt_seg *s, uint32_t slot, uint64_t gen32);
+void kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
+int kvt__slot_state_live(uint64_t w);
+
+/* leases.c */
+void kvt__lease_finish_release(kvt_seg *s, uint32_t idx);
+void kvt__pins_repair(kvt_seg *s, uint32_t slot, uint64_t gen28);
+
+#endif /* KVT_FORMAT_H */

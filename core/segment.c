@@ -1,0 +1,772 @@
+/* segment.c - create, attach, validate, detach and unlink the segment.
+ *
+ * Publication: the creator sizes the object, writes the header with the
+ * magic zero, and stores the magic last with release (R0).  An attacher
+ * reads the magic first with acquire (A0, pairs with R0), so every header
+ * field it then reads is the creator's.  The other regions are all-zero at
+ * creation, and zero is the initial state of every word in them (FREE
+ * slots, FREE leases, EMPTY entries and index entries, zero counters), so
+ * creation never touches them and the arena can be NUMA-bound before its
+ * first touch.
+ *
+ * Validation: the segment is untrusted input.  Attach recomputes the whole
+ * layout from the stored geometry (after range-checking it) and compares
+ * every stored field with the recomputed one; the first difference is an
+ * error that names the field.  The checksum over the immutable header then
+ * catches what no range check can (a flipped creator pid, say).  After
+ * attach, indices read from the segment (slot numbers in index entries and
+ * lease refs, entry numbers in writer fields) are still bounds-checked at
+ * each use, because other processes keep writing it.
+ *
+ * A process that dies while creating leaves a segment without magic:
+ * attach reports it (-EPROTO "magic") and KVT_SEG_F_REPLACE removes it.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvt_format.h"
+
+static _Thread_local char kvt_errbuf[256];
+
+int kvt__err(int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(kvt_errbuf, sizeof(kvt_errbuf), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+const char *kvt_core_last_error(void)
+{
+	return kvt_errbuf[0] ? kvt_errbuf : "no error";
+}
+
+uint64_t kvt__now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t kvt__mix64(uint64_t x)
+{
+	/* splitmix64 finalizer: a bijection with full avalanche. */
+	x ^= x >> 30;
+	x *= 0xbf58476d1ce4e5b9ULL;
+	x ^= x >> 27;
+	x *= 0x94d049bb133111ebULL;
+	x ^= x >> 31;
+	return x;
+}
+
+uint64_t kvt__hash64(const void *p, size_t n, uint64_t seed)
+{
+	const uint8_t *b = p;
+	uint64_t h = 0xcbf29ce484222325ULL ^ kvt__mix64(seed + n);
+
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ b[i]) * 0x100000001b3ULL;
+	return kvt__mix64(h);
+}
+
+static uint64_t round_up(uint64_t x, uint64_t a)
+{
+	return (x + a - 1) / a * a;
+}
+
+int kvt_seg_name_valid(const char *name)
+{
+	size_t n;
+
+	if (!name)
+		return kvt__err(-EINVAL, "segment name is NULL");
+	n = strlen(name);
+	if (n == 0 || n > KVT_NAME_MAX)
+		return kvt__err(-EINVAL, "segment name must be 1..%d characters",
+				KVT_NAME_MAX);
+	if (!strcmp(name, ".") || !strcmp(name, ".."))
+		return kvt__err(-EINVAL, "segment name '%s' is not a name", name);
+	for (size_t i = 0; i < n; i++) {
+		char c = name[i];
+		if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+		      (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-'))
+			return kvt__err(-EINVAL,
+				"segment name '%s': character %zu ('%c') is not one of "
+				"[A-Za-z0-9._-] (a name is not a path)", name, i + 1,
+				c >= 32 && c < 127 ? c : '?');
+	}
+	return 0;
+}
+
+int kvt__geometry_check(const struct kvt_geometry *g)
+{
+#define GCHK(cond, field, ...) \
+	do { if (!(cond)) return kvt__err(-EINVAL, "geometry." field ": " __VA_ARGS__); } while (0)
+	GCHK(g->chunk_tokens >= 1 && g->chunk_tokens <= KVT_MAX_CHUNK_TOKENS,
+	     "chunk_tokens", "%u not in 1..%u", g->chunk_tokens, KVT_MAX_CHUNK_TOKENS);
+	GCHK(g->world >= 1 && g->world <= KVT_MAX_WORLD, "world",
+	     "%u not in 1..%u", g->world, KVT_MAX_WORLD);
+	GCHK(g->n_instances >= 1 && g->n_instances <= KVT_MAX_INSTANCES,
+	     "n_instances", "%u not in 1..%u", g->n_instances, KVT_MAX_INSTANCES);
+	GCHK(g->mode == KVT_MODE_SHARDED || g->mode == KVT_MODE_REPLICATED,
+	     "mode", "%u is neither sharded (0) nor replicated (1)", g->mode);
+	GCHK(g->n_groups >= 1 && g->n_groups <= KVT_MAX_GROUPS, "n_groups",
+	     "%u not in 1..%u", g->n_groups, KVT_MAX_GROUPS);
+	for (uint32_t i = 0; i < KVT_MAX_GROUPS; i++) {
+		const struct kvt_layer_group *lg = &g->groups[i];
+		if (i >= g->n_groups) {
+			GCHK(lg->layers == 0 && lg->bytes_per_token == 0, "groups",
+			     "unused group %u is not zero", i);
+			continue;
+		}
+		GCHK(lg->layers >= 1 && lg->layers <= KVT_MAX_LAYERS, "groups.layers",
+		     "group %u: %u layers not in 1..%u", i, lg->layers, KVT_MAX_LAYERS);
+		GCHK(lg->bytes_per_token >= 1 && lg->bytes_per_token <= KVT_MAX_BPT,
+		     "groups.bytes_per_token", "group %u: %u not in 1..%u", i,
+		     lg->bytes_per_token, KVT_MAX_BPT);
+	}
+	GCHK(g->n_slots >= 1 && g->n_slots <= KVT_MAX_SLOTS, "n_slots",
+	     "%u not in 1..%u", g->n_slots, KVT_MAX_SLOTS);
+	GCHK(g->n_leases <= KVT_MAX_LEASES, "n_leases", "%u above %u",
+	     g->n_leases, KVT_MAX_LEASES);
+	GCHK(g->lease_max_chunks <= KVT_MAX_LEASE_CHUNKS, "lease_max_chunks",
+	     "%u above %u", g->lease_max_chunks, KVT_MAX_LEASE_CHUNKS);
+#undef GCHK
+	return 0;
+}
+
+static uint64_t chunk_payload(const struct kvt_geometry *g)
+{
+	uint64_t per_token = 0;
+
+	for (uint32_t i = 0; i < g->n_groups && i < KVT_MAX_GROUPS; i++)
+		per_token += (uint64_t)g->groups[i].layers * g->groups[i].bytes_per_token;
+	return per_token * g->chunk_tokens; /* <= 2^20 * 8 * 2^12 * 2^20: no overflow */
+}
+
+uint64_t kvt_geometry_shard_bytes(const struct kvt_geometry *g)
+{
+	uint64_t b = chunk_payload(g);
+
+	return b < KVT_PAGE ? round_up(b, KVT_CACHELINE) : round_up(b, KVT_PAGE);
+}
+
+/* Fills in defaults; the geometry must have passed kvt__geometry_check. */
+static void geometry_defaults(struct kvt_geometry *g)
+{
+	if (!g->n_leases)
+		g->n_leases = KVT_DEFAULT_LEASES;
+	if (!g->lease_max_chunks)
+		g->lease_max_chunks = KVT_DEFAULT_LEASE_CHUNKS;
+	if (!g->fill_timeout_ms)
+		g->fill_timeout_ms = KVT_DEFAULT_FILL_MS;
+}
+
+int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
+			struct kvt_region r[KVT_R__COUNT], uint64_t *total)
+{
+	uint64_t off = KVT_PAGE, part, arena;
+	uint64_t want_buckets;
+
+	memset(d, 0, sizeof(*d));
+	d->n_shards = g->mode == KVT_MODE_SHARDED ? g->world : 1;
+	d->shard_bytes = kvt_geometry_shard_bytes(g);
+	d->slot_meta_bytes = round_up(sizeof(struct kvt_slot) +
+				      (uint64_t)d->n_shards * sizeof(kvt_a16), KVT_CACHELINE);
+	d->lease_bytes = sizeof(struct kvt_lease) + (uint64_t)g->lease_max_chunks * 8;
+	d->n_entries = g->n_instances * (g->world + 1) + KVT_MAX_CLIENTS;
+	d->counter_block = round_up(KVT_C__COUNT * 8, KVT_CACHELINE);
+	/* Load factor <= 1/2 over 7-way buckets. */
+	want_buckets = ((uint64_t)g->n_slots * 2 + KVT_BUCKET_WAYS - 1) / KVT_BUCKET_WAYS;
+	d->n_buckets = 2;
+	while (d->n_buckets < want_buckets)
+		d->n_buckets <<= 1;
+
+	if (__builtin_mul_overflow((uint64_t)g->n_slots, d->shard_bytes, &part))
+		return kvt__err(-EOVERFLOW, "geometry: arena size overflows");
+	d->shard_part = round_up(part, KVT_ARENA_ALIGN);
+	if (__builtin_mul_overflow(d->shard_part, (uint64_t)d->n_shards, &arena))
+		return kvt__err(-EOVERFLOW, "geometry: arena size overflows");
+
+	const uint64_t sizes[KVT_R__COUNT] = {
+		[KVT_R_RANKS] = (uint64_t)d->n_entries * sizeof(struct kvt_ent),
+		[KVT_R_COUNTERS] = (uint64_t)(d->n_entries + 1) * d->counter_block,
+		[KVT_R_LEASES] = (uint64_t)g->n_leases * d->lease_bytes,
+		[KVT_R_INDEX] = (uint64_t)d->n_buckets * sizeof(struct kvt_bucket),
+		[KVT_R_SLOTS] = (uint64_t)g->n_slots * d->slot_meta_bytes,
+		[KVT_R_ARENA] = arena,
+	};
+	for (int i = 0; i < KVT_R__COUNT; i++) {
+		if (i == KVT_R_ARENA)
+			off = round_up(off, KVT_ARENA_ALIGN);
+		r[i].off = off;
+		r[i].size = sizes[i];
+		if (__builtin_add_overflow(off, round_up(sizes[i], KVT_PAGE), &off))
+			return kvt__err(-EOVERFLOW, "geometry: segment size overflows");
+	}
+	*total = round_up(off, KVT_ARENA_ALIGN);
+	return 0;
+}
+
+void kvt__fingerprint(const struct kvt_geometry *g, kvt_key *out)
+{
+	/* The layout: what makes the bytes of a chunk mean the same thing.
+	 * Capacity (slots, leases) and instance count are not part of it. */
+	struct {
+		uint32_t chunk_tokens, world, mode, n_groups;
+		struct kvt_layer_group groups[KVT_MAX_GROUPS];
+		kvt_key model_id;
+	} f;
+
+	memset(&f, 0, sizeof(f));
+	f.chunk_tokens = g->chunk_tokens;
+	f.world = g->world;
+	f.mode = g->mode;
+	f.n_groups = g->n_groups;
+	memcpy(f.groups, g->groups, sizeof(f.groups));
+	f.model_id = g->model_id;
+	out->lo = kvt__hash64(&f, sizeof(f), 0x6b7674696572ULL);
+	out->hi = kvt__hash64(&f, sizeof(f), out->lo ^ 0x66696e6765727072ULL);
+}
+
+uint64_t kvt__hdr_checksum(const struct kvt_hdr *h)
+{
+	return kvt__hash64((const uint8_t *)h + 8, offsetof(struct kvt_hdr, checksum) - 8,
+			   0x636b73756dULL);
+}
+
+uint64_t kvt_proc_start_time(int pid)
+{
+	char path[64], buf[1024];
+	ssize_t n;
+	int fd;
+	char *p;
+	unsigned long long start = 0;
+
+	if (pid <= 0)
+		return 0;
+	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	/* comm may contain spaces and parens: fields restart after the last ')'. */
+	p = strrchr(buf, ')');
+	if (!p)
+		return 0;
+	/* after ") " come fields 3.. ; starttime is field 22 */
+	p++;
+	for (int field = 2; field < 22 && p; field++)
+		p = strchr(p + 1, ' ');
+	if (!p || sscanf(p, " %llu", &start) != 1)
+		return 0;
+	/* A zombie still has a stat file; treat it as dead. */
+	{
+		char *st = strrchr(buf, ')');
+		if (st && st[1] == ' ' && (st[2] == 'Z' || st[2] == 'X'))
+			return 0;
+	}
+	return start ? start : 1;
+}
+
+static int seg_path(char *out, size_t len, const char *name, const char *dir,
+		    int *is_shm)
+{
+	int r = kvt_seg_name_valid(name);
+
+	if (r)
+		return r;
+	*is_shm = dir == NULL;
+	if (dir)
+		r = snprintf(out, len, "%s/kvtier.%s", dir, name);
+	else
+		r = snprintf(out, len, "/kvtier.%s", name);
+	if (r < 0 || (size_t)r >= len)
+		return kvt__err(-ENAMETOOLONG, "segment path too long");
+	return 0;
+}
+
+static int seg_open(const char *path, int is_shm, int flags, mode_t mode)
+{
+	int fd = is_shm ? shm_open(path, flags | O_CLOEXEC, mode)
+			: open(path, flags | O_CLOEXEC, mode);
+	return fd < 0 ? -errno : fd;
+}
+
+int kvt_seg_unlink(const char *name, const char *dir)
+{
+	char path[PATH_MAX];
+	int is_shm, r = seg_path(path, sizeof(path), name, dir, &is_shm);
+
+	if (r)
+		return r;
+	r = is_shm ? shm_unlink(path) : unlink(path);
+	if (r < 0)
+		return kvt__err(-errno, "unlink segment '%s': %s", name, strerror(errno));
+	return 0;
+}
+
+static void handle_init_regions(kvt_seg *s)
+{
+	s->ents = (struct kvt_ent *)(s->base + s->r[KVT_R_RANKS].off);
+	s->counters = s->base + s->r[KVT_R_COUNTERS].off;
+	s->leases = s->base + s->r[KVT_R_LEASES].off;
+	s->buckets = (struct kvt_bucket *)(s->base + s->r[KVT_R_INDEX].off);
+	s->slots = s->base + s->r[KVT_R_SLOTS].off;
+	s->arena = s->base + s->r[KVT_R_ARENA].off;
+	s->bucket_mask = s->d.n_buckets - 1;
+	s->chunk_bytes = chunk_payload(&s->geo);
+	s->my_counters = (uint64_t *)kvt__ctr(s, s->d.n_entries);
+	s->entry = UINT32_MAX;
+	s->pid = getpid();
+	s->start = kvt_proc_start_time(s->pid);
+}
+
+/* Validates the header against the mapping; names the first bad field. */
+static int hdr_validate(const struct kvt_hdr *h, uint64_t map_size, uid_t file_uid,
+			struct kvt_derived *d, struct kvt_region r[KVT_R__COUNT])
+{
+	uint64_t total;
+	kvt_key fp;
+	int rc;
+
+#define HCHK(cond, code, ...) do { if (!(cond)) return kvt__err(code, __VA_ARGS__); } while (0)
+	HCHK(h->version == KVT_LAYOUT_VERSION, -EPROTO,
+	     "header.version: %u, this library reads layout version %u",
+	     h->version, KVT_LAYOUT_VERSION);
+	HCHK(h->hdr_size == sizeof(struct kvt_hdr), -EPROTO,
+	     "header.hdr_size: %u, expected %zu", h->hdr_size, sizeof(struct kvt_hdr));
+	HCHK(h->total_size == map_size, -EPROTO,
+	     "header.total_size: %llu but the object is %llu bytes",
+	     (unsigned long long)h->total_size, (unsigned long long)map_size);
+	HCHK(h->page_size >= KVT_PAGE && (h->page_size & (h->page_size - 1)) == 0 &&
+	     h->page_size <= (1ULL << 30), -EPROTO,
+	     "header.page_size: %llu is not a power of two in 4 KiB..1 GiB",
+	     (unsigned long long)h->page_size);
+	HCHK(h->creator_uid == (uint32_t)file_uid, -EPROTO,
+	     "header.creator_uid: %u but the object is owned by uid %u",
+	     h->creator_uid, (unsigned)file_uid);
+	HCHK(h->creator_pid >= 1 && h->creator_pid <= (1u << 22), -EPROTO,
+	     "header.creator_pid: %u out of range", h->creator_pid);
+	HCHK(h->creator_start != 0, -EPROTO, "header.creator_start: zero");
+	HCHK(h->created_ns != 0, -EPROTO, "header.created_ns: zero");
+	rc = kvt__geometry_check(&h->geo);
+	if (rc) {
+		char tmp[200];
+		snprintf(tmp, sizeof(tmp), "%s", kvt_core_last_error());
+		return kvt__err(-EPROTO, "header.%s", tmp);
+	}
+	HCHK(h->geo.n_leases >= 1, -EPROTO, "header.geometry.n_leases: zero");
+	HCHK(h->geo.lease_max_chunks >= 1, -EPROTO, "header.geometry.lease_max_chunks: zero");
+	HCHK(h->geo.fill_timeout_ms >= 1, -EPROTO, "header.geometry.fill_timeout_ms: zero");
+	rc = kvt__layout_compute(&h->geo, d, r, &total);
+	if (rc)
+		return kvt__err(-EPROTO, "header.geometry: layout overflows");
+#define DCHK(f) HCHK(h->d.f == d->f, -EPROTO, "header.derived." #f \
+	": %llu, the geometry gives %llu", (unsigned long long)h->d.f, (unsigned long long)d->f)
+	DCHK(shard_bytes); DCHK(slot_meta_bytes); DCHK(lease_bytes); DCHK(shard_part);
+	DCHK(n_shards); DCHK(n_entries); DCHK(n_buckets); DCHK(counter_block);
+#undef DCHK
+	static const char *const rname[KVT_R__COUNT] = {
+		"ranks", "counters", "leases", "index", "slots", "arena" };
+	for (int i = 0; i < KVT_R__COUNT; i++) {
+		HCHK(h->regions[i].off == r[i].off, -EPROTO,
+		     "header.regions[%s].off: %llu, the geometry gives %llu", rname[i],
+		     (unsigned long long)h->regions[i].off, (unsigned long long)r[i].off);
+		HCHK(h->regions[i].size == r[i].size, -EPROTO,
+		     "header.regions[%s].size: %llu, the geometry gives %llu", rname[i],
+		     (unsigned long long)h->regions[i].size, (unsigned long long)r[i].size);
+	}
+	HCHK(total <= map_size, -EPROTO,
+	     "header.total_size: the layout needs %llu bytes, the object has %llu",
+	     (unsigned long long)total, (unsigned long long)map_size);
+	kvt__fingerprint(&h->geo, &fp);
+	HCHK(fp.lo == h->fingerprint.lo && fp.hi == h->fingerprint.hi, -EPROTO,
+	     "header.fingerprint: does not match the geometry");
+	HCHK(h->reserved0 == 0, -EPROTO, "header.reserved0: not zero");
+	HCHK(h->checksum == kvt__hdr_checksum(h), -EPROTO,
+	     "header.checksum: the header was modified after creation");
+#undef HCHK
+	return 0;
+}
+
+static int attach_opts_check(const struct kvt_seg_attach_opts *a)
+{
+	if (a->size < sizeof(struct kvt_seg_attach_opts))
+		return kvt__err(-EINVAL, "attach options: size %zu, expected %zu",
+				a->size, sizeof(struct kvt_seg_attach_opts));
+	if (a->flags & ~KVT_SEG_F_ANY_UID)
+		return kvt__err(-EINVAL, "attach options: unknown flags 0x%x",
+				a->flags & ~KVT_SEG_F_ANY_UID);
+	if (a->role > KVT_ROLE_CLIENT)
+		return kvt__err(-EINVAL, "attach options: unknown role %u", a->role);
+	if (a->role == KVT_ROLE_RANK && a->world == 0)
+		return kvt__err(-EINVAL, "attach options: a rank must state its world size");
+	return 0;
+}
+
+/* Checks the caller's view (world, rank, fingerprint) and claims the entry. */
+static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
+{
+	uint32_t e;
+	int r;
+
+	if (a->world && a->world != s->geo.world)
+		return kvt__err(-EINVAL,
+			"world: this process says world=%u but segment '%s' was created "
+			"for world=%u", a->world, s->name, s->geo.world);
+	if (a->fingerprint) {
+		kvt_key fp;
+		kvt__fingerprint(&s->geo, &fp);
+		if (fp.lo != a->fingerprint->lo || fp.hi != a->fingerprint->hi)
+			return kvt__err(-ESTALE,
+				"fingerprint: the segment '%s' holds another model or KV layout "
+				"(%016llx%016llx, expected %016llx%016llx)", s->name,
+				(unsigned long long)fp.hi, (unsigned long long)fp.lo,
+				(unsigned long long)a->fingerprint->hi,
+				(unsigned long long)a->fingerprint->lo);
+	}
+	s->role = a->role;
+	s->instance = a->instance;
+	s->rank = a->rank;
+	if (a->role == KVT_ROLE_OBSERVER)
+		return 0;
+	if (a->role != KVT_ROLE_CLIENT && a->instance >= s->geo.n_instances)
+		return kvt__err(-EINVAL, "instance: %u out of range (segment has %u)",
+				a->instance, s->geo.n_instances);
+	if (a->role == KVT_ROLE_RANK && a->rank >= s->geo.world)
+		return kvt__err(-EINVAL, "rank: %u out of range for world=%u",
+				a->rank, s->geo.world);
+	if (a->role == KVT_ROLE_CLIENT) {
+		for (uint32_t k = 0; k < KVT_MAX_CLIENTS; k++) {
+			e = s->geo.n_instances * (s->geo.world + 1) + k;
+			r = kvt__entry_claim(s, e);
+			if (r == 0)
+				return 0;
+		}
+		return kvt__err(-EBUSY, "clients: all %u client entries are in use",
+				KVT_MAX_CLIENTS);
+	}
+	e = kvt__entry_index(s, a->role, a->instance, a->rank);
+	r = kvt__entry_claim(s, e);
+	if (r == -EBUSY)
+		return kvt__err(-EBUSY, "%s (instance %u%s%u) is attached by a live process",
+				a->role == KVT_ROLE_RANK ? "rank" : "scheduler", a->instance,
+				a->role == KVT_ROLE_RANK ? ", rank " : "", a->rank);
+	return r;
+}
+
+static int map_fd(int fd, uint64_t size, uint8_t **base)
+{
+	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+
+	if (p == MAP_FAILED)
+		return -errno;
+	*base = p;
+	return 0;
+}
+
+int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
+{
+	char path[PATH_MAX];
+	struct stat st;
+	kvt_seg *s;
+	int is_shm, fd, r;
+
+	if (!a || !out)
+		return kvt__err(-EINVAL, "attach: NULL argument");
+	r = attach_opts_check(a);
+	if (r)
+		return r;
+	r = seg_path(path, sizeof(path), a->name, a->dir, &is_shm);
+	if (r)
+		return r;
+	fd = seg_open(path, is_shm, O_RDWR, 0);
+	if (fd < 0)
+		return kvt__err(fd, "attach '%s': %s", a->name, strerror(-fd));
+	if (fstat(fd, &st) < 0) {
+		r = -errno;
+		close(fd);
+		return kvt__err(r, "attach '%s': fstat: %s", a->name, strerror(-r));
+	}
+	if (st.st_uid != geteuid() && !(a->flags & KVT_SEG_F_ANY_UID)) {
+		close(fd);
+		return kvt__err(-EPERM, "attach '%s': owned by uid %u, not by this uid %u "
+				"(pass KVT_SEG_F_ANY_UID to accept it)", a->name,
+				(unsigned)st.st_uid, (unsigned)geteuid());
+	}
+	if ((uint64_t)st.st_size < sizeof(struct kvt_hdr)) {
+		close(fd);
+		return kvt__err(-EPROTO, "attach '%s': header.total_size: the object is "
+				"only %lld bytes", a->name, (long long)st.st_size);
+	}
+	s = calloc(1, sizeof(*s));
+	if (!s) {
+		close(fd);
+		return kvt__err(-ENOMEM, "attach: out of memory");
+	}
+	snprintf(s->name, sizeof(s->name), "%s", a->name);
+	s->size = (uint64_t)st.st_size;
+	r = map_fd(fd, s->size, &s->base);
+	close(fd);
+	if (r) {
+		free(s);
+		return kvt__err(r, "attach '%s': mmap: %s", a->name, strerror(-r));
+	}
+	s->hdr = (struct kvt_hdr *)s->base;
+	/* A0: pairs with R0 in kvt_seg_create; the header is complete. */
+	if (kvt_load(&s->hdr->magic, KVT_ACQ) != KVT_MAGIC) {
+		r = kvt__err(-EPROTO, "header.magic: '%s' is not a kvtier segment, or its "
+			     "creator died before finishing it", a->name);
+		goto out_unmap;
+	}
+	r = hdr_validate(s->hdr, s->size, st.st_uid, &s->d, s->r);
+	if (r)
+		goto out_unmap;
+	s->geo = s->hdr->geo;
+	handle_init_regions(s);
+	r = attach_identity(s, a);
+	if (r)
+		goto out_unmap;
+	*out = s;
+	return 0;
+out_unmap:
+	munmap(s->base, s->size);
+	free(s);
+	return r;
+}
+
+int kvt_seg_create(const struct kvt_seg_create_opts *c,
+		   const struct kvt_seg_attach_opts *a, kvt_seg **out)
+{
+	struct kvt_seg_attach_opts client = {
+		.size = sizeof(client), .role = KVT_ROLE_CLIENT };
+	struct kvt_derived d;
+	struct kvt_region reg[KVT_R__COUNT];
+	struct kvt_geometry g;
+	struct kvt_hdr *h;
+	char path[PATH_MAX];
+	uint64_t total;
+	uint8_t *base = NULL;
+	kvt_seg *s;
+	int is_shm, fd, r;
+
+	if (!c || !out || !c->geo)
+		return kvt__err(-EINVAL, "create: NULL argument");
+	if (c->size < sizeof(*c))
+		return kvt__err(-EINVAL, "create options: size %zu, expected %zu",
+				c->size, sizeof(*c));
+	if (c->flags & ~(KVT_SEG_F_GROUP | KVT_SEG_F_REPLACE | KVT_SEG_F_PREFAULT))
+		return kvt__err(-EINVAL, "create options: unknown flags 0x%x", c->flags);
+	if (c->reserved)
+		return kvt__err(-EINVAL, "create options: reserved field is not zero");
+	if (a) {
+		r = attach_opts_check(a);
+		if (r)
+			return r;
+		if (a->world && a->world != c->geo->world)
+			return kvt__err(-EINVAL, "world: attach says %u, geometry says %u",
+					a->world, c->geo->world);
+	}
+	g = *c->geo;
+	r = kvt__geometry_check(&g);
+	if (r)
+		return r;
+	geometry_defaults(&g);
+	r = kvt__layout_compute(&g, &d, reg, &total);
+	if (r)
+		return r;
+	if (total > (uint64_t)LLONG_MAX)
+		return kvt__err(-EOVERFLOW, "geometry: segment of %llu bytes is too large",
+				(unsigned long long)total);
+	r = seg_path(path, sizeof(path), c->name, c->dir, &is_shm);
+	if (r)
+		return r;
+	if (c->flags & KVT_SEG_F_REPLACE)
+		(void)(is_shm ? shm_unlink(path) : unlink(path));
+	fd = seg_open(path, is_shm, O_RDWR | O_CREAT | O_EXCL,
+		      (c->flags & KVT_SEG_F_GROUP) ? 0660 : 0600);
+	if (fd < 0)
+		return kvt__err(fd, "create '%s': %s%s", c->name, strerror(-fd),
+				fd == -EEXIST ? " (remove it, or pass KVT_SEG_F_REPLACE)" : "");
+	/* The mode argument is filtered by the umask: set it exactly. */
+	(void)fchmod(fd, (c->flags & KVT_SEG_F_GROUP) ? 0660 : 0600);
+	if (ftruncate(fd, (off_t)total) < 0) {
+		r = kvt__err(-errno, "create '%s': ftruncate to %llu bytes: %s", c->name,
+			     (unsigned long long)total, strerror(errno));
+		goto out_close;
+	}
+	r = map_fd(fd, total, &base);
+	if (r) {
+		kvt__err(r, "create '%s': mmap of %llu bytes: %s", c->name,
+			 (unsigned long long)total, strerror(-r));
+		goto out_close;
+	}
+	close(fd);
+	fd = -1;
+
+	h = (struct kvt_hdr *)base;
+	h->version = KVT_LAYOUT_VERSION;
+	h->hdr_size = sizeof(struct kvt_hdr);
+	h->total_size = total;
+	h->page_size = (uint64_t)sysconf(_SC_PAGESIZE);
+	h->creator_uid = (uint32_t)geteuid();
+	h->creator_pid = (uint32_t)getpid();
+	h->creator_start = kvt_proc_start_time(getpid());
+	{
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		h->created_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+	}
+	h->geo = g;
+	h->d = d;
+	kvt__fingerprint(&g, &h->fingerprint);
+	memcpy(h->regions, reg, sizeof(reg));
+	h->checksum = kvt__hdr_checksum(h);
+	/* R0: publishes the header; pairs with A0 in kvt_seg_attach. */
+	kvt_store(&h->magic, KVT_MAGIC, KVT_REL);
+
+	if (c->flags & KVT_SEG_F_PREFAULT) {
+#ifdef MADV_POPULATE_WRITE
+		if (madvise(base + reg[KVT_R_ARENA].off, reg[KVT_R_ARENA].size,
+			    MADV_POPULATE_WRITE) != 0)
+#endif
+		{
+			for (uint64_t o = 0; o < reg[KVT_R_ARENA].size; o += KVT_PAGE)
+				base[reg[KVT_R_ARENA].off + o] = 0;
+		}
+	}
+	munmap(base, total);
+
+	struct kvt_seg_attach_opts at = a ? *a : client;
+	at.name = c->name;
+	at.dir = c->dir;
+	r = kvt_seg_attach(&at, &s);
+	if (r) {
+		char tmp[256];
+		snprintf(tmp, sizeof(tmp), "%s", kvt_core_last_error());
+		(void)(is_shm ? shm_unlink(path) : unlink(path));
+		return kvt__err(r, "create '%s': attach after creation failed: %s",
+				c->name, tmp);
+	}
+	*out = s;
+	return 0;
+out_close:
+	close(fd);
+	(void)(is_shm ? shm_unlink(path) : unlink(path));
+	return r;
+}
+
+int kvt_seg_detach(kvt_seg *s)
+{
+	if (!s)
+		return kvt__err(-EINVAL, "detach: NULL handle");
+	if (s->entry != UINT32_MAX)
+		kvt__entry_release(s);
+	munmap(s->base, s->size);
+	free(s);
+	return 0;
+}
+
+const struct kvt_geometry *kvt_seg_geometry(const kvt_seg *s) { return &s->geo; }
+void kvt_seg_fingerprint(const kvt_seg *s, kvt_key *out) { kvt__fingerprint(&s->geo, out); }
+uint64_t kvt_seg_shard_bytes(const kvt_seg *s) { return s->d.shard_bytes; }
+uint32_t kvt_seg_n_shards(const kvt_seg *s) { return s->d.n_shards; }
+uint32_t kvt_seg_entry(const kvt_seg *s) { return s->entry; }
+void *kvt_seg_base(const kvt_seg *s) { return s->base; }
+uint64_t kvt_seg_size(const kvt_seg *s) { return s->size; }
+
+int kvt_seg_arena(const kvt_seg *s, uint32_t shard, void **ptr, uint64_t *len)
+{
+	if (shard == UINT32_MAX) {
+		*ptr = s->arena;
+		*len = s->r[KVT_R_ARENA].size;
+		return 0;
+	}
+	if (shard >= s->d.n_shards)
+		return kvt__err(-EINVAL, "arena: shard %u out of range (%u shards)",
+				shard, s->d.n_shards);
+	*ptr = s->arena + (uint64_t)shard * s->d.shard_part;
+	*len = s->d.shard_part;
+	return 0;
+}
+
+void *kvt_slot_shard_ptr(const kvt_seg *s, uint32_t slot, uint32_t shard)
+{
+	if (slot >= s->geo.n_slots || shard >= s->d.n_shards)
+		return NULL;
+	return s->arena + (uint64_t)shard * s->d.shard_part +
+	       (uint64_t)slot * s->d.shard_bytes;
+}
+
+static const char *const counter_names[KVT_C__COUNT] = {
+	[KVT_C_LOOKUPS] = "lookups", [KVT_C_LOOKUP_CHUNKS] = "lookup_chunks",
+	[KVT_C_HIT_CHUNKS] = "hit_chunks", [KVT_C_HIT_TOKENS] = "hit_tokens",
+	[KVT_C_SAVED_CHUNKS] = "saved_chunks", [KVT_C_SAVE_SKIPS] = "save_skips",
+	[KVT_C_SAVE_NOSPC] = "save_nospc", [KVT_C_LOADED_CHUNKS] = "loaded_chunks",
+	[KVT_C_BYTES_SAVED] = "bytes_saved", [KVT_C_BYTES_LOADED] = "bytes_loaded",
+	[KVT_C_EVICTIONS] = "evictions", [KVT_C_STALE_UNPINS] = "stale_unpins",
+	[KVT_C_DOUBLE_UNPINS] = "double_unpins", [KVT_C_REAPED_RANKS] = "reaped_ranks",
+	[KVT_C_FILL_ABORTS] = "fill_aborts", [KVT_C_FILL_TIMEOUTS] = "fill_timeouts",
+	[KVT_C_LEASES_FULL] = "leases_full", [KVT_C_INDEX_FULL] = "index_full",
+	[KVT_C_DISK_WRITES] = "disk_writes", [KVT_C_DISK_READS] = "disk_reads",
+};
+
+const char *kvt_counter_name(enum kvt_counter c)
+{
+	return (unsigned)c < KVT_C__COUNT ? counter_names[c] : "unknown";
+}
+
+void kvt_counter_add(kvt_seg *s, enum kvt_counter c, uint64_t v)
+{
+	if ((unsigned)c < KVT_C__COUNT)
+		kvt__count(s, c, v);
+}
+
+void kvt_counters_read(const kvt_seg *s, uint64_t out[KVT_C__COUNT])
+{
+	memset(out, 0, sizeof(uint64_t) * KVT_C__COUNT);
+	for (uint32_t b = 0; b <= s->d.n_entries; b++) {
+		_Atomic uint64_t *blk = kvt__ctr(s, b);
+		for (int c = 0; c < KVT_C__COUNT; c++)
+			out[c] += kvt_load(&blk[c], KVT_RLX); /* statistics */
+	}
+}
+
+void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o)
+{
+	memset(o, 0, sizeof(*o));
+	for (uint32_t i = 0; i < s->geo.n_slots; i++) {
+		uint64_t w = kvt_load(&kvt__slot(s, i)->state, KVT_RLX); /* snapshot */
+		switch (KVT_ST(w)) {
+		case KVT_S_FREE: o->free++; break;
+		case KVT_S_FILLING: case KVT_S_DOOMED: o->filling++; break;
+		case KVT_S_READY: o->ready++; if (KVT_PINS(w)) o->pinned++; break;
+		default: o->evicting++; break;
+		}
+	}
+	for (uint32_t i = 0; i < s->geo.n_leases; i++)
+		if (KVT_LST(kvt_load(&kvt__lease(s, i)->state, KVT_RLX)) != KVT_L_FREE)
+			o->leases_live++;
+	for (uint32_t e = 0; e < s->d.n_entries; e++)
+		if (KVT_OWNER_ST(kvt_load(&s->ents[e].owner, KVT_RLX)) == KVT_ENT_ATTACHED &&
+		    kvt__entry_alive(s, e))
+			o->ranks_live++;
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages that kvtier's build and test suite need, when
+# they are missing. Idempotent: a machine that has them all runs no apt-get.
+set -euo pipefail
+
+pkgs=(
+  build-essential cmake pkg-config      # the build
+  libcmocka-dev                         # C unit tests
+  libnuma-dev                           # numa/: mbind, get_mempolicy, move_pages
+  libjson-c-dev                         # kvtier-size reads config.json
+  libxxhash-dev                         # key hashing (XXH3-128)
+  liburing-dev                          # optional disk tier
+  libhsa-runtime-dev                    # hsa backend headers + real runtime
+  python3-pytest python3-numpy          # Python binding tests (/usr/bin/python3)
+)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' \
+    || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+SUDO=
+[ "$(id -u)" -ne 0 ] && SUDO=sudo
+echo "deps: installing ${missing[*]}" >&2
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
