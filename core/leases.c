@@ -375,6 +375,10 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 			if ((op != KVT_J_PIN && op != KVT_J_UNPIN) || KVT_J_SLOT(j) != x ||
 			    (j & KVT_J_BLOCKED))
 				break;
+			/* An entry being reaped belongs to a dead process. */
+			uint32_t ost = KVT_OWNER_ST(kvt_load(&s->ents[e].owner, KVT_ACQ));
+			if (ost != KVT_ENT_ATTACHED && ost != KVT_ENT_CLAIMING)
+				break;
 			if ((spins & 1023) == 1023 && !kvt__entry_alive(s, e))
 				break; /* dead: its outcome is what the count says */
 			sched_yield();

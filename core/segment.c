@@ -271,8 +271,8 @@ uint64_t kvt_proc_start_time(int pid)
 	p = strrchr(buf, ')');
 	if (!p)
 		return 0;
-	/* after ") " come fields 3.. ; starttime is field 22 */
-	p++;
+	/* p is field 2's end; each space found starts the next field; starttime
+	 * is field 22 */
 	for (int field = 2; field < 22 && p; field++)
 		p = strchr(p + 1, ' ');
 	if (!p || sscanf(p, " %llu", &start) != 1)
@@ -473,14 +473,39 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 	return r;
 }
 
-static int map_fd(int fd, uint64_t size, uint8_t **base)
+/* Maps the object at an address aligned to `align` (2 MiB, or the huge page
+ * size of a hugetlbfs file), so that the arena, 2 MiB aligned inside the
+ * object, is 2 MiB aligned in memory too: NUMA binding, transparent huge
+ * pages and GPU registration all work in those units. */
+static int map_fd(int fd, uint64_t size, uint64_t align, uint8_t **base)
 {
-	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	uint8_t *resv, *p;
+	uintptr_t a;
 
-	if (p == MAP_FAILED)
+	resv = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+		    -1, 0);
+	if (resv == MAP_FAILED)
 		return -errno;
+	a = ((uintptr_t)resv + align - 1) & ~(uintptr_t)(align - 1);
+	p = mmap((void *)a, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+	if (p == MAP_FAILED) {
+		int r = -errno;
+		munmap(resv, size + align);
+		return r;
+	}
+	if (a > (uintptr_t)resv)
+		munmap(resv, a - (uintptr_t)resv);
+	if ((uintptr_t)resv + align > a)
+		munmap((uint8_t *)a + size, (uintptr_t)resv + align - a);
 	*base = p;
 	return 0;
+}
+
+static uint64_t map_align(const struct stat *st)
+{
+	uint64_t blk = (uint64_t)st->st_blksize;
+
+	return blk > KVT_ARENA_ALIGN && (blk & (blk - 1)) == 0 ? blk : KVT_ARENA_ALIGN;
 }
 
 int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
@@ -524,7 +549,7 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	}
 	snprintf(s->name, sizeof(s->name), "%s", a->name);
 	s->size = (uint64_t)st.st_size;
-	r = map_fd(fd, s->size, &s->base);
+	r = map_fd(fd, s->size, map_align(&st), &s->base);
 	close(fd);
 	if (r) {
 		free(s);
@@ -613,7 +638,10 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 			     (unsigned long long)total, strerror(errno));
 		goto out_close;
 	}
-	r = map_fd(fd, total, &base);
+	{
+		struct stat st;
+		r = fstat(fd, &st) < 0 ? -errno : map_fd(fd, total, map_align(&st), &base);
+	}
 	if (r) {
 		kvt__err(r, "create '%s': mmap of %llu bytes: %s", c->name,
 			 (unsigned long long)total, strerror(-r));
