@@ -89,13 +89,12 @@ int kvt__slot_state_live(uint64_t w)
 	return KVT_ST(w) == KVT_S_FILLING || KVT_ST(w) == KVT_S_READY;
 }
 
-int kvt__index_find(kvt_seg *s, const kvt_key *k, uint32_t tag,
-		    uint64_t *gen_out, uint32_t *slot_out, int want_filling)
+int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
+		    uint32_t *slot_out, int want_filling)
 {
 	uint32_t b1, b2, t;
 
 	kvt__key_hash(s, k, &b1, &b2, &t);
-	(void)tag;
 	for (uint32_t pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++) {
 		/* A1: acquire pairs with the release CAS that published the
 		 * entry (insert step 3/5): the slot's key and depth, written
@@ -175,7 +174,7 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 			index_help(s, b1, c);
 			continue;
 		}
-		if (kvt__index_find(s, k, tag, existing_gen, existing, 1))
+		if (kvt__index_find(s, k, existing_gen, existing, 1))
 			return 1;
 		for (pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++)
 			if (kvt_load(entry_at(s, b1, b2, pos), KVT_RLX) == 0)

@@ -335,8 +335,8 @@ uint32_t kvt__entry_index(const kvt_seg *s, uint32_t role, uint32_t instance,
 int kvt__reap_entry(kvt_seg *s, uint32_t e);
 
 /* index.c */
-int kvt__index_find(kvt_seg *s, const kvt_key *k, uint32_t tag,
-		    uint64_t *slot_gen_out, uint32_t *slot_out, int want_filling);
+int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
+		    uint32_t *slot_out, int want_filling);
 int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		      uint32_t *existing, uint64_t *existing_gen);
 void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen);

@@ -110,7 +110,7 @@ static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 int kvt_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 {
 	struct kvt_lease *l = NULL;
-	uint32_t idx = 0, hits = 0, b1, b2, tag, x;
+	uint32_t idx = 0, hits = 0, x;
 	uint64_t lgen = 0, gen;
 
 	*lease = 0;
@@ -119,8 +119,7 @@ int kvt_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 	kvt__count(s, KVT_C_LOOKUPS, 1);
 	kvt__count(s, KVT_C_LOOKUP_CHUNKS, n);
 	for (uint32_t i = 0; i < n; i++) {
-		kvt__key_hash(s, &keys[i], &b1, &b2, &tag);
-		if (!kvt__index_find(s, &keys[i], tag, &gen, &x, 0))
+		if (!kvt__index_find(s, &keys[i], &gen, &x, 0))
 			break;
 		if (!l) {
 			if (lease_alloc(s, &idx, &lgen)) {

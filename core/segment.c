@@ -53,6 +53,15 @@ const char *kvt_core_last_error(void)
 	return kvt_errbuf[0] ? kvt_errbuf : "no error";
 }
 
+/* Copies this thread's message before a call that may overwrite it. */
+static void save_err(char *dst, size_t n)
+{
+	size_t l = strnlen(kvt_errbuf, n - 1);
+
+	memcpy(dst, kvt_errbuf, l);
+	dst[l] = 0;
+}
+
 uint64_t kvt__now_ns(void)
 {
 	struct timespec ts;
@@ -369,9 +378,9 @@ static int hdr_validate(const struct kvt_hdr *h, uint64_t map_size, uid_t file_u
 	HCHK(h->created_ns != 0, -EPROTO, "header.created_ns: zero");
 	rc = kvt__geometry_check(&h->geo);
 	if (rc) {
-		char tmp[200];
-		snprintf(tmp, sizeof(tmp), "%s", kvt_core_last_error());
-		return kvt__err(-EPROTO, "header.%s", tmp);
+		char tmp[sizeof(kvt_errbuf)];
+		save_err(tmp, sizeof(tmp));
+		return kvt__err(-EPROTO, "header.%.200s", tmp);
 	}
 	HCHK(h->geo.n_leases >= 1, -EPROTO, "header.geometry.n_leases: zero");
 	HCHK(h->geo.lease_max_chunks >= 1, -EPROTO, "header.geometry.lease_max_chunks: zero");
@@ -688,10 +697,10 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	at.dir = c->dir;
 	r = kvt_seg_attach(&at, &s);
 	if (r) {
-		char tmp[256];
-		snprintf(tmp, sizeof(tmp), "%s", kvt_core_last_error());
+		char tmp[sizeof(kvt_errbuf)];
+		save_err(tmp, sizeof(tmp));
 		(void)(is_shm ? shm_unlink(path) : unlink(path));
-		return kvt__err(r, "create '%s': attach after creation failed: %s",
+		return kvt__err(r, "create '%s': attach after creation failed: %.180s",
 				c->name, tmp);
 	}
 	*out = s;

@@ -281,7 +281,7 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 				shard, s->d.n_shards);
 	kvt__key_hash(s, key, &b1, &b2, &tag);
 	for (int tries = 0; tries < 1000; tries++) {
-		if (kvt__index_find(s, key, tag, &gen, &x, 1)) {
+		if (kvt__index_find(s, key, &gen, &x, 1)) {
 			r = shard_join(s, x, gen, shard);
 			if (r == -EAGAIN)
 				continue;
