@@ -164,7 +164,7 @@ struct kvt_ent {
 	kvt_a64 owner;      /* state + pid; CAS only */
 	kvt_a64 start;      /* process start time (clock ticks since boot) */
 	kvt_a64 attach_gen; /* bumped at every attach */
-	kvt_a64 heartbeat;  /* CLOCK_MONOTONIC ns, refreshed by kvt_reap callers */
+	kvt_a64 heartbeat;  /* CLOCK_MONOTONIC ns, refreshed by kvt_seg_reap callers */
 	kvt_a64 journal;
 	kvt_a32 role;
 	kvt_a32 instance;

@@ -107,7 +107,7 @@ static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 	}
 }
 
-int kvt_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
+int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 {
 	struct kvt_lease *l = NULL;
 	uint32_t idx = 0, hits = 0, x;
@@ -303,7 +303,7 @@ static int u64_cmp(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-int kvt_step(kvt_seg *s, const uint64_t *live, uint32_t n)
+int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n)
 {
 	uint64_t *set = NULL;
 	int released = 0;

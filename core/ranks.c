@@ -173,6 +173,13 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 		case KVT_S_EVICTING:
 			kvt__slot_reclaim(s, x);
 			break;
+		case KVT_S_READY:
+			/* It died in kvt_write_end between the READY CAS and
+			 * its shard release: the chunk is complete, only the
+			 * claim (writer field, writing bit) is left to drop. */
+			if (kvt_load(&kvt__slot(s, x)->writing, KVT_ACQ))
+				kvt__slot_writer_gone(s, x, e);
+			break;
 		default:
 			break;
 		}
@@ -209,7 +216,7 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 	kvt_store(&ent->owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
 }
 
-int kvt_reap(kvt_seg *s)
+int kvt_seg_reap(kvt_seg *s)
 {
 	int reaped = 0;
 

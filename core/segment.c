@@ -251,6 +251,11 @@ void kvt__fingerprint(const struct kvt_geometry *g, kvt_key *out)
 	out->hi = kvt__hash64(&f, sizeof(f), out->lo ^ 0x66696e6765727072ULL);
 }
 
+void kvt_geometry_fingerprint(const struct kvt_geometry *g, kvt_key *out)
+{
+	kvt__fingerprint(g, out);
+}
+
 uint64_t kvt__hdr_checksum(const struct kvt_hdr *h)
 {
 	return kvt__hash64((const uint8_t *)h + 8, offsetof(struct kvt_hdr, checksum) - 8,
@@ -725,6 +730,7 @@ int kvt_seg_detach(kvt_seg *s)
 const struct kvt_geometry *kvt_seg_geometry(const kvt_seg *s) { return &s->geo; }
 void kvt_seg_fingerprint(const kvt_seg *s, kvt_key *out) { kvt__fingerprint(&s->geo, out); }
 uint64_t kvt_seg_shard_bytes(const kvt_seg *s) { return s->d.shard_bytes; }
+uint64_t kvt_seg_chunk_bytes(const kvt_seg *s) { return s->chunk_bytes; }
 uint32_t kvt_seg_n_shards(const kvt_seg *s) { return s->d.n_shards; }
 uint32_t kvt_seg_entry(const kvt_seg *s) { return s->entry; }
 void *kvt_seg_base(const kvt_seg *s) { return s->base; }
@@ -764,6 +770,7 @@ static const char *const counter_names[KVT_C__COUNT] = {
 	[KVT_C_FILL_ABORTS] = "fill_aborts", [KVT_C_FILL_TIMEOUTS] = "fill_timeouts",
 	[KVT_C_LEASES_FULL] = "leases_full", [KVT_C_INDEX_FULL] = "index_full",
 	[KVT_C_DISK_WRITES] = "disk_writes", [KVT_C_DISK_READS] = "disk_reads",
+	[KVT_C_DMA_ERRORS] = "dma_errors",
 };
 
 const char *kvt_counter_name(enum kvt_counter c)

@@ -17,7 +17,7 @@ static int look(kvt_seg *s, uint64_t first, uint32_t n, uint64_t *lease)
 
 	for (uint32_t i = 0; i < n; i++)
 		k[i] = kvt_test_key(first + i);
-	return kvt_lookup(s, k, n, lease);
+	return kvt_seg_lookup(s, k, n, lease);
 }
 
 static uint32_t pins_total(kvt_seg *s)
@@ -109,15 +109,15 @@ static void test_step(void **st)
 		assert_int_equal(kvt_test_save_all(s, i, 0), 1);
 	assert_int_equal(look(sched, 0, 2, &a), 2);
 	assert_int_equal(look(sched, 2, 2, &b), 2);
-	assert_int_equal(kvt_step(sched, &a, 1), 0);  /* b absent once */
+	assert_int_equal(kvt_seg_step(sched, &a, 1), 0);  /* b absent once */
 	assert_int_equal(pins_total(s), 4);
-	assert_int_equal(kvt_step(sched, &a, 1), 1);  /* b absent twice: released */
+	assert_int_equal(kvt_seg_step(sched, &a, 1), 1);  /* b absent twice: released */
 	assert_int_equal(pins_total(s), 2);
 	assert_int_equal(kvt_test_counter(s, KVT_C_STALE_UNPINS), 1);
-	assert_int_equal(kvt_step(sched, NULL, 0), 0);
-	assert_int_equal(kvt_step(sched, &a, 1), 0);  /* back in the set: count restarts */
-	assert_int_equal(kvt_step(sched, NULL, 0), 0);
-	assert_int_equal(kvt_step(sched, NULL, 0), 1);
+	assert_int_equal(kvt_seg_step(sched, NULL, 0), 0);
+	assert_int_equal(kvt_seg_step(sched, &a, 1), 0);  /* back in the set: count restarts */
+	assert_int_equal(kvt_seg_step(sched, NULL, 0), 0);
+	assert_int_equal(kvt_seg_step(sched, NULL, 0), 1);
 	assert_int_equal(pins_total(s), 0);
 	assert_int_equal(kvt_lease_release(sched, a), -EALREADY);
 	kvt_test_assert_check(s);
@@ -180,13 +180,13 @@ static void test_reap_leases(void **st)
 	/* the scheduler dies: its leases are released */
 	die_with_lease(KVT_ROLE_SCHEDULER, 0);
 	assert_int_equal(pins_total(s), 4);
-	assert_int_equal(kvt_reap(s), 1);
+	assert_int_equal(kvt_seg_reap(s), 1);
 	assert_int_equal(pins_total(s), 4);
 	kvt_test_assert_check(s);
 	/* a rank dies: leases still waiting for its load are released */
 	die_with_lease(KVT_ROLE_RANK, 0);
-	assert_int_equal(kvt_reap(s), 1);
-	assert_int_equal(kvt_reap(s), 0);
+	assert_int_equal(kvt_seg_reap(s), 1);
+	assert_int_equal(kvt_seg_reap(s), 0);
 	assert_int_equal(kvt_test_counter(s, KVT_C_REAPED_RANKS), 2);
 	/* `keep` also waited for rank 0's load: it went with it */
 	assert_int_equal(pins_total(s), 0);
@@ -240,7 +240,7 @@ static void test_pin_repair(void **st)
 		assert_int_equal(WEXITSTATUS(status), 0);
 		char msg[256];
 		assert_int_not_equal(kvt_check(s, msg, sizeof(msg)), 0); /* broken before reaping */
-		assert_int_equal(kvt_reap(s), 1);
+		assert_int_equal(kvt_seg_reap(s), 1);
 		kvt_test_assert_check(s);
 		assert_int_equal(pins_total(s), scenario == 0 ? 1 : 0);
 	}

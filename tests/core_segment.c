@@ -67,7 +67,7 @@ static void test_create_attach(void **st)
 	kvt_key k = kvt_test_key(1);
 	uint64_t lease;
 	assert_int_equal(kvt_write_begin(o, &k, 0, 0, &w), -EPERM);
-	assert_int_equal(kvt_lookup(o, &k, 1, &lease), -EPERM);
+	assert_int_equal(kvt_seg_lookup(o, &k, 1, &lease), -EPERM);
 	/* mode 0600 by default */
 	char path[128];
 	struct stat sb;

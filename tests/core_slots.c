@@ -18,7 +18,7 @@ static int hits(kvt_seg *s, uint64_t first, uint32_t n, uint64_t *lease)
 
 	for (uint32_t i = 0; i < n; i++)
 		k[i] = kvt_test_key(first + i);
-	r = kvt_lookup(s, k, n, &l);
+	r = kvt_seg_lookup(s, k, n, &l);
 	if (lease)
 		*lease = l;
 	else if (l)
@@ -138,7 +138,7 @@ static void test_index_many(void **st)
 		kvt_key k = kvt_test_key(i);
 		k.hi ^= 1; /* same lo, other hi: another key */
 		uint64_t l;
-		assert_int_equal(kvt_lookup(s, &k, 1, &l), 0);
+		assert_int_equal(kvt_seg_lookup(s, &k, 1, &l), 0);
 	}
 	uint32_t found = 0;
 	for (uint64_t i = 0; i < 1024; i++)

@@ -30,10 +30,13 @@ extern "C" {
 typedef struct kvt_seg kvt_seg;
 
 /* A 128-bit chunk key.  Keys are chained prefix hashes: equal keys mean
- * equal chunk *and* equal prefix. */
+ * equal chunk *and* equal prefix.  (Also defined, identically, by kvtier.h.) */
+#ifndef KVT_KEY_DEFINED
+#define KVT_KEY_DEFINED
 typedef struct kvt_key {
 	uint64_t lo, hi;
 } kvt_key;
+#endif
 
 enum kvt_mode {
 	KVT_MODE_SHARDED    = 0, /* each rank holds different heads: world shards */
@@ -100,6 +103,10 @@ struct kvt_seg_create_opts {
 	uint32_t reserved;      /* must be 0 */
 };
 
+/* The layout fingerprint a segment of this geometry carries (a hash of
+ * chunk_tokens, world, mode, groups and model_id). */
+void kvt_geometry_fingerprint(const struct kvt_geometry *g, kvt_key *out);
+
 /* Validates a segment name: [A-Za-z0-9._-], 1..64 chars, not "." or "..".
  * Returns 0 or -EINVAL. */
 int kvt_seg_name_valid(const char *name);
@@ -135,6 +142,8 @@ const char *kvt_core_last_error(void);
 const struct kvt_geometry *kvt_seg_geometry(const kvt_seg *s);
 void kvt_seg_fingerprint(const kvt_seg *s, kvt_key *out);
 uint64_t kvt_seg_shard_bytes(const kvt_seg *s);
+/* chunk_tokens x sum(layers x bytes_per_token): the payload of one shard. */
+uint64_t kvt_seg_chunk_bytes(const kvt_seg *s);
 uint32_t kvt_seg_n_shards(const kvt_seg *s); /* world (sharded) or 1 */
 uint32_t kvt_seg_entry(const kvt_seg *s);    /* own table entry, UINT32_MAX if none */
 void *kvt_seg_base(const kvt_seg *s);
@@ -176,7 +185,7 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *w, int ok);
  * chunks (>= 0) and *lease (0 when no hit), or -ENOSPC (lease table full;
  * nothing pinned), -EPERM (no table entry).  At most lease_max_chunks hits
  * are taken.  Lock-free, never blocks. */
-int kvt_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease);
+int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease);
 
 /* The slots (and generations) a lease pinned, in key order.  Returns the
  * count, -ESTALE if the lease id is not live. */
@@ -195,7 +204,7 @@ int kvt_lease_release(kvt_seg *s, uint64_t lease);
 /* One scheduler step for the handle's instance: leases of the instance
  * absent from `live` for two consecutive steps are released and counted as
  * stale unpins.  Returns how many were released. */
-int kvt_step(kvt_seg *s, const uint64_t *live, uint32_t n);
+int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n);
 
 /* ---- liveness and repair ------------------------------------------------ */
 
@@ -205,7 +214,7 @@ int kvt_step(kvt_seg *s, const uint64_t *live, uint32_t n);
  * for its load).  Returns the number of entries reaped.  Callable by any
  * attached process; may wait briefly (yield) for live processes to finish an
  * operation on a slot being repaired. */
-int kvt_reap(kvt_seg *s);
+int kvt_seg_reap(kvt_seg *s);
 
 /* Checks the invariants (slots conserved, index <-> slot agreement, at most
  * one live slot per key, pin counts equal to live lease references, masks
@@ -222,6 +231,7 @@ enum kvt_counter {
 	KVT_C_EVICTIONS, KVT_C_STALE_UNPINS, KVT_C_DOUBLE_UNPINS,
 	KVT_C_REAPED_RANKS, KVT_C_FILL_ABORTS, KVT_C_FILL_TIMEOUTS,
 	KVT_C_LEASES_FULL, KVT_C_INDEX_FULL, KVT_C_DISK_WRITES, KVT_C_DISK_READS,
+	KVT_C_DMA_ERRORS,
 	KVT_C__COUNT
 };
 const char *kvt_counter_name(enum kvt_counter c);
@@ -239,6 +249,14 @@ void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o);
 
 /* Per-process liveness helpers. */
 uint64_t kvt_proc_start_time(int pid); /* 0 when the process does not exist */
+
+/* Transitional spellings for code written before the public API took these
+ * names; not visible where kvtier.h is included. */
+#ifndef KVTIER_H
+#define kvt_lookup kvt_seg_lookup
+#define kvt_step kvt_seg_step
+#define kvt_reap kvt_seg_reap
+#endif
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,640 @@
+/* tier_e2e: the engine API end to end in separate processes (one scheduler, 4 ranks, host DMA): save, lookup, load, leases, faults, misconfiguration, GLM-5.x layout. */
+#include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "kvtier.h"
+
+#define WORLD 4
+#define CHUNK 64        /* tokens per chunk */
+#define BLOCK 16        /* engine block size */
+#define LAYERS 2        /* model layers: K and V each -> 4 "layers" */
+#define HEADS 2         /* KV heads per rank */
+#define HDIM 16         /* head dim, bf16 */
+#define NBLOCKS 64
+#define NCHUNKS 6
+
+static char NAME[64];
+
+/* Per layer: [num_blocks, block_size, heads, head_dim] of 2-byte values. */
+#define BPT (HEADS * HDIM * 2)
+#define PAGE ((uint64_t)BLOCK * BPT)
+
+struct kv {
+	uint8_t *layer[2 * LAYERS];
+	uint64_t base[2 * LAYERS];
+};
+
+static struct kv kv_alloc(void)
+{
+	struct kv k;
+
+	for (int l = 0; l < 2 * LAYERS; l++) {
+		k.layer[l] = calloc(NBLOCKS, PAGE);
+		k.base[l] = (uint64_t)(uintptr_t)k.layer[l];
+	}
+	return k;
+}
+
+static uint8_t pattern(uint32_t rank, uint32_t chunk, uint32_t layer, uint64_t byte)
+{
+	return (uint8_t)(rank * 131 + chunk * 31 + layer * 7 + byte * 13 + 1);
+}
+
+static const struct kvt_group_desc groups_sharded[1] = {
+	{ .n_layers = 2 * LAYERS, .bytes_per_token = BPT, .tokens_per_block = BLOCK },
+};
+
+static const struct kvt_group_desc groups_mla[1] = {
+	{ .n_layers = 2 * LAYERS, .bytes_per_token = BPT, .tokens_per_block = BLOCK,
+	  .replicated = 1 },
+};
+
+static struct kvt_config base_cfg(uint32_t role, int rank, uint32_t flags)
+{
+	struct kvt_config c;
+
+	memset(&c, 0, sizeof(c));
+	c.size = sizeof(c);
+	c.flags = flags | KVT_F_NO_ENV;
+	c.role = role;
+	c.instance = 0;
+	c.rank = rank;
+	c.world = WORLD;
+	c.chunk_tokens = CHUNK;
+	c.segment = NAME;
+	c.model = "test-model-bf16";
+	c.dma = "host";
+	c.n_groups = 1;
+	c.groups = groups_sharded;
+	c.n_slots = 64;
+	return c;
+}
+
+static kvt_tier *open_ok(const struct kvt_config *c)
+{
+	kvt_tier *t = NULL;
+	int r = kvt_open(c, &t);
+
+	if (r)
+		fail_msg("kvt_open: %d %s", r, kvt_last_error());
+	return t;
+}
+
+/* Shared state between the test (scheduler) and its rank processes. */
+struct shared {
+	volatile int phase;           /* commands, see rank_main */
+	volatile int acks[WORLD];
+	volatile int fail[WORLD];
+	volatile uint64_t lease;
+	volatile int nload;
+	kvt_key keys[NCHUNKS];
+};
+static struct shared *sh;
+
+static void wait_acks(int phase, int nranks)
+{
+	for (int spins = 0; spins < 200000; spins++) {
+		int ok = 1;
+		for (int r = 0; r < nranks; r++)
+			ok &= sh->acks[r] >= phase;
+		if (ok)
+			return;
+		usleep(100);
+	}
+	fail_msg("ranks did not reach phase %d", phase);
+}
+
+/* Rank process: phase 1 save (if its bit is in save_mask), phase 2 load
+ * lease into fresh blocks and verify, phase 3 exit. */
+static int save_mask;
+
+#define MODE_REPLICATED 0x1000u
+
+static void rank_main(uint32_t rank, uint32_t flags)
+{
+	struct kvt_config c = base_cfg(KVT_TIER_RANK, (int)rank, 0);
+	if (flags & MODE_REPLICATED)
+		c.groups = groups_mla;
+	kvt_tier *t = NULL;
+	struct kv k = kv_alloc();
+	uint32_t table[NCHUNKS * (CHUNK / BLOCK)], fresh[NCHUNKS * (CHUNK / BLOCK)];
+	const uint32_t *tabs[1];
+	int seen = 0;
+
+	prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
+	if (kvt_open(&c, &t) || !t) {
+		sh->fail[rank] = 100;
+		_exit(1);
+	}
+	struct kvt_group_buffers gb = { .layer_base = k.base, .block_stride = PAGE, .n_blocks = NBLOCKS };
+	if (kvt_register_kv(t, 1, &gb)) {
+		sh->fail[rank] = 101;
+		_exit(1);
+	}
+	/* the engine's prompt lives in blocks 10.., scattered: chunk i uses
+	 * blocks 10 + 2*j (every other block) */
+	for (uint32_t i = 0; i < NCHUNKS * (CHUNK / BLOCK); i++) {
+		table[i] = 10 + 2 * i < NBLOCKS ? 10 + 2 * i : i;
+		fresh[i] = NBLOCKS - 1 - i;
+	}
+	for (uint32_t l = 0; l < 2 * LAYERS; l++)
+		for (uint32_t i = 0; i < NCHUNKS * (CHUNK / BLOCK); i++)
+			for (uint64_t b = 0; b < PAGE; b++)
+				k.layer[l][table[i] * PAGE + b] = pattern(rank, i, l, b);
+	for (;;) {
+		int ph = sh->phase;
+		if (ph == seen) {
+			usleep(100);
+			continue;
+		}
+		seen = ph;
+		if (ph == 1 && (save_mask & (1 << rank))) {
+			kvt_op op;
+			tabs[0] = table;
+			int n = kvt_save(t, (const kvt_key *)sh->keys, NCHUNKS, 0, tabs, &op);
+			if (n < 0 || (n && kvt_wait(t, op, -1)))
+				sh->fail[rank] = 1;
+		} else if (ph == 2) {
+			kvt_op op;
+			tabs[0] = fresh;
+			uint32_t src = (flags & MODE_REPLICATED) ? 0 : rank; /* replicated: rank 0's bytes */
+			int r = kvt_load(t, sh->lease, (uint32_t)sh->nload, tabs, &op);
+			if (r || kvt_wait(t, op, -1)) {
+				sh->fail[rank] = 2;
+			} else {
+				for (uint32_t l = 0; l < 2 * LAYERS; l++)
+					for (uint32_t i = 0; i < (uint32_t)sh->nload * (CHUNK / BLOCK); i++)
+						for (uint64_t b = 0; b < PAGE; b++)
+							if (k.layer[l][fresh[i] * PAGE + b] !=
+							    pattern(src, i, l, b))
+								sh->fail[rank] = 3;
+			}
+		} else if (ph == 3) {
+			sh->acks[rank] = ph;
+			kvt_close(t);
+			_exit(0);
+		}
+		sh->acks[rank] = ph;
+	}
+}
+
+static pid_t pids[WORLD];
+
+static void start_ranks(uint32_t flags)
+{
+	sh->phase = 0;
+	memset((void *)sh->acks, 0, sizeof(sh->acks));
+	memset((void *)sh->fail, 0, sizeof(sh->fail));
+	for (uint32_t r = 0; r < WORLD; r++) {
+		pids[r] = fork();
+		if (pids[r] == 0)
+			rank_main(r, flags);
+	}
+}
+
+static void stop_ranks(void)
+{
+	sh->phase = 3;
+	for (int r = 0; r < WORLD; r++) {
+		int st;
+		assert_int_equal(waitpid(pids[r], &st, 0), pids[r]);
+		assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+		assert_int_equal(sh->fail[r], 0);
+	}
+}
+
+static int setup(void **st)
+{
+	(void)st;
+	snprintf(NAME, sizeof(NAME), "t-e2e-%d", (int)getpid());
+	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	return sh == MAP_FAILED;
+}
+
+static int teardown(void **st)
+{
+	(void)st;
+	char path[128];
+	snprintf(path, sizeof(path), "/dev/shm/kvtier.%s", NAME);
+	unlink(path);
+	munmap((void *)sh, sizeof(*sh));
+	return 0;
+}
+
+static void make_keys(kvt_tier *t)
+{
+	uint32_t tokens[NCHUNKS * CHUNK + 5];
+
+	for (uint32_t i = 0; i < NCHUNKS * CHUNK + 5; i++)
+		tokens[i] = i * 7 + 3;
+	assert_int_equal(kvt_hash_tokens(t, tokens, NCHUNKS * CHUNK + 5, NULL,
+					 (kvt_key *)sh->keys, NCHUNKS), NCHUNKS);
+}
+
+static void test_cycle(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, -1, KVT_F_CREATE | KVT_F_REPLACE);
+	kvt_tier *owner = open_ok(&c), *sched;
+	kvt_lease_id lease;
+	struct kvt_stats s = { .size = sizeof(s) };
+
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	sched = open_ok(&c);
+	save_mask = 0x7; /* ranks 0..2 save first */
+	start_ranks(0);
+	make_keys(sched);
+	/* empty tier */
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), 0);
+	assert_int_equal(lease, 0);
+	sh->phase = 1;
+	wait_acks(1, WORLD);
+	/* three of four shards: never visible */
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), 0);
+	save_mask = 0xf; /* (inherited only by new forks: rank 3 saves in a second round) */
+	stop_ranks();
+	save_mask = 0x8;
+	start_ranks(0);
+	sh->phase = 1;
+	wait_acks(1, WORLD);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), NCHUNKS);
+	assert_int_not_equal(lease, 0);
+	/* a prefix of the lease can be loaded too; here all of it */
+	sh->lease = lease;
+	sh->nload = NCHUNKS;
+	sh->phase = 2;
+	wait_acks(2, WORLD);
+	for (int r = 0; r < WORLD; r++)
+		assert_int_equal(sh->fail[r], 0);
+	/* every rank loaded: the lease released its pins */
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.slots_pinned, 0);
+	assert_int_equal(s.leases_live, 0);
+	assert_int_equal(s.saved_chunks, WORLD * NCHUNKS);
+	assert_int_equal(s.loaded_chunks, WORLD * NCHUNKS);
+	assert_int_equal(s.bytes_loaded, (uint64_t)WORLD * NCHUNKS * CHUNK * BPT * 2 * LAYERS);
+	assert_int_equal(kvt_release(sched, lease), -EALREADY);
+	stop_ranks();
+	/* saving again is deduplicated */
+	kvt_close(sched);
+	kvt_close(owner);
+}
+
+static void test_leases(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, -1, KVT_F_CREATE | KVT_F_REPLACE);
+	kvt_tier *owner = open_ok(&c), *sched;
+	kvt_lease_id a, b, d;
+	struct kvt_stats s = { .size = sizeof(s) };
+
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	sched = open_ok(&c);
+	save_mask = 0xf;
+	start_ranks(0);
+	make_keys(sched);
+	sh->phase = 1;
+	wait_acks(1, WORLD);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &a), NCHUNKS);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, 2, &b), 2);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, 1, &d), 1);
+	/* abort -> release; twice -> counted, nothing else */
+	assert_int_equal(kvt_release(sched, a), 0);
+	assert_int_equal(kvt_release(sched, a), -EALREADY);
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.double_unpins, 1);
+	assert_int_equal(s.slots_pinned, 2);
+	/* d is in every step's load set, b in none: b goes after two steps */
+	assert_int_equal(kvt_step(sched, &d, 1), 0);
+	assert_int_equal(kvt_step(sched, &d, 1), 1);
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.stale_unpins, 1);
+	assert_int_equal(s.leases_live, 1);
+	/* the ranks load d: released when all four did */
+	sh->lease = d;
+	sh->nload = 1;
+	sh->phase = 2;
+	wait_acks(2, WORLD);
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.leases_live, 0);
+	assert_int_equal(s.slots_pinned, 0);
+	stop_ranks();
+	kvt_close(sched);
+	kvt_close(owner);
+}
+
+static void test_replicated(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, -1, KVT_F_CREATE | KVT_F_REPLACE);
+	c.groups = groups_mla;
+	kvt_tier *owner = open_ok(&c), *sched;
+	kvt_lease_id lease;
+
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	c.groups = groups_mla;
+	sched = open_ok(&c);
+	save_mask = 0x1; /* one rank's save suffices */
+	start_ranks(MODE_REPLICATED);
+	make_keys(sched);
+	sh->phase = 1;
+	wait_acks(1, WORLD);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), NCHUNKS);
+	sh->lease = lease;
+	sh->nload = NCHUNKS;
+	sh->phase = 2;
+	wait_acks(2, WORLD);
+	stop_ranks();
+	struct kvt_stats s = { .size = sizeof(s) };
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.saved_chunks, NCHUNKS);
+	assert_int_equal(s.leases_live, 0);
+	kvt_close(sched);
+	kvt_close(owner);
+}
+
+static void test_rank_killed_mid_save(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, -1, KVT_F_CREATE | KVT_F_REPLACE);
+	kvt_tier *owner = open_ok(&c), *sched;
+	kvt_lease_id lease;
+	pid_t pid;
+	int status;
+
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	sched = open_ok(&c);
+	make_keys(sched);
+	/* rank 2 claims every chunk and dies before its copies complete */
+	pid = fork();
+	if (pid == 0) {
+		struct kvt_config rc = base_cfg(KVT_TIER_RANK, 2, 0);
+		rc.max_inflight = 1;
+		kvt_tier *t = NULL;
+		struct kv k = kv_alloc();
+		uint32_t table[NCHUNKS * (CHUNK / BLOCK)];
+		const uint32_t *tabs[1] = { table };
+		kvt_op op;
+		for (uint32_t i = 0; i < NCHUNKS * (CHUNK / BLOCK); i++)
+			table[i] = i;
+		if (kvt_open(&rc, &t))
+			_exit(1);
+		struct kvt_group_buffers gb = { .layer_base = k.base, .block_stride = PAGE, .n_blocks = NBLOCKS };
+		if (kvt_register_kv(t, 1, &gb))
+			_exit(2);
+		int n = kvt_save(t, (const kvt_key *)sh->keys, NCHUNKS, 0, tabs, &op);
+		if (n != NCHUNKS) {
+			fprintf(stderr, "save: %d %s\n", n, kvt_last_error());
+			_exit(3);
+		}
+		raise(SIGKILL);
+	}
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFSIGNALED(status));
+	/* its chunks are never served */
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), 0);
+	struct kvt_stats s = { .size = sizeof(s) };
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.slots_filling, NCHUNKS);
+	/* the reaper frees what it left */
+	assert_int_equal(kvt_reap(sched), 1);
+	assert_int_equal(kvt_stats(sched, &s), 0);
+	assert_int_equal(s.reaped_ranks, 1);
+	assert_int_equal(s.slots_filling, 0);
+	assert_int_equal(s.slots_free, s.slots);
+	/* the other ranks carry on; without rank 2's shard nothing is visible */
+	save_mask = 0xb;
+	start_ranks(0);
+	sh->phase = 1;
+	wait_acks(1, WORLD);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), 0);
+	stop_ranks();
+	/* the survivors carry on: a full save now publishes every chunk */
+	save_mask = 0xf;
+	start_ranks(0);
+	sh->phase = 1;
+	wait_acks(1, WORLD);
+	assert_int_equal(kvt_lookup(sched, (const kvt_key *)sh->keys, NCHUNKS, &lease), NCHUNKS);
+	sh->lease = lease;
+	sh->nload = NCHUNKS;
+	sh->phase = 2;
+	wait_acks(2, WORLD);
+	stop_ranks();
+	kvt_close(sched);
+	kvt_close(owner);
+}
+
+static void expect_open_error(struct kvt_config *c, int err, const char *what)
+{
+	kvt_tier *t = NULL;
+	int r = kvt_open(c, &t);
+
+	if (r != err || !strstr(kvt_last_error(), what))
+		fail_msg("open: expected %d naming '%s', got %d '%s'", err, what, r, kvt_last_error());
+	assert_null(t);
+}
+
+static void test_misconfigured(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, -1, KVT_F_CREATE | KVT_F_REPLACE);
+	kvt_tier *owner = open_ok(&c);
+
+	c = base_cfg(KVT_TIER_RANK, 0, 0);
+	c.world = 1; /* a rank that thinks world=1 */
+	expect_open_error(&c, -EINVAL, "world");
+	c = base_cfg(KVT_TIER_RANK, 4, 0);
+	expect_open_error(&c, -EINVAL, "KVTIER_RANK");
+	c = base_cfg(KVT_TIER_RANK, 0, 0);
+	static const struct kvt_group_desc other[1] = {
+		{ .n_layers = 2 * LAYERS, .bytes_per_token = BPT * 2, .tokens_per_block = BLOCK } };
+	c.groups = other; /* another model's layout */
+	expect_open_error(&c, -ESTALE, "fingerprint");
+	c = base_cfg(KVT_TIER_RANK, 0, 0);
+	c.model = "another-model";
+	expect_open_error(&c, -ESTALE, "fingerprint");
+	c = base_cfg(KVT_TIER_RANK, 0, 0);
+	c.chunk_tokens = 32;
+	expect_open_error(&c, -ESTALE, "fingerprint");
+	c = base_cfg(KVT_TIER_RANK, 0, 0);
+	c.segment = "../etc/passwd";
+	expect_open_error(&c, -EINVAL, "segment");
+	c = base_cfg(KVT_TIER_RANK, 0, 0);
+	c.n_groups = 0;
+	expect_open_error(&c, -EINVAL, "groups");
+	/* environment: strictly validated, named */
+	c = base_cfg(KVT_TIER_RANK, -1, 0);
+	c.flags &= ~KVT_F_NO_ENV;
+	c.world = 0;
+	c.dma = NULL;         /* fields left zero come from the environment */
+	c.chunk_tokens = 0;
+	setenv("KVTIER_CHUNK_TOKENS", "64", 1);
+	setenv("KVTIER_RANK", "1", 1);
+	setenv("KVTIER_WORLD", "4x", 1);
+	expect_open_error(&c, -EINVAL, "KVTIER_WORLD");
+	setenv("KVTIER_WORLD", "4", 1);
+	setenv("KVTIER_DMA", "gpu", 1);
+	expect_open_error(&c, -EINVAL, "KVTIER_DMA");
+	setenv("KVTIER_DMA", "host", 1);
+	setenv("KVTIER_CHUNK_TOKENS", "-64", 1);
+	expect_open_error(&c, -EINVAL, "KVTIER_CHUNK_TOKENS");
+	setenv("KVTIER_CHUNK_TOKENS", "64", 1);
+	setenv("KVTIER_MAX_INFLIGHT", "0", 1);
+	expect_open_error(&c, -EINVAL, "KVTIER_MAX_INFLIGHT");
+	unsetenv("KVTIER_MAX_INFLIGHT");
+	setenv("KVTIER_NUMA_NODES", "0,,1", 1);
+	expect_open_error(&c, -EINVAL, "KVTIER_NUMA_NODES");
+	unsetenv("KVTIER_NUMA_NODES");
+	setenv("KVTIER_ROLE", "ranker", 1);
+	c.role = 0;
+	expect_open_error(&c, -EINVAL, "KVTIER_ROLE");
+	setenv("KVTIER_ROLE", "rank", 1);
+	kvt_tier *t = open_ok(&c); /* all from the environment */
+	kvt_close(t);
+	unsetenv("KVTIER_DMA");
+	unsetenv("KVTIER_ROLE");
+	unsetenv("KVTIER_RANK");
+	unsetenv("KVTIER_WORLD");
+	unsetenv("KVTIER_CHUNK_TOKENS");
+	/* a scheduler cannot save; nothing registered cannot save */
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	t = open_ok(&c);
+	struct kvt_group_buffers gb = { 0 };
+	assert_int_equal(kvt_register_kv(t, 1, &gb), -EPERM);
+	kvt_op op;
+	const uint32_t *tabs[1] = { NULL };
+	assert_int_equal(kvt_save(t, (const kvt_key *)sh->keys, 1, 0, tabs, &op), -EPERM);
+	kvt_close(t);
+	/* the version handshake */
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	assert_int_equal(kvt_open_v(&c, KVT_API_VERSION + 1, &t), -ENOTSUP);
+	c.flags |= 0x80000000u;
+	expect_open_error(&c, -EINVAL, "flags");
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	c.size = 8;
+	expect_open_error(&c, -EINVAL, "size");
+	assert_non_null(kvt_strerror(-ESTALE));
+	kvt_close(owner);
+}
+
+static void test_glm_layout(void **st)
+{
+	(void)st;
+	/* GLM-5.x: 78 MLA caches of 576 B/token and 21 indexer caches of
+	 * 132 B/token (fp8), both replicated: 47,700 B/token. */
+	static const struct kvt_group_desc glm[2] = {
+		{ .n_layers = 78, .bytes_per_token = 576, .tokens_per_block = 64, .replicated = 1 },
+		{ .n_layers = 21, .bytes_per_token = 132, .tokens_per_block = 64, .replicated = 1 } };
+	struct kvt_config c;
+	memset(&c, 0, sizeof(c));
+	c.size = sizeof(c);
+	c.flags = KVT_F_NO_ENV | KVT_F_CREATE | KVT_F_REPLACE;
+	c.role = KVT_TIER_RANK;
+	c.rank = 0;
+	c.instance = 0;
+	c.world = 2;
+	c.chunk_tokens = 64;
+	c.segment = NAME;
+	c.model = "glm-5";
+	c.dma = "host";
+	c.n_groups = 2;
+	c.groups = glm;
+	c.n_slots = 8;
+	kvt_tier *t = open_ok(&c);
+	c.flags = KVT_F_NO_ENV;
+	c.rank = 1;
+	kvt_tier *t1 = open_ok(&c);
+	const uint32_t nb = 8;
+	uint64_t base0[78], base1[21];
+	uint8_t *mem[99];
+	for (int l = 0; l < 99; l++) {
+		uint32_t bpt = l < 78 ? 576 : 132;
+		mem[l] = malloc((size_t)nb * 64 * bpt);
+		for (size_t b = 0; b < (size_t)nb * 64 * bpt; b++)
+			mem[l][b] = (uint8_t)(b * 7 + (size_t)l * 3);
+		if (l < 78)
+			base0[l] = (uint64_t)(uintptr_t)mem[l];
+		else
+			base1[l - 78] = (uint64_t)(uintptr_t)mem[l];
+	}
+	struct kvt_group_buffers gb[2] = {
+		{ .layer_base = base0, .block_stride = 64 * 576, .n_blocks = nb },
+		{ .layer_base = base1, .block_stride = 64 * 132, .n_blocks = nb } };
+	int r = kvt_register_kv(t, 2, gb);
+	if (r)
+		fail_msg("register: %s", kvt_last_error());
+	struct kvt_stats s = { .size = sizeof(s) };
+	assert_int_equal(kvt_stats(t, &s), 0);
+	assert_int_equal(s.chunk_bytes, 64 * 47700); /* 3,052,800 bytes per chunk */
+	uint32_t tokens[128];
+	for (int i = 0; i < 128; i++)
+		tokens[i] = (uint32_t)i;
+	kvt_key keys[2];
+	assert_int_equal(kvt_hash_tokens(t, tokens, 128, NULL, keys, 2), 2);
+	uint32_t tab[2] = { 3, 5 };
+	const uint32_t *tabs[2] = { tab, NULL };
+	kvt_op op;
+	assert_int_equal(kvt_save(t, keys, 2, 0, tabs, &op), 2);
+	assert_int_equal(kvt_wait(t, op, -1), 0);
+	kvt_lease_id lease;
+	assert_int_equal(kvt_lookup(t, keys, 2, &lease), 2);
+	/* load into blocks 0 and 7 of a fresh copy held by "rank 1" */
+	uint64_t fb0[78], fb1[21];
+	uint8_t *fresh[99];
+	for (int l = 0; l < 99; l++) {
+		uint32_t bpt = l < 78 ? 576 : 132;
+		fresh[l] = calloc((size_t)nb * 64, bpt);
+		if (l < 78)
+			fb0[l] = (uint64_t)(uintptr_t)fresh[l];
+		else
+			fb1[l - 78] = (uint64_t)(uintptr_t)fresh[l];
+	}
+	struct kvt_group_buffers fg[2] = {
+		{ .layer_base = fb0, .block_stride = 64 * 576, .n_blocks = nb },
+		{ .layer_base = fb1, .block_stride = 64 * 132, .n_blocks = nb } };
+	assert_int_equal(kvt_register_kv(t1, 2, fg), 0);
+	uint32_t ftab[2] = { 0, 7 };
+	const uint32_t *ftabs[2] = { ftab, NULL };
+	assert_int_equal(kvt_load(t1, lease, 2, ftabs, &op), 0);
+	assert_int_equal(kvt_wait(t1, op, -1), 0);
+	for (int l = 0; l < 99; l++) {
+		size_t page = 64 * (size_t)(l < 78 ? 576 : 132);
+		assert_memory_equal(fresh[l] + 0 * page, mem[l] + 3 * page, page);
+		assert_memory_equal(fresh[l] + 7 * page, mem[l] + 5 * page, page);
+	}
+	/* rank 0 has not loaded: the lease still pins both chunks */
+	assert_int_equal(kvt_stats(t, &s), 0);
+	assert_int_equal(s.slots_pinned, 2);
+	assert_int_equal(kvt_release(t, lease), 0);
+	kvt_close(t1);
+	kvt_close(t);
+	for (int l = 0; l < 99; l++) {
+		free(mem[l]);
+		free(fresh[l]);
+	}
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_setup_teardown(test_cycle, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_leases, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_replicated, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_rank_killed_mid_save, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_misconfigured, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_glm_layout, setup, teardown),
+	};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}

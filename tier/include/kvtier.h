@@ -1,0 +1,213 @@
+/* kvtier.h - the engine-facing API of kvtier, a node-local shared-memory
+ * KV-cache tier.  This header is the whole public API: libkvtier.so exports
+ * exactly these functions (tier/libkvtier.map).
+ *
+ * Model.  One shared segment per node holds a chunk arena.  Every
+ * tensor-parallel rank of an engine opens it as a RANK (it saves and loads
+ * its own KV shard with GPU DMA), the engine's scheduler opens it as the
+ * SCHEDULER of its instance (it looks chunks up and steps; it needs no GPU).
+ * A chunk is `chunk_tokens` tokens; its key is a chained 128-bit hash of
+ * the prefix (kvt_hash_tokens), so a key names the chunk and everything
+ * before it.
+ *
+ *   scheduler: kvt_lookup(keys) -> hits + lease   (pins the hits)
+ *              ... hand the lease id to the ranks with the request ...
+ *              kvt_step(leases of this step)        (once per iteration)
+ *   rank r:    kvt_load(lease, block tables) -> op; kvt_wait(op)
+ *              kvt_save(keys, block tables) -> op;  kvt_poll(op) each step
+ *
+ * Conventions.  Every int function returns 0 or a count on success and a
+ * negative errno on failure; it never sets errno.  kvt_strerror() turns a
+ * code into a sentence; kvt_last_error() is the calling thread's message
+ * for its last failure (it names the field, variable or value that was
+ * wrong).  Objects come back through out-pointers set only on success.
+ * Option structs start with their size; reserved fields must be zero and
+ * unknown flag bits are rejected.
+ *
+ * Threads.  A kvt_tier handle may be used by one thread at a time (the
+ * engine's rank thread or scheduler thread); use one handle per thread
+ * otherwise.  kvt_strerror, kvt_last_error and kvt_hash_tokens are
+ * thread-safe.  Nothing blocks except where a comment says so (open,
+ * register, wait, close).
+ */
+#ifndef KVTIER_H
+#define KVTIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVT_API_VERSION 1
+
+typedef struct kvt_tier kvt_tier;
+
+#ifndef KVT_KEY_DEFINED
+#define KVT_KEY_DEFINED
+/* A 128-bit chunk key. */
+typedef struct kvt_key {
+	uint64_t lo, hi;
+} kvt_key;
+#endif
+
+typedef uint64_t kvt_lease_id; /* 0: no lease */
+typedef uint64_t kvt_op;       /* 0: nothing to wait for */
+
+/* Roles (the values of core's enum kvt_role). */
+#define KVT_TIER_RANK      1u
+#define KVT_TIER_SCHEDULER 2u
+#define KVT_TIER_CLIENT    3u /* tools and tests: may do what both do */
+
+/* One layer group of the model's KV cache, as one rank holds it. */
+struct kvt_group_desc {
+	uint32_t n_layers;         /* >= 1 */
+	uint32_t bytes_per_token;  /* per layer, per rank */
+	uint32_t tokens_per_block; /* the engine's block size; divides chunk_tokens */
+	uint32_t replicated;       /* 1: MLA-style, every rank holds the same bytes */
+};
+
+/* Flags of struct kvt_config. */
+#define KVT_F_CREATE     0x01u /* create the segment (embedded owner) */
+#define KVT_F_REPLACE    0x02u /* with CREATE: replace an existing segment */
+#define KVT_F_NO_ENV     0x04u /* ignore KVTIER_* variables */
+#define KVT_F_GROUP      0x08u /* with CREATE: mode 0660 */
+#define KVT_F_ANY_UID    0x10u /* attach to a segment of another uid */
+#define KVT_F_PREFAULT   0x20u /* with CREATE: fault the arena in now */
+#define KVT_F_MASK       0x3fu
+
+/* Open options.  Zero means "from the environment (KVTIER_*), else the
+ * default"; see the README's configuration table. */
+struct kvt_config {
+	size_t size;               /* sizeof(struct kvt_config) */
+	uint32_t flags;            /* KVT_F_* */
+	uint32_t role;             /* KVT_TIER_*; 0: $KVTIER_ROLE, else RANK */
+	int32_t instance;          /* -1: $KVTIER_INSTANCE, else 0 */
+	int32_t rank;              /* -1: $KVTIER_RANK (required for a rank) */
+	uint32_t world;            /* 0: $KVTIER_WORLD (required for a rank) */
+	uint32_t chunk_tokens;     /* 0: $KVTIER_CHUNK_TOKENS, else 256 */
+	const char *segment;       /* NULL: $KVTIER_SEGMENT, else "kvtier" */
+	const char *segment_dir;   /* NULL: $KVTIER_SEGMENT_DIR, else POSIX shm */
+	const char *model;         /* model identity (name, dtype...); enters
+				    * the fingerprint; NULL: $KVTIER_MODEL, else "" */
+	const char *dma;           /* NULL: $KVTIER_DMA, else "auto" */
+	uint32_t max_inflight;     /* chunks per rank; 0: $KVTIER_MAX_INFLIGHT, else 32 */
+	uint32_t n_groups;         /* 1..8 */
+	const struct kvt_group_desc *groups;
+	/* With KVT_F_CREATE: */
+	uint32_t n_slots;          /* chunks; 0: from tier_bytes */
+	uint32_t n_instances;      /* 0: $KVTIER_INSTANCES, else 1 */
+	uint64_t tier_bytes;       /* 0: $KVTIER_TIER_GIB, else 1 GiB */
+	uint64_t reserved[4];      /* must be 0 */
+};
+
+/* Opens (and with KVT_F_CREATE creates) the tier; the handshake checks the
+ * header against the library.  Returns 0, -EINVAL (a bad option or
+ * variable: the message names it), -EPROTO (a corrupt or foreign
+ * segment), -ESTALE (the segment holds another model or KV layout),
+ * -EBUSY (this rank is attached by a live process), -ENOENT (no segment),
+ * -ENODEV/-ENOENT from the DMA backend (a rank with no usable runtime),
+ * -ENOTSUP (header and library disagree on KVT_API_VERSION).  Blocks. */
+int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **out);
+static inline int kvt_open(const struct kvt_config *cfg, kvt_tier **out)
+{
+	return kvt_open_v(cfg, KVT_API_VERSION, out);
+}
+
+/* Waits for this handle's operations, aborts unfinished saves, detaches.
+ * NULL is ignored.  Blocks. */
+void kvt_close(kvt_tier *t);
+
+/* A rank's KV cache in device memory (host memory with the host backend),
+ * per group: layer l's block b is at layer_base[l] + b * block_stride. */
+struct kvt_group_buffers {
+	const uint64_t *layer_base; /* n_layers addresses */
+	uint64_t block_stride;      /* bytes */
+	uint64_t n_blocks;          /* blocks per layer */
+};
+
+/* Registers the rank's KV cache (once) and the arena with its DMA backend.
+ * 0, -EINVAL (shape does not match the groups given to open), -EALREADY,
+ * -EPERM (a scheduler has no KV), backend errors.  Blocks (page-locking
+ * the arena takes about 1 s per GB on 4 KiB pages). */
+int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffers *g);
+
+/* Chunk keys of a token sequence: key[i] = H(key[i-1] || tokens of chunk
+ * i), key[-1] = H(layout fingerprint) (or *parent when given), with
+ * XXH3-128; the same tokens give the same keys in every process and run.
+ * Hashes the full chunks only (the tail is recomputed by the engine).
+ * Returns the number of keys written (<= max_keys).  Thread-safe. */
+int kvt_hash_tokens(const kvt_tier *t, const uint32_t *tokens, size_t n_tokens,
+		    const kvt_key *parent, kvt_key *keys, size_t max_keys);
+
+/* Looks up a prompt's keys: the longest READY prefix, pinned under a new
+ * lease.  Returns the number of hit chunks and *lease (0 when none), or
+ * -ENOSPC (lease table full; nothing pinned).  Never blocks. */
+int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease);
+
+/* Saves n chunks of this rank's KV: for chunk i, keys[i] at prefix depth
+ * first_depth + i, from the blocks listed in tables[g][i * bpc(g) ..] where
+ * bpc(g) = chunk_tokens / tokens_per_block(g) (tables[g] may be NULL for
+ * g > 0: table 0 is used).  Chunks already saved or being saved are
+ * skipped; chunks that find no space are dropped and counted.  Returns
+ * the number of chunks it will write and *op (0 when none), -EINVAL,
+ * -EPERM (no KV registered).  Never blocks: what does not fit in the
+ * in-flight window is queued and submitted by kvt_poll/kvt_wait. */
+int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
+	     const uint32_t *const *tables, kvt_op *op);
+
+/* Loads the first n chunks of a lease into the blocks of tables (as in
+ * kvt_save).  When every rank of the instance has loaded, the lease is
+ * released.  Returns 0 and *op, -ESTALE (the lease is not live), -EINVAL
+ * (n above the lease's hits).  Never blocks (see kvt_save). */
+int kvt_load(kvt_tier *t, kvt_lease_id lease, uint32_t n,
+	     const uint32_t *const *tables, kvt_op *op);
+
+/* Progress and completion.  kvt_poll: 0 (done; the op is consumed),
+ * -EINPROGRESS, or the op's error (-EIO: a copy failed; for a save the
+ * chunk is not published, for a load the blocks are not valid; consumed).
+ * kvt_wait: the same, waiting up to timeout_ns (< 0: forever; -ETIMEDOUT
+ * leaves the op live).  -ESTALE: not a live op. */
+int kvt_poll(kvt_tier *t, kvt_op op);
+int kvt_wait(kvt_tier *t, kvt_op op, int64_t timeout_ns);
+
+/* Releases a lease (request aborted).  0; -EALREADY when it was released
+ * already (counted as a double unpin, nothing else changes). */
+int kvt_release(kvt_tier *t, kvt_lease_id lease);
+
+/* One scheduler iteration: `live` are the leases in this step's load set.
+ * A lease of this instance absent for two consecutive steps is released
+ * (counted as a stale unpin).  Returns how many were released. */
+int kvt_step(kvt_tier *t, const kvt_lease_id *live, uint32_t n);
+
+/* Reaps dead processes' state (their claims, pins, leases).  Returns the
+ * number reaped.  May wait briefly for live processes. */
+int kvt_reap(kvt_tier *t);
+
+/* Counters (summed over every process of the segment) and occupancy. */
+struct kvt_stats {
+	size_t size;  /* sizeof(struct kvt_stats), set by the caller */
+	uint64_t lookups, lookup_chunks, hit_chunks, hit_tokens;
+	uint64_t saved_chunks, save_skips, save_nospc, loaded_chunks;
+	uint64_t bytes_saved, bytes_loaded, evictions, stale_unpins;
+	uint64_t double_unpins, reaped_ranks, dma_errors;
+	uint64_t slots, slots_free, slots_filling, slots_ready, slots_pinned;
+	uint64_t leases_live;
+	uint64_t chunk_bytes; /* one rank's shard of one chunk */
+	uint32_t chunk_tokens, world;
+};
+int kvt_stats(kvt_tier *t, struct kvt_stats *out);
+
+/* The layout fingerprint (seed of the key chain). */
+void kvt_fingerprint(const kvt_tier *t, kvt_key *out);
+
+/* A sentence for a negative errno code. */
+const char *kvt_strerror(int err);
+/* The calling thread's message for its last failure. */
+const char *kvt_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVTIER_H */

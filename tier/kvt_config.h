@@ -1,0 +1,37 @@
+/* kvt_config.h - resolution of struct kvt_config against KVTIER_* variables
+ * (strictly validated) and defaults.  Internal to tier/. */
+#ifndef KVT_CONFIG_H
+#define KVT_CONFIG_H
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvtier.h"
+
+struct kvt_tier_env {
+	char segment[72];
+	char segment_dir[PATH_MAX];
+	char model[256];
+	char dma[8];
+	char numa_nodes[128];
+	uint32_t role, instance, rank, world;
+	uint32_t chunk_tokens, max_inflight, n_instances, log_level;
+	uint64_t tier_bytes;
+};
+
+enum { KVT_LOG_ERROR = 0, KVT_LOG_WARN = 1, KVT_LOG_INFO = 2, KVT_LOG_DEBUG = 3 };
+
+/* Fills *env from cfg, then the environment (unless KVT_F_NO_ENV), then
+ * defaults.  0, or -EINVAL with a message naming the option or variable
+ * and what was expected. */
+int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *env,
+			 char *err, size_t len);
+
+/* Strict parsers (exposed for the tests). */
+int kvt_parse_u32(const char *what, const char *s, uint32_t min, uint32_t max,
+		  uint32_t *out, char *err, size_t len);
+int kvt_parse_gib(const char *what, const char *s, uint64_t *bytes, char *err, size_t len);
+int kvt_parse_nodes(const char *what, const char *s, char *err, size_t len);
+
+#endif

@@ -1,0 +1,819 @@
+/* kvtier.c - the engine-facing API: joins core/ (the segment) and dma/ (the
+ * copies) behind kvtier.h.
+ *
+ * Saves.  kvt_save claims every chunk's shard at once (kvt_write_begin:
+ * dedupe and -ENOSPC are decided there, so the return value is exact),
+ * then feeds the claimed chunks to the DMA backend as its in-flight window
+ * allows.  A chunk's ready bit is set (kvt_write_end(ok)) only after its
+ * ticket completed without error; a failed copy aborts the claim, so a
+ * chunk with bad bytes is never published.  Loads work the same way from
+ * a lease's pinned slots; when every chunk of a load completed, the rank
+ * sets its bit in the lease's loaded mask, and the last rank's bit
+ * releases the pins.
+ *
+ * Progress is driven by the caller (kvt_poll / kvt_wait / the next
+ * kvt_save or kvt_load): no thread of ours touches the segment, so a
+ * handle is used by one thread at a time, as the header says.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <xxhash.h>
+
+#include "kvtier.h"
+#include "kvt_core.h"
+#include "kvt_dma.h"
+#include "kvt_config.h"
+
+#define KVT_MAX_OPS 256u
+
+enum chunk_state { CH_QUEUED, CH_INFLIGHT, CH_DONE, CH_FAILED };
+enum op_kind { OP_FREE = 0, OP_SAVE, OP_LOAD };
+
+struct op_chunk {
+	uint32_t state;
+	uint32_t slot;
+	kvt_dma_ticket ticket;
+	struct kvt_wref w;
+};
+
+struct op {
+	uint32_t kind;
+	uint32_t gen;
+	uint32_t n;
+	uint32_t next;       /* first chunk not submitted yet */
+	uint32_t done;       /* chunks finished (done or failed) */
+	int err;             /* first error */
+	kvt_lease_id lease;  /* loads */
+	struct op_chunk *ch;
+	uint32_t *blocks;    /* n * blocks_per_chunk(g) per group, group-major */
+};
+
+struct kvt_tier {
+	kvt_seg *seg;
+	kvt_dma *dma;
+	kvt_dma_mr *mr;
+	struct kvt_plan plan;
+	struct kvt_tier_env env;
+	struct kvt_kv_layout layout;   /* registered (device pointers) */
+	uint64_t *bases;               /* owned copies of the layer bases */
+	uint32_t role, rank, shard;
+	uint32_t chunk_tokens;
+	uint32_t bpc[KVT_MAX_GROUPS];  /* blocks per chunk, per group */
+	uint32_t blocks_per_chunk;     /* sum of bpc */
+	uint32_t n_groups;
+	struct kvt_group_desc groups[KVT_MAX_GROUPS];
+	kvt_key fingerprint;
+	struct op ops[KVT_MAX_OPS];
+	uint32_t op_hint;
+};
+
+static _Thread_local char tier_err[320];
+
+static int terr(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int terr(int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(tier_err, sizeof(tier_err), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+/* Passes a core or dma failure through with its message. */
+static int terr_core(int code, const char *what)
+{
+	return terr(code, "%s: %.250s", what, kvt_core_last_error());
+}
+
+static int terr_dma(int code, const char *what)
+{
+	return terr(code, "%s: %.250s", what, kvt_dma_last_error());
+}
+
+const char *kvt_last_error(void)
+{
+	return tier_err[0] ? tier_err : "no error";
+}
+
+const char *kvt_strerror(int err)
+{
+	switch (err) {
+	case 0: return "success";
+	case -EINVAL: return "invalid argument or configuration";
+	case -EPROTO: return "the segment is corrupt or not a kvtier segment";
+	case -ESTALE: return "stale: the object is no longer live, or the segment "
+			     "holds another model or layout";
+	case -EBUSY: return "busy: attached by a live process, or in use";
+	case -ENOENT: return "not found";
+	case -ENODEV: return "backend unavailable: no usable device";
+	case -ENOSPC: return "no space: nothing could be evicted, or a table is full";
+	case -ENOMEM: return "out of memory";
+	case -EPERM: return "not permitted for this role or owner";
+	case -EALREADY: return "already done (double release)";
+	case -EINPROGRESS: return "in progress";
+	case -ETIMEDOUT: return "timed out";
+	case -EIO: return "a copy failed";
+	case -ENOTSUP: return "header and library versions differ";
+	case -EAGAIN: return "try again";
+	case -EUCLEAN: return "an invariant of the segment does not hold";
+	case -EOVERFLOW: return "a size overflows";
+	default: return err < 0 ? "unknown error" : "not an error code";
+	}
+}
+
+/* ---- open ---- */
+
+static int geometry_from(kvt_tier *t, uint32_t world, uint32_t n_instances,
+			 uint64_t tier_bytes, uint32_t n_slots, struct kvt_geometry *g)
+{
+	uint32_t repl = 0;
+	XXH128_hash_t h;
+
+	memset(g, 0, sizeof(*g));
+	g->chunk_tokens = t->chunk_tokens;
+	g->world = world;
+	g->n_instances = n_instances;
+	g->n_groups = t->n_groups;
+	for (uint32_t i = 0; i < t->n_groups; i++) {
+		const struct kvt_group_desc *d = &t->groups[i];
+		if (d->replicated > 1)
+			return terr(-EINVAL, "groups[%u].replicated: %u is not 0 or 1", i, d->replicated);
+		if (!d->tokens_per_block || t->chunk_tokens % d->tokens_per_block)
+			return terr(-EINVAL, "groups[%u].tokens_per_block: %u does not divide "
+				    "chunk_tokens=%u", i, d->tokens_per_block, t->chunk_tokens);
+		repl += d->replicated;
+		g->groups[i].layers = d->n_layers;
+		g->groups[i].bytes_per_token = d->bytes_per_token;
+	}
+	if (repl && repl != t->n_groups)
+		return terr(-EINVAL, "groups: mixing replicated and sharded groups in one "
+			    "segment is not supported; use two segments");
+	g->mode = repl ? KVT_MODE_REPLICATED : KVT_MODE_SHARDED;
+	h = XXH3_128bits(t->env.model, strlen(t->env.model));
+	g->model_id.lo = h.low64;
+	g->model_id.hi = h.high64;
+	if (!n_slots) {
+		uint64_t shard = kvt_geometry_shard_bytes(g);
+		uint64_t per = shard * (repl ? 1 : world), n = per ? tier_bytes / per : 0;
+		if (n < 1)
+			return terr(-EINVAL, "tier_bytes: %llu bytes hold no chunk of %llu bytes",
+				    (unsigned long long)tier_bytes, (unsigned long long)per);
+		n_slots = n > (1u << 30) ? (1u << 30) : (uint32_t)n;
+	}
+	g->n_slots = n_slots;
+	return 0;
+}
+
+int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **out)
+{
+	struct kvt_seg_attach_opts a;
+	struct kvt_geometry g;
+	kvt_tier *t;
+	int r;
+
+	if (api_version != KVT_API_VERSION)
+		return terr(-ENOTSUP, "kvtier.h speaks API version %u, this library %u",
+			    api_version, KVT_API_VERSION);
+	if (!cfg || !out)
+		return terr(-EINVAL, "open: NULL argument");
+	if (cfg->size < sizeof(*cfg))
+		return terr(-EINVAL, "config.size: %zu, expected %zu", cfg->size, sizeof(*cfg));
+	if (cfg->flags & ~KVT_F_MASK)
+		return terr(-EINVAL, "config.flags: unknown bits 0x%x", cfg->flags & ~KVT_F_MASK);
+	for (int i = 0; i < 4; i++)
+		if (cfg->reserved[i])
+			return terr(-EINVAL, "config.reserved[%d]: must be 0", i);
+	if (cfg->n_groups > KVT_MAX_GROUPS || (cfg->n_groups && !cfg->groups))
+		return terr(-EINVAL, "config.n_groups: %u (1..%u, with groups)",
+			    cfg->n_groups, KVT_MAX_GROUPS);
+	t = calloc(1, sizeof(*t));
+	if (!t)
+		return terr(-ENOMEM, "open: out of memory");
+	r = kvt_tier_env_resolve(cfg, &t->env, tier_err, sizeof(tier_err));
+	if (r)
+		goto out_free;
+	t->role = t->env.role;
+	t->rank = t->env.rank;
+	t->chunk_tokens = t->env.chunk_tokens;
+	t->n_groups = cfg->n_groups;
+	if (cfg->n_groups)
+		memcpy(t->groups, cfg->groups, cfg->n_groups * sizeof(*cfg->groups));
+	if (t->role == KVT_TIER_RANK && !cfg->n_groups) {
+		r = terr(-EINVAL, "config.groups: a rank must describe its KV layout");
+		goto out_free;
+	}
+
+	memset(&a, 0, sizeof(a));
+	a.size = sizeof(a);
+	a.name = t->env.segment;
+	a.dir = t->env.segment_dir[0] ? t->env.segment_dir : NULL;
+	a.role = t->role;
+	a.instance = t->env.instance;
+	a.rank = t->env.rank;
+	a.world = t->env.world;
+	a.flags = (cfg->flags & KVT_F_ANY_UID) ? KVT_SEG_F_ANY_UID : 0;
+	if (cfg->n_groups) {
+		r = geometry_from(t, t->env.world ? t->env.world : 1, t->env.n_instances,
+				  t->env.tier_bytes, cfg->n_slots, &g);
+		if (r)
+			goto out_free;
+		kvt_geometry_fingerprint(&g, &t->fingerprint);
+		/* Without a world (a scheduler or client that did not say) the
+		 * fingerprint cannot be predicted: the segment's is adopted. */
+		if (t->env.world)
+			a.fingerprint = &t->fingerprint;
+	}
+	if (cfg->flags & KVT_F_CREATE) {
+		struct kvt_seg_create_opts c = {
+			.size = sizeof(c), .name = a.name, .dir = a.dir, .geo = &g,
+			.flags = ((cfg->flags & KVT_F_REPLACE) ? KVT_SEG_F_REPLACE : 0) |
+				 ((cfg->flags & KVT_F_GROUP) ? KVT_SEG_F_GROUP : 0) |
+				 ((cfg->flags & KVT_F_PREFAULT) ? KVT_SEG_F_PREFAULT : 0) };
+		if (!cfg->n_groups || !t->env.world) {
+			r = terr(-EINVAL, "create: needs the KV layout (groups) and the world size");
+			goto out_free;
+		}
+		r = kvt_seg_create(&c, &a, &t->seg);
+		if (r) {
+			terr_core(r, "create");
+			goto out_free;
+		}
+	} else {
+		r = kvt_seg_attach(&a, &t->seg);
+		if (r) {
+			terr_core(r, "attach");
+			goto out_free;
+		}
+	}
+	{
+		const struct kvt_geometry *sg = kvt_seg_geometry(t->seg);
+		kvt_seg_fingerprint(t->seg, &t->fingerprint);
+		if (!cfg->n_groups) {
+			t->chunk_tokens = sg->chunk_tokens;
+		} else if (sg->chunk_tokens != t->chunk_tokens) {
+			r = terr(-EINVAL, "chunk_tokens: this process uses %u, the segment %u",
+				 t->chunk_tokens, sg->chunk_tokens);
+			goto out_detach;
+		}
+		t->shard = sg->mode == KVT_MODE_SHARDED ? t->rank : 0;
+		for (uint32_t i = 0; i < t->n_groups; i++) {
+			t->bpc[i] = t->chunk_tokens / t->groups[i].tokens_per_block;
+			t->blocks_per_chunk += t->bpc[i];
+		}
+	}
+	*out = t;
+	return 0;
+out_detach:
+	kvt_seg_detach(t->seg);
+out_free:
+	free(t);
+	return r;
+}
+
+/* ---- ops ---- */
+
+static struct op *op_get(kvt_tier *t, kvt_op id)
+{
+	uint32_t i = (uint32_t)id;
+
+	if (i == 0 || i > KVT_MAX_OPS)
+		return NULL;
+	struct op *o = &t->ops[i - 1];
+	return o->kind != OP_FREE && o->gen == (uint32_t)(id >> 32) ? o : NULL;
+}
+
+static struct op *op_new(kvt_tier *t, uint32_t kind, uint32_t n, kvt_op *id)
+{
+	for (uint32_t k = 0; k < KVT_MAX_OPS; k++) {
+		uint32_t i = (t->op_hint + k) % KVT_MAX_OPS;
+		struct op *o = &t->ops[i];
+		if (o->kind != OP_FREE)
+			continue;
+		o->ch = calloc(n ? n : 1, sizeof(*o->ch));
+		o->blocks = calloc((size_t)(n ? n : 1) * t->blocks_per_chunk, sizeof(uint32_t));
+		if (!o->ch || !o->blocks) {
+			free(o->ch);
+			free(o->blocks);
+			return NULL;
+		}
+		o->kind = kind;
+		o->gen++;
+		o->n = n;
+		o->next = o->done = 0;
+		o->err = 0;
+		o->lease = 0;
+		t->op_hint = i + 1;
+		*id = ((uint64_t)o->gen << 32) | (i + 1);
+		return o;
+	}
+	return NULL;
+}
+
+static void op_free(struct op *o)
+{
+	free(o->ch);
+	free(o->blocks);
+	o->ch = NULL;
+	o->blocks = NULL;
+	o->kind = OP_FREE;
+}
+
+/* Copies chunk rows of the caller's block tables into the op. */
+static int op_tables(kvt_tier *t, struct op *o, const uint32_t *const *tables)
+{
+	uint32_t *dst = o->blocks;
+
+	if (!tables || !tables[0])
+		return terr(-EINVAL, "tables: NULL block table");
+	for (uint32_t g = 0; g < t->n_groups; g++) {
+		const uint32_t *src = tables[g] ? tables[g] : tables[0];
+		if (g && !tables[g] && t->groups[g].tokens_per_block != t->groups[0].tokens_per_block)
+			return terr(-EINVAL, "tables[%u]: NULL, but group %u's block size differs "
+				    "from group 0's", g, g);
+		memcpy(dst, src, (size_t)o->n * t->bpc[g] * sizeof(uint32_t));
+		dst += (size_t)o->n * t->bpc[g];
+	}
+	return 0;
+}
+
+static int chunk_submit(kvt_tier *t, struct op *o, uint32_t i)
+{
+	const uint32_t *tabs[KVT_MAX_GROUPS];
+	const uint32_t *base = o->blocks;
+	void *sub;
+	int r;
+
+	for (uint32_t g = 0; g < t->n_groups; g++) {
+		tabs[g] = base + (size_t)i * t->bpc[g];
+		base += (size_t)o->n * t->bpc[g];
+	}
+	r = kvt_dma_plan_build(t->dma, &t->plan, tabs, t->chunk_tokens);
+	if (r < 0)
+		return terr_dma(r, "plan");
+	sub = kvt_slot_shard_ptr(t->seg, o->ch[i].slot, t->shard);
+	if (!sub)
+		return terr(-EUCLEAN, "slot %u out of range", o->ch[i].slot);
+	return kvt_dma_submit(t->dma, &t->plan, sub,
+			      o->kind == OP_SAVE ? KVT_DMA_D2H : KVT_DMA_H2D, &o->ch[i].ticket);
+}
+
+static void chunk_finish(kvt_tier *t, struct op *o, uint32_t i, int status)
+{
+	struct op_chunk *c = &o->ch[i];
+
+	if (o->kind == OP_SAVE) {
+		int r = kvt_write_end(t->seg, &c->w, status == 0);
+		if (status == 0 && r == -ESTALE)
+			status = -ESTALE; /* reclaimed while written: not saved */
+	}
+	if (status) {
+		if (status == -EIO)
+			kvt_counter_add(t->seg, KVT_C_DMA_ERRORS, 1);
+		if (!o->err)
+			o->err = status;
+		c->state = CH_FAILED;
+	} else {
+		c->state = CH_DONE;
+		if (o->kind == OP_LOAD)
+			kvt_counter_add(t->seg, KVT_C_BYTES_LOADED,
+					kvt_kv_layout_shard_bytes(&t->layout));
+	}
+	o->done++;
+}
+
+/* Completes finished tickets and submits queued chunks.  Returns the op's
+ * status: 0 done, -EINPROGRESS, or its error once everything settled. */
+static int op_progress(kvt_tier *t, struct op *o)
+{
+	for (uint32_t i = 0; i < o->next; i++) {
+		if (o->ch[i].state != CH_INFLIGHT)
+			continue;
+		int r = kvt_dma_poll(t->dma, o->ch[i].ticket);
+		if (r != -EINPROGRESS)
+			chunk_finish(t, o, i, r);
+	}
+	while (o->next < o->n) {
+		uint32_t i = o->next;
+		if (o->ch[i].state != CH_QUEUED) {
+			o->next++;
+			continue;
+		}
+		int r = chunk_submit(t, o, i);
+		if (r == -EAGAIN)
+			break; /* window full: the next progress call resumes */
+		o->next++;
+		if (r) {
+			chunk_finish(t, o, i, r);
+			continue;
+		}
+		o->ch[i].state = CH_INFLIGHT;
+	}
+	if (o->done < o->n)
+		return -EINPROGRESS;
+	if (o->kind == OP_LOAD && o->lease && !o->err) {
+		int r = kvt_lease_loaded(t->seg, o->lease, t->rank);
+		if (r < 0)
+			o->err = r;
+		o->lease = 0;
+	}
+	return o->err;
+}
+
+static int need_kv(kvt_tier *t, const char *what)
+{
+	if (!t->dma)
+		return terr(-EPERM, "%s: no KV cache registered (kvt_register_kv)", what);
+	return 0;
+}
+
+int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
+	     const uint32_t *const *tables, kvt_op *opid)
+{
+	struct op *o;
+	uint32_t claimed = 0;
+	int r;
+
+	*opid = 0;
+	if ((r = need_kv(t, "save")))
+		return r;
+	if (!n)
+		return 0;
+	if (!keys)
+		return terr(-EINVAL, "save: NULL keys");
+	o = op_new(t, OP_SAVE, n, opid);
+	if (!o)
+		return terr(-ENOSPC, "save: %u operations are pending; poll them", KVT_MAX_OPS);
+	r = op_tables(t, o, tables);
+	if (r)
+		goto out_free;
+	for (uint32_t i = 0; i < n; i++) {
+		struct kvt_wref w;
+		r = kvt_write_begin(t->seg, &keys[i], first_depth + i, t->shard, &w);
+		if (r == 0) {
+			o->ch[i].state = CH_QUEUED;
+			o->ch[i].slot = w.slot;
+			o->ch[i].w = w;
+			claimed++;
+		} else {
+			/* skipped (dedupe) or no space: counted by core; not ours */
+			o->ch[i].state = CH_DONE;
+			o->done++;
+		}
+	}
+	if (!claimed) {
+		op_free(o);
+		*opid = 0;
+		return 0;
+	}
+	(void)op_progress(t, o);
+	return (int)claimed;
+out_free:
+	op_free(o);
+	*opid = 0;
+	return r;
+}
+
+int kvt_load(kvt_tier *t, kvt_lease_id lease, uint32_t n,
+	     const uint32_t *const *tables, kvt_op *opid)
+{
+	struct op *o;
+	uint32_t *slots;
+	int r, hits;
+
+	*opid = 0;
+	if ((r = need_kv(t, "load")))
+		return r;
+	slots = malloc((n ? n : 1) * sizeof(*slots));
+	if (!slots)
+		return terr(-ENOMEM, "load: out of memory");
+	hits = kvt_lease_slots(t->seg, lease, slots, NULL, n);
+	if (hits < 0) {
+		free(slots);
+		return terr_core(hits, "load");
+	}
+	if ((uint32_t)hits < n) {
+		free(slots);
+		return terr(-EINVAL, "load: %u chunks asked, the lease holds %d", n, hits);
+	}
+	o = op_new(t, OP_LOAD, n, opid);
+	if (!o) {
+		free(slots);
+		return terr(-ENOSPC, "load: %u operations are pending; poll them", KVT_MAX_OPS);
+	}
+	o->lease = lease;
+	r = op_tables(t, o, tables);
+	if (r) {
+		free(slots);
+		op_free(o);
+		*opid = 0;
+		return r;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		o->ch[i].state = CH_QUEUED;
+		o->ch[i].slot = slots[i];
+	}
+	free(slots);
+	if (n == 0) {
+		r = op_progress(t, o);
+		op_free(o);
+		*opid = 0;
+		return r < 0 ? terr_core(r, "load") : 0;
+	}
+	(void)op_progress(t, o);
+	return 0;
+}
+
+int kvt_poll(kvt_tier *t, kvt_op id)
+{
+	struct op *o = op_get(t, id);
+	int r;
+
+	if (!o)
+		return terr(-ESTALE, "poll: op %#llx is not live", (unsigned long long)id);
+	r = op_progress(t, o);
+	if (r == -EINPROGRESS)
+		return r;
+	op_free(o);
+	if (r)
+		return terr(r, "%s failed: %s", "operation", kvt_strerror(r));
+	return 0;
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+int kvt_wait(kvt_tier *t, kvt_op id, int64_t timeout_ns)
+{
+	uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : now_ns() + (uint64_t)timeout_ns;
+
+	for (;;) {
+		struct op *o = op_get(t, id);
+		if (!o)
+			return terr(-ESTALE, "wait: op %#llx is not live", (unsigned long long)id);
+		int r = kvt_poll(t, id);
+		if (r != -EINPROGRESS)
+			return r;
+		/* Sleep on the oldest ticket in flight (or just yield). */
+		uint64_t now = now_ns();
+		if (now >= deadline)
+			return terr(-ETIMEDOUT, "wait: op %#llx still in flight", (unsigned long long)id);
+		int64_t slice = (int64_t)((deadline - now) < 1000000ULL ? (deadline - now) : 1000000ULL);
+		for (uint32_t i = 0; i < o->next; i++) {
+			if (o->ch[i].state == CH_INFLIGHT) {
+				int w = kvt_dma_wait(t->dma, o->ch[i].ticket, slice);
+				if (w != -ETIMEDOUT)
+					chunk_finish(t, o, i, w);
+				break;
+			}
+		}
+	}
+}
+
+/* ---- registration ---- */
+
+int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffers *gb)
+{
+	struct kvt_dma_config dc;
+	void *arena;
+	uint64_t len, total = 0;
+	char msg[200];
+	int r;
+
+	if (t->role == KVT_TIER_SCHEDULER)
+		return terr(-EPERM, "register_kv: a scheduler has no KV cache");
+	if (t->dma)
+		return terr(-EALREADY, "register_kv: already registered");
+	if (n_groups != t->n_groups || !gb)
+		return terr(-EINVAL, "register_kv: %u groups given, the layout has %u",
+			    n_groups, t->n_groups);
+	for (uint32_t g = 0; g < n_groups; g++)
+		total += t->groups[g].n_layers;
+	t->bases = calloc(total ? total : 1, sizeof(uint64_t));
+	if (!t->bases)
+		return terr(-ENOMEM, "register_kv: out of memory");
+	memset(&t->layout, 0, sizeof(t->layout));
+	t->layout.chunk_tokens = t->chunk_tokens;
+	t->layout.n_groups = n_groups;
+	total = 0;
+	for (uint32_t g = 0; g < n_groups; g++) {
+		struct kvt_kv_group *kg = &t->layout.groups[g];
+		if (!gb[g].layer_base)
+			return terr(-EINVAL, "register_kv: groups[%u].layer_base is NULL", g);
+		memcpy(t->bases + total, gb[g].layer_base, t->groups[g].n_layers * sizeof(uint64_t));
+		kg->n_layers = t->groups[g].n_layers;
+		kg->bytes_per_token = t->groups[g].bytes_per_token;
+		kg->tokens_per_block = t->groups[g].tokens_per_block;
+		kg->flags = t->groups[g].replicated ? KVT_GROUP_F_REPLICATED : 0;
+		kg->block_stride = gb[g].block_stride;
+		kg->n_blocks = gb[g].n_blocks;
+		kg->layer_base = t->bases + total;
+		total += kg->n_layers;
+	}
+	if (kvt_kv_layout_check(&t->layout, msg, sizeof(msg)))
+		return terr(-EINVAL, "register_kv: %s", msg);
+	if (kvt_kv_layout_shard_bytes(&t->layout) > kvt_seg_shard_bytes(t->seg))
+		return terr(-EINVAL, "register_kv: a chunk is %llu bytes, the segment's "
+			    "sub-slot %llu", (unsigned long long)kvt_kv_layout_shard_bytes(&t->layout),
+			    (unsigned long long)kvt_seg_shard_bytes(t->seg));
+	memset(&dc, 0, sizeof(dc));
+	dc.size = sizeof(dc);
+	dc.backend = t->env.dma;
+	dc.device = -1;
+	dc.max_inflight = t->env.max_inflight;
+	if (t->env.log_level < KVT_LOG_INFO)
+		dc.flags |= KVT_DMA_F_QUIET;
+	r = kvt_dma_open(&dc, &t->dma);
+	if (r)
+		return terr_dma(r, "register_kv: DMA backend");
+	r = kvt_dma_kv_register(t->dma, &t->layout);
+	if (r) {
+		terr_dma(r, "register_kv");
+		goto out_close;
+	}
+	r = kvt_seg_arena(t->seg, t->shard, &arena, &len);
+	if (r) {
+		terr_core(r, "register_kv");
+		goto out_close;
+	}
+	r = kvt_dma_mem_register(t->dma, arena, len, kvt_seg_shard_bytes(t->seg), &t->mr);
+	if (r) {
+		terr_dma(r, "register_kv: arena registration");
+		goto out_close;
+	}
+	r = kvt_plan_init(&t->plan, kvt_kv_layout_max_copies(&t->layout));
+	if (r) {
+		terr(r, "register_kv: plan allocation");
+		goto out_unreg;
+	}
+	return 0;
+out_unreg:
+	kvt_dma_mem_unregister(t->dma, t->mr);
+	t->mr = NULL;
+out_close:
+	kvt_dma_close(t->dma);
+	t->dma = NULL;
+	return r;
+}
+
+/* ---- keys, lookups, leases ---- */
+
+int kvt_hash_tokens(const kvt_tier *t, const uint32_t *tokens, size_t n_tokens,
+		    const kvt_key *parent, kvt_key *keys, size_t max_keys)
+{
+	size_t chunks = n_tokens / t->chunk_tokens, tb = (size_t)t->chunk_tokens * 4;
+	uint8_t *buf;
+	kvt_key prev;
+
+	if (chunks > max_keys)
+		chunks = max_keys;
+	if (chunks > INT_MAX)
+		chunks = INT_MAX;
+	if (parent) {
+		prev = *parent;
+	} else {
+		XXH128_hash_t h = XXH3_128bits(&t->fingerprint, sizeof(t->fingerprint));
+		prev.lo = h.low64;
+		prev.hi = h.high64;
+	}
+	if (!chunks)
+		return 0;
+	if (!tokens || !keys)
+		return terr(-EINVAL, "hash_tokens: NULL argument");
+	buf = malloc(16 + tb);
+	if (!buf)
+		return terr(-ENOMEM, "hash_tokens: out of memory");
+	for (size_t i = 0; i < chunks; i++) {
+		/* Fixed byte order: keys are the same on every host. */
+		for (int b = 0; b < 8; b++) {
+			buf[b] = (uint8_t)(prev.lo >> (8 * b));
+			buf[8 + b] = (uint8_t)(prev.hi >> (8 * b));
+		}
+		for (size_t k = 0; k < t->chunk_tokens; k++) {
+			uint32_t v = tokens[i * t->chunk_tokens + k];
+			buf[16 + 4 * k] = (uint8_t)v;
+			buf[17 + 4 * k] = (uint8_t)(v >> 8);
+			buf[18 + 4 * k] = (uint8_t)(v >> 16);
+			buf[19 + 4 * k] = (uint8_t)(v >> 24);
+		}
+		XXH128_hash_t h = XXH3_128bits(buf, 16 + tb);
+		prev.lo = h.low64;
+		prev.hi = h.high64;
+		keys[i] = prev;
+	}
+	free(buf);
+	return (int)chunks;
+}
+
+int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease)
+{
+	int r;
+
+	if (!lease || (n && !keys))
+		return terr(-EINVAL, "lookup: NULL argument");
+	r = kvt_seg_lookup(t->seg, keys, n, lease);
+	return r < 0 ? terr_core(r, "lookup") : r;
+}
+
+int kvt_release(kvt_tier *t, kvt_lease_id lease)
+{
+	int r = kvt_lease_release(t->seg, lease);
+
+	return r < 0 ? terr_core(r, "release") : r;
+}
+
+int kvt_step(kvt_tier *t, const kvt_lease_id *live, uint32_t n)
+{
+	int r = kvt_seg_step(t->seg, live, n);
+
+	return r < 0 ? terr_core(r, "step") : r;
+}
+
+int kvt_reap(kvt_tier *t)
+{
+	int r = kvt_seg_reap(t->seg);
+
+	return r < 0 ? terr_core(r, "reap") : r;
+}
+
+int kvt_stats(kvt_tier *t, struct kvt_stats *o)
+{
+	uint64_t c[KVT_C__COUNT];
+	struct kvt_occupancy occ;
+	const struct kvt_geometry *g = kvt_seg_geometry(t->seg);
+
+	if (!o || o->size < sizeof(*o))
+		return terr(-EINVAL, "stats: size must be sizeof(struct kvt_stats)");
+	kvt_counters_read(t->seg, c);
+	kvt_occupancy_read(t->seg, &occ);
+	memset((uint8_t *)o + sizeof(o->size), 0, sizeof(*o) - sizeof(o->size));
+	o->lookups = c[KVT_C_LOOKUPS];
+	o->lookup_chunks = c[KVT_C_LOOKUP_CHUNKS];
+	o->hit_chunks = c[KVT_C_HIT_CHUNKS];
+	o->hit_tokens = c[KVT_C_HIT_TOKENS];
+	o->saved_chunks = c[KVT_C_SAVED_CHUNKS];
+	o->save_skips = c[KVT_C_SAVE_SKIPS];
+	o->save_nospc = c[KVT_C_SAVE_NOSPC];
+	o->loaded_chunks = c[KVT_C_LOADED_CHUNKS];
+	o->bytes_saved = c[KVT_C_BYTES_SAVED];
+	o->bytes_loaded = c[KVT_C_BYTES_LOADED];
+	o->evictions = c[KVT_C_EVICTIONS];
+	o->stale_unpins = c[KVT_C_STALE_UNPINS];
+	o->double_unpins = c[KVT_C_DOUBLE_UNPINS];
+	o->reaped_ranks = c[KVT_C_REAPED_RANKS];
+	o->dma_errors = c[KVT_C_DMA_ERRORS];
+	o->slots = g->n_slots;
+	o->slots_free = occ.free;
+	o->slots_filling = occ.filling;
+	o->slots_ready = occ.ready;
+	o->slots_pinned = occ.pinned;
+	o->leases_live = occ.leases_live;
+	o->chunk_bytes = kvt_seg_chunk_bytes(t->seg);
+	o->chunk_tokens = g->chunk_tokens;
+	o->world = g->world;
+	return 0;
+}
+
+void kvt_fingerprint(const kvt_tier *t, kvt_key *out)
+{
+	*out = t->fingerprint;
+}
+
+void kvt_close(kvt_tier *t)
+{
+	if (!t)
+		return;
+	for (uint32_t i = 0; i < KVT_MAX_OPS; i++) {
+		struct op *o = &t->ops[i];
+		if (o->kind == OP_FREE)
+			continue;
+		/* Let in-flight copies land before their claims end. */
+		for (uint32_t k = 0; k < o->next; k++)
+			if (o->ch[k].state == CH_INFLIGHT)
+				chunk_finish(t, o, k, kvt_dma_wait(t->dma, o->ch[k].ticket, -1));
+		if (o->kind == OP_SAVE)
+			for (uint32_t k = o->next; k < o->n; k++)
+				if (o->ch[k].state == CH_QUEUED)
+					kvt_write_end(t->seg, &o->ch[k].w, 0);
+		op_free(o);
+	}
+	if (t->dma) {
+		kvt_plan_fini(&t->plan);
+		if (t->mr)
+			kvt_dma_mem_unregister(t->dma, t->mr);
+		kvt_dma_close(t->dma);
+	}
+	kvt_seg_detach(t->seg);
+	free(t->bases);
+	free(t);
+}
