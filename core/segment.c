@@ -251,6 +251,19 @@ void kvt__fingerprint(const struct kvt_geometry *g, kvt_key *out)
 	out->hi = kvt__hash64(&f, sizeof(f), out->lo ^ 0x66696e6765727072ULL);
 }
 
+uint64_t kvt_geometry_segment_bytes(const struct kvt_geometry *g)
+{
+	struct kvt_geometry c = *g;
+	struct kvt_derived d;
+	struct kvt_region r[KVT_R__COUNT];
+	uint64_t total;
+
+	if (kvt__geometry_check(&c))
+		return 0;
+	geometry_defaults(&c);
+	return kvt__layout_compute(&c, &d, r, &total) ? 0 : total;
+}
+
 void kvt_geometry_fingerprint(const struct kvt_geometry *g, kvt_key *out)
 {
 	kvt__fingerprint(g, out);

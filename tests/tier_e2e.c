@@ -227,7 +227,10 @@ static int teardown(void **st)
 {
 	(void)st;
 	char path[128];
+	/* the creator puts the segment on huge pages when it finds them */
 	snprintf(path, sizeof(path), "/dev/shm/kvtier.%s", NAME);
+	unlink(path);
+	snprintf(path, sizeof(path), "/dev/hugepages/kvtier.%s", NAME);
 	unlink(path);
 	munmap((void *)sh, sizeof(*sh));
 	return 0;

@@ -219,6 +219,9 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 		if ((r = copy_str(e->numa_nodes, sizeof(e->numa_nodes), "KVTIER_NUMA_NODES", v, err, len)))
 			return r;
 	}
+	if ((v = var(cfg, "KVTIER_NUMA_FALLBACK")) &&
+	    (r = kvt_parse_u32("KVTIER_NUMA_FALLBACK", v, 0, 1, &e->numa_fallback, err, len)))
+		return r;
 	if ((v = var(cfg, "KVTIER_LOG_LEVEL"))) {
 		static const char *const lv[] = { "error", "warn", "info", "debug" };
 		uint32_t i;

@@ -28,6 +28,10 @@
 #include "kvt_core.h"
 #include "kvt_dma.h"
 #include "kvt_config.h"
+#if defined(KVTIER_HAVE_NUMA) && defined(KVTIER_NUMA_HAVE_SEG)
+#include "kvt_numa.h"
+#define TIER_PLACEMENT 1
+#endif
 
 #define KVT_MAX_OPS 256u
 
@@ -125,6 +129,124 @@ const char *kvt_strerror(int err)
 	case -EOVERFLOW: return "a size overflows";
 	default: return err < 0 ? "unknown error" : "not an error code";
 	}
+}
+
+/* ---- placement: NUMA nodes and huge pages for a segment we create ----
+ *
+ * Order (numa/): explicit nodes (KVTIER_NUMA_NODES), else this process's
+ * memory policy (numactl --membind ...), else the ranks' GPU-local nodes
+ * (rank r on GPU r), else the local node.  Huge pages: when KVTIER_SEGMENT_DIR
+ * is not given, the segment goes to a hugetlbfs mount with enough free
+ * pages if there is one (KVTIER_HUGEPAGES=auto|on|off), else to /dev/shm
+ * on 4 KiB pages with a warning.  Other processes that open the segment by
+ * name find it there too (attach_any below).  The arena is bound with mbind
+ * before its first touch, then pre-faulted and verified. */
+
+static void tier_log(void *arg, int level, const char *msg)
+{
+	const struct kvt_tier_env *e = arg;
+
+	if (level == 1 /* warn */ ? e->log_level >= KVT_LOG_WARN : e->log_level >= KVT_LOG_INFO)
+		fprintf(stderr, "kvtier: %s\n", msg);
+}
+
+#ifdef TIER_PLACEMENT
+static int create_placed(kvt_tier *t, const struct kvt_config *cfg,
+			 struct kvt_seg_create_opts *c, const struct kvt_seg_attach_opts *a)
+{
+	struct kvt_numa_topo *topo = NULL;
+	struct kvt_numa_request req;
+	struct kvt_numa_plan plan;
+	struct kvt_hp_request hr;
+	struct kvt_hp_choice hc;
+	struct kvt_numa_bind_opts bo;
+	struct kvt_numa_bind_report rep;
+	struct kvt_seg_attach_opts at = *a;
+	uint32_t nf = (cfg->flags & KVT_F_NO_ENV) ? KVT_NUMA_F_NO_ENV : 0;
+	int r;
+
+	if (t->env.numa_fallback)
+		nf |= KVT_NUMA_F_FALLBACK;
+	r = kvt_numa_topo_read(NULL, &topo);
+	if (r)
+		return terr(r, "create: NUMA topology: %.200s", kvt_numa_last_error());
+	memset(&req, 0, sizeof(req));
+	req.size = sizeof(req);
+	req.flags = nf;
+	req.n_shards = c->geo->mode == KVT_MODE_SHARDED ? c->geo->world : 1;
+	req.n_ranks = c->geo->world;
+	req.nodes = t->env.numa_nodes[0] ? t->env.numa_nodes : NULL;
+	req.log = tier_log;
+	req.log_arg = &t->env;
+	r = kvt_numa_choose(topo, &req, &plan);
+	if (r) {
+		terr(r, "create: NUMA placement: %.200s", kvt_numa_last_error());
+		goto out_topo;
+	}
+	if (!c->dir) {
+		memset(&hr, 0, sizeof(hr));
+		hr.size = sizeof(hr);
+		hr.want = KVT_HP_AUTO;
+		hr.flags = (cfg->flags & KVT_F_NO_ENV) ? 0 : KVT_HP_F_ENV;
+		hr.seg_bytes = kvt_geometry_segment_bytes(c->geo);
+		hr.log = tier_log;
+		hr.log_arg = &t->env;
+		r = kvt_hugepages_choose(topo, &plan, &hr, &hc);
+		if (r) {
+			terr(r, "create: huge pages: %.200s", kvt_numa_last_error());
+			goto out_topo;
+		}
+		if (hc.use) {
+			snprintf(t->env.segment_dir, sizeof(t->env.segment_dir), "%s", hc.dir);
+			c->dir = t->env.segment_dir;
+			at.dir = c->dir;
+		}
+	}
+	c->flags &= ~KVT_SEG_F_PREFAULT; /* binding pre-faults, after mbind */
+	r = kvt_seg_create(c, &at, &t->seg);
+	if (r) {
+		terr_core(r, "create");
+		goto out_topo;
+	}
+	memset(&bo, 0, sizeof(bo));
+	bo.size = sizeof(bo);
+	bo.flags = nf & KVT_NUMA_F_FALLBACK;
+	bo.log = tier_log;
+	bo.log_arg = &t->env;
+	r = kvt_numa_bind_segment(t->seg, &plan, &bo, &rep);
+	if (r) {
+		terr(r, "create: binding the arena: %.200s", kvt_numa_last_error());
+		kvt_seg_detach(t->seg);
+		t->seg = NULL;
+		kvt_seg_unlink(c->name, c->dir);
+	}
+out_topo:
+	kvt_numa_topo_free(topo);
+	return r;
+}
+#endif
+
+/* Attaches by name: in the given directory, else in /dev/shm, else in a
+ * hugetlbfs mount (where a creator that found huge pages put it). */
+static int attach_any(kvt_tier *t, struct kvt_seg_attach_opts *a)
+{
+	int r = kvt_seg_attach(a, &t->seg);
+
+#ifdef TIER_PLACEMENT
+	static const uint64_t sizes[2] = { 2ULL << 20, 1ULL << 30 };
+	for (int i = 0; r == -ENOENT && !a->dir && i < 2; i++) {
+		struct kvt_hugetlbfs h;
+		if (kvt_hugetlbfs_find(NULL, sizes[i], 0, &h) == 0) {
+			struct kvt_seg_attach_opts b = *a;
+			b.dir = h.dir;
+			r = kvt_seg_attach(&b, &t->seg);
+			if (r != -ENOENT)
+				return r; /* found there: its verdict stands */
+			r = kvt_seg_attach(a, &t->seg); /* report the /dev/shm miss */
+		}
+	}
+#endif
+	return r;
 }
 
 /* ---- open ---- */
@@ -239,13 +361,20 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 			r = terr(-EINVAL, "create: needs the KV layout (groups) and the world size");
 			goto out_free;
 		}
+#ifdef TIER_PLACEMENT
+		r = create_placed(t, cfg, &c, &a);
+		if (r)
+			goto out_free;
+#else
 		r = kvt_seg_create(&c, &a, &t->seg);
 		if (r) {
 			terr_core(r, "create");
 			goto out_free;
 		}
+		tier_log(&t->env, 1, "built without libnuma: the arena is not NUMA-bound");
+#endif
 	} else {
-		r = kvt_seg_attach(&a, &t->seg);
+		r = attach_any(t, &a);
 		if (r) {
 			terr_core(r, "attach");
 			goto out_free;

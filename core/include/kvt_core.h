@@ -103,6 +103,10 @@ struct kvt_seg_create_opts {
 	uint32_t reserved;      /* must be 0 */
 };
 
+/* Bytes of the whole segment a geometry makes (defaults applied); 0 when
+ * the geometry is invalid. */
+uint64_t kvt_geometry_segment_bytes(const struct kvt_geometry *g);
+
 /* The layout fingerprint a segment of this geometry carries (a hash of
  * chunk_tokens, world, mode, groups and model_id). */
 void kvt_geometry_fingerprint(const struct kvt_geometry *g, kvt_key *out);
