@@ -65,7 +65,10 @@ int kvt_check(kvt_seg *s, char *msg, size_t len)
 			FAIL("slots: slot %u is frozen", x);
 		if (st != KVT_S_FREE && st != KVT_S_FILLING && st != KVT_S_READY)
 			FAIL("slots: slot %u left in state %u", x, st);
-		if (KVT_PINS(w) && st != KVT_S_READY)
+		if (st == KVT_S_FILLING && KVT_FILL_OWNER(w))
+			FAIL("slots: slot %u is still being set up by entry %u", x,
+			     KVT_FILL_OWNER(w) - 1);
+		if (KVT_PINS(w) && st != KVT_S_READY && st != KVT_S_FILLING)
 			FAIL("slots: slot %u has %u pins in state %u", x, KVT_PINS(w), st);
 		if (st == KVT_S_FREE)
 			continue;

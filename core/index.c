@@ -71,6 +71,27 @@ void kvt__key_hash(const kvt_seg *s, const kvt_key *k, uint32_t *b1,
 	*tag = (uint32_t)(h >> 48);
 }
 
+static void index_help(kvt_seg *s, uint32_t b1, uint64_t c);
+
+void kvt__index_prefetch(const kvt_seg *s, const kvt_key *k)
+{
+	uint32_t b1, b2, tag;
+
+	kvt__key_hash(s, k, &b1, &b2, &tag);
+	__builtin_prefetch(&s->buckets[b1], 0, 3);
+}
+
+/* Finishes every insert left pending (the reaper: its inserter died
+ * between commit and finalize; anyone inserting there would help too). */
+void kvt__index_help_all(kvt_seg *s)
+{
+	for (uint32_t b = 0; b < s->d.n_buckets; b++) {
+		uint64_t c = kvt_load(&s->buckets[b].ctl, KVT_ACQ);
+		if (c & (1ULL << 36))
+			index_help(s, b, c);
+	}
+}
+
 static kvt_a64 *entry_at(kvt_seg *s, uint32_t b1, uint32_t b2, uint32_t pos)
 {
 	return pos < KVT_BUCKET_WAYS ? &s->buckets[b1].e[pos]

@@ -62,7 +62,7 @@
 
 #define KVT_DEFAULT_LEASES       1024u
 #define KVT_DEFAULT_LEASE_CHUNKS 512u
-#define KVT_DEFAULT_FILL_MS      30000u
+#define KVT_DEFAULT_FILL_MS      5000u
 
 /* ---- geometry limits ---- */
 #define KVT_MAX_SLOTS        (1u << 30)
@@ -151,8 +151,7 @@ enum kvt_ent_state {
 
 /* journal word: the one pin/unpin/alloc/freeze in progress for this entry.
  * [63..61 op][60 blocked][59..32 gen low 28 bits][31..0 slot + 1]. */
-enum kvt_jop { KVT_J_NONE = 0, KVT_J_PIN = 1, KVT_J_UNPIN = 2, KVT_J_ALLOC = 3,
-	       KVT_J_FREEZE = 4 };
+enum kvt_jop { KVT_J_NONE = 0, KVT_J_PIN = 1, KVT_J_UNPIN = 2, KVT_J_FREEZE = 4 };
 #define KVT_J(op, slot, gen) (((uint64_t)(op) << 61) | \
 	(((uint64_t)(gen) & 0xfffffffULL) << 32) | ((uint64_t)(slot) + 1))
 #define KVT_J_OP(w)      ((uint32_t)((w) >> 61))
@@ -175,7 +174,11 @@ struct kvt_ent {
 _Static_assert(sizeof(struct kvt_ent) == KVT_CACHELINE, "entry is one line");
 
 /* ---- slot meta ----
- * state word: [63..24 gen (40)][23..4 pins (20)][3 frozen][2..0 state]. */
+ * state word: [63..24 gen (40)][23..4 pins (20)][3 frozen][2..0 state].
+ * In FILLING the pins field holds the allocator (entry + 1) until its setup
+ * (fields, shard claim, index entry) is done, then 0: written in the
+ * FREE -> FILLING CAS itself, so the reaper knows a slot whose allocator
+ * died during setup. */
 enum kvt_slot_state {
 	KVT_S_FREE = 0, KVT_S_FILLING = 1, KVT_S_READY = 2, KVT_S_EVICTING = 3,
 	KVT_S_DOOMED = 4, /* FILLING that will never be READY; reclaimed when
@@ -186,6 +189,7 @@ enum kvt_slot_state {
 #define KVT_PIN_ONE      (1ULL << 4)
 #define KVT_PINS(w)      ((uint32_t)(((w) >> 4) & 0xfffffu))
 #define KVT_PINS_MAX     0xfffffu
+#define KVT_FILL_OWNER(w) KVT_PINS(w)  /* in FILLING: allocator entry + 1, or 0 */
 #define KVT_GEN(w)       ((w) >> 24)
 #define KVT_GEN_MASK     0xffffffffffULL
 #define KVT_SW(st, gen, pins) (((uint64_t)(gen) << 24) | \
@@ -207,13 +211,19 @@ struct kvt_slot {
 _Static_assert(sizeof(struct kvt_slot) == 64, "slot meta head is one line");
 
 /* ---- leases ----
- * state word: [63..4 gen][3..0 state].  Lease id: [63..32 gen low][31..0 idx+1]. */
+ * state word: [63..16 gen (48)][15..4 actor: entry + 1][3..0 state].  The
+ * actor is whoever the state belongs to -- the builder while BUILDING and
+ * ACTIVE, the releaser while RELEASING -- written in the same CAS as the
+ * state, so a process that dies right after a transition is known.
+ * Lease id: [63..32 gen low][31..0 idx+1]. */
 enum kvt_lease_state {
 	KVT_L_FREE = 0, KVT_L_BUILDING = 1, KVT_L_ACTIVE = 2, KVT_L_RELEASING = 3,
 };
-#define KVT_LW(st, gen)  (((uint64_t)(gen) << 4) | (uint64_t)(st))
+#define KVT_LW(st, gen, actor) ((((uint64_t)(gen) & 0xffffffffffffULL) << 16) | \
+	(((uint64_t)(actor) & 0xfffu) << 4) | (uint64_t)(st))
 #define KVT_LST(w)       ((uint32_t)(w) & 0xfu)
-#define KVT_LGEN(w)      ((w) >> 4)
+#define KVT_LACT(w)      ((uint32_t)((w) >> 4) & 0xfffu)
+#define KVT_LGEN(w)      ((w) >> 16)
 #define KVT_LEASE_ID(idx, gen) ((((gen) & 0xffffffffULL) << 32) | ((uint64_t)(idx) + 1))
 /* ref word: [63..32 slot gen low 32][31..0 slot + 1]; 0 = none. */
 #define KVT_REF(slot, gen) ((((uint64_t)(gen) & 0xffffffffULL) << 32) | ((uint64_t)(slot) + 1))
@@ -222,8 +232,8 @@ enum kvt_lease_state {
 
 struct kvt_lease {
 	kvt_a64 state;
-	kvt_a32 owner;     /* entry + 1 of the builder */
-	kvt_a32 releaser;  /* entry + 1 of whoever is releasing */
+	kvt_a32 reserved0;
+	kvt_a32 reserved1;
 	kvt_a32 instance;
 	kvt_a32 n_refs;
 	kvt_a64 loaded;    /* ranks that finished loading */
@@ -305,9 +315,11 @@ static inline _Atomic uint64_t *kvt__ctr(const kvt_seg *s, uint32_t block)
 
 static inline void kvt__count(kvt_seg *s, enum kvt_counter c, uint64_t v)
 {
-	/* Relaxed: counters are statistics; each block has one writer process
-	 * (or the shared observer block), readers sum them racily. */
-	kvt_fadd((_Atomic uint64_t *)&s->my_counters[c], v, KVT_RLX);
+	/* Relaxed load + store, no locked add: a block has exactly one writer
+	 * (the handle that owns the table entry; observers never count), and
+	 * readers sum the blocks racily. */
+	_Atomic uint64_t *p = (_Atomic uint64_t *)&s->my_counters[c];
+	kvt_store(p, kvt_load(p, KVT_RLX) + v, KVT_RLX);
 }
 
 static inline uint64_t kvt__full_mask(uint32_t n)
@@ -343,11 +355,14 @@ void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen);
 void kvt__key_hash(const kvt_seg *s, const kvt_key *k, uint32_t *b1,
 		   uint32_t *b2, uint32_t *tag);
 int kvt__index_check(kvt_seg *s, char *msg, size_t len);
+void kvt__index_help_all(kvt_seg *s);
+void kvt__index_prefetch(const kvt_seg *s, const kvt_key *k);
 
 /* slots.c */
 void kvt__slot_reclaim(kvt_seg *s, uint32_t slot);
 int kvt__slot_unpin(kvt_seg *s, uint32_t slot, uint64_t gen32);
 void kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
+void kvt__slot_doom(kvt_seg *s, uint32_t slot, uint64_t gen);
 int kvt__slot_state_live(uint64_t w);
 
 /* leases.c */

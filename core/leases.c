@@ -1,6 +1,7 @@
 /* leases.c - lookups, pins, leases, the step sweep, and pin repair.
  *
- * Lease states (state word [gen 60][state 4], CAS only):
+ * Lease states (state word [gen 48][actor 12][state 4], CAS only; the actor
+ * is the builder in BUILDING and ACTIVE, the releaser in RELEASING):
  *
  *   FREE --lookup--> BUILDING --pins recorded--> ACTIVE --release--> RELEASING
  *    ^                                                                   |
@@ -74,10 +75,9 @@ static int lease_alloc(kvt_seg *s, uint32_t *idx, uint64_t *gen)
 		if (KVT_LST(w) != KVT_L_FREE)
 			continue;
 		/* A6: acquire pairs with the release that freed it (R8). */
-		if (!kvt_cas(&l->state, &w, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w)), KVT_AR))
+		if (!kvt_cas(&l->state, &w, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), s->entry + 1),
+			     KVT_AR))
 			continue;
-		kvt_store(&l->owner, s->entry + 1, KVT_RLX);
-		kvt_store(&l->releaser, 0, KVT_RLX);
 		kvt_store(&l->instance, s->instance, KVT_RLX);
 		kvt_store(&l->n_refs, 0, KVT_RLX);
 		kvt_store(&l->loaded, 0, KVT_RLX);
@@ -118,6 +118,11 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 		return kvt__err(-EPERM, "lookup: an observer handle cannot pin");
 	kvt__count(s, KVT_C_LOOKUPS, 1);
 	kvt__count(s, KVT_C_LOOKUP_CHUNKS, n);
+	/* The buckets of a prompt's keys are independent cache misses: start
+	 * them all before walking the prefix (they are one dependent miss
+	 * each otherwise). */
+	for (uint32_t i = 0; i < n && i < 64; i++)
+		kvt__index_prefetch(s, &keys[i]);
 	for (uint32_t i = 0; i < n; i++) {
 		if (!kvt__index_find(s, &keys[i], &gen, &x, 0))
 			break;
@@ -146,15 +151,15 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 		hits++;
 	}
 	if (l) {
-		uint64_t w = KVT_LW(KVT_L_BUILDING, lgen);
+		uint64_t w = KVT_LW(KVT_L_BUILDING, lgen, s->entry + 1);
 		if (hits) {
-			/* R7: publishes refs and n_refs (A7). */
-			kvt_cas(&l->state, &w, KVT_LW(KVT_L_ACTIVE, lgen), KVT_AR);
+			/* R7: publishes refs and n_refs (A7).  The builder stays the
+			 * actor: its death releases the lease (reaper). */
+			kvt_cas(&l->state, &w, KVT_LW(KVT_L_ACTIVE, lgen, s->entry + 1), KVT_AR);
 			*lease = KVT_LEASE_ID(idx, lgen);
 		} else {
-			kvt_store(&l->owner, 0, KVT_RLX);
 			/* R8 */
-			kvt_cas(&l->state, &w, KVT_LW(KVT_L_FREE, lgen + 1), KVT_AR);
+			kvt_cas(&l->state, &w, KVT_LW(KVT_L_FREE, lgen + 1, 0), KVT_AR);
 		}
 	}
 	kvt__count(s, KVT_C_HIT_CHUNKS, hits);
@@ -221,10 +226,8 @@ void kvt__lease_finish_release(kvt_seg *s, uint32_t idx)
 		kvt_store(my_journal(s), 0, KVT_REL);
 	}
 	kvt_store(&l->n_refs, 0, KVT_RLX);
-	kvt_store(&l->owner, 0, KVT_RLX);
-	kvt_store(&l->releaser, 0, KVT_RLX);
 	/* R8: pairs with A6; everything above is done before reuse. */
-	kvt_cas(&l->state, &w, KVT_LW(KVT_L_FREE, KVT_LGEN(w) + 1), KVT_AR);
+	kvt_cas(&l->state, &w, KVT_LW(KVT_L_FREE, KVT_LGEN(w) + 1, 0), KVT_AR);
 }
 
 /* ACTIVE (or BUILDING, for the reaper) -> RELEASING, then finish. */
@@ -233,9 +236,9 @@ static int lease_release_idx(kvt_seg *s, uint32_t idx, uint64_t expect)
 	struct kvt_lease *l = kvt__lease(s, idx);
 	uint64_t w = expect;
 
-	if (!kvt_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(expect)), KVT_AR))
+	if (!kvt_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(expect), s->entry + 1),
+		     KVT_AR))
 		return -EALREADY;
-	kvt_store(&l->releaser, s->entry + 1, KVT_RLX);
 	kvt__lease_finish_release(s, idx);
 	return 0;
 }

@@ -15,8 +15,10 @@
  * process reaps it at a time; if the reaper dies too, the next one finds
  * REAPING with a dead pid and takes it over.  Every reap step is
  * idempotent: repair the pins named by the dead entry's journal, release
- * its shard claims (dooming those slots), finish evictions left half done,
- * and release the leases it built, was releasing, or that wait for its load.
+ * its shard claims (dooming those slots) and the slots it was setting up,
+ * finish evictions left half done, release the leases it built, was
+ * releasing, or that wait for its load, and finish index inserts left
+ * pending.
  */
 #include <errno.h>
 #include <sched.h>
@@ -143,19 +145,6 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 	case KVT_J_FREEZE:
 		kvt__pins_repair(s, KVT_J_SLOT(j), KVT_J_GEN(j));
 		break;
-	case KVT_J_ALLOC: {
-		uint32_t x = KVT_J_SLOT(j);
-		if (x < s->geo.n_slots) {
-			struct kvt_slot *sl = kvt__slot(s, x);
-			uint64_t w = kvt_load(&sl->state, KVT_SC);
-			if (KVT_ST(w) == KVT_S_FILLING && (KVT_GEN(w) & 0xfffffffULL) == KVT_J_GEN(j) &&
-			    kvt_load(&sl->writing, KVT_SC) == 0 &&
-			    kvt_load(&sl->ready, KVT_ACQ) == 0 &&
-			    kvt_cas(&sl->state, &w, KVT_SW(KVT_S_DOOMED, KVT_GEN(w), 0), KVT_SC))
-				kvt__slot_reclaim(s, x);
-		}
-		break;
-	}
 	default:
 		break;
 	}
@@ -167,7 +156,9 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 		case KVT_S_FILLING:
 		case KVT_S_DOOMED:
 			kvt__slot_writer_gone(s, x, e);
-			if (KVT_ST(w) == KVT_S_DOOMED)
+			if (KVT_ST(w) == KVT_S_FILLING && KVT_FILL_OWNER(w) == e + 1)
+				kvt__slot_doom(s, x, KVT_GEN(w)); /* died setting it up */
+			else if (KVT_ST(w) == KVT_S_DOOMED)
 				kvt__slot_reclaim(s, x);
 			break;
 		case KVT_S_EVICTING:
@@ -193,23 +184,20 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 
 		if (st == KVT_L_FREE)
 			continue;
-		if (st == KVT_L_RELEASING) {
-			if (kvt_load(&l->releaser, KVT_RLX) == e + 1)
-				kvt__lease_finish_release(s, i);
-			continue;
-		}
-		if (kvt_load(&l->owner, KVT_RLX) == e + 1)
-			release = 1; /* its builder (a scheduler or client) died */
+		if (KVT_LACT(w) == e + 1)
+			release = 1; /* it built it (BUILDING, ACTIVE) or was releasing it */
 		else if (st == KVT_L_ACTIVE && role == KVT_ROLE_RANK &&
 			 kvt_load(&l->instance, KVT_RLX) == inst &&
 			 rank < 64 && !(kvt_load(&l->loaded, KVT_ACQ) & (1ULL << rank)))
 			release = 1; /* it would wait forever for this rank */
+		/* Take the lease over as its releaser, in one CAS. */
 		if (release &&
-		    kvt_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w)), KVT_AR)) {
-			kvt_store(&l->releaser, s->entry + 1, KVT_RLX);
+		    kvt_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), s->entry + 1),
+			    KVT_AR))
 			kvt__lease_finish_release(s, i);
-		}
 	}
+	/* An insert it committed but did not finalize. */
+	kvt__index_help_all(s);
 	kvt__count(s, KVT_C_REAPED_RANKS, 1);
 	s->entry = me;
 	/* R11: the repairs are visible before the entry is reused. */

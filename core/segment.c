@@ -475,7 +475,7 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 	s->rank = a->rank;
 	if (a->role == KVT_ROLE_OBSERVER)
 		return 0;
-	if (a->role != KVT_ROLE_CLIENT && a->instance >= s->geo.n_instances)
+	if (a->instance >= s->geo.n_instances)
 		return kvt__err(-EINVAL, "instance: %u out of range (segment has %u)",
 				a->instance, s->geo.n_instances);
 	if (a->role == KVT_ROLE_RANK && a->rank >= s->geo.world)

@@ -34,10 +34,11 @@
  * DOOMED at its write_end and, being last out, reclaims.
  *
  * Process death: a dead writer's bits are cleared by the reaper (which
- * dooms the slot); a death between the FREE -> FILLING CAS and the writer
- * claim is recorded in the entry's journal (KVT_J_ALLOC); a slot whose
- * writers all left without completing the mask is doomed by the CLOCK
- * sweep after fill_timeout_ms.
+ * dooms the slot); a death during an allocation's setup (between the
+ * FREE -> FILLING CAS, which writes the allocator into the state word, and
+ * the end of kvt_write_begin, which clears it) is found by the reaper
+ * through that field; a slot whose writers all left without completing the
+ * mask is doomed by the CLOCK sweep after fill_timeout_ms.
  */
 #include <errno.h>
 #include <sched.h>
@@ -76,7 +77,7 @@ void kvt__slot_reclaim(kvt_seg *s, uint32_t x)
 }
 
 /* Moves FILLING|gen to DOOMED and reclaims it if no writer is left. */
-static void slot_doom(kvt_seg *s, uint32_t x, uint64_t gen)
+void kvt__slot_doom(kvt_seg *s, uint32_t x, uint64_t gen)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w = kvt_load(&sl->state, KVT_SC);
@@ -114,7 +115,7 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 	}
 	if (had && (KVT_ST(w) == KVT_S_FILLING || KVT_ST(w) == KVT_S_DOOMED)) {
 		kvt__count(s, KVT_C_FILL_ABORTS, 1);
-		slot_doom(s, x, KVT_GEN(w));
+		kvt__slot_doom(s, x, KVT_GEN(w));
 	}
 }
 
@@ -148,8 +149,8 @@ int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 	}
 }
 
-/* CLOCK sweep.  Returns a slot moved FREE -> FILLING (journaled as
- * KVT_J_ALLOC), or -ENOSPC after three full turns found nothing. */
+/* CLOCK sweep.  Returns a slot moved FREE -> FILLING|owner = us, or -ENOSPC
+ * after three full turns found nothing. */
 static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 {
 	uint32_t n = s->geo.n_slots;
@@ -176,25 +177,25 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 					break;
 				__attribute__((fallthrough));
 			case KVT_S_FREE:
-				kvt_store(my_journal(s), KVT_J(KVT_J_ALLOC, x, KVT_GEN(w)), KVT_REL);
 				/* A4: acquire pairs with R3: the previous life of the
 				 * slot is over before we write its fields. */
-				if (kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w), 0), KVT_AR)) {
+				if (kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w),
+								s->entry + 1), KVT_AR)) {
 					*xo = x;
 					*geno = KVT_GEN(w);
 					return 0;
 				}
-				kvt_store(my_journal(s), 0, KVT_REL);
 				break;
 			case KVT_S_FILLING:
-				if (kvt_load(&sl->writing, KVT_SC) != 0 || (w & KVT_ST_FROZEN))
-					break;
+				if (KVT_FILL_OWNER(w) || kvt_load(&sl->writing, KVT_SC) != 0 ||
+				    (w & KVT_ST_FROZEN))
+					break; /* being set up, or being written */
 				if (!now)
 					now = kvt__now_ns();
 				if (now - kvt_load(&sl->fill_ns, KVT_RLX) > timeout_ns &&
 				    kvt_load(&sl->fill_ns, KVT_RLX) < now) {
 					kvt__count(s, KVT_C_FILL_TIMEOUTS, 1);
-					slot_doom(s, x, KVT_GEN(w));
+					kvt__slot_doom(s, x, KVT_GEN(w));
 				}
 				break;
 			case KVT_S_READY: {
@@ -227,14 +228,13 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 				kvt__count(s, KVT_C_EVICTIONS, 1);
 				kvt__slot_reclaim(s, best);
 				w = kvt_load(&sl->state, KVT_ACQ);
-				kvt_store(my_journal(s), KVT_J(KVT_J_ALLOC, best, KVT_GEN(w)), KVT_REL);
 				if (KVT_ST(w) == KVT_S_FREE &&
-				    kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w), 0), KVT_AR)) {
+				    kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w),
+								    s->entry + 1), KVT_AR)) {
 					*xo = best;
 					*geno = KVT_GEN(w);
 					return 0;
 				}
-				kvt_store(my_journal(s), 0, KVT_REL);
 			}
 		}
 	}
@@ -311,21 +311,24 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 			kvt_store(&sl->writer[i], 0, KVT_RLX);
 		kvt_store(&sl->writer[shard], (uint16_t)(s->entry + 1), KVT_RLX);
 		kvt_store(&sl->writing, 1ULL << shard, KVT_SC);
-		/* From here the reaper finds us through writer[]. */
-		kvt_store(my_journal(s), 0, KVT_REL);
 
 		uint32_t ex;
 		uint64_t exgen;
 		/* The entry CAS inside is a release: the fields above are
 		 * visible to whoever finds the entry (A1). */
 		r = kvt__index_insert(s, key, x, gen, &ex, &exgen);
-		if (r == 0)
+		if (r == 0) {
+			/* Setup done: from here the reaper finds us through
+			 * writer[], like any writer. */
+			uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
+			kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, gen, 0), KVT_AR);
 			goto claimed;
+		}
 		/* Lost the race for the key (r == 1) or the index is full:
 		 * the slot was never visible, so it goes straight back. */
 		kvt_store(&sl->writer[shard], 0, KVT_RLX);
 		kvt_store(&sl->writing, 0, KVT_SC);
-		uint64_t w = KVT_SW(KVT_S_FILLING, gen, 0);
+		uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
 		kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (gen + 1) & KVT_GEN_MASK, 0), KVT_AR);
 		if (r < 0) {
 			kvt__count(s, KVT_C_INDEX_FULL, 1);
@@ -383,7 +386,7 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 	if (KVT_GEN(w) == wr->gen) {
 		if (KVT_ST(w) == KVT_S_FILLING && (!ok || ret < 0) &&
 		    kvt_load(&sl->ready, KVT_ACQ) == 0 && kvt_load(&sl->writing, KVT_SC) == 0)
-			slot_doom(s, wr->slot, wr->gen); /* nothing of it was written */
+			kvt__slot_doom(s, wr->slot, wr->gen); /* nothing of it was written */
 		else if (KVT_ST(w) == KVT_S_DOOMED)
 			kvt__slot_reclaim(s, wr->slot);  /* last one out */
 	}

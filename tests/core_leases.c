@@ -229,8 +229,8 @@ static void test_pin_repair(void **st)
 				uint32_t idx = (uint32_t)lease - 1;
 				struct kvt_lease *l = kvt__lease(c, idx);
 				uint64_t lw = kvt_load(&l->state, KVT_RLX);
-				kvt_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(lw)), KVT_REL);
-				kvt_store(&l->releaser, c->entry + 1, KVT_REL);
+				kvt_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(lw), c->entry + 1),
+					  KVT_REL);
 				kvt_store(&c->ents[c->entry].journal, KVT_J(KVT_J_UNPIN, slot, KVT_GEN(w)), KVT_REL);
 				kvt_store(&sl->state, w - KVT_PIN_ONE, KVT_REL);
 			}
@@ -251,6 +251,85 @@ static void test_pin_repair(void **st)
 	kvt_seg_detach(s);
 }
 
+/* White box: a process died right after a state transition that names it
+ * (the actor written in the same CAS): a lease it was releasing (B) or
+ * building (C), a slot it was setting up (D), an index insert it had
+ * committed but not finalized (G).  The reaper must clean each up. */
+static void test_dead_mid_transition(void **st)
+{
+	(void)st;
+	struct kvt_geometry g = kvt_test_geo(1, 16);
+	kvt_seg *s = kvt_test_create(NAME, &g, NULL);
+	uint64_t lease;
+
+	for (uint64_t i = 0; i < 2; i++)
+		assert_int_equal(kvt_test_save_all(s, i, 0), 1);
+	assert_int_equal(look(s, 0, 2, &lease), 2);
+	for (int scenario = 0; scenario < 4; scenario++) {
+		pid_t pid = fork();
+		int status;
+		if (pid == 0) {
+			kvt_seg *c;
+			if (kvt_test_attach(NAME, KVT_ROLE_CLIENT, 0, 0, 0, &c))
+				_exit(1);
+			uint32_t me = c->entry + 1;
+			if (scenario == 0) {        /* B: RELEASING, nothing unpinned */
+				struct kvt_lease *l = kvt__lease(c, (uint32_t)lease - 1);
+				uint64_t w = kvt_load(&l->state, KVT_RLX);
+				kvt_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), me), KVT_REL);
+			} else if (scenario == 1) { /* C: BUILDING, nothing recorded */
+				struct kvt_lease *l = kvt__lease(c, 7);
+				uint64_t w = kvt_load(&l->state, KVT_RLX);
+				if (KVT_LST(w) != KVT_L_FREE)
+					_exit(2);
+				kvt_store(&l->state, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), me), KVT_REL);
+			} else if (scenario == 2) { /* D: FREE -> FILLING|owner, no setup */
+				for (uint32_t x = 0; x < 16; x++) {
+					struct kvt_slot *sl = kvt__slot(c, x);
+					uint64_t w = kvt_load(&sl->state, KVT_RLX);
+					if (KVT_ST(w) == KVT_S_FREE) {
+						kvt_store(&sl->state, KVT_SW(KVT_S_FILLING, KVT_GEN(w), me), KVT_REL);
+						break;
+					}
+				}
+			} else {                    /* G: commit without finalize */
+				kvt_key k = kvt_test_key(9);
+				struct kvt_wref w;
+				if (kvt_write_begin(c, &k, 0, 0, &w))
+					_exit(3);
+				uint32_t b1, b2, tag;
+				kvt__key_hash(c, &k, &b1, &b2, &tag);
+				/* turn its final entry back into a committed, pending one */
+				for (uint32_t p = 0; p < KVT_BUCKET_WAYS; p++) {
+					uint64_t e = kvt_load(&c->buckets[b1].e[p], KVT_RLX);
+					if (e && KVT_E_SLOT(e) == w.slot) {
+						uint64_t ver = (kvt_load(&c->buckets[b1].ctl, KVT_RLX) >> 37) + 1;
+						uint64_t t = KVT_E_TENT | (e & ~(0xffffULL << 32)) |
+							     ((ver & 0xffff) << 32);
+						kvt_store(&c->buckets[b1].e[p], t, KVT_REL);
+						kvt_store(&c->buckets[b1].ctl, (ver << 37) | (1ULL << 36) |
+							  ((uint64_t)p << 32) | (w.slot + 1), KVT_REL);
+						break;
+					}
+				}
+			}
+			_exit(0);
+		}
+		assert_int_equal(waitpid(pid, &status, 0), pid);
+		assert_int_equal(WEXITSTATUS(status), 0);
+		char msg[256];
+		assert_int_not_equal(kvt_check(s, msg, sizeof(msg)), 0);
+		assert_int_equal(kvt_seg_reap(s), 1);
+		kvt_test_assert_check(s);
+	}
+	assert_int_equal(pins_total(s), 0);
+	assert_int_equal(kvt_lease_release(s, lease), -EALREADY);
+	for (uint64_t i = 20; i < 40; i++) /* everything still allocatable */
+		assert_int_equal(kvt_test_save_all(s, i, 0), 1);
+	kvt_test_assert_check(s);
+	kvt_seg_detach(s);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -260,6 +339,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_limits, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_reap_leases, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_pin_repair, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_dead_mid_transition, setup, teardown),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -49,7 +49,7 @@ static void test_create_attach(void **st)
 	assert_int_equal(kvt_seg_entry(o), UINT32_MAX);
 	assert_int_equal(kvt_seg_geometry(o)->n_slots, 32);
 	assert_int_equal(kvt_seg_geometry(o)->n_leases, 64);
-	assert_int_equal(kvt_seg_geometry(o)->fill_timeout_ms, 30000); /* default */
+	assert_int_equal(kvt_seg_geometry(o)->fill_timeout_ms, 5000); /* default */
 	kvt_seg_fingerprint(s, &fp1);
 	kvt_seg_fingerprint(o, &fp2);
 	assert_memory_equal(&fp1, &fp2, sizeof(fp1));

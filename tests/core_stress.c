@@ -173,7 +173,9 @@ static void finish(struct st_state *t, const int *status)
 	assert_int_equal(v[KVT_C_STALE_UNPINS], tot[SE_STALE]);
 	assert_true(v[KVT_C_FILL_ABORTS] >= tot[SE_WRITE_ABORTS]);
 	assert_int_equal(v[KVT_C_REAPED_RANKS], 0);
-	/* ... and every path was taken. */
+	/* ... and, in a run of the default length, every path was taken. */
+	if (t->cfg.ops < 20000)
+		return;
 	assert_true(tot[SE_SAVED] > 0);
 	assert_true(tot[SE_MADE_READY] > 0);
 	assert_true(tot[SE_HITS] > 0);

@@ -60,8 +60,10 @@ struct kvt_geometry {
 	uint32_t n_slots;          /* chunks the arena holds, 1..2^30 */
 	uint32_t n_leases;         /* concurrent lookups, 0 = default (1024) */
 	uint32_t lease_max_chunks; /* chunks one lookup can pin, 0 = default (512) */
-	uint32_t fill_timeout_ms;  /* an abandoned FILLING slot is reclaimed
-				    * after this; 0 = default (30000) */
+	uint32_t fill_timeout_ms;  /* a FILLING slot that no writer holds (some
+				    * rank never saved its shard) is reclaimed
+				    * after this; 0 = default (5000): ranks of
+				    * one engine save a chunk in the same step */
 };
 
 /* Bytes of one shard of one chunk (what one rank writes), as stored:

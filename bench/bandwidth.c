@@ -1,0 +1,1247 @@
+/* bandwidth.c - kvtier-bench bandwidth: save and load GB/s through a real
+ * segment, beside the platform's own copy ceiling measured in the same run.
+ *
+ * For every rank count R and chunk size C (or an engine layout), the parent
+ * creates a segment (world R, sharded) and forks R rank processes; the
+ * parent itself never touches a GPU runtime (CUDA does not survive fork).
+ * Each rank attaches as a client, opens the DMA backend, allocates its KV
+ * cache in device memory (cudaMalloc/hipMalloc-equivalent; ordinary memory
+ * for the host backend), registers the layout and its own shard of the
+ * arena (timed), and then, for every in-flight depth D, `repeat` times:
+ *
+ *   save  N chunks: kvt_write_begin -> plan -> kvt_dma_submit (D2H) ->
+ *         wait -> kvt_write_end, at most D tickets in flight;
+ *   load  the same N chunks: kvt_seg_lookup -> kvt_lease_slots -> submit
+ *         (H2D, into other blocks) -> wait -> kvt_lease_release.
+ *
+ * Ranks start each phase together (a process-shared barrier); a phase's
+ * GB/s is all ranks' bytes over (last end - first start).  The ceiling is
+ * the backend's kvt_dma_ceiling() -- memcpy for host, the runtime's own
+ * pinned copy for hsa/cuda -- with C-byte copies over the same device
+ * memory, in R processes at once.  Medians of `repeat` runs are printed.
+ * Before timing, each configuration is verified once: a saved sub-slot must
+ * hold the device pages token by token, and a load must reproduce them in
+ * other blocks.
+ *
+ * The arena is sized so that no run evicts another's chunks (loads must
+ * find them all); registration time of the arena (4 KiB pages) and of a
+ * huge-page mapping of the same kind (memfd, MFD_HUGETLB) is reported.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvt_core.h"
+#include "kvt_dma.h"
+
+#ifndef MFD_HUGE_2MB
+#define MFD_HUGE_2MB (21u << 26)
+#endif
+
+#define MAX_LIST   16
+#define MAX_RANKS  8
+#define MAX_REP    9
+#define KEY_HI     0x62616e6477696474ULL   /* "bandwidt" */
+#define VERIFY_RUN 0xffu
+
+struct opts {
+	const char *backend;
+	int device;
+	const char *layout;            /* synth | glm5 | llama70b-tp8 */
+	uint64_t chunks[MAX_LIST];
+	uint32_t n_chunks;
+	uint32_t depths[MAX_LIST];
+	uint32_t n_depths;
+	uint32_t ranks[MAX_LIST];
+	uint32_t n_ranks;
+	uint32_t layers, block_tokens, chunk_tokens;
+	int random_blocks;
+	uint64_t run_bytes;            /* per rank per run */
+	uint64_t dev_bytes;            /* device KV per rank */
+	uint32_t repeat;
+	int json, no_2d, quiet;
+	const char *plot;
+	const char *dir;               /* segment directory (hugetlbfs) */
+	uint64_t reg_bytes;            /* registration probe size */
+};
+
+/* One configuration: a layout and a rank count. */
+struct conf {
+	struct kvt_geometry geo;
+	uint32_t tpb[KVT_MAX_GROUPS];
+	uint64_t chunk_bytes;          /* chunk_tokens * sum(layers * bpt) */
+	uint64_t page;                 /* largest page of the layout */
+	uint32_t ranks;
+	uint32_t n;                    /* chunks per rank per run */
+	uint64_t n_blocks;             /* per layer */
+	char name[64];
+};
+
+/* Results of one rank, in memory shared with the parent. */
+struct rank_res {
+	uint64_t t0[MAX_LIST][MAX_REP][2], t1[MAX_LIST][MAX_REP][2];
+	uint64_t chunks[MAX_LIST][MAX_REP][2];
+	double ceil_s[MAX_REP][2];
+	uint64_t ceil_bytes;
+	uint64_t reg_ns, reg_bytes;
+	uint32_t copies;               /* copies in a save plan */
+	int failed;
+	char msg[512];
+	char describe[512];
+};
+
+struct shared {
+	pthread_barrier_t bar;
+	struct rank_res r[MAX_RANKS];
+};
+
+/* One printed row. */
+struct row {
+	char layout[64];
+	uint32_t ranks, depth, copies;
+	uint64_t chunk, page;
+	double gbs[2], ceil[2];
+	uint64_t reg_ns, reg_bytes;
+};
+
+static char seg_name[KVT_NAME_MAX + 1];
+static pid_t parent_pid;
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t rnd(uint64_t *s)
+{
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+	return z ^ (z >> 31);
+}
+
+static void cleanup(void)
+{
+	if (seg_name[0] && getpid() == parent_pid)
+		kvt_seg_unlink(seg_name, NULL);
+}
+
+static void on_signal(int sig)
+{
+	cleanup();
+	signal(sig, SIG_DFL);
+	raise(sig);
+}
+
+static const char *human(uint64_t b, char *buf, size_t len)
+{
+	if (b >= (1ULL << 30) && !(b % (1ULL << 30)))
+		snprintf(buf, len, "%lluG", (unsigned long long)(b >> 30));
+	else if (b >= (1ULL << 20) && !(b % (1ULL << 20)))
+		snprintf(buf, len, "%lluM", (unsigned long long)(b >> 20));
+	else if (b >= 1024 && !(b % 1024))
+		snprintf(buf, len, "%lluK", (unsigned long long)(b >> 10));
+	else
+		snprintf(buf, len, "%llu", (unsigned long long)b);
+	return buf;
+}
+
+static int parse_size(const char *s, uint64_t *out)
+{
+	char *end;
+	double v = strtod(s, &end);
+
+	if (end == s || v <= 0)
+		return -1;
+	switch (*end) {
+	case 'k': case 'K': v *= 1024; end++; break;
+	case 'm': case 'M': v *= 1024 * 1024; end++; break;
+	case 'g': case 'G': v *= 1024.0 * 1024 * 1024; end++; break;
+	default: break;
+	}
+	if (*end == 'i' || *end == 'B')
+		end += (*end == 'i') + (end[*end == 'i'] == 'B');
+	if (*end)
+		return -1;
+	*out = (uint64_t)v;
+	return 0;
+}
+
+static int parse_list(const char *s, int sizes, uint64_t *v64, uint32_t *v32, uint32_t *n,
+		      uint64_t max)
+{
+	char buf[256], *save = NULL, *tok;
+
+	snprintf(buf, sizeof(buf), "%s", s);
+	*n = 0;
+	for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		uint64_t v;
+		char *end;
+
+		if (*n == MAX_LIST)
+			return -1;
+		if (sizes) {
+			if (parse_size(tok, &v))
+				return -1;
+		} else {
+			v = strtoull(tok, &end, 10);
+			if (*end)
+				return -1;
+		}
+		if (!v || v > max)
+			return -1;
+		if (v64)
+			v64[*n] = v;
+		else
+			v32[*n] = (uint32_t)v;
+		(*n)++;
+	}
+	return *n ? 0 : -1;
+}
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+"usage: kvtier-bench bandwidth [options]\n"
+"  --backend B          auto | host | hsa | cuda (default: $KVTIER_DMA, else auto)\n"
+"  --device N           GPU ordinal (default 0)\n"
+"  --layout L           synth (default): one group of --layers layers, chunk sizes\n"
+"                       from --chunk-sizes; glm5: 78 x 576 B + 21 x 132 B per token,\n"
+"                       64-token blocks; llama70b-tp8: 160 x 256 B, 16-token blocks\n"
+"  --chunk-sizes LIST   synth chunk sizes (default 64K,256K,1M,4M,16M)\n"
+"  --layers N           synth layers (default 4)\n"
+"  --block-tokens N     synth tokens per block (default 16)\n"
+"  --chunk-tokens N     tokens per chunk (default 256)\n"
+"  --blocks seq|random  block ids of a chunk: adjacent, or scattered (default random)\n"
+"  --depths LIST        chunks in flight per rank (default 1,4,32)\n"
+"  --ranks LIST         rank processes (default 1,2)\n"
+"  --run-bytes SIZE     bytes each rank saves per run (default 256M)\n"
+"  --dev-bytes SIZE     device KV per rank (default 512M)\n"
+"  --repeat N           runs per measurement; medians are printed (default 3)\n"
+"  --reg-bytes SIZE     registration probe size (default 1G; 0: skip)\n"
+"  --hugetlbfs DIR      put the segment on this hugetlbfs mount\n"
+"  --no-2d              plans without 2-D copies\n"
+"  --json               one JSON object instead of the table\n"
+"  --plot FILE          also draw FILE (PNG, gnuplot; FILE.gp and FILE.dat kept)\n");
+}
+
+static int parse(int argc, char **argv, struct opts *o)
+{
+	static const struct option lo[] = {
+		{ "backend", 1, 0, 'b' }, { "device", 1, 0, 'd' }, { "layout", 1, 0, 'L' },
+		{ "chunk-sizes", 1, 0, 'c' }, { "layers", 1, 0, 'l' },
+		{ "block-tokens", 1, 0, 't' }, { "chunk-tokens", 1, 0, 'T' },
+		{ "blocks", 1, 0, 'B' }, { "depths", 1, 0, 'D' }, { "ranks", 1, 0, 'r' },
+		{ "run-bytes", 1, 0, 'R' }, { "dev-bytes", 1, 0, 'V' }, { "repeat", 1, 0, 'n' },
+		{ "reg-bytes", 1, 0, 'G' }, { "hugetlbfs", 1, 0, 'H' }, { "no-2d", 0, 0, '2' },
+		{ "json", 0, 0, 'j' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
+		{ 0, 0, 0, 0 },
+	};
+	int c;
+
+	memset(o, 0, sizeof(*o));
+	o->device = 0;
+	o->layout = "synth";
+	parse_list("64K,256K,1M,4M,16M", 1, o->chunks, NULL, &o->n_chunks, 1ULL << 40);
+	parse_list("1,4,32", 0, NULL, o->depths, &o->n_depths, KVT_DMA_INFLIGHT_MAX);
+	parse_list("1,2", 0, NULL, o->ranks, &o->n_ranks, MAX_RANKS);
+	o->layers = 4;
+	o->block_tokens = 16;
+	o->chunk_tokens = 256;
+	o->random_blocks = 1;
+	o->run_bytes = 256ULL << 20;
+	o->dev_bytes = 512ULL << 20;
+	o->repeat = 3;
+	o->reg_bytes = 1ULL << 30;
+	optind = 1;
+	while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+		int bad = 0;
+
+		switch (c) {
+		case 'b': o->backend = optarg; break;
+		case 'd': o->device = atoi(optarg); bad = o->device < 0; break;
+		case 'L':
+			o->layout = optarg;
+			bad = strcmp(optarg, "synth") && strcmp(optarg, "glm5") &&
+			      strcmp(optarg, "llama70b-tp8");
+			break;
+		case 'c': bad = parse_list(optarg, 1, o->chunks, NULL, &o->n_chunks, 1ULL << 40); break;
+		case 'l': o->layers = (uint32_t)atoi(optarg); bad = !o->layers; break;
+		case 't': o->block_tokens = (uint32_t)atoi(optarg); bad = !o->block_tokens; break;
+		case 'T': o->chunk_tokens = (uint32_t)atoi(optarg); bad = !o->chunk_tokens; break;
+		case 'B':
+			bad = strcmp(optarg, "seq") && strcmp(optarg, "random");
+			o->random_blocks = !strcmp(optarg, "random");
+			break;
+		case 'D': bad = parse_list(optarg, 0, NULL, o->depths, &o->n_depths,
+					   KVT_DMA_INFLIGHT_MAX); break;
+		case 'r': bad = parse_list(optarg, 0, NULL, o->ranks, &o->n_ranks, MAX_RANKS); break;
+		case 'R': bad = parse_size(optarg, &o->run_bytes); break;
+		case 'V': bad = parse_size(optarg, &o->dev_bytes); break;
+		case 'n': o->repeat = (uint32_t)atoi(optarg); bad = !o->repeat || o->repeat > MAX_REP; break;
+		case 'G':
+			if (!strcmp(optarg, "0"))
+				o->reg_bytes = 0;
+			else
+				bad = parse_size(optarg, &o->reg_bytes);
+			break;
+		case 'H': o->dir = optarg; break;
+		case '2': o->no_2d = 1; break;
+		case 'j': o->json = 1; break;
+		case 'p': o->plot = optarg; break;
+		case 'h': usage(stdout); return 1;
+		default: usage(stderr); return 2;
+		}
+		if (bad) {
+			fprintf(stderr, "bandwidth: bad value: %s\n", optarg ? optarg : "");
+			return 2;
+		}
+	}
+	if (optind < argc) {
+		usage(stderr);
+		return 2;
+	}
+	if (o->chunk_tokens % o->block_tokens) {
+		fprintf(stderr, "bandwidth: --chunk-tokens must be a multiple of --block-tokens\n");
+		return 2;
+	}
+	return 0;
+}
+
+/* ---- configurations ------------------------------------------------------ */
+
+static int conf_make(const struct opts *o, uint64_t chunk, uint32_t ranks, struct conf *cf)
+{
+	struct kvt_geometry *g = &cf->geo;
+	uint64_t set = 0; /* bytes of one block in every layer of every group */
+	uint32_t nb_max = 0;
+	char b[32];
+
+	memset(cf, 0, sizeof(*cf));
+	g->chunk_tokens = o->chunk_tokens;
+	g->world = ranks;
+	g->n_instances = 1;
+	g->mode = KVT_MODE_SHARDED;
+	g->model_id.lo = 0xba2d;
+	if (!strcmp(o->layout, "glm5")) {
+		g->chunk_tokens = 256;
+		g->n_groups = 2;
+		g->groups[0] = (struct kvt_layer_group){ 78, 576 };
+		g->groups[1] = (struct kvt_layer_group){ 21, 132 };
+		cf->tpb[0] = cf->tpb[1] = 64;
+		snprintf(cf->name, sizeof(cf->name), "glm5");
+	} else if (!strcmp(o->layout, "llama70b-tp8")) {
+		g->chunk_tokens = 256;
+		g->n_groups = 1;
+		g->groups[0] = (struct kvt_layer_group){ 160, 256 };
+		cf->tpb[0] = 16;
+		snprintf(cf->name, sizeof(cf->name), "llama70b-tp8");
+	} else {
+		uint64_t per = (uint64_t)o->layers * o->chunk_tokens;
+
+		if (chunk % per || chunk / per > UINT32_MAX) {
+			fprintf(stderr, "bandwidth: chunk %s is not a multiple of layers x "
+				"chunk tokens (%llu)\n", human(chunk, b, sizeof(b)),
+				(unsigned long long)per);
+			return -1;
+		}
+		g->n_groups = 1;
+		g->groups[0] = (struct kvt_layer_group){ o->layers, (uint32_t)(chunk / per) };
+		cf->tpb[0] = o->block_tokens;
+		snprintf(cf->name, sizeof(cf->name), "synth");
+	}
+	for (uint32_t i = 0; i < g->n_groups; i++) {
+		uint64_t page = (uint64_t)cf->tpb[i] * g->groups[i].bytes_per_token;
+
+		cf->chunk_bytes += (uint64_t)g->chunk_tokens * g->groups[i].layers *
+				   g->groups[i].bytes_per_token;
+		set += page * g->groups[i].layers;
+		if (page > cf->page)
+			cf->page = page;
+		if (g->chunk_tokens / cf->tpb[i] > nb_max)
+			nb_max = g->chunk_tokens / cf->tpb[i];
+	}
+	cf->ranks = ranks;
+	cf->n = (uint32_t)(o->run_bytes / cf->chunk_bytes);
+	if (cf->n < 2)
+		cf->n = 2;
+	if (cf->n > 65536)
+		cf->n = 65536;
+	/* enough blocks for a save set and a disjoint load set of a chunk */
+	cf->n_blocks = o->dev_bytes / set;
+	if (cf->n_blocks < 4ULL * nb_max)
+		cf->n_blocks = 4ULL * nb_max;
+	if (cf->n_blocks > UINT32_MAX)
+		cf->n_blocks = UINT32_MAX;
+	return 0;
+}
+
+/* ---- a rank process ------------------------------------------------------ */
+
+struct rank {
+	const struct opts *o;
+	const struct conf *cf;
+	struct rank_res *res;
+	pthread_barrier_t *bar;
+	uint32_t rank;
+	kvt_seg *seg;
+	kvt_dma *d;
+	kvt_dma_mr *mr;
+	struct kvt_kv_layout layout;
+	uint64_t *bases;
+	uint64_t dev[KVT_MAX_GROUPS];
+	uint64_t dev_len[KVT_MAX_GROUPS];
+	struct kvt_plan plan;
+	uint32_t *blocks;             /* [groups][blocks per chunk] scratch */
+	uint32_t nb[KVT_MAX_GROUPS];
+	uint64_t seed;
+	/* tickets in flight: FIFO */
+	kvt_dma_ticket *t;
+	struct kvt_wref *w;
+	uint32_t q_head, q_n, q_cap;
+	uint32_t depth;               /* tickets in flight allowed now */
+};
+
+static int fail(struct rank *k, const char *what, int rc, const char *detail)
+{
+	if (!k->res->failed)
+		snprintf(k->res->msg, sizeof(k->res->msg), "rank %u: %s: %d (%s)", k->rank,
+			 what, rc, detail ? detail : strerror(rc < 0 ? -rc : rc));
+	k->res->failed = 1;
+	return -1;
+}
+
+/* Block ids of a chunk: seq from a start, or random distinct; save sets use
+ * the first half of the blocks, load sets the second half. */
+static void pick_blocks(struct rank *k, uint32_t chunk, int load)
+{
+	const struct conf *cf = k->cf;
+	uint64_t half = cf->n_blocks / 2;
+
+	for (uint32_t g = 0; g < cf->geo.n_groups; g++) {
+		uint32_t *b = k->blocks + g * 64;
+		uint32_t nb = k->nb[g];
+
+		if (!k->o->random_blocks) {
+			uint64_t start = ((uint64_t)chunk * nb) % (half - nb + 1);
+
+			for (uint32_t i = 0; i < nb; i++)
+				b[i] = (uint32_t)(start + i + (load ? half : 0));
+			continue;
+		}
+		for (uint32_t i = 0; i < nb; i++) {
+			uint32_t v;
+			int dup;
+
+			do {
+				v = (uint32_t)(rnd(&k->seed) % half + (load ? half : 0));
+				dup = 0;
+				for (uint32_t j = 0; j < i; j++)
+					dup |= b[j] == v;
+			} while (dup);
+			b[i] = v;
+		}
+	}
+}
+
+static int build(struct rank *k, uint32_t chunk, int load)
+{
+	const uint32_t *bp[KVT_MAX_GROUPS];
+	int rc;
+
+	pick_blocks(k, chunk, load);
+	for (uint32_t g = 0; g < k->cf->geo.n_groups; g++)
+		bp[g] = k->blocks + g * 64;
+	rc = kvt_dma_plan_build(k->d, &k->plan, bp, k->cf->geo.chunk_tokens);
+	return rc < 0 ? fail(k, "plan", rc, kvt_dma_last_error()) : 0;
+}
+
+/* Keys are hashes in real use (XXH3-128): mix (run, i) the same way, so the
+ * index sees the distribution it is built for. */
+static kvt_key key_of(uint32_t run, uint32_t i)
+{
+	uint64_t s = (uint64_t)run << 32 | i;
+	kvt_key key;
+
+	key.lo = rnd(&s);
+	key.hi = rnd(&s) ^ KEY_HI;
+	return key;
+}
+
+/* Waits for the oldest ticket; ends its write (saves). */
+static int retire(struct rank *k, int save)
+{
+	uint32_t h = k->q_head;
+	int rc = kvt_dma_wait(k->d, k->t[h], -1);
+
+	k->q_head = (h + 1) % k->q_cap;
+	k->q_n--;
+	if (save)
+		kvt_write_end(k->seg, &k->w[h], rc == 0);
+	return rc ? fail(k, "copy", rc, kvt_dma_last_error()) : 0;
+}
+
+static int submit(struct rank *k, void *sub, enum kvt_dma_dir dir, const struct kvt_wref *w)
+{
+	kvt_dma_ticket t;
+	int rc;
+
+	while (k->q_n >= k->depth)
+		if (retire(k, dir == KVT_DMA_D2H))
+			return -1;
+	while ((rc = kvt_dma_submit(k->d, &k->plan, sub, dir, &t)) == -EAGAIN)
+		if (retire(k, dir == KVT_DMA_D2H))
+			return -1;
+	if (rc)
+		return fail(k, "submit", rc, kvt_dma_last_error());
+	k->t[(k->q_head + k->q_n) % k->q_cap] = t;
+	if (w)
+		k->w[(k->q_head + k->q_n) % k->q_cap] = *w;
+	k->q_n++;
+	return 0;
+}
+
+static int save_run(struct rank *k, uint32_t run)
+{
+	for (uint32_t i = 0; i < k->cf->n && !k->res->failed; i++) {
+		kvt_key key = key_of(run, i);
+		struct kvt_wref w;
+		int rc = kvt_write_begin(k->seg, &key, i, k->rank, &w);
+
+		if (rc == KVT_SKIP)
+			continue;
+		if (rc)
+			return fail(k, "kvt_write_begin", rc, kvt_core_last_error());
+		if (build(k, i, 0) ||
+		    submit(k, kvt_slot_shard_ptr(k->seg, w.slot, w.shard), KVT_DMA_D2H, &w)) {
+			kvt_write_end(k->seg, &w, 0);
+			return -1;
+		}
+	}
+	while (k->q_n)
+		if (retire(k, 1))
+			return -1;
+	return 0;
+}
+
+/* Loads every chunk of a run; returns how many were found. */
+static int64_t load_run(struct rank *k, uint32_t run)
+{
+	kvt_key keys[256];
+	uint32_t slots[256];
+	uint64_t gens[256];
+	int64_t loaded = 0;
+
+	for (uint32_t i = 0; i < k->cf->n && !k->res->failed;) {
+		uint32_t n = k->cf->n - i < 256 ? k->cf->n - i : 256;
+		uint64_t lease = 0;
+		int hits, got;
+
+		for (uint32_t j = 0; j < n; j++)
+			keys[j] = key_of(run, i + j);
+		hits = kvt_seg_lookup(k->seg, keys, n, &lease);
+		if (hits < 0)
+			return fail(k, "kvt_seg_lookup", hits, kvt_core_last_error());
+		got = hits ? kvt_lease_slots(k->seg, lease, slots, gens, n) : 0;
+		if (got < 0)
+			return fail(k, "kvt_lease_slots", got, kvt_core_last_error());
+		for (int j = 0; j < got; j++)
+			if (build(k, i + (uint32_t)j, 1) ||
+			    submit(k, kvt_slot_shard_ptr(k->seg, slots[j], k->rank), KVT_DMA_H2D,
+				   NULL))
+				break;
+		while (k->q_n)
+			if (retire(k, 0))
+				break;
+		if (lease)
+			kvt_lease_release(k->seg, lease);
+		loaded += got;
+		if ((uint32_t)got < n) /* a miss ends the prefix: nothing more to find */
+			break;
+		i += n;
+	}
+	return loaded;
+}
+
+/* Saves one chunk and loads it back into other blocks, checking both. */
+static int verify(struct rank *k)
+{
+	const struct conf *cf = k->cf;
+	const struct kvt_kv_layout *l = &k->layout;
+	uint32_t save_b[KVT_MAX_GROUPS][64], load_b[KVT_MAX_GROUPS][64];
+	uint64_t shard = kvt_kv_layout_shard_bytes(l), off = 0;
+	uint8_t *page = NULL, *page2 = NULL;
+	char *sub;
+	kvt_key key = key_of(VERIFY_RUN << 24 | k->rank, 0);
+	struct kvt_wref w;
+	int rc;
+
+	rc = kvt_write_begin(k->seg, &key, 0, k->rank, &w);
+	if (rc)
+		return fail(k, "verify: kvt_write_begin", rc, kvt_core_last_error());
+	sub = kvt_slot_shard_ptr(k->seg, w.slot, w.shard);
+	memset(sub, 0xa5, shard);
+	if (build(k, 7, 0))
+		return -1;
+	memcpy(save_b, k->blocks, sizeof(save_b[0]) * cf->geo.n_groups);
+	if (submit(k, sub, KVT_DMA_D2H, &w) || retire(k, 1))
+		return -1;
+	if (build(k, 7, 1) || submit(k, sub, KVT_DMA_H2D, NULL) || retire(k, 0))
+		return -1;
+	memcpy(load_b, k->blocks, sizeof(load_b[0]) * cf->geo.n_groups);
+	page = malloc(cf->page);
+	page2 = malloc(cf->page);
+	if (!page || !page2) {
+		free(page);
+		free(page2);
+		return fail(k, "verify", -ENOMEM, NULL);
+	}
+	for (uint32_t g = 0; g < l->n_groups && !k->res->failed; g++) {
+		const struct kvt_kv_group *gr = &l->groups[g];
+		uint64_t pg = (uint64_t)gr->tokens_per_block * gr->bytes_per_token;
+
+		for (uint32_t ly = 0; ly < gr->n_layers && !k->res->failed; ly++)
+			for (uint32_t i = 0; i < k->nb[g] && !k->res->failed; i++) {
+				uint64_t so = off + (uint64_t)ly * l->chunk_tokens * gr->bytes_per_token +
+					      i * pg;
+
+				if ((rc = kvt_dma_dev_read(k->d, page, gr->layer_base[ly] +
+							   (uint64_t)save_b[g][i] * gr->block_stride, pg)) ||
+				    (rc = kvt_dma_dev_read(k->d, page2, gr->layer_base[ly] +
+							   (uint64_t)load_b[g][i] * gr->block_stride, pg)))
+					fail(k, "verify: dev_read", rc, kvt_dma_last_error());
+				else if (memcmp(sub + so, page, pg))
+					fail(k, "verify: saved sub-slot differs from the device pages", -EIO,
+					     "save path broken");
+				else if (memcmp(page2, page, pg))
+					fail(k, "verify: loaded pages differ from the saved ones", -EIO,
+					     "load path broken");
+			}
+		off += (uint64_t)gr->n_layers * l->chunk_tokens * gr->bytes_per_token;
+	}
+	free(page);
+	free(page2);
+	return k->res->failed ? -1 : 0;
+}
+
+static int rank_setup(struct rank *k)
+{
+	const struct conf *cf = k->cf;
+	struct kvt_seg_attach_opts ao = { .size = sizeof(ao), .name = seg_name, .dir = k->o->dir,
+					  .role = KVT_ROLE_CLIENT };
+	struct kvt_dma_config dc = { .size = sizeof(dc), .backend = k->o->backend,
+				     .device = k->o->device, .flags = KVT_DMA_F_QUIET };
+	struct kvt_dma_mr_info info;
+	uint32_t depth_max = 1, n_layers = 0, li = 0;
+	void *arena;
+	uint64_t arena_len;
+	uint8_t *fill;
+	int rc;
+
+	for (uint32_t i = 0; i < k->o->n_depths; i++)
+		if (k->o->depths[i] > depth_max)
+			depth_max = k->o->depths[i];
+	if ((rc = kvt_seg_attach(&ao, &k->seg)))
+		return fail(k, "kvt_seg_attach", rc, kvt_core_last_error());
+	dc.max_inflight = depth_max;
+	if (k->o->no_2d)
+		dc.flags |= KVT_DMA_F_NO_2D;
+	if ((rc = kvt_dma_open(&dc, &k->d)))
+		return fail(k, "kvt_dma_open", rc, kvt_dma_last_error());
+	snprintf(k->res->describe, sizeof(k->res->describe), "%s", kvt_dma_describe(k->d));
+
+	/* The KV cache: one allocation per group, layers one after another. */
+	for (uint32_t g = 0; g < cf->geo.n_groups; g++)
+		n_layers += cf->geo.groups[g].layers;
+	k->bases = calloc(n_layers, sizeof(*k->bases));
+	k->blocks = calloc(KVT_MAX_GROUPS * 64, sizeof(*k->blocks));
+	k->q_cap = depth_max + 1;
+	k->t = calloc(k->q_cap, sizeof(*k->t));
+	k->w = calloc(k->q_cap, sizeof(*k->w));
+	if (!k->bases || !k->blocks || !k->t || !k->w)
+		return fail(k, "setup", -ENOMEM, NULL);
+	k->layout.chunk_tokens = cf->geo.chunk_tokens;
+	k->layout.n_groups = cf->geo.n_groups;
+	for (uint32_t g = 0; g < cf->geo.n_groups; g++) {
+		struct kvt_kv_group *gr = &k->layout.groups[g];
+		uint64_t page = (uint64_t)cf->tpb[g] * cf->geo.groups[g].bytes_per_token;
+		uint64_t per_layer = page * cf->n_blocks;
+
+		gr->n_layers = cf->geo.groups[g].layers;
+		gr->bytes_per_token = cf->geo.groups[g].bytes_per_token;
+		gr->tokens_per_block = cf->tpb[g];
+		gr->block_stride = page;
+		gr->n_blocks = cf->n_blocks;
+		gr->layer_base = k->bases + li;
+		k->nb[g] = cf->geo.chunk_tokens / cf->tpb[g];
+		if (k->nb[g] > 64)
+			return fail(k, "setup", -EINVAL, "more than 64 blocks per chunk");
+		k->dev_len[g] = per_layer * gr->n_layers;
+		if ((rc = kvt_dma_dev_alloc(k->d, k->dev_len[g], &k->dev[g])))
+			return fail(k, "device allocation", rc, kvt_dma_last_error());
+		for (uint32_t l = 0; l < gr->n_layers; l++)
+			k->bases[li + l] = k->dev[g] + l * per_layer;
+		li += gr->n_layers;
+		/* recognizable, non-zero content (verify compares it) */
+		fill = malloc(64u << 20);
+		if (!fill)
+			return fail(k, "setup", -ENOMEM, NULL);
+		for (uint64_t i = 0; i < (64u << 20); i += 8) {
+			uint64_t x = rnd(&k->seed);
+
+			memcpy(fill + i, &x, 8);
+		}
+		for (uint64_t o = 0; o < k->dev_len[g] && !rc; o += 64u << 20)
+			rc = kvt_dma_dev_write(k->d, k->dev[g] + o, fill,
+					       k->dev_len[g] - o < (64u << 20) ? k->dev_len[g] - o
+									    : 64u << 20);
+		free(fill);
+		if (rc)
+			return fail(k, "device fill", rc, kvt_dma_last_error());
+	}
+	if ((rc = kvt_dma_kv_register(k->d, &k->layout)))
+		return fail(k, "kvt_dma_kv_register", rc, kvt_dma_last_error());
+	if ((rc = kvt_plan_init(&k->plan, kvt_kv_layout_max_copies(&k->layout))))
+		return fail(k, "plan", rc, NULL);
+
+	/* Its own shard of the arena, registered (timed). */
+	if ((rc = kvt_seg_arena(k->seg, k->rank, &arena, &arena_len)))
+		return fail(k, "kvt_seg_arena", rc, kvt_core_last_error());
+	memset(arena, 0, arena_len); /* fault in before registering, as kvtierd does */
+	if ((rc = kvt_dma_mem_register(k->d, arena, arena_len, kvt_seg_shard_bytes(k->seg),
+				       &k->mr)))
+		return fail(k, "kvt_dma_mem_register", rc, kvt_dma_last_error());
+	kvt_dma_mr_info(k->mr, &info);
+	k->res->reg_ns = info.register_ns;
+	k->res->reg_bytes = info.len;
+	if (build(k, 0, 0))
+		return -1;
+	k->res->copies = k->plan.n;
+	return 0;
+}
+
+static void rank_teardown(struct rank *k)
+{
+	if (k->d) {
+		if (k->mr)
+			kvt_dma_mem_unregister(k->d, k->mr);
+		for (uint32_t g = 0; g < KVT_MAX_GROUPS; g++)
+			if (k->dev[g])
+				kvt_dma_dev_free(k->d, k->dev[g]);
+		kvt_dma_close(k->d);
+	}
+	kvt_plan_fini(&k->plan);
+	if (k->seg)
+		kvt_seg_detach(k->seg);
+	free(k->bases);
+	free(k->blocks);
+	free(k->t);
+	free(k->w);
+}
+
+/* Passes over the ceiling's buffer: at least 1 GiB in all. */
+static uint32_t ceil_iters(uint64_t bytes)
+{
+	return bytes ? (uint32_t)((1ULL << 30) / bytes) + 1 : 1;
+}
+
+static void barrier(struct rank *k)
+{
+	pthread_barrier_wait(k->bar);
+}
+
+static int rank_main(const struct opts *o, const struct conf *cf, struct shared *sh,
+		     uint32_t rank)
+{
+	struct rank k = { .o = o, .cf = cf, .res = &sh->r[rank], .bar = &sh->bar,
+			  .rank = rank, .seed = 0x5eed + rank, .depth = 1 };
+	uint64_t ceil_bytes = 0;
+
+	/* Every rank passes every barrier, failed or not, so none waits forever. */
+	rank_setup(&k);
+	barrier(&k);
+	if (!k.res->failed)
+		verify(&k);
+	for (uint32_t di = 0; di < o->n_depths; di++) {
+		for (uint32_t rep = 0; rep < o->repeat; rep++) {
+			uint32_t run = di * MAX_REP + rep;
+			int64_t got = 0;
+
+			/* the depth bound: at most depths[di] tickets at once */
+			k.depth = o->depths[di];
+			barrier(&k);
+			k.res->t0[di][rep][0] = now_ns();
+			if (!k.res->failed && save_run(&k, run) == 0)
+				k.res->chunks[di][rep][0] = k.cf->n;
+			k.res->t1[di][rep][0] = now_ns();
+			barrier(&k);
+			k.res->t0[di][rep][1] = now_ns();
+			if (!k.res->failed)
+				got = load_run(&k, run);
+			k.res->t1[di][rep][1] = now_ns();
+			k.res->chunks[di][rep][1] = got > 0 ? (uint64_t)got : 0;
+		}
+	}
+	/* the ceiling: the runtime's own copies of C bytes, same device memory */
+	if (!k.res->failed) {
+		ceil_bytes = k.dev_len[0] < (256ULL << 20) ? k.dev_len[0] : 256ULL << 20;
+		ceil_bytes -= ceil_bytes % cf->chunk_bytes;
+		if (!ceil_bytes)
+			ceil_bytes = cf->chunk_bytes <= k.dev_len[0] ? cf->chunk_bytes : 0;
+	}
+	k.res->ceil_bytes = ceil_bytes;
+	for (uint32_t rep = 0; rep < o->repeat; rep++)
+		for (int dir = 0; dir < 2; dir++) {
+			int rc = 0;
+
+			barrier(&k);
+			if (!k.res->failed && ceil_bytes)
+				rc = kvt_dma_ceiling(k.d, dir ? KVT_DMA_H2D : KVT_DMA_D2H, k.dev[0],
+						     ceil_bytes, ceil_bytes < cf->chunk_bytes ? ceil_bytes
+						     : cf->chunk_bytes, ceil_iters(ceil_bytes),
+						     &k.res->ceil_s[rep][dir]);
+			if (rc)
+				fail(&k, "ceiling", rc, kvt_dma_last_error());
+		}
+	rank_teardown(&k);
+	return k.res->failed;
+}
+
+/* ---- registration probe: 4 KiB pages vs huge pages -------------------------- */
+
+struct reg_res {
+	double small_s, huge_s;
+	uint64_t small_b, huge_b;
+	int failed;
+	char msg[256];
+	char backend[16];
+};
+
+static uint64_t free_huge_bytes(void)
+{
+	FILE *f = fopen("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages", "r");
+	unsigned long n = 0;
+
+	if (!f)
+		return 0;
+	if (fscanf(f, "%lu", &n) != 1)
+		n = 0;
+	fclose(f);
+	return (uint64_t)n << 21;
+}
+
+static double reg_time(kvt_dma *d, char *p, uint64_t len, char *msg, size_t mlen)
+{
+	kvt_dma_mr *mr;
+	uint64_t t0;
+	double s;
+	int rc;
+
+	memset(p, 1, len); /* faulted in: registration time only */
+	t0 = now_ns();
+	rc = kvt_dma_mem_register(d, p, len, 2u << 20, &mr);
+	s = (now_ns() - t0) * 1e-9;
+	if (rc) {
+		snprintf(msg, mlen, "register: %s", kvt_dma_last_error());
+		return -1;
+	}
+	kvt_dma_mem_unregister(d, mr);
+	return s;
+}
+
+static void reg_child(const struct opts *o, struct reg_res *r)
+{
+	struct kvt_dma_config dc = { .size = sizeof(dc), .backend = o->backend,
+				     .device = o->device, .flags = KVT_DMA_F_QUIET };
+	uint64_t small = o->reg_bytes & ~((2ULL << 20) - 1), huge;
+	kvt_dma *d;
+	char *p;
+	int fd;
+
+	if (kvt_dma_open(&dc, &d)) {
+		snprintf(r->msg, sizeof(r->msg), "%s", kvt_dma_last_error());
+		r->failed = 1;
+		return;
+	}
+	snprintf(r->backend, sizeof(r->backend), "%s", kvt_dma_backend(d));
+	/* shared memory of 4 KiB pages, like the /dev/shm arena */
+	fd = memfd_create("kvtier-bench-4k", 0);
+	if (fd >= 0 && small && !ftruncate(fd, (off_t)small)) {
+		p = mmap(NULL, small, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		if (p != MAP_FAILED) {
+			r->small_s = reg_time(d, p, small, r->msg, sizeof(r->msg));
+			r->small_b = small;
+			munmap(p, small);
+		}
+	}
+	if (fd >= 0)
+		close(fd);
+	huge = free_huge_bytes();
+	if (huge > small)
+		huge = small;
+	if (huge) {
+		fd = memfd_create("kvtier-bench-2m", MFD_HUGETLB | MFD_HUGE_2MB);
+		if (fd >= 0 && !ftruncate(fd, (off_t)huge)) {
+			p = mmap(NULL, huge, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+			if (p != MAP_FAILED) {
+				r->huge_s = reg_time(d, p, huge, r->msg, sizeof(r->msg));
+				r->huge_b = huge;
+				munmap(p, huge);
+			}
+		}
+		if (fd >= 0)
+			close(fd);
+	}
+	kvt_dma_close(d);
+}
+
+/* ---- the parent -------------------------------------------------------------- */
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+static double median(double *v, uint32_t n)
+{
+	qsort(v, n, sizeof(*v), cmp_double);
+	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
+		    struct row *rows, uint32_t *n_rows, char *describe, size_t dlen)
+{
+	struct kvt_seg_create_opts co;
+	pthread_barrierattr_t ba;
+	kvt_seg *s = NULL;
+	pid_t pids[MAX_RANKS];
+	uint64_t runs = (uint64_t)o->n_depths * o->repeat;
+	int rc, failed = 0;
+
+	/* no run evicts another's chunks: room for all of them, + verify */
+	if ((uint64_t)cf->n * runs + cf->ranks + 64 > (1ULL << 30)) {
+		fprintf(stderr, "bandwidth: too many chunks; lower --run-bytes\n");
+		return -1;
+	}
+	cf->geo.n_slots = (uint32_t)(cf->n * runs + cf->ranks + 64);
+	cf->geo.lease_max_chunks = 256;
+	snprintf(seg_name, sizeof(seg_name), "kvtier-bw-%d", (int)getpid());
+	co = (struct kvt_seg_create_opts){ .size = sizeof(co), .name = seg_name, .dir = o->dir,
+					   .geo = &cf->geo, .flags = KVT_SEG_F_REPLACE };
+	if ((rc = kvt_seg_create(&co, NULL, &s))) {
+		fprintf(stderr, "bandwidth: segment of %u slots x %u shards x %llu B: %s\n",
+			cf->geo.n_slots, cf->ranks,
+			(unsigned long long)kvt_geometry_shard_bytes(&cf->geo), kvt_core_last_error());
+		seg_name[0] = 0;
+		return -1;
+	}
+	memset(sh, 0, sizeof(*sh));
+	pthread_barrierattr_init(&ba);
+	pthread_barrierattr_setpshared(&ba, PTHREAD_PROCESS_SHARED);
+	pthread_barrier_init(&sh->bar, &ba, cf->ranks);
+	pthread_barrierattr_destroy(&ba);
+	fflush(NULL);
+	for (uint32_t r = 0; r < cf->ranks; r++) {
+		pids[r] = fork();
+		if (pids[r] == 0)
+			_exit(rank_main(o, cf, sh, r));
+		if (pids[r] < 0) {
+			perror("bandwidth: fork");
+			/* the barrier would wait forever for the missing ranks */
+			for (uint32_t i = 0; i < r; i++)
+				kill(pids[i], SIGKILL);
+			for (uint32_t i = 0; i < r; i++)
+				waitpid(pids[i], NULL, 0);
+			kvt_seg_detach(s);
+			kvt_seg_unlink(seg_name, NULL);
+			seg_name[0] = 0;
+			return -1;
+		}
+	}
+	for (uint32_t r = 0; r < cf->ranks; r++) {
+		int st = 0;
+
+		waitpid(pids[r], &st, 0);
+		if (!WIFEXITED(st) || WEXITSTATUS(st) || sh->r[r].failed) {
+			fprintf(stderr, "bandwidth: %s\n", sh->r[r].msg[0] ? sh->r[r].msg
+				: "a rank process died");
+			failed = 1;
+		}
+	}
+	pthread_barrier_destroy(&sh->bar);
+	kvt_seg_detach(s);
+	kvt_seg_unlink(seg_name, NULL);
+	seg_name[0] = 0;
+	if (failed)
+		return -1;
+	snprintf(describe, dlen, "%s", sh->r[0].describe);
+
+	for (uint32_t di = 0; di < o->n_depths; di++) {
+		struct row *w = &rows[(*n_rows)++];
+		double g[2][MAX_REP], c[2][MAX_REP];
+
+		memset(w, 0, sizeof(*w));
+		snprintf(w->layout, sizeof(w->layout), "%s", cf->name);
+		w->ranks = cf->ranks;
+		w->depth = o->depths[di];
+		w->chunk = cf->chunk_bytes;
+		w->page = cf->page;
+		w->copies = sh->r[0].copies;
+		w->reg_ns = sh->r[0].reg_ns;
+		w->reg_bytes = sh->r[0].reg_bytes;
+		for (int dir = 0; dir < 2; dir++) {
+			for (uint32_t rep = 0; rep < o->repeat; rep++) {
+				uint64_t t0 = UINT64_MAX, t1 = 0, bytes = 0;
+				double worst = 0;
+
+				for (uint32_t r = 0; r < cf->ranks; r++) {
+					const struct rank_res *x = &sh->r[r];
+
+					if (x->t0[di][rep][dir] < t0)
+						t0 = x->t0[di][rep][dir];
+					if (x->t1[di][rep][dir] > t1)
+						t1 = x->t1[di][rep][dir];
+					bytes += x->chunks[di][rep][dir] * cf->chunk_bytes;
+					if (x->ceil_s[rep][dir] > worst)
+						worst = x->ceil_s[rep][dir];
+				}
+				g[dir][rep] = t1 > t0 ? bytes / (double)(t1 - t0) : 0;
+				c[dir][rep] = worst > 0 ? cf->ranks * (double)sh->r[0].ceil_bytes *
+							  ceil_iters(sh->r[0].ceil_bytes) / worst * 1e-9 : 0;
+			}
+			w->gbs[dir] = median(g[dir], o->repeat);
+			w->ceil[dir] = median(c[dir], o->repeat);
+		}
+	}
+	return 0;
+}
+
+static void print_table(const struct opts *o, const struct row *rows, uint32_t n,
+			const char *describe, const struct reg_res *reg)
+{
+	char a[32], b[32], c[32];
+
+	printf("kvtier-bench bandwidth: %s\n", describe);
+	printf("layout %s, %s blocks, %u run(s) per point (median), ceiling: %s\n\n",
+	       o->layout, o->random_blocks ? "random" : "adjacent", o->repeat,
+	       strstr(describe, "host") == describe ? "memcpy, same process count"
+						    : "the runtime's pinned-memory copy");
+	printf("%-12s %5s %7s %7s %6s %7s | %9s %9s %6s | %9s %9s %6s\n", "layout", "ranks",
+	       "chunk", "page", "depth", "copies", "save GB/s", "ceil D2H", "ratio",
+	       "load GB/s", "ceil H2D", "ratio");
+	for (uint32_t i = 0; i < n; i++) {
+		const struct row *w = &rows[i];
+
+		printf("%-12s %5u %7s %7s %6u %7u | %9.2f %9.2f %6.2f | %9.2f %9.2f %6.2f\n",
+		       w->layout, w->ranks, human(w->chunk, a, sizeof(a)),
+		       human(w->page, b, sizeof(b)), w->depth, w->copies, w->gbs[0], w->ceil[0],
+		       w->ceil[0] > 0 ? w->gbs[0] / w->ceil[0] : 0, w->gbs[1], w->ceil[1],
+		       w->ceil[1] > 0 ? w->gbs[1] / w->ceil[1] : 0);
+	}
+	printf("\narena registration (%s pages, per rank):\n", o->dir ? "hugetlbfs" : "4 KiB shm");
+	for (uint32_t i = 0; i < n && strstr(describe, "host") != describe; i++)
+		if (i == 0 || rows[i].chunk != rows[i - 1].chunk || rows[i].ranks != rows[i - 1].ranks)
+			printf("  %-12s ranks %u chunk %7s: %s in %.3f s (%.2f GB/s)\n",
+			       rows[i].layout, rows[i].ranks, human(rows[i].chunk, a, sizeof(a)),
+			       human(rows[i].reg_bytes, c, sizeof(c)), rows[i].reg_ns * 1e-9,
+			       rows[i].reg_ns ? rows[i].reg_bytes / (double)rows[i].reg_ns : 0.0);
+	if (strstr(describe, "host") == describe)
+		printf("  none: the host backend's registration is a no-op\n");
+	if (reg && strcmp(reg->backend, "host")) {
+		printf("registration probe (memfd, faulted in):\n");
+		if (reg->small_b)
+			printf("  4 KiB pages: %s in %.3f s (%.2f GB/s)\n",
+			       human(reg->small_b, a, sizeof(a)), reg->small_s,
+			       reg->small_s > 0 ? reg->small_b / reg->small_s * 1e-9 : 0.0);
+		if (reg->huge_b)
+			printf("  2 MiB pages: %s in %.3f s (%.2f GB/s)\n",
+			       human(reg->huge_b, a, sizeof(a)), reg->huge_s,
+			       reg->huge_s > 0 ? reg->huge_b / reg->huge_s * 1e-9 : 0.0);
+		else
+			printf("  2 MiB pages: none free on this node\n");
+		if (reg->msg[0])
+			printf("  note: %s\n", reg->msg);
+	}
+}
+
+static void json_str(const char *s)
+{
+	putchar('"');
+	for (; *s; s++) {
+		if (*s == '"' || *s == '\\')
+			putchar('\\');
+		if ((unsigned char)*s >= 0x20)
+			putchar(*s);
+	}
+	putchar('"');
+}
+
+static void print_json(const struct opts *o, const struct row *rows, uint32_t n,
+		       const char *describe, const struct reg_res *reg)
+{
+	printf("{\"bench\":\"bandwidth\",\"backend\":");
+	json_str(describe);
+	printf(",\"layout\":\"%s\",\"blocks\":\"%s\",\"repeat\":%u,\"rows\":[", o->layout,
+	       o->random_blocks ? "random" : "seq", o->repeat);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct row *w = &rows[i];
+
+		printf("%s{\"layout\":\"%s\",\"ranks\":%u,\"chunk_bytes\":%llu,\"page_bytes\":%llu,"
+		       "\"depth\":%u,\"copies_per_chunk\":%u,\"save_gbs\":%.3f,\"save_ceiling_gbs\":%.3f,"
+		       "\"load_gbs\":%.3f,\"load_ceiling_gbs\":%.3f,\"register_bytes\":%llu,"
+		       "\"register_s\":%.6f}", i ? "," : "", w->layout, w->ranks,
+		       (unsigned long long)w->chunk, (unsigned long long)w->page, w->depth, w->copies,
+		       w->gbs[0], w->ceil[0], w->gbs[1], w->ceil[1],
+		       (unsigned long long)w->reg_bytes, w->reg_ns * 1e-9);
+	}
+	printf("]");
+	if (reg)
+		printf(",\"registration\":{\"small_bytes\":%llu,\"small_s\":%.6f,"
+		       "\"huge_bytes\":%llu,\"huge_s\":%.6f}", (unsigned long long)reg->small_b,
+		       reg->small_s, (unsigned long long)reg->huge_b, reg->huge_s);
+	printf("}\n");
+}
+
+static int write_plot(const struct opts *o, const struct row *rows, uint32_t n,
+		      const char *describe)
+{
+	char dat[512], gp[512], cmd[1200];
+	FILE *f;
+
+	snprintf(dat, sizeof(dat), "%s.dat", o->plot);
+	snprintf(gp, sizeof(gp), "%s.gp", o->plot);
+	/* rows are grouped by (ranks, chunk) and ordered by depth: re-sort the
+	 * blocks by (ranks, depth) for lines over chunk size */
+	if (!(f = fopen(dat, "w")))
+		return -1;
+	fprintf(f, "# ranks depth chunk_bytes save_gbs save_ceiling load_gbs load_ceiling\n");
+	for (uint32_t r = 0; r < o->n_ranks; r++)
+		for (uint32_t di = 0; di < o->n_depths; di++) {
+			for (uint32_t i = 0; i < n; i++)
+				if (rows[i].ranks == o->ranks[r] && rows[i].depth == o->depths[di])
+					fprintf(f, "%u %u %llu %.3f %.3f %.3f %.3f\n", rows[i].ranks,
+						rows[i].depth, (unsigned long long)rows[i].chunk,
+						rows[i].gbs[0], rows[i].ceil[0], rows[i].gbs[1],
+						rows[i].ceil[1]);
+			fprintf(f, "\n\n");
+		}
+	fclose(f);
+	if (!(f = fopen(gp, "w")))
+		return -1;
+	fprintf(f, "set terminal pngcairo size 1200,500 noenhanced\nset output '%s'\n"
+		"set multiplot layout 1,2 title 'kvtier-bench bandwidth: %s'\n"
+		"set logscale x 2\nset xlabel 'chunk bytes'\nset ylabel 'GB/s'\nset key left top\n"
+		"set grid\n", o->plot, describe);
+	for (int dir = 0; dir < 2; dir++) {
+		uint32_t idx = 0;
+
+		fprintf(f, "set title '%s'\nplot ", dir ? "load (H2D)" : "save (D2H)");
+		for (uint32_t r = 0; r < o->n_ranks; r++)
+			for (uint32_t di = 0; di < o->n_depths; di++, idx++)
+				fprintf(f, "%s'%s' index %u using 3:%d with linespoints title "
+					"'%u rank%s, depth %u'", idx ? ", " : "", dat, idx, dir ? 6 : 4,
+					o->ranks[r], o->ranks[r] > 1 ? "s" : "", o->depths[di]);
+		for (uint32_t r = 0; r < o->n_ranks; r++)
+			fprintf(f, ", '%s' index %u using 3:%d with lines dashtype 2 title "
+				"'ceiling, %u rank%s'", dat, r * o->n_depths, dir ? 7 : 5,
+				o->ranks[r], o->ranks[r] > 1 ? "s" : "");
+		fprintf(f, "\n");
+	}
+	fprintf(f, "unset multiplot\n");
+	fclose(f);
+	snprintf(cmd, sizeof(cmd), "gnuplot '%s' 2>&1", gp);
+	if (system("command -v gnuplot >/dev/null 2>&1") != 0) {
+		fprintf(stderr, "bandwidth: gnuplot not found; wrote %s and %s\n", gp, dat);
+		return 0;
+	}
+	if (system(cmd) != 0) {
+		fprintf(stderr, "bandwidth: gnuplot failed on %s\n", gp);
+		return -1;
+	}
+	return 0;
+}
+
+int kvt_bench_bandwidth(int argc, char **argv)
+{
+	struct opts o;
+	struct shared *sh;
+	struct row *rows;
+	struct reg_res *reg = NULL;
+	char describe[512] = "";
+	uint32_t n_rows = 0, n_confs;
+	int r, rc = 0;
+
+	r = parse(argc, argv, &o);
+	if (r)
+		return r == 1 ? 0 : r;
+	n_confs = (!strcmp(o.layout, "synth") ? o.n_chunks : 1) * o.n_ranks;
+	sh = mmap(NULL, sizeof(*sh) + sizeof(*reg), PROT_READ | PROT_WRITE,
+		  MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	rows = calloc((size_t)n_confs * o.n_depths, sizeof(*rows));
+	if (sh == MAP_FAILED || !rows) {
+		perror("bandwidth");
+		return 1;
+	}
+	parent_pid = getpid();
+	atexit(cleanup);
+	signal(SIGINT, on_signal);
+	signal(SIGTERM, on_signal);
+
+	if (o.reg_bytes) {
+		pid_t p;
+		int st = 0;
+
+		reg = (struct reg_res *)(sh + 1);
+		memset(reg, 0, sizeof(*reg));
+		fflush(NULL);
+		p = fork();
+		if (p == 0) {
+			reg_child(&o, reg);
+			_exit(0);
+		}
+		if (p > 0)
+			waitpid(p, &st, 0);
+		if (p < 0 || reg->failed) {
+			fprintf(stderr, "bandwidth: %s\n", reg->msg);
+			return 1;
+		}
+	}
+	for (uint32_t ri = 0; ri < o.n_ranks && !rc; ri++)
+		for (uint32_t ci = 0; ci < (!strcmp(o.layout, "synth") ? o.n_chunks : 1) && !rc; ci++) {
+			struct conf cf;
+
+			if (conf_make(&o, o.chunks[ci], o.ranks[ri], &cf) ||
+			    run_conf(&o, &cf, sh, rows, &n_rows, describe, sizeof(describe)))
+				rc = 1;
+			else if (!o.json && !o.quiet)
+				fprintf(stderr, "bandwidth: %s, %u rank(s), chunk %llu B: done\n",
+					cf.name, cf.ranks, (unsigned long long)cf.chunk_bytes);
+		}
+	if (n_rows) {
+		if (o.json)
+			print_json(&o, rows, n_rows, describe, reg);
+		else
+			print_table(&o, rows, n_rows, describe, reg);
+		if (o.plot && write_plot(&o, rows, n_rows, describe))
+			rc = 1;
+	}
+	free(rows);
+	munmap(sh, sizeof(*sh) + sizeof(*reg));
+	return rc;
+}

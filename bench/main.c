@@ -1,0 +1,53 @@
+/* main.c - kvtier-bench: the benchmark programs, one subcommand each.
+ *
+ *   kvtier-bench ops [options]        metadata operations (bench/ops.c)
+ *   kvtier-bench bandwidth [options]  save/load GB/s (bench/bandwidth.c)
+ *   kvtier-bench replay [options]     policy replay of a trace
+ */
+#include <stdio.h>
+#include <string.h>
+
+int kvt_bench_ops(int argc, char **argv);
+#ifdef KVT_BENCH_HAVE_BANDWIDTH
+int kvt_bench_bandwidth(int argc, char **argv);
+#endif
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: kvtier-bench <command> [options]\n"
+		"\n"
+		"commands:\n"
+		"  ops        lookup+pin+release and save cost per chunk, 1 and 2 processes\n"
+		"  bandwidth  save/load bandwidth against the platform's copy ceiling\n"
+		"  replay     eviction policy hit rates on a trace\n"
+		"\n"
+		"kvtier-bench <command> --help describes a command's options.\n");
+}
+
+static int not_built(const char *what)
+{
+	fprintf(stderr, "kvtier-bench %s: not built yet\n", what);
+	return 2;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+		usage(argc < 2 ? stderr : stdout);
+		return argc < 2 ? 2 : 0;
+	}
+	if (!strcmp(argv[1], "ops"))
+		return kvt_bench_ops(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "bandwidth"))
+#ifdef KVT_BENCH_HAVE_BANDWIDTH
+		return kvt_bench_bandwidth(argc - 1, argv + 1);
+#else
+		return not_built("bandwidth");
+#endif
+	if (!strcmp(argv[1], "replay"))
+		return not_built("replay");
+	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
+	usage(stderr);
+	return 2;
+}
