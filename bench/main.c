@@ -2,15 +2,14 @@
  *
  *   kvtier-bench ops [options]        metadata operations (bench/ops.c)
  *   kvtier-bench bandwidth [options]  save/load GB/s (bench/bandwidth.c)
- *   kvtier-bench replay [options]     policy replay of a trace
+ *   kvtier-bench replay [options]     a trace through the real API (bench/replay.c)
  */
 #include <stdio.h>
 #include <string.h>
 
 int kvt_bench_ops(int argc, char **argv);
-#ifdef KVT_BENCH_HAVE_BANDWIDTH
 int kvt_bench_bandwidth(int argc, char **argv);
-#endif
+int kvt_bench_replay(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -25,12 +24,6 @@ static void usage(FILE *f)
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
 
-static int not_built(const char *what)
-{
-	fprintf(stderr, "kvtier-bench %s: not built yet\n", what);
-	return 2;
-}
-
 int main(int argc, char **argv)
 {
 	if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
@@ -40,13 +33,9 @@ int main(int argc, char **argv)
 	if (!strcmp(argv[1], "ops"))
 		return kvt_bench_ops(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "bandwidth"))
-#ifdef KVT_BENCH_HAVE_BANDWIDTH
 		return kvt_bench_bandwidth(argc - 1, argv + 1);
-#else
-		return not_built("bandwidth");
-#endif
 	if (!strcmp(argv[1], "replay"))
-		return not_built("replay");
+		return kvt_bench_replay(argc - 1, argv + 1);
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;

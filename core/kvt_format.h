@@ -9,7 +9,8 @@
  *          | header, page 0                                             |
  *          |   0    magic "KVTIER01"   (written last, release)          |
  *          |   8    version, hdr_size, total_size, page_size            |
- *          |   32   creator uid, pid, start time, creation time         |
+ *          |   32   creator uid, pid, start time, creation time,        |
+ *          |        eviction policy bits                                |
  *          |   64   geometry (struct kvt_geometry, 120 bytes)           |
  *          |   192  derived sizes: shard, slot meta, lease, shard part, |
  *          |        shards, entries, buckets, counter block             |
@@ -55,6 +56,8 @@
 /* "KVTIER01" as a little-endian u64 */
 #define KVT_MAGIC          0x313052454954564bULL
 #define KVT_LAYOUT_VERSION 1u
+#define KVT_POLICY_DEPTH_FIRST 0x1ULL /* eviction prefers deeper cold chunks */
+#define KVT_POLICY_MASK        0x1ULL
 #define KVT_CACHELINE      64u
 #define KVT_PAGE           4096u
 #define KVT_ARENA_ALIGN    (2u << 20)
@@ -106,7 +109,7 @@ struct kvt_hdr {
 	uint32_t creator_pid;          /*  36 */
 	uint64_t creator_start;        /*  40 */
 	uint64_t created_ns;           /*  48 */
-	uint64_t reserved0;            /*  56 */
+	uint64_t policy;               /*  56: KVT_POLICY_* */
 	struct kvt_geometry geo;       /*  64 */
 	uint8_t  pad0[192 - 64 - sizeof(struct kvt_geometry)];
 	struct kvt_derived d;          /* 192 */
@@ -295,6 +298,7 @@ struct kvt_seg {
 	uint64_t start;
 	uint32_t bucket_mask;
 	uint32_t lease_scan;      /* private lease allocation cursor */
+	uint32_t sweep_peek;      /* slots looked ahead for a deeper victim */
 	char name[KVT_NAME_MAX + 1];
 };
 

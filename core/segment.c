@@ -427,7 +427,8 @@ static int hdr_validate(const struct kvt_hdr *h, uint64_t map_size, uid_t file_u
 	kvt__fingerprint(&h->geo, &fp);
 	HCHK(fp.lo == h->fingerprint.lo && fp.hi == h->fingerprint.hi, -EPROTO,
 	     "header.fingerprint: does not match the geometry");
-	HCHK(h->reserved0 == 0, -EPROTO, "header.reserved0: not zero");
+	HCHK((h->policy & ~KVT_POLICY_MASK) == 0, -EPROTO, "header.policy: unknown bits %#llx",
+	     (unsigned long long)(h->policy & ~KVT_POLICY_MASK));
 	HCHK(h->checksum == kvt__hdr_checksum(h), -EPROTO,
 	     "header.checksum: the header was modified after creation");
 #undef HCHK
@@ -594,6 +595,7 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 		goto out_unmap;
 	s->geo = s->hdr->geo;
 	handle_init_regions(s);
+	s->sweep_peek = (s->hdr->policy & KVT_POLICY_DEPTH_FIRST) ? 8 : 0;
 	r = attach_identity(s, a);
 	if (r)
 		goto out_unmap;
@@ -625,7 +627,8 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	if (c->size < sizeof(*c))
 		return kvt__err(-EINVAL, "create options: size %zu, expected %zu",
 				c->size, sizeof(*c));
-	if (c->flags & ~(KVT_SEG_F_GROUP | KVT_SEG_F_REPLACE | KVT_SEG_F_PREFAULT))
+	if (c->flags & ~(KVT_SEG_F_GROUP | KVT_SEG_F_REPLACE | KVT_SEG_F_PREFAULT |
+			 KVT_SEG_F_DEPTH_FIRST))
 		return kvt__err(-EINVAL, "create options: unknown flags 0x%x", c->flags);
 	if (c->reserved)
 		return kvt__err(-EINVAL, "create options: reserved field is not zero");
@@ -690,6 +693,7 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 		clock_gettime(CLOCK_REALTIME, &ts);
 		h->created_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 	}
+	h->policy = (c->flags & KVT_SEG_F_DEPTH_FIRST) ? KVT_POLICY_DEPTH_FIRST : 0;
 	h->geo = g;
 	h->d = d;
 	kvt__fingerprint(&g, &h->fingerprint);

@@ -12,6 +12,7 @@ pkgs=(
   liburing-dev                          # optional disk tier
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   python3-pytest python3-numpy          # Python binding tests (/usr/bin/python3)
+  python3-torch                         # CPU tensors as a fake KV cache (binding tests)
 )
 
 missing=()

@@ -173,7 +173,7 @@ static const struct field fields[] = {
 	F("creator_pid", creator_pid, 4, 0, 0),
 	F("creator_start", creator_start, 8, 0, 0),
 	F("created_ns", created_ns, 8, 0, 0),
-	F("reserved0", reserved0, 8, 1, 0),
+	F("policy", policy, 8, 2, 0),
 	F("chunk_tokens", geo.chunk_tokens, 4, 0, 0),
 	F("world", geo.world, 4, 65, 0),
 	F("n_instances", geo.n_instances, 4, 0, 0),

@@ -152,12 +152,15 @@ static void test_eviction(void **st)
 {
 	(void)st;
 	struct kvt_geometry g = kvt_test_geo(1, 8);
-	kvt_seg *s = kvt_test_create(NAME, &g, NULL);
+	struct kvt_seg_create_opts c = { .size = sizeof(c), .name = NAME, .geo = &g,
+		.flags = KVT_SEG_F_REPLACE | KVT_SEG_F_DEPTH_FIRST };
+	kvt_seg *s = NULL;
 	uint64_t lease;
 
+	assert_int_equal(kvt_seg_create(&c, NULL, &s), 0);
 	for (uint32_t i = 0; i < 8; i++)
 		assert_int_equal(kvt_test_save_all(s, i, i), 1);
-	/* all cold: the deepest chunk goes first (evicting it loses no prefix) */
+	/* all cold, depth-first policy: the deepest chunk goes first */
 	assert_int_equal(kvt_test_save_all(s, 100, 0), 1);
 	assert_int_equal(kvt_test_counter(s, KVT_C_EVICTIONS), 1);
 	assert_int_equal(hits(s, 7, 1, NULL), 0);
@@ -238,6 +241,29 @@ static void test_hit_protects(void **st)
 	kvt_seg_detach(s);
 }
 
+/* The default policy is the plain CLOCK: the hand's order, hits protect. */
+static void test_clock_order(void **st)
+{
+	(void)st;
+	struct kvt_geometry g = kvt_test_geo(1, 8);
+	kvt_seg *s = kvt_test_create(NAME, &g, NULL);
+
+	for (uint32_t i = 0; i < 8; i++)
+		assert_int_equal(kvt_test_save_all(s, i, 7 - i), 1);
+	/* chunk 0 is hit twice: it survives while the others go in turn */
+	assert_int_equal(hits(s, 0, 1, NULL), 1);
+	for (uint32_t i = 0; i < 4; i++)
+		assert_int_equal(kvt_test_save_all(s, 100 + i, 0), 1);
+	assert_int_equal(hits(s, 0, 1, NULL), 1);
+	assert_int_equal(kvt_test_counter(s, KVT_C_EVICTIONS), 4);
+	uint32_t left = 0;
+	for (uint32_t i = 1; i < 8; i++)
+		left += (uint32_t)hits(s, i, 1, NULL);
+	assert_int_equal(left, 3);
+	kvt_test_assert_check(s);
+	kvt_seg_detach(s);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -246,6 +272,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_abort, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_index_many, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_eviction, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_clock_order, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_filling_not_evicted, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_fill_timeout, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_hit_protects, setup, teardown),

@@ -75,7 +75,9 @@ uint64_t kvt_geometry_shard_bytes(const struct kvt_geometry *g);
 #define KVT_SEG_F_REPLACE   0x2u /* create: remove an existing segment first */
 #define KVT_SEG_F_PREFAULT  0x4u /* create: fault the arena in now */
 #define KVT_SEG_F_ANY_UID   0x8u /* attach: accept a segment of another uid */
-#define KVT_SEG_F_MASK      0xfu
+#define KVT_SEG_F_DEPTH_FIRST 0x10u /* create: eviction prefers deeper cold
+				     * chunks (prefix-aware; see slots.c) */
+#define KVT_SEG_F_MASK      0x1fu
 
 enum kvt_role {
 	KVT_ROLE_OBSERVER  = 0, /* read-only: stats, check; no table entry */

@@ -1,0 +1,1193 @@
+/* replay.c - kvtier-bench replay: a Mooncake-format request trace fed
+ * through the real engine API (kvtier.h), with the hit rates of LRU and
+ * Belady computed offline on the same requests.
+ *
+ * The trace is JSONL, one request per line:
+ *   {"timestamp": 27482, "input_length": 6955, "output_length": 52,
+ *    "hash_ids": [46, 47, 48, ...]}
+ * A hash id names a 512-token block *and its whole prefix* (equal ids, equal
+ * prefix KV), so it is used directly as the chunk key: key = {id, KEY_HI}.
+ * A chunk is one trace block (chunk_tokens = 512; the last block of a
+ * prompt may be partial in the trace; it is replayed as a chunk too).
+ *
+ * The tier.  A segment of --capacity slots (one chunk each), created by
+ * this process as a CLIENT of world 1 with the host DMA backend
+ * (KVT_F_NO_ENV: KVTIER_* variables do not change the run).  The "device"
+ * KV cache is a malloc'd buffer: one layer group of 1 layer,
+ * --bytes-per-token bytes per token, --block-tokens tokens per block; a
+ * request's chunk j lives in blocks perm[j*bpc .. (j+1)*bpc) of a fixed
+ * random permutation, so copies gather scattered blocks as an engine's do.
+ *
+ * Per request, one scheduler step:
+ *   1. HBM: with --hbm-chunks N, an LRU of N chunks models the engine's own
+ *      GPU prefix cache: the longest prefix of the request present there
+ *      is an HBM hit, and the tier is asked only for the rest (the GPU-miss
+ *      tail), from that position on, as engines do.
+ *   2. kvt_lookup(tail) -> hits + lease; kvt_step(this lease).
+ *   3. kvt_load(lease, hits) + kvt_wait: the lease is released by the load
+ *      (world 1).  The loaded blocks are checked: each block carries a stamp
+ *      (its chunk's id and its index) written before it was saved.
+ *   4. kvt_save(the tail's misses, first_depth = their position) + kvt_wait
+ *      (chunks present in the tier beyond the first miss are deduplicated).
+ *   5. The HBM LRU is touched with every chunk of the request, tail first,
+ *      so a request's prefix is its most recent part (vLLM frees a
+ *      request's blocks tail first).
+ * Latencies are CLOCK_MONOTONIC per call: lookup = kvt_lookup; load =
+ * kvt_load + kvt_wait; save = kvt_save + kvt_wait (one sample per request
+ * that had something to load / save).
+ *
+ * Offline, on the same tier requests (the tails of step 1) and the same
+ * capacity in chunks:
+ *   LRU     one list of chunks; a request's chunks are touched after it is
+ *           counted, tail first (as the HBM LRU).
+ *   Belady  OPT over the stream of the tails' chunks in order: on a miss
+ *           with a full cache, the chunk whose next use is farthest is
+ *           evicted, or the new chunk is not kept when its own next use is
+ *           the farthest.
+ * Two hit rates each: "prefix" counts, per request, the leading run of hit
+ * chunks (what a tier lookup can return, comparable to the tier's); "chunk"
+ * counts every chunk found (an upper bound ignoring prefix order).  Belady
+ * is optimal for the chunk rate; for the prefix rate it is the usual
+ * reference, not a proven bound.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvtier.h"
+#include "kvt_core.h" /* kvt_seg_unlink: the public API has no unlink */
+
+#define KEY_HI         0x6b76747265706c79ULL /* "kvtreply" */
+#define CHUNK_TOKENS   512u                  /* one Mooncake trace block */
+/* the trace shipped next to the repository, from the repository root */
+#define DEFAULT_TRACE  "../shared/traces/mooncake_conversation_trace.jsonl"
+#define STAMP_MAGIC    0x706d6174u                           /* "tamp" */
+#define NONE           UINT32_MAX       /* no index / not cached */
+#define NEVER          (UINT32_MAX - 1) /* next use: none */
+
+struct opts {
+	const char *trace;
+	char segment[KVT_NAME_MAX + 1];
+	uint32_t capacity;
+	uint32_t hbm_chunks;
+	uint32_t limit;
+	uint32_t bytes_per_token;
+	uint32_t block_tokens;
+	int json;
+	int keep;
+};
+
+/* ---- the trace ---------------------------------------------------------- */
+
+struct trace {
+	uint32_t n_req;
+	uint32_t *off;     /* n_req + 1: request r's chunks are ids[off[r] .. off[r+1]) */
+	uint32_t *ids;     /* dense chunk indices */
+	uint64_t n_chunks;
+	uint64_t *raw;     /* dense index -> the trace's hash id */
+	uint32_t n_ids;
+	uint32_t max_len;  /* chunks of the longest request */
+};
+
+/* Open-addressing map raw id -> dense index (ids are arbitrary u64). */
+struct idmap {
+	uint64_t *keys;
+	uint32_t *vals;
+	uint64_t cap;      /* power of two */
+};
+
+static uint64_t mix64(uint64_t x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdULL;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ULL;
+	return x ^ (x >> 33);
+}
+
+static int idmap_grow(struct idmap *m)
+{
+	uint64_t ncap = m->cap ? m->cap * 2 : 1u << 16;
+	uint64_t *nk = malloc(ncap * sizeof(*nk));
+	uint32_t *nv = malloc(ncap * sizeof(*nv));
+
+	if (!nk || !nv) {
+		free(nk);
+		free(nv);
+		return -ENOMEM;
+	}
+	for (uint64_t i = 0; i < ncap; i++)
+		nv[i] = NONE;
+	for (uint64_t i = 0; i < m->cap; i++) {
+		if (m->vals[i] == NONE)
+			continue;
+		uint64_t h = mix64(m->keys[i]) & (ncap - 1);
+		while (nv[h] != NONE)
+			h = (h + 1) & (ncap - 1);
+		nk[h] = m->keys[i];
+		nv[h] = m->vals[i];
+	}
+	free(m->keys);
+	free(m->vals);
+	m->keys = nk;
+	m->vals = nv;
+	m->cap = ncap;
+	return 0;
+}
+
+/* The dense index of raw, assigning the next one (*n) when new. */
+static int idmap_get(struct idmap *m, uint64_t raw, uint32_t *n, uint32_t *out)
+{
+	if ((uint64_t)*n * 2 >= m->cap && idmap_grow(m))
+		return -ENOMEM;
+	uint64_t h = mix64(raw) & (m->cap - 1);
+	while (m->vals[h] != NONE) {
+		if (m->keys[h] == raw) {
+			*out = m->vals[h];
+			return 0;
+		}
+		h = (h + 1) & (m->cap - 1);
+	}
+	if (*n == NONE)
+		return -EOVERFLOW;
+	m->keys[h] = raw;
+	m->vals[h] = *n;
+	*out = (*n)++;
+	return 1;
+}
+
+static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem)
+{
+	if (need <= *cap)
+		return 0;
+	uint64_t n = *cap ? *cap : 1024;
+	while (n < need)
+		n *= 2;
+	void *q = realloc(*p, n * elem);
+	if (!q)
+		return -ENOMEM;
+	*p = q;
+	*cap = n;
+	return 0;
+}
+
+static const char *skip_ws(const char *p)
+{
+	while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')
+		p++;
+	return p;
+}
+
+static const char *parse_u64(const char *p, uint64_t *v)
+{
+	uint64_t x = 0;
+	const char *s = p;
+
+	while (*p >= '0' && *p <= '9') {
+		if (x > (UINT64_MAX - 9) / 10)
+			return NULL;
+		x = x * 10 + (uint64_t)(*p++ - '0');
+	}
+	if (p == s)
+		return NULL;
+	*v = x;
+	return p;
+}
+
+/* Skips a value of a key this bench does not use: a number, a string
+ * without escapes of quotes, or an array of numbers. */
+static const char *skip_value(const char *p)
+{
+	if (*p == '"') {
+		for (p++; *p && *p != '"'; p++)
+			if (*p == '\\' && p[1])
+				p++;
+		return *p == '"' ? p + 1 : NULL;
+	}
+	if (*p == '[') {
+		int depth = 0;
+		for (; *p; p++) {
+			if (*p == '[')
+				depth++;
+			else if (*p == ']' && --depth == 0)
+				return p + 1;
+		}
+		return NULL;
+	}
+	if (*p == '-' || *p == '+')
+		p++;
+	const char *s = p;
+	while ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e' || *p == 'E' ||
+	       *p == '-' || *p == '+')
+		p++;
+	if (p != s)
+		return p;
+	if (!strncmp(p, "true", 4) || !strncmp(p, "null", 4))
+		return p + 4;
+	if (!strncmp(p, "false", 5))
+		return p + 5;
+	return NULL;
+}
+
+struct parse {
+	struct trace *t;
+	struct idmap map;
+	uint64_t cap_ids, cap_off, cap_raw;
+};
+
+/* Parses one line (a JSON object); appends its hash_ids as a request. */
+static int parse_line(struct parse *ps, const char *line, unsigned long lineno)
+{
+	struct trace *t = ps->t;
+	const char *p = skip_ws(line);
+	int have_ids = 0;
+	uint64_t start = t->n_chunks;
+
+	if (!*p)
+		return 0; /* blank line */
+	if (*p != '{')
+		goto bad;
+	p = skip_ws(p + 1);
+	while (*p != '}') {
+		const char *key, *kend;
+		if (*p != '"')
+			goto bad;
+		key = ++p;
+		while (*p && *p != '"')
+			p++;
+		if (*p != '"')
+			goto bad;
+		kend = p++;
+		p = skip_ws(p);
+		if (*p != ':')
+			goto bad;
+		p = skip_ws(p + 1);
+		if ((size_t)(kend - key) == 8 && !memcmp(key, "hash_ids", 8)) {
+			if (*p != '[')
+				goto bad;
+			p = skip_ws(p + 1);
+			while (*p != ']') {
+				uint64_t raw;
+				uint32_t dense;
+				int r;
+				const char *q = parse_u64(p, &raw);
+				if (!q)
+					goto bad;
+				p = q;
+				r = idmap_get(&ps->map, raw, &t->n_ids, &dense);
+				if (r < 0)
+					return r;
+				if (r == 1) {
+					if (grow((void **)&t->raw, &ps->cap_raw, t->n_ids, sizeof(*t->raw)))
+						return -ENOMEM;
+					t->raw[dense] = raw;
+				}
+				if (grow((void **)&t->ids, &ps->cap_ids, t->n_chunks + 1, sizeof(*t->ids)))
+					return -ENOMEM;
+				t->ids[t->n_chunks++] = dense;
+				p = skip_ws(p);
+				if (*p == ',')
+					p = skip_ws(p + 1);
+				else if (*p != ']')
+					goto bad;
+			}
+			p++;
+			have_ids = 1;
+		} else {
+			const char *q = skip_value(p);
+			if (!q)
+				goto bad;
+			p = q;
+		}
+		p = skip_ws(p);
+		if (*p == ',')
+			p = skip_ws(p + 1);
+		else if (*p != '}')
+			goto bad;
+	}
+	if (*skip_ws(p + 1))
+		goto bad;
+	if (!have_ids) {
+		fprintf(stderr, "kvtier-bench replay: line %lu: no \"hash_ids\"\n", lineno);
+		return -EINVAL;
+	}
+	if (t->n_chunks - start > UINT32_MAX || t->n_chunks > UINT32_MAX)
+		return -EOVERFLOW;
+	if (grow((void **)&t->off, &ps->cap_off, (uint64_t)t->n_req + 2, sizeof(*t->off)))
+		return -ENOMEM;
+	t->off[t->n_req] = (uint32_t)start;
+	t->off[++t->n_req] = (uint32_t)t->n_chunks;
+	if (t->n_chunks - start > t->max_len)
+		t->max_len = (uint32_t)(t->n_chunks - start);
+	return 0;
+bad:
+	t->n_chunks = start;
+	fprintf(stderr, "kvtier-bench replay: line %lu: not a trace record near column %ld: "
+		"expected {\"hash_ids\": [ids...], ...}\n", lineno, (long)(p - line + 1));
+	return -EINVAL;
+}
+
+static int trace_load(const char *path, uint32_t limit, struct trace *t)
+{
+	struct parse ps = { .t = t };
+	FILE *f = fopen(path, "r");
+	char *line = NULL;
+	size_t cap = 0;
+	unsigned long lineno = 0;
+	int r = 0;
+
+	memset(t, 0, sizeof(*t));
+	if (!f) {
+		r = -errno;
+		fprintf(stderr, "kvtier-bench replay: %s: %s\n", path, strerror(-r));
+		return r;
+	}
+	if (grow((void **)&t->off, &ps.cap_off, 2, sizeof(*t->off))) {
+		fclose(f);
+		return -ENOMEM;
+	}
+	t->off[0] = 0;
+	while ((!limit || t->n_req < limit) && getline(&line, &cap, f) >= 0) {
+		r = parse_line(&ps, line, ++lineno);
+		if (r)
+			break;
+	}
+	free(line);
+	free(ps.map.keys);
+	free(ps.map.vals);
+	fclose(f);
+	if (!r && !t->n_req) {
+		fprintf(stderr, "kvtier-bench replay: %s: no requests\n", path);
+		r = -EINVAL;
+	}
+	return r;
+}
+
+static void trace_free(struct trace *t)
+{
+	free(t->off);
+	free(t->ids);
+	free(t->raw);
+}
+
+/* ---- LRU over dense chunk indices ---------------------------------------- */
+
+struct lru {
+	uint32_t *prev, *next;
+	uint8_t *in;
+	uint32_t head, tail, count, cap;
+};
+
+static int lru_init(struct lru *l, uint32_t n_ids, uint32_t cap)
+{
+	memset(l, 0, sizeof(*l));
+	l->prev = malloc((size_t)n_ids * sizeof(*l->prev));
+	l->next = malloc((size_t)n_ids * sizeof(*l->next));
+	l->in = calloc(n_ids ? n_ids : 1, 1);
+	l->head = l->tail = NONE;
+	l->cap = cap;
+	return l->prev && l->next && l->in ? 0 : -ENOMEM;
+}
+
+static void lru_fini(struct lru *l)
+{
+	free(l->prev);
+	free(l->next);
+	free(l->in);
+}
+
+static void lru_unlink(struct lru *l, uint32_t x)
+{
+	if (l->prev[x] != NONE)
+		l->next[l->prev[x]] = l->next[x];
+	else
+		l->head = l->next[x];
+	if (l->next[x] != NONE)
+		l->prev[l->next[x]] = l->prev[x];
+	else
+		l->tail = l->prev[x];
+}
+
+/* Makes x the most recent, inserting it (and evicting the least recent
+ * beyond the capacity). */
+static void lru_touch(struct lru *l, uint32_t x)
+{
+	if (!l->cap)
+		return;
+	if (l->in[x]) {
+		lru_unlink(l, x);
+	} else {
+		l->in[x] = 1;
+		if (++l->count > l->cap) {
+			uint32_t v = l->tail;
+			lru_unlink(l, v);
+			l->in[v] = 0;
+			l->count--;
+		}
+	}
+	l->prev[x] = NONE;
+	l->next[x] = l->head;
+	if (l->head != NONE)
+		l->prev[l->head] = x;
+	l->head = x;
+	if (l->tail == NONE)
+		l->tail = x;
+}
+
+/* ---- offline policies -------------------------------------------------- */
+
+struct sim {
+	uint64_t asked, prefix_hits, chunk_hits;
+};
+
+/* start[r]: the first chunk of request r the tier is asked for. */
+static int sim_lru(const struct trace *t, const uint32_t *start, uint32_t cap, struct sim *s)
+{
+	struct lru l;
+
+	memset(s, 0, sizeof(*s));
+	if (lru_init(&l, t->n_ids, cap)) {
+		lru_fini(&l);
+		return -ENOMEM;
+	}
+	for (uint32_t r = 0; r < t->n_req; r++) {
+		const uint32_t *c = t->ids + t->off[r];
+		uint32_t n = t->off[r + 1] - t->off[r], j = start[r], lead = 1;
+		for (; j < n; j++) {
+			s->asked++;
+			if (l.in[c[j]]) {
+				s->chunk_hits++;
+				s->prefix_hits += lead;
+			} else {
+				lead = 0;
+			}
+		}
+		for (j = n; j-- > start[r];)
+			lru_touch(&l, c[j]);
+	}
+	lru_fini(&l);
+	return 0;
+}
+
+struct hent {
+	uint32_t next, id;
+};
+
+static void heap_push(struct hent *h, uint64_t *n, struct hent e)
+{
+	uint64_t i = (*n)++;
+	while (i) {
+		uint64_t p = (i - 1) / 2;
+		if (h[p].next >= e.next)
+			break;
+		h[i] = h[p];
+		i = p;
+	}
+	h[i] = e;
+}
+
+static void heap_pop(struct hent *h, uint64_t *n)
+{
+	struct hent e = h[--(*n)];
+	uint64_t i = 0;
+
+	for (;;) {
+		uint64_t c = 2 * i + 1;
+		if (c >= *n)
+			break;
+		if (c + 1 < *n && h[c + 1].next > h[c].next)
+			c++;
+		if (h[c].next <= e.next)
+			break;
+		h[i] = h[c];
+		i = c;
+	}
+	if (*n)
+		h[i] = e;
+}
+
+static int sim_belady(const struct trace *t, const uint32_t *start, uint32_t cap,
+		      struct sim *s)
+{
+	uint64_t m = 0, pos = 0, hn = 0, count = 0;
+	uint32_t *nextuse = NULL, *last = NULL, *cur = NULL;
+	struct hent *heap = NULL;
+	int ret = -ENOMEM;
+
+	memset(s, 0, sizeof(*s));
+	for (uint32_t r = 0; r < t->n_req; r++)
+		m += t->off[r + 1] - t->off[r] - start[r];
+	if (m >= NEVER)
+		return -EOVERFLOW;
+	nextuse = malloc((m ? m : 1) * sizeof(*nextuse));
+	last = malloc((size_t)(t->n_ids ? t->n_ids : 1) * sizeof(*last));
+	cur = malloc((size_t)(t->n_ids ? t->n_ids : 1) * sizeof(*cur));
+	heap = malloc((m ? m : 1) * sizeof(*heap));
+	if (!nextuse || !last || !cur || !heap)
+		goto out;
+	for (uint32_t i = 0; i < t->n_ids; i++) {
+		last[i] = NEVER;
+		cur[i] = NONE;
+	}
+	/* next use of each position of the stream, backwards */
+	pos = m;
+	for (uint32_t r = t->n_req; r-- > 0;) {
+		const uint32_t *c = t->ids + t->off[r];
+		for (uint32_t j = t->off[r + 1] - t->off[r]; j-- > start[r];) {
+			pos--;
+			nextuse[pos] = last[c[j]];
+			last[c[j]] = (uint32_t)pos;
+		}
+	}
+	pos = 0;
+	for (uint32_t r = 0; r < t->n_req; r++) {
+		const uint32_t *c = t->ids + t->off[r];
+		uint32_t n = t->off[r + 1] - t->off[r], lead = 1;
+		for (uint32_t j = start[r]; j < n; j++, pos++) {
+			uint32_t x = c[j], nu = nextuse[pos];
+			s->asked++;
+			if (cur[x] != NONE) {
+				s->chunk_hits++;
+				s->prefix_hits += lead;
+				cur[x] = nu;
+				heap_push(heap, &hn, (struct hent){ nu, x });
+				continue;
+			}
+			lead = 0;
+			if (!cap)
+				continue;
+			if (count == cap) {
+				/* drop stale entries: an entry is live iff it holds
+				 * the id's current next use (positions are unique; an
+				 * id whose next use is NEVER is not accessed again) */
+				while (hn && cur[heap[0].id] != heap[0].next)
+					heap_pop(heap, &hn);
+				if (nu >= heap[0].next)
+					continue; /* the newcomer is needed last: not kept */
+				cur[heap[0].id] = NONE;
+				heap_pop(heap, &hn);
+				count--;
+			}
+			cur[x] = nu;
+			heap_push(heap, &hn, (struct hent){ nu, x });
+			count++;
+		}
+	}
+	ret = 0;
+out:
+	free(nextuse);
+	free(last);
+	free(cur);
+	free(heap);
+	return ret;
+}
+
+/* The HBM prefix cache in front of the tier: start[r] = the length of the
+ * longest prefix of request r present in an LRU of hbm chunks (0 without
+ * one); the request's chunks are then touched, tail first. */
+static int hbm_starts(const struct trace *t, uint32_t hbm, uint32_t *start, uint64_t *hits)
+{
+	struct lru l;
+
+	*hits = 0;
+	if (!hbm) {
+		memset(start, 0, (size_t)t->n_req * sizeof(*start));
+		return 0;
+	}
+	if (lru_init(&l, t->n_ids, hbm)) {
+		lru_fini(&l);
+		return -ENOMEM;
+	}
+	for (uint32_t r = 0; r < t->n_req; r++) {
+		const uint32_t *c = t->ids + t->off[r];
+		uint32_t n = t->off[r + 1] - t->off[r], h = 0;
+		while (h < n && l.in[c[h]])
+			h++;
+		start[r] = h;
+		*hits += h;
+		for (uint32_t j = n; j-- > 0;)
+			lru_touch(&l, c[j]);
+	}
+	lru_fini(&l);
+	return 0;
+}
+
+/* ---- the replay through kvtier.h ------------------------------------------ */
+
+struct lat {
+	uint64_t *ns;
+	uint64_t n, chunks;
+};
+
+struct pct {
+	double p50, p90, p99, max, mean_chunks;
+	uint64_t n;
+};
+
+struct result {
+	uint64_t requests, chunks, hbm_hits, asked, hits, saves_asked, saves_written;
+	uint64_t verified, bad_stamps, load_errors, save_errors;
+	struct lat lookup, load, save;
+	double seconds;
+	struct kvt_stats st;
+	struct sim lru, opt;
+};
+
+struct stamp {
+	uint64_t id;
+	uint32_t block;
+	uint32_t magic;
+};
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void lat_add(struct lat *l, uint64_t ns, uint32_t chunks)
+{
+	l->ns[l->n++] = ns;
+	l->chunks += chunks;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile q (0..1] of sorted samples, in µs. */
+static double rank_us(const struct lat *l, double q)
+{
+	uint64_t k = (uint64_t)(q * (double)l->n + 0.999999);
+
+	k = k ? k - 1 : 0;
+	return (double)l->ns[k < l->n ? k : l->n - 1] / 1e3;
+}
+
+static struct pct lat_pct(struct lat *l)
+{
+	struct pct p = { 0 };
+
+	p.n = l->n;
+	if (!l->n)
+		return p;
+	qsort(l->ns, l->n, sizeof(*l->ns), cmp_u64);
+	p.p50 = rank_us(l, 0.50);
+	p.p90 = rank_us(l, 0.90);
+	p.p99 = rank_us(l, 0.99);
+	p.max = (double)l->ns[l->n - 1] / 1e3;
+	p.mean_chunks = (double)l->chunks / (double)l->n;
+	return p;
+}
+
+/* Removes the segment wherever the library put it: POSIX shm, or a
+ * hugetlbfs mount (a creator given no directory uses huge pages when a
+ * mount has enough free ones). */
+static void remove_segment(const char *name)
+{
+	FILE *f = fopen("/proc/mounts", "r");
+	char line[1024], dir[512], type[64];
+
+	(void)kvt_seg_unlink(name, NULL);
+	if (!f)
+		return;
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "%*s %511s %63s", dir, type) == 2 && !strcmp(type, "hugetlbfs"))
+			(void)kvt_seg_unlink(name, dir);
+	fclose(f);
+}
+
+static int fail(const char *what, int r)
+{
+	fprintf(stderr, "kvtier-bench replay: %s: %s (%s)\n", what, kvt_last_error(),
+		kvt_strerror(r));
+	return r;
+}
+
+static int replay_run(const struct opts *o, const struct trace *t, const uint32_t *start,
+		      struct result *res)
+{
+	const uint32_t bpc = CHUNK_TOKENS / o->block_tokens;
+	const uint64_t block_bytes = (uint64_t)o->block_tokens * o->bytes_per_token;
+	const uint64_t n_blocks = (uint64_t)(t->max_len ? t->max_len : 1) * bpc;
+	struct kvt_group_desc gd = { .n_layers = 1, .bytes_per_token = o->bytes_per_token,
+				     .tokens_per_block = o->block_tokens, .replicated = 0 };
+	struct kvt_config cfg;
+	struct kvt_group_buffers gb;
+	kvt_tier *tier = NULL;
+	uint8_t *dev = NULL;
+	uint32_t *perm = NULL;
+	kvt_key *keys = NULL;
+	uint64_t base, seed = 0x9e3779b97f4a7c15ULL, t0;
+	int r;
+
+	res->lookup.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
+	res->load.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
+	res->save.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
+	perm = malloc(n_blocks * sizeof(*perm));
+	keys = malloc((size_t)(t->max_len ? t->max_len : 1) * sizeof(*keys));
+	if (posix_memalign((void **)&dev, 4096, n_blocks * block_bytes))
+		dev = NULL;
+	if (!res->lookup.ns || !res->load.ns || !res->save.ns || !perm || !keys || !dev) {
+		r = -ENOMEM;
+		fprintf(stderr, "kvtier-bench replay: out of memory\n");
+		goto out_free;
+	}
+	memset(dev, 0, n_blocks * block_bytes);
+	/* a fixed shuffle of the device blocks: a request's chunk j uses
+	 * blocks perm[j * bpc ..], scattered as an engine's block table */
+	for (uint64_t i = 0; i < n_blocks; i++)
+		perm[i] = (uint32_t)i;
+	for (uint64_t i = n_blocks; i > 1; i--) {
+		seed ^= seed << 13;
+		seed ^= seed >> 7;
+		seed ^= seed << 17;
+		uint64_t k = seed % i;
+		uint32_t x = perm[i - 1];
+		perm[i - 1] = perm[k];
+		perm[k] = x;
+	}
+
+	memset(&cfg, 0, sizeof(cfg));
+	cfg.size = sizeof(cfg);
+	cfg.flags = KVT_F_CREATE | KVT_F_REPLACE | KVT_F_NO_ENV;
+	cfg.role = KVT_TIER_CLIENT;
+	cfg.instance = 0;
+	cfg.rank = 0;
+	cfg.world = 1;
+	cfg.chunk_tokens = CHUNK_TOKENS;
+	cfg.segment = o->segment;
+	cfg.model = "kvtier-bench-replay";
+	cfg.dma = "host";
+	cfg.n_groups = 1;
+	cfg.groups = &gd;
+	cfg.n_slots = o->capacity;
+	r = kvt_open(&cfg, &tier);
+	if (r) {
+		fail("open", r);
+		goto out_free;
+	}
+	base = (uint64_t)(uintptr_t)dev;
+	gb.layer_base = &base;
+	gb.block_stride = block_bytes;
+	gb.n_blocks = n_blocks;
+	r = kvt_register_kv(tier, 1, &gb);
+	if (r) {
+		fail("register_kv", r);
+		goto out_close;
+	}
+
+	t0 = now_ns();
+	for (uint32_t q = 0; q < t->n_req; q++) {
+		const uint32_t *c = t->ids + t->off[q];
+		const uint32_t n = t->off[q + 1] - t->off[q], s = start[q], ask = n - s;
+		kvt_lease_id lease = 0;
+		kvt_op op = 0;
+		int hits;
+		uint64_t a, b;
+
+		res->requests++;
+		res->chunks += n;
+		res->hbm_hits += s;
+		if (!ask) { /* all in HBM: the tier is not asked */
+			kvt_step(tier, NULL, 0);
+			continue;
+		}
+		for (uint32_t j = 0; j < ask; j++)
+			keys[j] = (kvt_key){ .lo = t->raw[c[s + j]], .hi = KEY_HI };
+		a = now_ns();
+		hits = kvt_lookup(tier, keys, ask, &lease);
+		b = now_ns();
+		if (hits < 0) {
+			r = fail("lookup", hits);
+			goto out_close;
+		}
+		lat_add(&res->lookup, b - a, ask);
+		res->asked += ask;
+		res->hits += (uint32_t)hits;
+		r = kvt_step(tier, lease ? &lease : NULL, lease ? 1 : 0);
+		if (r < 0) {
+			r = fail("step", r);
+			goto out_close;
+		}
+
+		if (hits > 0) {
+			const uint32_t *tabs[1] = { perm + (uint64_t)s * bpc };
+			for (uint64_t k = (uint64_t)s * bpc; k < (uint64_t)(s + hits) * bpc; k++)
+				memset(dev + perm[k] * block_bytes, 0, sizeof(struct stamp));
+			a = now_ns();
+			r = kvt_load(tier, lease, (uint32_t)hits, tabs, &op);
+			if (r < 0) {
+				r = fail("load", r);
+				goto out_close;
+			}
+			r = op ? kvt_wait(tier, op, -1) : 0;
+			b = now_ns();
+			lat_add(&res->load, b - a, (uint32_t)hits);
+			if (r < 0) {
+				res->load_errors++;
+				kvt_release(tier, lease);
+			} else {
+				for (uint32_t j = s; j < s + (uint32_t)hits; j++) {
+					for (uint32_t k = 0; k < bpc; k++) {
+						struct stamp st;
+						memcpy(&st, dev + perm[(uint64_t)j * bpc + k] * block_bytes,
+						       sizeof(st));
+						res->verified++;
+						if (st.id != t->raw[c[j]] || st.block != k ||
+						    st.magic != STAMP_MAGIC)
+							res->bad_stamps++;
+					}
+				}
+			}
+		}
+
+		if ((uint32_t)hits < ask) {
+			const uint32_t first = s + (uint32_t)hits, miss = ask - (uint32_t)hits;
+			const uint32_t *tabs[1] = { perm + (uint64_t)first * bpc };
+			/* "prefill": the computed blocks carry their chunk's stamp */
+			for (uint32_t j = first; j < n; j++)
+				for (uint32_t k = 0; k < bpc; k++) {
+					struct stamp st = { .id = t->raw[c[j]], .block = k,
+							    .magic = STAMP_MAGIC };
+					memcpy(dev + perm[(uint64_t)j * bpc + k] * block_bytes, &st,
+					       sizeof(st));
+				}
+			a = now_ns();
+			r = kvt_save(tier, keys + hits, miss, first, tabs, &op);
+			if (r < 0) {
+				r = fail("save", r);
+				goto out_close;
+			}
+			res->saves_asked += miss;
+			res->saves_written += (uint32_t)r;
+			r = op ? kvt_wait(tier, op, -1) : 0;
+			b = now_ns();
+			lat_add(&res->save, b - a, miss);
+			if (r < 0)
+				res->save_errors++;
+		}
+	}
+	res->seconds = (double)(now_ns() - t0) / 1e9;
+	memset(&res->st, 0, sizeof(res->st));
+	res->st.size = sizeof(res->st);
+	r = kvt_stats(tier, &res->st);
+	if (r)
+		fail("stats", r);
+out_close:
+	kvt_close(tier);
+	if (!o->keep)
+		remove_segment(o->segment);
+out_free:
+	free(dev);
+	free(perm);
+	free(keys);
+	return r;
+}
+
+/* ---- output ------------------------------------------------------------ */
+
+static double pc(uint64_t a, uint64_t b)
+{
+	return b ? 100.0 * (double)a / (double)b : 0.0;
+}
+
+static void print_text(const struct opts *o, const struct trace *t, struct result *res)
+{
+	struct pct pl = lat_pct(&res->lookup), pd = lat_pct(&res->load), ps = lat_pct(&res->save);
+
+	printf("kvtier-bench replay: %s\n", o->trace);
+	printf("  %" PRIu64 " requests, %" PRIu64 " chunks of %u tokens (%u distinct), %.2f s "
+	       "(%.0f requests/s)\n", res->requests, res->chunks, CHUNK_TOKENS, t->n_ids,
+	       res->seconds, res->seconds > 0 ? (double)res->requests / res->seconds : 0.0);
+	printf("  tier: %u chunks of %" PRIu64 " bytes (host DMA, world 1); HBM prefix cache: ",
+	       o->capacity, (uint64_t)res->st.chunk_bytes);
+	if (o->hbm_chunks)
+		printf("LRU of %u chunks, %" PRIu64 " chunk hits (%.2f%% of all chunks)\n",
+		       o->hbm_chunks, res->hbm_hits, pc(res->hbm_hits, res->chunks));
+	else
+		printf("none\n");
+	printf("  the tier was asked for %" PRIu64 " chunks (the GPU-miss tails)\n\n", res->asked);
+	printf("  %-26s %16s %16s\n", "policy (same requests)", "prefix hit rate", "chunk hit rate");
+	printf("  %-26s %15.2f%% %16s\n", "kvtier (real API)", pc(res->hits, res->asked), "-");
+	printf("  %-26s %15.2f%% %15.2f%%\n", "LRU (offline)", pc(res->lru.prefix_hits, res->asked),
+	       pc(res->lru.chunk_hits, res->asked));
+	printf("  %-26s %15.2f%% %15.2f%%\n", "Belady (offline)",
+	       pc(res->opt.prefix_hits, res->asked), pc(res->opt.chunk_hits, res->asked));
+	if (o->hbm_chunks)
+		printf("  %-26s %15.2f%%\n", "HBM + kvtier, of all", pc(res->hbm_hits + res->hits,
+									  res->chunks));
+	printf("\n  %-8s %9s %9s %9s %9s %9s %12s\n", "latency", "p50 µs", "p90 µs", "p99 µs",
+	       "max µs", "calls", "chunks/call");
+	struct { const char *name; struct pct *p; } rows[] = {
+		{ "lookup", &pl }, { "load", &pd }, { "save", &ps } };
+	for (int i = 0; i < 3; i++)
+		printf("  %-8s %9.1f %9.1f %9.1f %9.1f %9" PRIu64 " %12.1f\n", rows[i].name,
+		       rows[i].p->p50, rows[i].p->p90, rows[i].p->p99, rows[i].p->max, rows[i].p->n,
+		       rows[i].p->mean_chunks);
+	printf("\n  tier counters: saved %" PRIu64 ", save skips %" PRIu64 ", no space %" PRIu64
+	       ", evictions %" PRIu64 ", loaded %" PRIu64 ", stale unpins %" PRIu64
+	       ", double unpins %" PRIu64 "\n", (uint64_t)res->st.saved_chunks,
+	       (uint64_t)res->st.save_skips, (uint64_t)res->st.save_nospc,
+	       (uint64_t)res->st.evictions, (uint64_t)res->st.loaded_chunks,
+	       (uint64_t)res->st.stale_unpins, (uint64_t)res->st.double_unpins);
+	printf("  loaded blocks checked: %" PRIu64 ", wrong: %" PRIu64 "; failed loads %" PRIu64
+	       ", failed saves %" PRIu64 "\n", res->verified, res->bad_stamps, res->load_errors,
+	       res->save_errors);
+	printf("\n  prefix hit rate: per request, the leading run of hit chunks / chunks asked.\n"
+	       "  chunk hit rate: every asked chunk found / chunks asked (ignores prefix order).\n"
+	       "  LRU: touched tail first after each request.  Belady: evicts the chunk used\n"
+	       "  farthest ahead in the stream of asked chunks (or does not keep the new one).\n");
+}
+
+static void json_pct(const char *name, struct pct *p, int last)
+{
+	printf("\"%s\":{\"calls\":%" PRIu64 ",\"chunks_per_call\":%.3f,\"p50_us\":%.3f,"
+	       "\"p90_us\":%.3f,\"p99_us\":%.3f,\"max_us\":%.3f}%s", name, p->n, p->mean_chunks,
+	       p->p50, p->p90, p->p99, p->max, last ? "" : ",");
+}
+
+static void print_json(const struct opts *o, const struct trace *t, struct result *res)
+{
+	struct pct pl = lat_pct(&res->lookup), pd = lat_pct(&res->load), ps = lat_pct(&res->save);
+
+	printf("{\"bench\":\"replay\",\"trace\":\"");
+	for (const char *p = o->trace; *p; p++)
+		printf(*p == '"' || *p == '\\' ? "\\%c" : "%c", *p);
+	printf("\",\"requests\":%" PRIu64 ",\"chunks\":%" PRIu64 ",\"distinct_chunks\":%u,"
+	       "\"chunk_tokens\":%u,\"capacity_chunks\":%u,\"chunk_bytes\":%" PRIu64 ","
+	       "\"hbm_chunks\":%u,\"hbm_hit_chunks\":%" PRIu64 ",\"asked_chunks\":%" PRIu64 ","
+	       "\"seconds\":%.3f,", res->requests, res->chunks, t->n_ids, CHUNK_TOKENS,
+	       o->capacity, (uint64_t)res->st.chunk_bytes, o->hbm_chunks, res->hbm_hits,
+	       res->asked, res->seconds);
+	printf("\"kvtier\":{\"hit_chunks\":%" PRIu64 ",\"prefix_hit_rate\":%.6f},", res->hits,
+	       res->asked ? (double)res->hits / (double)res->asked : 0.0);
+	printf("\"lru\":{\"prefix_hit_rate\":%.6f,\"chunk_hit_rate\":%.6f},",
+	       res->asked ? (double)res->lru.prefix_hits / (double)res->asked : 0.0,
+	       res->asked ? (double)res->lru.chunk_hits / (double)res->asked : 0.0);
+	printf("\"belady\":{\"prefix_hit_rate\":%.6f,\"chunk_hit_rate\":%.6f},",
+	       res->asked ? (double)res->opt.prefix_hits / (double)res->asked : 0.0,
+	       res->asked ? (double)res->opt.chunk_hits / (double)res->asked : 0.0);
+	printf("\"latency\":{");
+	json_pct("lookup", &pl, 0);
+	json_pct("load", &pd, 0);
+	json_pct("save", &ps, 1);
+	printf("},\"counters\":{\"saved_chunks\":%" PRIu64 ",\"save_skips\":%" PRIu64
+	       ",\"save_nospc\":%" PRIu64 ",\"evictions\":%" PRIu64 ",\"loaded_chunks\":%" PRIu64
+	       ",\"stale_unpins\":%" PRIu64 ",\"double_unpins\":%" PRIu64 "},",
+	       (uint64_t)res->st.saved_chunks, (uint64_t)res->st.save_skips,
+	       (uint64_t)res->st.save_nospc, (uint64_t)res->st.evictions,
+	       (uint64_t)res->st.loaded_chunks, (uint64_t)res->st.stale_unpins,
+	       (uint64_t)res->st.double_unpins);
+	printf("\"save_chunks_asked\":%" PRIu64 ",\"save_chunks_written\":%" PRIu64 ",",
+	       res->saves_asked, res->saves_written);
+	printf("\"verified_blocks\":%" PRIu64 ",\"wrong_blocks\":%" PRIu64 ",\"failed_loads\":%"
+	       PRIu64 ",\"failed_saves\":%" PRIu64 "}\n", res->verified, res->bad_stamps,
+	       res->load_errors, res->save_errors);
+}
+
+/* ---- options ------------------------------------------------------------- */
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: kvtier-bench replay [options] [TRACE]\n"
+		"\n"
+		"Feeds a Mooncake-format trace (JSONL: {\"hash_ids\": [...], ...} per request)\n"
+		"through a real kvtier segment: per request, lookup the prefix, load the hits,\n"
+		"save the misses, one step; a chunk is a trace block (512 tokens).  Prints the\n"
+		"tier's prefix hit rate next to LRU and Belady computed offline on the same\n"
+		"requests, and lookup/load/save latency percentiles.\n"
+		"\n"
+		"  TRACE                  default: %s from the\n"
+		"                         repository root (the current directory, else the one\n"
+		"                         above this program's build/bench/)\n"
+		"  --capacity N           tier capacity in chunks (default 4096)\n"
+		"  --hbm-chunks N         an LRU of N chunks in front of the tier, as the engine's\n"
+		"                         GPU prefix cache: the tier is asked only for the\n"
+		"                         GPU-miss tail (default 0: none)\n"
+		"  --limit N              the first N requests only\n"
+		"  --bytes-per-token B    chunk size: 512 x B bytes (default 64: 32 KiB)\n"
+		"  --block-tokens T       the engine's block size; divides 512 (default 16)\n"
+		"  --segment NAME         segment name (default kvt-replay-<pid>)\n"
+		"  --keep                 do not remove the segment at the end\n"
+		"  --json                 one JSON object instead of the table\n", DEFAULT_TRACE);
+}
+
+static int parse_u32_opt(const char *name, const char *s, uint32_t min, uint32_t *out)
+{
+	char *end;
+	unsigned long long v;
+
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno || end == s || *end || s[0] == '-' || v > UINT32_MAX || v < min) {
+		fprintf(stderr, "kvtier-bench replay: --%s %s: expected an integer >= %u\n",
+			name, s, min);
+		return -EINVAL;
+	}
+	*out = (uint32_t)v;
+	return 0;
+}
+
+static int parse_opts(int argc, char **argv, struct opts *o)
+{
+	static const struct option lo[] = {
+		{ "capacity", required_argument, NULL, 'c' },
+		{ "hbm-chunks", required_argument, NULL, 'H' },
+		{ "limit", required_argument, NULL, 'l' },
+		{ "bytes-per-token", required_argument, NULL, 'b' },
+		{ "block-tokens", required_argument, NULL, 't' },
+		{ "segment", required_argument, NULL, 's' },
+		{ "keep", no_argument, NULL, 'k' },
+		{ "json", no_argument, NULL, 'j' },
+		{ "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	int c;
+
+	memset(o, 0, sizeof(*o));
+	o->capacity = 4096;
+	o->bytes_per_token = 64;
+	o->block_tokens = 16;
+	snprintf(o->segment, sizeof(o->segment), "kvt-replay-%d", (int)getpid());
+	optind = 1;
+	while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+		switch (c) {
+		case 'c': if (parse_u32_opt("capacity", optarg, 1, &o->capacity)) return 2; break;
+		case 'H': if (parse_u32_opt("hbm-chunks", optarg, 0, &o->hbm_chunks)) return 2; break;
+		case 'l': if (parse_u32_opt("limit", optarg, 1, &o->limit)) return 2; break;
+		case 'b':
+			if (parse_u32_opt("bytes-per-token", optarg, 1, &o->bytes_per_token))
+				return 2;
+			break;
+		case 't':
+			if (parse_u32_opt("block-tokens", optarg, 1, &o->block_tokens))
+				return 2;
+			break;
+		case 's':
+			if (strlen(optarg) >= sizeof(o->segment)) {
+				fprintf(stderr, "kvtier-bench replay: --segment: at most %d characters\n",
+					KVT_NAME_MAX);
+				return 2;
+			}
+			snprintf(o->segment, sizeof(o->segment), "%s", optarg);
+			break;
+		case 'k': o->keep = 1; break;
+		case 'j': o->json = 1; break;
+		case 'h': usage(stdout); return 1;
+		default: usage(stderr); return 2;
+		}
+	}
+	if (optind < argc)
+		o->trace = argv[optind++];
+	if (optind < argc) {
+		fprintf(stderr, "kvtier-bench replay: one trace only\n");
+		return 2;
+	}
+	if (CHUNK_TOKENS % o->block_tokens) {
+		fprintf(stderr, "kvtier-bench replay: --block-tokens %u does not divide %u\n",
+			o->block_tokens, CHUNK_TOKENS);
+		return 2;
+	}
+	if ((uint64_t)o->block_tokens * o->bytes_per_token < sizeof(struct stamp) ||
+	    (uint64_t)o->bytes_per_token * CHUNK_TOKENS > (1ULL << 30)) {
+		fprintf(stderr, "kvtier-bench replay: a block must hold 16 bytes and a chunk at "
+			"most 1 GiB (--block-tokens x --bytes-per-token)\n");
+		return 2;
+	}
+	return 0;
+}
+
+/* The default trace: from the current directory when it is the
+ * repository root, else from the root above this program (build/bench/). */
+static const char *default_trace(char *buf, size_t len)
+{
+	char exe[PATH_MAX];
+	ssize_t n;
+
+	if (access(DEFAULT_TRACE, R_OK) == 0)
+		return DEFAULT_TRACE;
+	n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+	if (n > 0) {
+		exe[n] = 0;
+		char *slash = strrchr(exe, '/');
+		if (slash) {
+			*slash = 0; /* <root>/build/bench */
+			snprintf(buf, len, "%s/../../%s", exe, DEFAULT_TRACE);
+			if (access(buf, R_OK) == 0)
+				return buf;
+		}
+	}
+	return NULL;
+}
+
+int kvt_bench_replay(int argc, char **argv)
+{
+	struct opts o;
+	struct trace t;
+	struct result res;
+	uint32_t *start = NULL;
+	char buf[PATH_MAX + 64];
+	int r;
+
+	r = parse_opts(argc, argv, &o);
+	if (r)
+		return r == 1 ? 0 : r;
+	if (!o.trace) {
+		o.trace = default_trace(buf, sizeof(buf));
+		if (!o.trace) {
+			fprintf(stderr, "kvtier-bench replay: no TRACE given and %s not found from "
+				"the repository root\n", DEFAULT_TRACE);
+			return 2;
+		}
+	}
+	r = trace_load(o.trace, o.limit, &t);
+	if (r) {
+		trace_free(&t);
+		return 1;
+	}
+	memset(&res, 0, sizeof(res));
+	start = malloc((size_t)t.n_req * sizeof(*start));
+	if (!start || hbm_starts(&t, o.hbm_chunks, start, &res.hbm_hits) ||
+	    sim_lru(&t, start, o.capacity, &res.lru) || sim_belady(&t, start, o.capacity, &res.opt)) {
+		fprintf(stderr, "kvtier-bench replay: out of memory\n");
+		r = 1;
+		goto out;
+	}
+	res.hbm_hits = 0; /* counted again by the replay, per request */
+	r = replay_run(&o, &t, start, &res);
+	if (r) {
+		r = 1;
+		goto out;
+	}
+	if (o.json)
+		print_json(&o, &t, &res);
+	else
+		print_text(&o, &t, &res);
+	if (res.bad_stamps || res.load_errors || res.save_errors) {
+		fprintf(stderr, "kvtier-bench replay: %" PRIu64 " wrong blocks, %" PRIu64
+			" failed loads, %" PRIu64 " failed saves\n", res.bad_stamps,
+			res.load_errors, res.save_errors);
+		r = 1;
+	}
+out:
+	free(res.lookup.ns);
+	free(res.load.ns);
+	free(res.save.ns);
+	free(start);
+	trace_free(&t);
+	return r;
+}

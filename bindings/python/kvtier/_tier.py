@@ -1,0 +1,716 @@
+"""Tier, Lease, Op, Key, Group: the Python face of kvtier.h."""
+
+import ctypes
+import errno as _errno
+import operator
+import os
+from collections import namedtuple
+
+from . import _lib as L
+from ._errors import KvtierError
+
+try:
+    import numpy as _np
+except ImportError:  # numpy is optional: lists work without it
+    _np = None
+
+_EINVAL = -_errno.EINVAL
+_EALREADY = -_errno.EALREADY
+_EINPROGRESS = -_errno.EINPROGRESS
+_ETIMEDOUT = -_errno.ETIMEDOUT
+_ESTALE = -_errno.ESTALE
+
+_ROLES = {"rank": L.TIER_RANK, "scheduler": L.TIER_SCHEDULER, "client": L.TIER_CLIENT}
+_ROLE_NAMES = {v: k for k, v in _ROLES.items()}
+
+
+def strerror(code):
+    """kvt_strerror(code): a negative errno as a sentence."""
+    s = L.lib().kvt_strerror(int(code))
+    return s.decode("utf-8", "replace") if s else ""
+
+
+def last_error():
+    """kvt_last_error(): the calling thread's message for its last failure."""
+    s = L.lib().kvt_last_error()
+    return s.decode("utf-8", "replace") if s else ""
+
+
+def _raise(code, func):
+    raise KvtierError(code, last_error(), strerror(code), func)
+
+
+def _check(r, func):
+    if r < 0:
+        _raise(r, func)
+    return r
+
+
+def _invalid(msg, func=None):
+    """An argument the binding refuses before calling C (same code C uses)."""
+    return KvtierError(_EINVAL, msg, strerror(_EINVAL), func)
+
+
+# ---- keys -------------------------------------------------------------------
+
+class Key(namedtuple("Key", "lo hi")):
+    """A 128-bit chunk key (struct kvt_key): two unsigned 64-bit halves."""
+    __slots__ = ()
+
+    @classmethod
+    def from_int(cls, v):
+        v = operator.index(v)
+        if v < 0 or v >> 128:
+            raise ValueError("a key is an unsigned 128-bit integer")
+        return cls(v & 0xFFFFFFFFFFFFFFFF, v >> 64)
+
+    def __int__(self):
+        return self.lo | (self.hi << 64)
+
+    def hex(self):
+        return "%016x%016x" % (self.hi, self.lo)
+
+    def __repr__(self):
+        return "Key(lo=0x%016x, hi=0x%016x)" % (self.lo, self.hi)
+
+
+def _key_array(keys, func):
+    """keys -> (ctypes array of kvt_key or a pointer into numpy, count, keepalive).
+
+    Accepts Key objects, (lo, hi) pairs, 128-bit ints, or a numpy uint64
+    array of shape (n, 2) holding (lo, hi) rows."""
+    if _np is not None and isinstance(keys, _np.ndarray):
+        if keys.ndim != 2 or keys.shape[1] != 2:
+            raise _invalid("keys: a numpy key array has shape (n, 2), got %s"
+                           % (keys.shape,), func)
+        a = _np.ascontiguousarray(keys, dtype=_np.uint64)
+        return a.ctypes.data_as(ctypes.POINTER(L.kvt_key)), a.shape[0], a
+    keys = list(keys)
+    arr = (L.kvt_key * max(len(keys), 1))()
+    for i, k in enumerate(keys):
+        if isinstance(k, tuple):
+            lo, hi = k
+        else:
+            lo, hi = Key.from_int(k)
+        arr[i].lo = lo
+        arr[i].hi = hi
+    return arr, len(keys), arr
+
+
+# ---- buffers ------------------------------------------------------------------
+
+def _is_torch(x):
+    """A torch tensor (or anything with its data_ptr/element_size/stride
+    protocol); torch itself is never imported."""
+    return (not isinstance(x, type) and callable(getattr(x, "data_ptr", None))
+            and callable(getattr(x, "element_size", None))
+            and callable(getattr(x, "stride", None)))
+
+
+def _u32(seq, what, func):
+    """A sequence of block ids -> (pointer to uint32, length, keepalive, max)."""
+    if _is_torch(seq):
+        seq = seq.detach().cpu().numpy()
+    if _np is not None:
+        a = _np.asarray(seq)
+        if a.ndim != 1:
+            raise _invalid("%s: a block table is one-dimensional, got shape %s"
+                           % (what, a.shape), func)
+        if a.size and a.dtype != _np.uint32:
+            if a.dtype.kind not in "iu":
+                raise _invalid("%s: block ids must be integers, got %s" % (what, a.dtype), func)
+            if int(a.min()) < 0 or int(a.max()) > 0xFFFFFFFF:
+                raise _invalid("%s: block ids must fit in uint32" % what, func)
+        a = _np.ascontiguousarray(a, dtype=_np.uint32)
+        mx = int(a.max()) if a.size else -1
+        return a.ctypes.data_as(ctypes.POINTER(L.c_u32)), a.size, a, mx
+    vals = [operator.index(v) for v in seq]
+    if any(v < 0 or v > 0xFFFFFFFF for v in vals):
+        raise _invalid("%s: block ids must fit in uint32" % what, func)
+    arr = (L.c_u32 * max(len(vals), 1))(*vals)
+    return ctypes.cast(arr, ctypes.POINTER(L.c_u32)), len(vals), arr, max(vals, default=-1)
+
+
+def _is_table_list(x):
+    """True when x is a list of per-group tables rather than one table."""
+    if _np is not None and isinstance(x, _np.ndarray):
+        return x.ndim == 2
+    if _is_torch(x):
+        return x.dim() == 2
+    if isinstance(x, (list, tuple)) and x:
+        first = x[0]
+        return not isinstance(first, int) and not (
+            _np is not None and isinstance(first, _np.integer))
+    return False
+
+
+def _layer_info(x, what, func):
+    """A per-layer KV cache -> (base address, block stride, n_blocks, block
+    bytes or None, device type or None).  Arrays are [n_blocks, ...] with a
+    contiguous block; an int is a raw address."""
+    if isinstance(x, int) or (_np is not None and isinstance(x, _np.integer)):
+        return int(x), None, None, None, None
+    if _is_torch(x):
+        if x.dim() < 1:
+            raise _invalid("%s: a tensor of at least one dimension ([n_blocks, ...])" % what, func)
+        if x.dim() > 1 and not x[0].is_contiguous():
+            raise _invalid("%s: the bytes of one block must be contiguous" % what, func)
+        es = x.element_size()
+        block = es * (x[0].numel() if x.dim() > 1 else 1)
+        return x.data_ptr(), x.stride(0) * es, x.shape[0], block, x.device.type
+    if _np is not None and isinstance(x, _np.ndarray):
+        if x.ndim < 1:
+            raise _invalid("%s: an array of at least one dimension ([n_blocks, ...])" % what, func)
+        if not x.flags.writeable:
+            raise _invalid("%s: the array is read-only (loads write into it)" % what, func)
+        inner = x[0] if x.ndim > 1 else None
+        if inner is not None and not inner.flags.c_contiguous:
+            raise _invalid("%s: the bytes of one block must be contiguous" % what, func)
+        block = inner.nbytes if inner is not None else x.itemsize
+        if x.strides[0] <= 0:
+            raise _invalid("%s: blocks must be at increasing addresses" % what, func)
+        return x.__array_interface__["data"][0], x.strides[0], x.shape[0], block, "cpu"
+    raise TypeError("%s: expected a numpy array, a torch tensor or an address (int), "
+                    "got %s" % (what, type(x).__name__))
+
+
+# ---- geometry -----------------------------------------------------------------
+
+class Group(namedtuple("Group", "n_layers bytes_per_token tokens_per_block replicated")):
+    """One layer group of the KV cache as one rank holds it (kvt_group_desc).
+
+    n_layers         layers in the group
+    bytes_per_token  per layer, per rank (heads/world * head_dim * 2 for K+V
+                     split into two 'layers', or as the engine stores them)
+    tokens_per_block the engine's block size; divides chunk_tokens
+    replicated       True for MLA-style caches every rank holds identically
+    """
+    __slots__ = ()
+
+    def __new__(cls, n_layers, bytes_per_token, tokens_per_block, replicated=False):
+        return super().__new__(cls, int(n_layers), int(bytes_per_token),
+                               int(tokens_per_block), bool(replicated))
+
+    @property
+    def block_bytes(self):
+        return self.bytes_per_token * self.tokens_per_block
+
+
+class Lease:
+    """The pins of one lookup (kvt_lookup).
+
+    Attributes: id (0 when nothing hit), hits (chunks).  As a context
+    manager it releases the lease on exit unless a load was started through
+    it (Tier.load) or its id was handed to the ranks (hand_off): then the
+    last rank's load releases it; a request aborted inside the block, or
+    never loaded, unpins."""
+
+    __slots__ = ("_tier", "id", "hits", "keys", "_loading", "_released", "__weakref__")
+
+    def __init__(self, tier, lease_id, hits, keys=None):
+        self._tier = tier
+        self.id = int(lease_id)
+        self.hits = int(hits)
+        self.keys = keys
+        self._loading = False
+        self._released = self.id == 0
+
+    @property
+    def loading(self):
+        """True once a load of this lease was started through this object."""
+        return self._loading
+
+    @property
+    def released(self):
+        return self._released
+
+    def hand_off(self):
+        """The lease id, to send to the ranks that will load it (in other
+        processes); from now on their loads release the lease, so the
+        context manager no longer does."""
+        self._loading = True
+        return self.id
+
+    def release(self):
+        """kvt_release: True when released now, False when it was released
+        already (the library counts that as a double unpin)."""
+        if self.id == 0:
+            return False
+        r = self._tier._release_id(self.id)
+        self._released = True
+        return r
+
+    def __int__(self):
+        return self.id
+
+    __index__ = __int__
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self._released and not self._loading and self._tier._h is not None:
+            self.release()
+        return False
+
+    def __repr__(self):
+        return "Lease(id=0x%x, hits=%d%s)" % (
+            self.id, self.hits, ", loading" if self._loading else
+            (", released" if self._released and self.id else ""))
+
+
+class Op:
+    """An asynchronous save or load (kvt_op).  `count` is the number of
+    chunks a save will write (the others were already saved, or found no
+    space) or a load reads.  poll()/wait() raise KvtierError when a copy
+    failed; once complete they keep returning True."""
+
+    __slots__ = ("_tier", "id", "kind", "count", "_done", "_keep")
+
+    def __init__(self, tier, op_id, kind, count, keep=None):
+        self._tier = tier
+        self.id = int(op_id)
+        self.kind = kind
+        self.count = int(count)
+        self._done = self.id == 0
+        self._keep = keep
+
+    @property
+    def done(self):
+        return self._done
+
+    def poll(self):
+        """kvt_poll: True when complete, False while in progress."""
+        if self._done:
+            return True
+        h = self._tier._handle("kvt_poll")
+        r = L.lib().kvt_poll(h, self.id)
+        if r == _EINPROGRESS:
+            return False
+        self._done = True
+        self._keep = None
+        _check(r, "kvt_poll")
+        return True
+
+    def wait(self, timeout=None):
+        """kvt_wait: blocks until complete (True) or until timeout seconds
+        passed (False; the op stays live).  None: no limit."""
+        if self._done:
+            return True
+        h = self._tier._handle("kvt_wait")
+        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        r = L.lib().kvt_wait(h, self.id, ns)
+        if r == _ETIMEDOUT:
+            return False
+        self._done = True
+        self._keep = None
+        _check(r, "kvt_wait")
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if not self._done and self._tier._h is not None:
+            if exc_type is None:
+                self.wait()
+            else:
+                try:
+                    self.wait()
+                except KvtierError:
+                    pass  # the first exception is the one to report
+        return False
+
+    def __repr__(self):
+        return "Op(%s, id=0x%x, chunks=%d%s)" % (self.kind, self.id, self.count,
+                                                  ", done" if self._done else "")
+
+
+def _enc(s, what):
+    if s is None:
+        return None
+    if isinstance(s, bytes):
+        return s
+    if not isinstance(s, str):
+        raise TypeError("%s: expected a string, got %s" % (what, type(s).__name__))
+    return s.encode("utf-8")
+
+
+class Tier:
+    """A handle on the node's kvtier segment (kvt_open_v .. kvt_close).
+
+    Every option left at None comes from its KVTIER_* variable (unless
+    no_env=True), else the library's default.  create=True makes this
+    process the segment's embedded owner (replace=True: replace an existing
+    segment).  Use it as a context manager, or call close().
+
+    One handle is used by one thread at a time (as in C).  Do not use a
+    handle in a child created by fork(): open one in the child (the tests
+    use multiprocessing's 'spawn' start method)."""
+
+    def __init__(self, segment=None, role=None, rank=None, world=None, instance=None,
+                 groups=None, model=None, create=False, replace=False, n_slots=0,
+                 n_instances=0, tier_bytes=0, chunk_tokens=0, dma=None,
+                 max_inflight=0, segment_dir=None, no_env=False, group_access=False,
+                 any_uid=False, prefault=False):
+        self._h = None
+        func = "kvt_open_v"
+        cfg = L.kvt_config()
+        cfg.size = ctypes.sizeof(L.kvt_config)
+        flags = 0
+        if create:
+            flags |= L.F_CREATE
+        if replace:
+            if not create:
+                raise _invalid("replace=True needs create=True", func)
+            flags |= L.F_REPLACE
+        if no_env:
+            flags |= L.F_NO_ENV
+        if group_access:
+            flags |= L.F_GROUP
+        if any_uid:
+            flags |= L.F_ANY_UID
+        if prefault:
+            flags |= L.F_PREFAULT
+        cfg.flags = flags
+        if role is None:
+            cfg.role = 0
+        elif isinstance(role, str):
+            if role not in _ROLES:
+                raise _invalid("role=%r: expected 'rank', 'scheduler' or 'client'" % role, func)
+            cfg.role = _ROLES[role]
+        else:
+            cfg.role = operator.index(role)
+        # None means "from the environment"; the C sentinels are -1 / 0, so
+        # a negative value given here is refused rather than read as None.
+        for name, v in (("rank", rank), ("instance", instance)):
+            if v is None:
+                setattr(cfg, name, -1)
+            else:
+                v = operator.index(v)
+                if v < 0 or v > 0x7FFFFFFF:
+                    raise _invalid("%s=%d: must be >= 0 (None: from KVTIER_%s)"
+                                   % (name, v, name.upper()), func)
+                setattr(cfg, name, v)
+        for name, v in (("world", world), ("chunk_tokens", chunk_tokens),
+                        ("max_inflight", max_inflight), ("n_slots", n_slots),
+                        ("n_instances", n_instances)):
+            if v is None:
+                v = 0
+            v = operator.index(v)
+            if v < 0 or v > 0xFFFFFFFF:
+                raise _invalid("%s=%d: out of range (0 or None: from the environment "
+                               "or the default)" % (name, v), func)
+            if name == "world" and world is not None and v == 0:
+                raise _invalid("world=0: must be >= 1 (None: from KVTIER_WORLD)", func)
+            setattr(cfg, name, v)
+        tier_bytes = operator.index(tier_bytes or 0)
+        if tier_bytes < 0:
+            raise _invalid("tier_bytes=%d: must be >= 0" % tier_bytes, func)
+        cfg.tier_bytes = tier_bytes
+        self._strings = (_enc(segment, "segment"), _enc(segment_dir, "segment_dir"),
+                         _enc(model, "model"), _enc(dma, "dma"))
+        cfg.segment, cfg.segment_dir, cfg.model, cfg.dma = self._strings
+        self.groups = tuple(g if isinstance(g, Group) else Group(*g) for g in (groups or ()))
+        if self.groups:
+            descs = (L.kvt_group_desc * len(self.groups))()
+            for i, g in enumerate(self.groups):
+                descs[i].n_layers = g.n_layers
+                descs[i].bytes_per_token = g.bytes_per_token
+                descs[i].tokens_per_block = g.tokens_per_block
+                descs[i].replicated = 1 if g.replicated else 0
+            cfg.n_groups = len(self.groups)
+            cfg.groups = descs
+        h = ctypes.c_void_p()
+        r = L.lib().kvt_open_v(ctypes.byref(cfg), L.API_VERSION, ctypes.byref(h))
+        _check(r, func)
+        self._h = h
+        self._dma = dma if dma is not None else (None if no_env else os.environ.get("KVTIER_DMA"))
+        self._kv = None           # arrays registered (kept alive while open)
+        self._n_blocks = None     # per group, after register_kv
+        self._role_code = cfg.role
+        self.segment = segment
+        st = self.stats()
+        self.chunk_tokens = st["chunk_tokens"]
+        self.world = st["world"]
+        self.chunk_bytes = st["chunk_bytes"]
+        # Role and rank as the library resolved them (it validated the
+        # variables already, so reading them back here cannot disagree).
+        env = {} if no_env else os.environ
+        if cfg.role == 0:
+            self.role = env.get("KVTIER_ROLE", "rank")
+        else:
+            self.role = _ROLE_NAMES.get(cfg.role, role)
+        if rank is None and "KVTIER_RANK" in env:
+            rank = int(env["KVTIER_RANK"])
+        self.rank = rank
+
+    # -- lifetime --
+
+    def _handle(self, func):
+        if self._h is None:
+            raise KvtierError(_ESTALE, "the tier is closed", strerror(_ESTALE), func)
+        return self._h
+
+    def close(self):
+        """kvt_close: waits for this handle's operations, aborts unfinished
+        saves, detaches.  Idempotent."""
+        h, self._h = self._h, None
+        if h is not None:
+            L.lib().kvt_close(h)
+        self._kv = None
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __reduce__(self):
+        raise TypeError("a Tier handle cannot be pickled: open one in each process")
+
+    def __repr__(self):
+        return "Tier(segment=%r, role=%s, rank=%s, world=%s%s)" % (
+            self.segment, self.role, self.rank, getattr(self, "world", None),
+            ", closed" if self._h is None else "")
+
+    # -- registration --
+
+    def register_kv(self, groups=None, layers=None):
+        """kvt_register_kv: this rank's KV cache, once.
+
+        groups: one entry per layer group given at open, each either
+          * a list of per-layer caches (numpy arrays or torch tensors of
+            shape [n_blocks, block_size, heads, head_dim], or any shape
+            whose first dimension is the block and whose block is
+            contiguous): bases, block stride and n_blocks come from them;
+          * (layers, block_stride, n_blocks) where layers are arrays or raw
+            addresses (ints); block_stride/n_blocks None: from the arrays.
+        layers: shorthand for groups=[layers] (one group).
+        The arrays are kept alive until close()."""
+        func = "kvt_register_kv"
+        h = self._handle(func)
+        if layers is not None:
+            if groups is not None:
+                raise _invalid("give groups or layers, not both", func)
+            groups = [layers]
+        if groups is None:
+            raise _invalid("register_kv: no KV cache given", func)
+        groups = list(groups)
+        if len(groups) != len(self.groups):
+            raise _invalid("register_kv: %d groups given, the tier was opened with %d"
+                           % (len(groups), len(self.groups)), func)
+        bufs = (L.kvt_group_buffers * max(len(groups), 1))()
+        keep = []
+        n_blocks_of = []
+        for gi, (entry, desc) in enumerate(zip(groups, self.groups)):
+            stride = nblk = None
+            if isinstance(entry, tuple) and len(entry) == 3 and \
+                    isinstance(entry[0], (list, tuple)) and \
+                    (entry[1] is None or isinstance(entry[1], int)):
+                entry, stride, nblk = entry
+            entry = list(entry)
+            if len(entry) != desc.n_layers:
+                raise _invalid("groups[%d]: %d layers given, the group has %d"
+                               % (gi, len(entry), desc.n_layers), func)
+            bases = (L.c_u64 * max(len(entry), 1))()
+            for li, x in enumerate(entry):
+                what = "groups[%d] layer %d" % (gi, li)
+                base, s, nb, block, dev = _layer_info(x, what, func)
+                if dev is not None and dev != "cpu" and (self._dma or "") == "host":
+                    raise _invalid("%s: a %s tensor with the host DMA backend "
+                                   "(host memory only)" % (what, dev), func)
+                if block is not None and block != desc.block_bytes:
+                    raise _invalid("%s: a block holds %d bytes, the group says "
+                                   "tokens_per_block*bytes_per_token = %d"
+                                   % (what, block, desc.block_bytes), func)
+                if s is not None:
+                    if stride is None:
+                        stride = s
+                    elif s != stride:
+                        raise _invalid("%s: block stride %d differs from the group's %d"
+                                       % (what, s, stride), func)
+                if nb is not None:
+                    if nblk is None:
+                        nblk = nb
+                    elif nb != nblk:
+                        raise _invalid("%s: %d blocks, the group's other layers %d"
+                                       % (what, nb, nblk), func)
+                bases[li] = base
+                keep.append(x)
+            if stride is None or nblk is None:
+                raise _invalid("groups[%d]: block_stride and n_blocks are needed with "
+                               "raw addresses" % gi, func)
+            bufs[gi].layer_base = bases
+            bufs[gi].block_stride = stride
+            bufs[gi].n_blocks = nblk
+            keep.append(bases)
+            n_blocks_of.append(nblk)
+        _check(L.lib().kvt_register_kv(h, len(groups), bufs), func)
+        self._kv = keep
+        self._n_blocks = n_blocks_of
+
+    # -- keys --
+
+    def hash_tokens(self, tokens, parent=None):
+        """kvt_hash_tokens: the keys of the full chunks of a token sequence
+        (a list of Key).  parent: the key that precedes the first chunk
+        (default: the layout fingerprint)."""
+        func = "kvt_hash_tokens"
+        h = self._handle(func)
+        ptr, n, keep, _ = _u32(tokens, "tokens", func)
+        n_keys = n // self.chunk_tokens
+        out = (L.kvt_key * max(n_keys, 1))()
+        par = None
+        if parent is not None:
+            p = parent if isinstance(parent, tuple) else Key.from_int(parent)
+            par = ctypes.byref(L.kvt_key(p[0], p[1]))
+        r = _check(L.lib().kvt_hash_tokens(h, ptr, n, par, out, n_keys), func)
+        return [Key(out[i].lo, out[i].hi) for i in range(r)]
+
+    @property
+    def fingerprint(self):
+        """kvt_fingerprint: the layout fingerprint (a Key)."""
+        k = L.kvt_key()
+        L.lib().kvt_fingerprint(self._handle("kvt_fingerprint"), ctypes.byref(k))
+        return Key(k.lo, k.hi)
+
+    # -- scheduler --
+
+    def lookup(self, keys):
+        """kvt_lookup: the longest READY prefix of keys, pinned under a new
+        Lease (hits, id).  Raises KvtierError (-ENOSPC: lease table full)."""
+        func = "kvt_lookup"
+        h = self._handle(func)
+        arr, n, keep = _key_array(keys, func)
+        lease = L.kvt_lease_id()
+        r = _check(L.lib().kvt_lookup(h, arr, n, ctypes.byref(lease)), func)
+        return Lease(self, lease.value, r)
+
+    def _release_id(self, lease_id):
+        func = "kvt_release"
+        r = L.lib().kvt_release(self._handle(func), int(lease_id))
+        if r == _EALREADY:
+            return False
+        _check(r, func)
+        return True
+
+    def release(self, lease):
+        """kvt_release (a Lease or a lease id): True when released now,
+        False when it was released already."""
+        if isinstance(lease, Lease):
+            return lease.release()
+        return self._release_id(lease)
+
+    def step(self, leases=()):
+        """kvt_step: one scheduler iteration; leases (Lease objects or ids)
+        are this step's load set.  Returns how many stale leases it
+        released."""
+        func = "kvt_step"
+        h = self._handle(func)
+        ids = [int(x) for x in leases]
+        arr = (L.kvt_lease_id * max(len(ids), 1))(*ids)
+        return _check(L.lib().kvt_step(h, arr, len(ids)), func)
+
+    def reap(self):
+        """kvt_reap: reaps dead processes' state; returns how many."""
+        func = "kvt_reap"
+        return _check(L.lib().kvt_reap(self._handle(func)), func)
+
+    def stats(self):
+        """kvt_stats: the segment's counters and occupancy, as a dict."""
+        func = "kvt_stats"
+        h = self._handle(func)
+        st = L.kvt_stats()
+        st.size = ctypes.sizeof(L.kvt_stats)
+        _check(L.lib().kvt_stats(h, ctypes.byref(st)), func)
+        return {name: getattr(st, name) for name, _ in L.kvt_stats._fields_
+                if name != "size"}
+
+    # -- ranks --
+
+    def _tables(self, table, n, func):
+        """Block tables -> (const uint32_t *const * array, keepalive), after
+        checking each holds n * blocks_per_chunk(g) ids (C reads that many)."""
+        ng = len(self.groups)
+        if ng == 0:
+            raise _invalid("this tier was opened without groups: it has no KV layout", func)
+        if _is_table_list(table):
+            tables = list(table)
+            if len(tables) != ng:
+                raise _invalid("block tables: %d given, the layout has %d groups"
+                               % (len(tables), ng), func)
+        else:
+            tables = [table] * ng
+            if len({g.tokens_per_block for g in self.groups}) > 1:
+                raise _invalid("block tables: the groups' block sizes differ; give one "
+                               "table per group", func)
+        arr = (ctypes.POINTER(L.c_u32) * ng)()
+        keep = []
+        converted = {}
+        for gi, (t, g) in enumerate(zip(tables, self.groups)):
+            need = n * (self.chunk_tokens // g.tokens_per_block)
+            if id(t) in converted:
+                ptr, length, k, mx = converted[id(t)]
+            else:
+                ptr, length, k, mx = _u32(t, "block table %d" % gi, func)
+                converted[id(t)] = (ptr, length, k, mx)
+            if length < need:
+                raise _invalid("block table %d: %d block ids for %d chunks of %d blocks "
+                               "(%d needed)" % (gi, length, n,
+                                                self.chunk_tokens // g.tokens_per_block,
+                                                need), func)
+            arr[gi] = ptr
+            keep.append(k)
+        return arr, keep
+
+    def save(self, keys, block_table, first_depth=0):
+        """kvt_save: saves this rank's shard of the chunks keys[i] (at prefix
+        depth first_depth + i) from the blocks of block_table (one table,
+        or a list per group: chunk i is blocks [i*bpc, (i+1)*bpc) with bpc
+        = chunk_tokens // tokens_per_block).  Returns an Op; Op.count is
+        the number of chunks it will write."""
+        func = "kvt_save"
+        h = self._handle(func)
+        karr, n, kkeep = _key_array(keys, func)
+        tabs, tkeep = self._tables(block_table, n, func)
+        op = L.kvt_op()
+        r = _check(L.lib().kvt_save(h, karr, n, operator.index(first_depth), tabs,
+                                    ctypes.byref(op)), func)
+        return Op(self, op.value, "save", r, (kkeep, tkeep))
+
+    def load(self, lease, block_table, n=None):
+        """kvt_load: loads the first n chunks (default: all the lease's hits)
+        of a lease into the blocks of block_table.  lease: a Lease, or a
+        lease id (int; then n is required).  Returns an Op."""
+        func = "kvt_load"
+        h = self._handle(func)
+        if isinstance(lease, Lease):
+            lid = lease.id
+            if n is None:
+                n = lease.hits
+        else:
+            lid = operator.index(lease)
+            if n is None:
+                raise _invalid("load: n is required with a lease id (a Lease knows its hits)",
+                               func)
+        n = operator.index(n)
+        if n < 0:
+            raise _invalid("load: n=%d is negative" % n, func)
+        tabs, tkeep = self._tables(block_table, n, func)
+        op = L.kvt_op()
+        _check(L.lib().kvt_load(h, lid, n, tabs, ctypes.byref(op)), func)
+        if isinstance(lease, Lease):
+            lease._loading = True
+        return Op(self, op.value, "load", n, tkeep)

@@ -1,0 +1,212 @@
+"""Errors from Python: KvtierError carries the code and the library's
+message naming the field or variable that was wrong."""
+
+import errno
+import pickle
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvt_testlib import (CHUNK_TOKENS, WORLD, block_table, groups, kv_cache, prompt, rank,
+                         scheduler)
+
+
+def _open_rank(name, **kw):
+    args = dict(segment=name, role="rank", rank=0, world=WORLD, groups=groups(),
+                chunk_tokens=CHUNK_TOKENS, dma="host", model="kvtier-pytest")
+    args.update(kw)
+    return kvtier.Tier(**args)
+
+
+def test_no_segment(segname):
+    with pytest.raises(kvtier.KvtierError) as ei:
+        _open_rank(segname)
+    e = ei.value
+    assert e.code == -errno.ENOENT and e.errno == errno.ENOENT and e.name == "ENOENT"
+    assert e.func == "kvt_open_v" and e.message and e.strerror
+    assert segname in str(e) or "attach" in str(e)
+
+
+def test_rank_out_of_range_names_the_field(segname):
+    with scheduler(segname):
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, rank=WORLD)
+        assert ei.value.code == -errno.EINVAL
+        assert "RANK" in ei.value.message.upper()
+        assert "world" in ei.value.message.lower()
+
+
+def test_world_mismatch_names_the_field(segname):
+    with scheduler(segname):
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, world=2)
+        assert ei.value.code in (-errno.EINVAL, -errno.ESTALE)
+        assert "world" in ei.value.message.lower()
+
+
+def test_binding_side_checks(segname):
+    with pytest.raises(kvtier.KvtierError) as ei:
+        _open_rank(segname, rank=-1)
+    assert ei.value.code == -errno.EINVAL and "rank=-1" in ei.value.message
+    with pytest.raises(kvtier.KvtierError) as ei:
+        _open_rank(segname, world=0)
+    assert "world=0" in ei.value.message
+    with pytest.raises(kvtier.KvtierError) as ei:
+        _open_rank(segname, role="leader")
+    assert "role" in ei.value.message
+    with pytest.raises(kvtier.KvtierError):
+        _open_rank(segname, replace=True)              # replace without create
+
+
+def test_bad_env_values_name_the_variable(segname, monkeypatch):
+    with scheduler(segname):
+        monkeypatch.setenv("KVTIER_WORLD", "four")
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, world=None)
+        assert ei.value.code == -errno.EINVAL and "KVTIER_WORLD" in ei.value.message
+        assert "four" in ei.value.message
+        monkeypatch.setenv("KVTIER_WORLD", "4")
+        monkeypatch.setenv("KVTIER_DMA", "gpu")
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, world=None, dma=None)
+        assert "KVTIER_DMA" in ei.value.message
+        monkeypatch.delenv("KVTIER_DMA")
+        monkeypatch.setenv("KVTIER_RANK", "-3")
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, rank=None)
+        assert "KVTIER_RANK" in ei.value.message
+        # no_env: the same variables are ignored
+        monkeypatch.setenv("KVTIER_WORLD", "nonsense")
+        with _open_rank(segname, no_env=True) as t:
+            assert t.world == WORLD
+        # and from the environment when they are right
+        monkeypatch.setenv("KVTIER_WORLD", "4")
+        monkeypatch.setenv("KVTIER_RANK", "2")
+        monkeypatch.setenv("KVTIER_SEGMENT", segname)
+        monkeypatch.setenv("KVTIER_ROLE", "rank")
+        with kvtier.Tier(groups=groups(), chunk_tokens=CHUNK_TOKENS, dma="host",
+                         model="kvtier-pytest") as t:
+            assert t.role == "rank" and t.world == WORLD
+
+
+def test_second_attach_of_a_rank_is_busy(segname):
+    with scheduler(segname), _open_rank(segname):
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname)
+        assert ei.value.code == -errno.EBUSY
+
+
+def test_other_model_is_stale(segname):
+    with scheduler(segname):
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, model="another-model")
+        assert ei.value.code == -errno.ESTALE
+
+
+def test_operation_errors(segname):
+    with scheduler(segname) as s:
+        keys = s.hash_tokens(prompt(2))
+        with _open_rank(segname) as t:
+            # nothing registered yet
+            with pytest.raises(kvtier.KvtierError) as ei:
+                t.save(keys, block_table(2, 0))
+            assert ei.value.code == -errno.EPERM
+            kv = kv_cache(seed=1)
+            t.register_kv(groups=[kv])
+            with pytest.raises(kvtier.KvtierError) as ei:
+                t.register_kv(groups=[kv])
+            assert ei.value.code == -errno.EALREADY
+            # a short block table is refused before C reads past it
+            with pytest.raises(kvtier.KvtierError) as ei:
+                t.save(keys, block_table(1, 0))
+            assert "block table" in ei.value.message
+            # a block id past the cache: refused by the library
+            bad = block_table(2, 0).copy()
+            bad[3] = 10_000
+            with pytest.raises(kvtier.KvtierError):
+                t.save(keys, bad).wait()
+            # not a lease id; a lease no longer live; more chunks than it holds
+            with pytest.raises(kvtier.KvtierError) as ei:
+                t.load(12345, block_table(1, 0), n=1)
+            assert ei.value.code in (-errno.EINVAL, -errno.ESTALE)
+            with kvtier.Tier(segment=segname, role="client", world=WORLD, groups=groups(),
+                             chunk_tokens=CHUNK_TOKENS, dma="host", model="kvtier-pytest") as c:
+                c.register_kv(groups=[kv_cache(seed=2)])
+                assert c.save(keys[:1], block_table(1, 0)).wait()
+            for r in range(1, WORLD):
+                with rank(segname, r, kv_cache(seed=3)) as other:
+                    assert other.save(keys[:1], block_table(1, 0)).wait()
+            lease = s.lookup(keys)
+            assert lease.hits == 1
+            with pytest.raises(kvtier.KvtierError) as ei:
+                t.load(lease, block_table(2, 0), n=2)
+            assert ei.value.code == -errno.EINVAL
+            assert lease.release()
+            with pytest.raises(kvtier.KvtierError) as ei:
+                t.load(lease, block_table(1, 0))
+            assert ei.value.code == -errno.ESTALE
+            with pytest.raises(kvtier.KvtierError):
+                t.load(12345, block_table(1, 0))          # n needed with an id
+        with pytest.raises(kvtier.KvtierError) as ei:
+            s.register_kv(groups=[kv_cache()])
+        assert ei.value.code == -errno.EPERM
+    with pytest.raises(kvtier.KvtierError) as ei:
+        s.stats()                                         # closed
+    assert ei.value.code == -errno.ESTALE
+
+
+def test_register_shape_checks(segname):
+    with scheduler(segname), _open_rank(segname) as t:
+        kv = kv_cache()
+        with pytest.raises(kvtier.KvtierError, match="layers"):
+            t.register_kv(groups=[kv[:-1]])
+        wrong = [np.zeros((64, 16, 4, 32), np.float16)] * len(kv)
+        with pytest.raises(kvtier.KvtierError, match="bytes"):
+            t.register_kv(groups=[wrong])
+        strided = [np.zeros((64, 16, 2, 64), np.float16)[..., ::2] for _ in kv]
+        with pytest.raises(kvtier.KvtierError, match="contiguous"):
+            t.register_kv(groups=[strided])
+        ro = [a.copy() for a in kv]
+        ro[0].flags.writeable = False
+        with pytest.raises(kvtier.KvtierError, match="read-only"):
+            t.register_kv(groups=[ro])
+        with pytest.raises(TypeError):
+            t.register_kv(groups=[["not an array"] * len(kv)])
+        t.register_kv(groups=[kv])                       # and the right one works
+
+
+def test_error_object():
+    e = kvtier.KvtierError(-errno.EINVAL, "config.world: 0", kvtier.strerror(-errno.EINVAL),
+                           "kvt_open_v")
+    assert e.code == -22 and e.errno == 22 and e.name == "EINVAL"
+    assert "config.world: 0" in str(e) and "EINVAL" in str(e) and "kvt_open_v" in str(e)
+    e2 = pickle.loads(pickle.dumps(e))                  # crosses multiprocessing queues
+    assert (e2.code, e2.message, e2.strerror, e2.func) == (e.code, e.message, e.strerror,
+                                                           e.func)
+    assert kvtier.strerror(-errno.ENOSPC)
+    assert kvtier.strerror(0)
+
+
+def test_tier_is_not_picklable(segname):
+    with scheduler(segname) as s:
+        with pytest.raises(TypeError):
+            pickle.dumps(s)
+
+
+def test_rank_save_and_load_through_context_managers(segname):
+    """Closing a tier with an op in flight is safe (kvt_close waits)."""
+    with scheduler(segname) as s:
+        keys = s.hash_tokens(prompt(2, seed=9))
+        kv = kv_cache(seed=9)
+        t = rank(segname, 0, kv)
+        t.save(keys, block_table(2, 9))                  # not waited
+        t.close()
+        assert t.closed
+        t.close()                                        # idempotent
+        # the copies landed before close returned: rank 0's shards are
+        # written (a new rank 0 has nothing to save) and wait for the others
+        with rank(segname, 0, kv) as t:
+            assert t.save(keys, block_table(2, 9)).count == 0
+        st = s.stats()
+        assert st["saved_chunks"] == 2 and st["slots_filling"] == 2

@@ -1,0 +1,68 @@
+"""CPU torch tensors as the KV cache (through data_ptr()); skipped where
+torch is not installed (Debian's python3-torch is optional)."""
+
+import pytest
+
+import kvtier
+from kvt_testlib import (BLOCK_SIZE, CHUNK_TOKENS, HEAD_DIM, HEADS, N_BLOCKS, N_LAYERS,
+                         WORLD, block_table, groups, prompt, rank, scheduler)
+
+torch = pytest.importorskip("torch")
+
+
+def _cache(seed=None):
+    shape = (N_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.float16) for _ in range(N_LAYERS)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(torch.float16) for _ in range(N_LAYERS)]
+
+
+def test_torch_cycle(segname):
+    src = [_cache(seed=r) for r in range(WORLD)]
+    dst = [_cache() for _ in range(WORLD)]
+    with scheduler(segname) as s:
+        toks = torch.from_numpy(prompt(3, seed=11).astype("int64"))
+        keys = s.hash_tokens(toks)
+        assert keys == s.hash_tokens(toks.numpy())
+        save_tab = torch.from_numpy(block_table(3, seed=11).astype("int32"))
+        ranks = [rank(segname, r, src[r]) for r in range(WORLD)]
+        try:
+            for t in ranks:
+                assert t.save(keys, save_tab).wait()
+        finally:
+            for t in ranks:
+                t.close()
+        load_tab = block_table(3, seed=12, half=1)
+        ranks = [rank(segname, r, dst[r]) for r in range(WORLD)]
+        try:
+            with s.lookup(keys) as lease:
+                assert lease.hits == 3
+                for t in ranks:
+                    t.load(lease, load_tab).wait()
+        finally:
+            for t in ranks:
+                t.close()
+        si = save_tab.long()
+        li = torch.from_numpy(load_tab.astype("int64"))
+        for r in range(WORLD):
+            for a, b in zip(src[r], dst[r]):
+                assert torch.equal(a[si].view(torch.int16), b[li].view(torch.int16))
+
+
+def test_torch_views_like_vllm(segname):
+    """vLLM's flash-attention cache is one [2, num_blocks, block_size, heads,
+    head_dim] tensor per layer: K and V are its two views, registered as
+    two 'layers' with the tensor's block stride."""
+    layers = [torch.zeros((2, N_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype=torch.float16)
+              for _ in range(N_LAYERS // 2)]
+    views = [kv[i] for kv in layers for i in (0, 1)]
+    with scheduler(segname):
+        with rank(segname, 0, views) as t:
+            assert t.stats()["chunk_tokens"] == CHUNK_TOKENS
+    assert groups()[0].n_layers == len(views)
+    with pytest.raises(kvtier.KvtierError, match="contiguous"):
+        bad = [torch.zeros((N_BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM),
+                           dtype=torch.float16).transpose(1, 2) for _ in range(N_LAYERS)]
+        with scheduler(segname, create=False):
+            rank(segname, 0, bad)
