@@ -88,7 +88,11 @@ struct kvt_config {
 	uint32_t world;            /* 0: $KVTIER_WORLD (required for a rank) */
 	uint32_t chunk_tokens;     /* 0: $KVTIER_CHUNK_TOKENS, else 256 */
 	const char *segment;       /* NULL: $KVTIER_SEGMENT, else "kvtier" */
-	const char *segment_dir;   /* NULL: $KVTIER_SEGMENT_DIR, else POSIX shm */
+	const char *segment_dir;   /* NULL: $KVTIER_SEGMENT_DIR, else POSIX shm
+				    * (/dev/shm) -- except that a creator that
+				    * finds free huge pages puts the segment on
+				    * their hugetlbfs mount, and an opener that
+				    * does not find it in /dev/shm looks there */
 	const char *model;         /* model identity (name, dtype...); enters
 				    * the fingerprint; NULL: $KVTIER_MODEL, else "" */
 	const char *dma;           /* NULL: $KVTIER_DMA, else "auto" */
@@ -160,7 +164,8 @@ int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 /* Loads the first n chunks of a lease into the blocks of tables (as in
  * kvt_save).  When every rank of the instance has loaded, the lease is
  * released.  Returns 0 and *op, -ESTALE (the lease is not live), -EINVAL
- * (n above the lease's hits).  Never blocks (see kvt_save). */
+ * (n above the lease's hits, or not a lease id of this segment).  Never
+ * blocks (see kvt_save). */
 int kvt_load(kvt_tier *t, kvt_lease_id lease, uint32_t n,
 	     const uint32_t *const *tables, kvt_op *op);
 
