@@ -17,8 +17,10 @@
  * Ranks start each phase together (a process-shared barrier); a phase's
  * GB/s is all ranks' bytes over (last end - first start).  The ceiling is
  * the backend's kvt_dma_ceiling() -- memcpy for host, the runtime's own
- * pinned copy for hsa/cuda -- with C-byte copies over the same device
- * memory, in R processes at once.  Medians of `repeat` runs are printed.
+ * pinned copy for hsa/cuda -- moving as many bytes in C-byte copies over
+ * the same device memory, in R processes at once, right after each run:
+ * on a busy machine both shift alike.  Medians of `repeat` runs (and of
+ * the per-run ratios) are printed.
  * Before timing, each configuration is verified once: a saved sub-slot must
  * hold the device pages token by token, and a load must reproduce them in
  * other blocks.
@@ -70,6 +72,7 @@ struct opts {
 	uint64_t dev_bytes;            /* device KV per rank */
 	uint32_t repeat;
 	int json, no_2d, quiet;
+	int best;                      /* --stat best: maxima instead of medians */
 	const char *plot;
 	const char *dir;               /* segment directory (hugetlbfs) */
 	uint64_t reg_bytes;            /* registration probe size */
@@ -91,8 +94,8 @@ struct conf {
 struct rank_res {
 	uint64_t t0[MAX_LIST][MAX_REP][2], t1[MAX_LIST][MAX_REP][2];
 	uint64_t chunks[MAX_LIST][MAX_REP][2];
-	double ceil_s[MAX_REP][2];
-	uint64_t ceil_bytes;
+	double ceil_s[MAX_LIST][MAX_REP][2];  /* the ceiling next to each run */
+	uint64_t ceil_bytes, ceil_iters;
 	uint64_t reg_ns, reg_bytes;
 	uint32_t copies;               /* copies in a save plan */
 	int failed;
@@ -110,7 +113,7 @@ struct row {
 	char layout[64];
 	uint32_t ranks, depth, copies;
 	uint64_t chunk, page;
-	double gbs[2], ceil[2];
+	double gbs[2], ceil[2], ratio[2];
 	uint64_t reg_ns, reg_bytes;
 };
 
@@ -229,9 +232,10 @@ static void usage(FILE *f)
 "  --blocks seq|random  block ids of a chunk: adjacent, or scattered (default random)\n"
 "  --depths LIST        chunks in flight per rank (default 1,4,32)\n"
 "  --ranks LIST         rank processes (default 1,2)\n"
-"  --run-bytes SIZE     bytes each rank saves per run (default 256M)\n"
-"  --dev-bytes SIZE     device KV per rank (default 512M)\n"
-"  --repeat N           runs per measurement; medians are printed (default 3)\n"
+"  --run-bytes SIZE     bytes each rank saves per run (default 128M)\n"
+"  --dev-bytes SIZE     device KV per rank (default 256M)\n"
+"  --repeat N           runs per measurement (default 3)\n"
+"  --stat median|best   print medians (default) or the best run (busy machines)\n"
 "  --reg-bytes SIZE     registration probe size (default 1G; 0: skip)\n"
 "  --hugetlbfs DIR      put the segment on this hugetlbfs mount\n"
 "  --no-2d              plans without 2-D copies\n"
@@ -248,7 +252,7 @@ static int parse(int argc, char **argv, struct opts *o)
 		{ "blocks", 1, 0, 'B' }, { "depths", 1, 0, 'D' }, { "ranks", 1, 0, 'r' },
 		{ "run-bytes", 1, 0, 'R' }, { "dev-bytes", 1, 0, 'V' }, { "repeat", 1, 0, 'n' },
 		{ "reg-bytes", 1, 0, 'G' }, { "hugetlbfs", 1, 0, 'H' }, { "no-2d", 0, 0, '2' },
-		{ "json", 0, 0, 'j' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
+		{ "stat", 1, 0, 's' }, { "json", 0, 0, 'j' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
 		{ 0, 0, 0, 0 },
 	};
 	int c;
@@ -263,8 +267,8 @@ static int parse(int argc, char **argv, struct opts *o)
 	o->block_tokens = 16;
 	o->chunk_tokens = 256;
 	o->random_blocks = 1;
-	o->run_bytes = 256ULL << 20;
-	o->dev_bytes = 512ULL << 20;
+	o->run_bytes = 128ULL << 20;
+	o->dev_bytes = 256ULL << 20;
 	o->repeat = 3;
 	o->reg_bytes = 1ULL << 30;
 	optind = 1;
@@ -301,6 +305,10 @@ static int parse(int argc, char **argv, struct opts *o)
 			break;
 		case 'H': o->dir = optarg; break;
 		case '2': o->no_2d = 1; break;
+		case 's':
+			bad = strcmp(optarg, "median") && strcmp(optarg, "best");
+			o->best = !strcmp(optarg, "best");
+			break;
 		case 'j': o->json = 1; break;
 		case 'p': o->plot = optarg; break;
 		case 'h': usage(stdout); return 1;
@@ -705,10 +713,11 @@ static int rank_setup(struct rank *k)
 
 			memcpy(fill + i, &x, 8);
 		}
-		for (uint64_t o = 0; o < k->dev_len[g] && !rc; o += 64u << 20)
-			rc = kvt_dma_dev_write(k->d, k->dev[g] + o, fill,
-					       k->dev_len[g] - o < (64u << 20) ? k->dev_len[g] - o
-									    : 64u << 20);
+		for (int pass = 0; pass < 2; pass++) /* twice: see the arena below */
+			for (uint64_t o = 0; o < k->dev_len[g] && !rc; o += 64u << 20)
+				rc = kvt_dma_dev_write(k->d, k->dev[g] + o, fill,
+						       k->dev_len[g] - o < (64u << 20)
+						       ? k->dev_len[g] - o : 64u << 20);
 		free(fill);
 		if (rc)
 			return fail(k, "device fill", rc, kvt_dma_last_error());
@@ -721,7 +730,11 @@ static int rank_setup(struct rank *k)
 	/* Its own shard of the arena, registered (timed). */
 	if ((rc = kvt_seg_arena(k->seg, k->rank, &arena, &arena_len)))
 		return fail(k, "kvt_seg_arena", rc, kvt_core_last_error());
-	memset(arena, 0, arena_len); /* fault in before registering, as kvtierd does */
+	/* Fault in before registering, as kvtierd does -- twice: on some VMs a
+	 * page stays slow after its first touch until written again (2.5 vs
+	 * 18 GB/s measured), and every run writes fresh slots. */
+	memset(arena, 0xff, arena_len);
+	memset(arena, 0, arena_len);
 	if ((rc = kvt_dma_mem_register(k->d, arena, arena_len, kvt_seg_shard_bytes(k->seg),
 				       &k->mr)))
 		return fail(k, "kvt_dma_mem_register", rc, kvt_dma_last_error());
@@ -753,15 +766,22 @@ static void rank_teardown(struct rank *k)
 	free(k->w);
 }
 
-/* Passes over the ceiling's buffer: at least 1 GiB in all. */
-static uint32_t ceil_iters(uint64_t bytes)
-{
-	return bytes ? (uint32_t)((1ULL << 30) / bytes) + 1 : 1;
-}
-
 static void barrier(struct rank *k)
 {
 	pthread_barrier_wait(k->bar);
+}
+
+static void ceiling(struct rank *k, enum kvt_dma_dir dir, double *seconds)
+{
+	const struct conf *cf = k->cf;
+	int rc;
+
+	if (k->res->failed || !k->res->ceil_bytes)
+		return;
+	rc = kvt_dma_ceiling(k->d, dir, k->dev[0], k->res->ceil_bytes, cf->chunk_bytes,
+			     (uint32_t)k->res->ceil_iters, seconds);
+	if (rc)
+		fail(k, "ceiling", rc, kvt_dma_last_error());
 }
 
 static int rank_main(const struct opts *o, const struct conf *cf, struct shared *sh,
@@ -773,6 +793,19 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 
 	/* Every rank passes every barrier, failed or not, so none waits forever. */
 	rank_setup(&k);
+	/* The ceiling moves as many bytes as a run, in C-byte copies over the
+	 * device memory, right after the run it is compared with: the same
+	 * conditions (a busy machine shifts both alike). */
+	if (!k.res->failed) {
+		uint64_t run = (uint64_t)cf->n * cf->chunk_bytes;
+
+		ceil_bytes = k.dev_len[0] < run ? k.dev_len[0] : run;
+		ceil_bytes -= ceil_bytes % cf->chunk_bytes;
+		if (ceil_bytes) {
+			k.res->ceil_bytes = ceil_bytes;
+			k.res->ceil_iters = (run + ceil_bytes - 1) / ceil_bytes;
+		}
+	}
 	barrier(&k);
 	if (!k.res->failed)
 		verify(&k);
@@ -789,34 +822,17 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 				k.res->chunks[di][rep][0] = k.cf->n;
 			k.res->t1[di][rep][0] = now_ns();
 			barrier(&k);
+			ceiling(&k, KVT_DMA_D2H, &k.res->ceil_s[di][rep][0]);
+			barrier(&k);
 			k.res->t0[di][rep][1] = now_ns();
 			if (!k.res->failed)
 				got = load_run(&k, run);
 			k.res->t1[di][rep][1] = now_ns();
 			k.res->chunks[di][rep][1] = got > 0 ? (uint64_t)got : 0;
-		}
-	}
-	/* the ceiling: the runtime's own copies of C bytes, same device memory */
-	if (!k.res->failed) {
-		ceil_bytes = k.dev_len[0] < (256ULL << 20) ? k.dev_len[0] : 256ULL << 20;
-		ceil_bytes -= ceil_bytes % cf->chunk_bytes;
-		if (!ceil_bytes)
-			ceil_bytes = cf->chunk_bytes <= k.dev_len[0] ? cf->chunk_bytes : 0;
-	}
-	k.res->ceil_bytes = ceil_bytes;
-	for (uint32_t rep = 0; rep < o->repeat; rep++)
-		for (int dir = 0; dir < 2; dir++) {
-			int rc = 0;
-
 			barrier(&k);
-			if (!k.res->failed && ceil_bytes)
-				rc = kvt_dma_ceiling(k.d, dir ? KVT_DMA_H2D : KVT_DMA_D2H, k.dev[0],
-						     ceil_bytes, ceil_bytes < cf->chunk_bytes ? ceil_bytes
-						     : cf->chunk_bytes, ceil_iters(ceil_bytes),
-						     &k.res->ceil_s[rep][dir]);
-			if (rc)
-				fail(&k, "ceiling", rc, kvt_dma_last_error());
+			ceiling(&k, KVT_DMA_H2D, &k.res->ceil_s[di][rep][1]);
 		}
+	}
 	rank_teardown(&k);
 	return k.res->failed;
 }
@@ -918,9 +934,12 @@ static int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-static double median(double *v, uint32_t n)
+/* The median, or with best the largest. */
+static double pick(double *v, uint32_t n, int best)
 {
 	qsort(v, n, sizeof(*v), cmp_double);
+	if (best)
+		return v[n - 1];
 	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
@@ -1006,6 +1025,8 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 		w->reg_ns = sh->r[0].reg_ns;
 		w->reg_bytes = sh->r[0].reg_bytes;
 		for (int dir = 0; dir < 2; dir++) {
+			double q[MAX_REP];
+
 			for (uint32_t rep = 0; rep < o->repeat; rep++) {
 				uint64_t t0 = UINT64_MAX, t1 = 0, bytes = 0;
 				double worst = 0;
@@ -1018,15 +1039,20 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 					if (x->t1[di][rep][dir] > t1)
 						t1 = x->t1[di][rep][dir];
 					bytes += x->chunks[di][rep][dir] * cf->chunk_bytes;
-					if (x->ceil_s[rep][dir] > worst)
-						worst = x->ceil_s[rep][dir];
+					if (x->ceil_s[di][rep][dir] > worst)
+						worst = x->ceil_s[di][rep][dir];
 				}
 				g[dir][rep] = t1 > t0 ? bytes / (double)(t1 - t0) : 0;
 				c[dir][rep] = worst > 0 ? cf->ranks * (double)sh->r[0].ceil_bytes *
-							  ceil_iters(sh->r[0].ceil_bytes) / worst * 1e-9 : 0;
+							  sh->r[0].ceil_iters / worst * 1e-9 : 0;
+				q[rep] = c[dir][rep] > 0 ? g[dir][rep] / c[dir][rep] : 0;
 			}
-			w->gbs[dir] = median(g[dir], o->repeat);
-			w->ceil[dir] = median(c[dir], o->repeat);
+			w->gbs[dir] = pick(g[dir], o->repeat, o->best);
+			w->ceil[dir] = pick(c[dir], o->repeat, o->best);
+			/* best: the best run over the best ceiling; median: the
+			 * median of each run over the ceiling right after it */
+			w->ratio[dir] = o->best ? (w->ceil[dir] > 0 ? w->gbs[dir] / w->ceil[dir] : 0)
+						: pick(q, o->repeat, 0);
 		}
 	}
 	return 0;
@@ -1038,8 +1064,10 @@ static void print_table(const struct opts *o, const struct row *rows, uint32_t n
 	char a[32], b[32], c[32];
 
 	printf("kvtier-bench bandwidth: %s\n", describe);
-	printf("layout %s, %s blocks, %u run(s) per point (median), ceiling: %s\n\n",
+	printf("layout %s, %s blocks, %u run(s) per point (%s), ceiling: %s\n\n",
 	       o->layout, o->random_blocks ? "random" : "adjacent", o->repeat,
+	       o->best ? "best run; ratio: best over best ceiling"
+		       : "medians; ratio: median of each run over the ceiling right after it",
 	       strstr(describe, "host") == describe ? "memcpy, same process count"
 						    : "the runtime's pinned-memory copy");
 	printf("%-12s %5s %7s %7s %6s %7s | %9s %9s %6s | %9s %9s %6s\n", "layout", "ranks",
@@ -1051,8 +1079,7 @@ static void print_table(const struct opts *o, const struct row *rows, uint32_t n
 		printf("%-12s %5u %7s %7s %6u %7u | %9.2f %9.2f %6.2f | %9.2f %9.2f %6.2f\n",
 		       w->layout, w->ranks, human(w->chunk, a, sizeof(a)),
 		       human(w->page, b, sizeof(b)), w->depth, w->copies, w->gbs[0], w->ceil[0],
-		       w->ceil[0] > 0 ? w->gbs[0] / w->ceil[0] : 0, w->gbs[1], w->ceil[1],
-		       w->ceil[1] > 0 ? w->gbs[1] / w->ceil[1] : 0);
+		       w->ratio[0], w->gbs[1], w->ceil[1], w->ratio[1]);
 	}
 	printf("\narena registration (%s pages, per rank):\n", o->dir ? "hugetlbfs" : "4 KiB shm");
 	for (uint32_t i = 0; i < n && strstr(describe, "host") != describe; i++)
@@ -1097,17 +1124,19 @@ static void print_json(const struct opts *o, const struct row *rows, uint32_t n,
 {
 	printf("{\"bench\":\"bandwidth\",\"backend\":");
 	json_str(describe);
-	printf(",\"layout\":\"%s\",\"blocks\":\"%s\",\"repeat\":%u,\"rows\":[", o->layout,
-	       o->random_blocks ? "random" : "seq", o->repeat);
+	printf(",\"layout\":\"%s\",\"blocks\":\"%s\",\"repeat\":%u,\"stat\":\"%s\",\"rows\":[",
+	       o->layout, o->random_blocks ? "random" : "seq", o->repeat,
+	       o->best ? "best" : "median");
 	for (uint32_t i = 0; i < n; i++) {
 		const struct row *w = &rows[i];
 
 		printf("%s{\"layout\":\"%s\",\"ranks\":%u,\"chunk_bytes\":%llu,\"page_bytes\":%llu,"
 		       "\"depth\":%u,\"copies_per_chunk\":%u,\"save_gbs\":%.3f,\"save_ceiling_gbs\":%.3f,"
-		       "\"load_gbs\":%.3f,\"load_ceiling_gbs\":%.3f,\"register_bytes\":%llu,"
+		       "\"save_ratio\":%.3f,\"load_gbs\":%.3f,\"load_ceiling_gbs\":%.3f,"
+		       "\"load_ratio\":%.3f,\"register_bytes\":%llu,"
 		       "\"register_s\":%.6f}", i ? "," : "", w->layout, w->ranks,
 		       (unsigned long long)w->chunk, (unsigned long long)w->page, w->depth, w->copies,
-		       w->gbs[0], w->ceil[0], w->gbs[1], w->ceil[1],
+		       w->gbs[0], w->ceil[0], w->ratio[0], w->gbs[1], w->ceil[1], w->ratio[1],
 		       (unsigned long long)w->reg_bytes, w->reg_ns * 1e-9);
 	}
 	printf("]");
@@ -1146,7 +1175,7 @@ static int write_plot(const struct opts *o, const struct row *rows, uint32_t n,
 		return -1;
 	fprintf(f, "set terminal pngcairo size 1200,500 noenhanced\nset output '%s'\n"
 		"set multiplot layout 1,2 title 'kvtier-bench bandwidth: %s'\n"
-		"set logscale x 2\nset xlabel 'chunk bytes'\nset ylabel 'GB/s'\nset key left top\n"
+		"set logscale x 2\nset format x '%%.0b%%B'\nset xlabel 'chunk bytes'\nset ylabel 'GB/s'\nset key left top\n"
 		"set grid\n", o->plot, describe);
 	for (int dir = 0; dir < 2; dir++) {
 		uint32_t idx = 0;

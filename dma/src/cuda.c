@@ -1,0 +1,767 @@
+/* cuda.c - the NVIDIA backend: CUDA driver API copies between the GPU's KV
+ * pages and the registered arena, on a few streams.
+ *
+ * Runtime.  libcuda.so.1 is dlopen'ed (never linked) and every entry point
+ * is resolved through cuGetProcAddress into the versioned PFN_* types of
+ * cudaTypedefs.h, asking for exactly the version of the prototype we
+ * compiled against -- the way NCCL and PyTorch avoid ABI drift across
+ * drivers.  cuMemcpyBatchAsync (CUDA 12.8+) changed its prototype in 13.0
+ * (the failIdx argument went away), so the version asked for follows the
+ * version the driver reports.  No driver, cuInit failing or no device all
+ * mean "unavailable".  The library is not unloaded at close: drivers do not
+ * support being unloaded and reloaded in one process.
+ *
+ * Context.  The device's primary context -- the one the engine's CUDA
+ * runtime (PyTorch) uses -- retained for the handle's life, pushed around
+ * every call and popped after, so the calling thread's current context is
+ * left as it was.
+ *
+ * Pointers.  The arena is registered per piece with cuMemHostRegister
+ * (PORTABLE | DEVICEMAP) and copies use the device pointer that
+ * cuMemHostGetDevicePointer returns for it: equal to the host pointer on
+ * ordinary UVA systems, different where a visible device cannot use host
+ * pointers, and valid in both cases.
+ *
+ * Completion.  A ticket's copies go on one stream (slot modulo the number
+ * of streams), followed by the slot's event; poll is cuEventQuery, wait
+ * sleeps between queries (or cuEventSynchronize without a timeout).  If
+ * issuing fails part way, the stream is synchronized before submit returns
+ * -EIO, so a failed submit leaves nothing in flight.
+ */
+#include "dma_int.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#define MAX_STREAMS 16
+
+struct cu_fns {
+	PFN_cuInit_v2000 init;
+	PFN_cuDriverGetVersion_v2020 driver_version;
+	PFN_cuDeviceGetCount_v2000 device_count;
+	PFN_cuDeviceGet_v2000 device_get;
+	PFN_cuDeviceGetAttribute_v2000 device_attr;
+	PFN_cuDeviceGetName_v2000 device_name;
+	PFN_cuDevicePrimaryCtxRetain_v7000 ctx_retain;
+	PFN_cuDevicePrimaryCtxRelease_v11000 ctx_release;
+	PFN_cuCtxPushCurrent_v4000 ctx_push;
+	PFN_cuCtxPopCurrent_v4000 ctx_pop;
+	PFN_cuStreamCreate_v2000 stream_create;
+	PFN_cuStreamDestroy_v4000 stream_destroy;
+	PFN_cuStreamSynchronize_v2000 stream_sync;
+	PFN_cuEventCreate_v2000 event_create;
+	PFN_cuEventDestroy_v4000 event_destroy;
+	PFN_cuEventRecord_v2000 event_record;
+	PFN_cuEventQuery_v2000 event_query;
+	PFN_cuEventSynchronize_v2000 event_sync;
+	PFN_cuMemHostRegister_v6050 host_register;
+	PFN_cuMemHostUnregister_v4000 host_unregister;
+	PFN_cuMemHostGetDevicePointer_v3020 host_dev_ptr;
+	PFN_cuMemcpyAsync_v4000 memcpy_async;
+	PFN_cuMemcpy2DAsync_v3020 memcpy_2d_async;
+	PFN_cuMemAlloc_v3020 mem_alloc;
+	PFN_cuMemFree_v3020 mem_free;
+	PFN_cuMemAllocHost_v3020 alloc_host;
+	PFN_cuMemFreeHost_v2000 free_host;
+	PFN_cuMemcpyHtoD_v3020 htod;
+	PFN_cuMemcpyDtoH_v3020 dtoh;
+	PFN_cuMemcpyHtoDAsync_v3020 htod_async;
+	PFN_cuMemcpyDtoHAsync_v3020 dtoh_async;
+	PFN_cuPointerGetAttribute_v4000 ptr_attr;
+	PFN_cuGetErrorName_v6000 err_name;
+	/* optional */
+	PFN_cuMemcpyBatchAsync_v12080 batch_12080;
+	PFN_cuMemcpyBatchAsync_v13000 batch_13000;
+};
+
+struct sym {
+	const char *name;
+	int version;   /* of the PFN prototype we hold */
+	size_t off;
+};
+
+#define SYM(field, name, ver) { name, ver, offsetof(struct cu_fns, field) }
+static const struct sym syms[] = {
+	SYM(init, "cuInit", 2000),
+	SYM(driver_version, "cuDriverGetVersion", 2020),
+	SYM(device_count, "cuDeviceGetCount", 2000),
+	SYM(device_get, "cuDeviceGet", 2000),
+	SYM(device_attr, "cuDeviceGetAttribute", 2000),
+	SYM(device_name, "cuDeviceGetName", 2000),
+	SYM(ctx_retain, "cuDevicePrimaryCtxRetain", 7000),
+	SYM(ctx_release, "cuDevicePrimaryCtxRelease", 11000),
+	SYM(ctx_push, "cuCtxPushCurrent", 4000),
+	SYM(ctx_pop, "cuCtxPopCurrent", 4000),
+	SYM(stream_create, "cuStreamCreate", 2000),
+	SYM(stream_destroy, "cuStreamDestroy", 4000),
+	SYM(stream_sync, "cuStreamSynchronize", 2000),
+	SYM(event_create, "cuEventCreate", 2000),
+	SYM(event_destroy, "cuEventDestroy", 4000),
+	SYM(event_record, "cuEventRecord", 2000),
+	SYM(event_query, "cuEventQuery", 2000),
+	SYM(event_sync, "cuEventSynchronize", 2000),
+	SYM(host_register, "cuMemHostRegister", 6050),
+	SYM(host_unregister, "cuMemHostUnregister", 4000),
+	SYM(host_dev_ptr, "cuMemHostGetDevicePointer", 3020),
+	SYM(memcpy_async, "cuMemcpyAsync", 4000),
+	SYM(memcpy_2d_async, "cuMemcpy2DAsync", 3020),
+	SYM(mem_alloc, "cuMemAlloc", 3020),
+	SYM(mem_free, "cuMemFree", 3020),
+	SYM(alloc_host, "cuMemAllocHost", 3020),
+	SYM(free_host, "cuMemFreeHost", 2000),
+	SYM(htod, "cuMemcpyHtoD", 3020),
+	SYM(dtoh, "cuMemcpyDtoH", 3020),
+	SYM(htod_async, "cuMemcpyHtoDAsync", 3020),
+	SYM(dtoh_async, "cuMemcpyDtoHAsync", 3020),
+	SYM(ptr_attr, "cuPointerGetAttribute", 4000),
+	SYM(err_name, "cuGetErrorName", 6000),
+};
+
+/* Per ticket slot: the event, and scratch for a batch call. */
+struct cu_slot {
+	CUevent ev;
+	CUdeviceptr *dsts, *srcs;
+	size_t *sizes;
+	uint32_t cap;
+};
+
+struct cu_be {
+	void *lib;
+	struct cu_fns f;
+	int driver;                 /* e.g. 13000 */
+	int n_devices;
+
+	int bound;
+	CUdevice dev;
+	CUcontext ctx;
+	int ordinal;
+	int max_pitch;
+	int engines;
+	uint32_t n_streams;
+	CUstream streams[MAX_STREAMS];
+	uint32_t n_slots;
+	struct cu_slot *slots;
+	int use_batch;
+};
+
+static const char *err_str(const struct cu_be *be, CUresult r)
+{
+	const char *s = NULL;
+
+	if (be->f.err_name && be->f.err_name(r, &s) == CUDA_SUCCESS && s)
+		return s;
+	return "CUDA_ERROR_?";
+}
+
+static int cu_errno(CUresult r)
+{
+	switch (r) {
+	case CUDA_SUCCESS:
+		return 0;
+	case CUDA_ERROR_OUT_OF_MEMORY:
+		return -ENOMEM;
+	case CUDA_ERROR_INVALID_VALUE:
+		return -EINVAL;
+	case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+		return -EEXIST;
+	case CUDA_ERROR_NOT_PERMITTED:
+		return -EPERM;
+	case CUDA_ERROR_NOT_SUPPORTED:
+		return -ENOTSUP;
+	default:
+		return -EIO;
+	}
+}
+
+#define CU_FAIL(be, r, fmt, ...) \
+	kvt__dma_err(cu_errno(r), "cuda: " fmt ": %s (%d)", ##__VA_ARGS__, \
+		     err_str(be, r), (int)(r))
+
+static int push(struct cu_be *be)
+{
+	CUresult r = be->f.ctx_push(be->ctx);
+
+	return r ? CU_FAIL(be, r, "cuCtxPushCurrent") : 0;
+}
+
+static void pop(struct cu_be *be)
+{
+	CUcontext c;
+
+	be->f.ctx_pop(&c);
+}
+
+/* ---- init / fini --------------------------------------------------------- */
+
+static void unbind(struct cu_be *be)
+{
+	if (!be->bound)
+		return;
+	if (push(be) == 0) {
+		for (uint32_t i = 0; i < be->n_slots; i++) {
+			be->f.event_destroy(be->slots[i].ev);
+			free(be->slots[i].dsts);
+			free(be->slots[i].srcs);
+			free(be->slots[i].sizes);
+		}
+		for (uint32_t i = 0; i < be->n_streams; i++)
+			be->f.stream_destroy(be->streams[i]);
+		pop(be);
+	}
+	free(be->slots);
+	be->slots = NULL;
+	be->n_slots = be->n_streams = 0;
+	be->f.ctx_release(be->dev);
+	be->bound = 0;
+}
+
+static void cu_fini(struct kvt_dma *d)
+{
+	struct cu_be *be = d->be;
+
+	if (!be)
+		return;
+	unbind(be);
+	free(be);
+	d->be = NULL;
+}
+
+static int set_device(struct kvt_dma *d, int ordinal)
+{
+	struct cu_be *be = d->be;
+	char name[128] = "";
+	uint32_t want = d->cfg.n_workers ? d->cfg.n_workers : 4;
+	CUresult r;
+	int rc;
+
+	if (want > MAX_STREAMS)
+		want = MAX_STREAMS;
+
+	r = be->f.device_get(&be->dev, ordinal);
+	if (r)
+		return CU_FAIL(be, r, "cuDeviceGet(%d)", ordinal);
+	r = be->f.ctx_retain(&be->ctx, be->dev);
+	if (r)
+		return CU_FAIL(be, r, "cuDevicePrimaryCtxRetain(%d)", ordinal);
+	be->bound = 1;
+	be->ordinal = ordinal;
+	be->f.device_name(name, sizeof(name) - 1, be->dev);
+	if (be->f.device_attr(&be->max_pitch, CU_DEVICE_ATTRIBUTE_MAX_PITCH, be->dev) ||
+	    be->max_pitch <= 0)
+		be->max_pitch = 0;
+	if (be->f.device_attr(&be->engines, CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, be->dev))
+		be->engines = 0;
+	be->slots = calloc(d->cfg.max_inflight, sizeof(*be->slots));
+	if (!be->slots) {
+		unbind(be);
+		return kvt__dma_err(-ENOMEM, "cuda: out of memory");
+	}
+	rc = push(be);
+	if (rc) {
+		unbind(be);
+		return rc;
+	}
+	for (; be->n_streams < want; be->n_streams++) {
+		r = be->f.stream_create(&be->streams[be->n_streams], CU_STREAM_NON_BLOCKING);
+		if (r)
+			break;
+	}
+	for (; !r && be->n_slots < d->cfg.max_inflight; be->n_slots++) {
+		r = be->f.event_create(&be->slots[be->n_slots].ev, CU_EVENT_DISABLE_TIMING);
+		if (r)
+			break;
+	}
+	pop(be);
+	if (r) {
+		rc = CU_FAIL(be, r, "creating streams and events");
+		unbind(be);
+		return rc;
+	}
+	d->device = ordinal;
+	be->use_batch = !(d->cfg.flags & KVT_DMA_F_NO_BATCH) &&
+			(be->f.batch_13000 || be->f.batch_12080);
+	snprintf(d->feature, sizeof(d->feature),
+		 "%s (device %d of %d), driver %d.%d, %d copy engines, %u streams, "
+		 "batch %s, 2-D %s", name, ordinal, be->n_devices, be->driver / 1000,
+		 be->driver % 1000 / 10, be->engines, be->n_streams,
+		 be->use_batch ? (be->f.batch_13000 ? "yes (13.0)" : "yes (12.8)") : "no",
+		 be->max_pitch > 0 ? "yes" : "no");
+	return 0;
+}
+
+typedef CUresult (*gpa_v2_fn)(const char *, void **, int, cuuint64_t,
+			      CUdriverProcAddressQueryResult *);
+typedef CUresult (*gpa_v1_fn)(const char *, void **, int, cuuint64_t);
+
+static void *resolve(void *gpa, int v2, const char *name, int version)
+{
+	void *fn = NULL;
+	CUdriverProcAddressQueryResult q = CU_GET_PROC_ADDRESS_SUCCESS;
+	CUresult r;
+
+	if (v2)
+		r = ((gpa_v2_fn)gpa)(name, &fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &q);
+	else
+		r = ((gpa_v1_fn)gpa)(name, &fn, version, CU_GET_PROC_ADDRESS_DEFAULT);
+	return r == CUDA_SUCCESS && q == CU_GET_PROC_ADDRESS_SUCCESS ? fn : NULL;
+}
+
+static int cu_init(struct kvt_dma *d, char *why, size_t why_len)
+{
+	const char *path = getenv("KVTIER_CUDA_LIBRARY");
+	struct cu_be *be;
+	void *gpa;
+	int v2 = 1, rc;
+	CUresult r;
+
+	if (!path || !*path)
+		path = "libcuda.so.1";
+	be = calloc(1, sizeof(*be));
+	if (!be)
+		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
+	d->be = be;
+	be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+	if (!be->lib)
+		be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!be->lib) {
+		kvt__fmt(-ENOENT, why, why_len, "%s", dlerror());
+		cu_fini(d);
+		return -ENOENT;
+	}
+	gpa = dlsym(be->lib, "cuGetProcAddress_v2"); /* CUDA 12.0+ */
+	if (!gpa) {
+		gpa = dlsym(be->lib, "cuGetProcAddress"); /* 11.3+ */
+		v2 = 0;
+	}
+	if (!gpa) {
+		kvt__fmt(-ENOENT, why, why_len, "%s: no cuGetProcAddress (driver older than "
+			 "CUDA 11.3)", path);
+		cu_fini(d);
+		return -ENOENT;
+	}
+	for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+		void *fn = resolve(gpa, v2, syms[i].name, syms[i].version);
+
+		if (!fn) {
+			kvt__fmt(-ENOENT, why, why_len, "%s: cuGetProcAddress(%s, %d) failed",
+				 path, syms[i].name, syms[i].version);
+			cu_fini(d);
+			return -ENOENT;
+		}
+		memcpy((char *)&be->f + syms[i].off, &fn, sizeof(fn));
+	}
+	r = be->f.init(0);
+	if (r) {
+		kvt__fmt(-ENODEV, why, why_len, "cuInit failed: %s (%d)", err_str(be, r), (int)r);
+		cu_fini(d);
+		return -ENODEV;
+	}
+	if (be->f.driver_version(&be->driver))
+		be->driver = 0;
+	if (be->driver >= 13000)
+		be->f.batch_13000 = (PFN_cuMemcpyBatchAsync_v13000)
+			resolve(gpa, v2, "cuMemcpyBatchAsync", 13000);
+	else if (be->driver >= 12080)
+		be->f.batch_12080 = (PFN_cuMemcpyBatchAsync_v12080)
+			resolve(gpa, v2, "cuMemcpyBatchAsync", 12080);
+	r = be->f.device_count(&be->n_devices);
+	if (r || be->n_devices <= 0) {
+		kvt__fmt(-ENODEV, why, why_len, "no CUDA device (%s)",
+			 r ? err_str(be, r) : "count 0");
+		cu_fini(d);
+		return -ENODEV;
+	}
+	if (d->cfg.device >= 0) {
+		if (d->cfg.device >= be->n_devices) {
+			kvt__fmt(-ENODEV, why, why_len, "device %d: only %d CUDA devices",
+				 (int)d->cfg.device, be->n_devices);
+			cu_fini(d);
+			return -ENODEV;
+		}
+		rc = set_device(d, d->cfg.device);
+		if (rc) {
+			kvt__fmt(rc, why, why_len, "%s", kvt_dma_last_error());
+			cu_fini(d);
+			return rc;
+		}
+	} else {
+		snprintf(d->feature, sizeof(d->feature), "%d devices, driver %d.%d, device "
+			 "unbound", be->n_devices, be->driver / 1000, be->driver % 1000 / 10);
+	}
+	return 0;
+}
+
+static int cu_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
+{
+	struct cu_be *be = d->be;
+	int ord = -1;
+
+	for (uint32_t k = 0; k < l->n_groups; k++) {
+		const struct kvt_kv_group *gr = &l->groups[k];
+
+		for (uint32_t i = 0; i < gr->n_layers; i++) {
+			CUdeviceptr p = (CUdeviceptr)gr->layer_base[i], start = 0;
+			unsigned int type = 0;
+			size_t size = 0;
+			int o = -1;
+			CUresult r;
+
+			r = be->f.ptr_attr(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p);
+			if (!r)
+				r = be->f.ptr_attr(&o, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p);
+			if (r || type != CU_MEMORYTYPE_DEVICE)
+				return kvt__dma_err(-EINVAL, "cuda: group %u layer %u base %#llx "
+						    "is not device memory (%s)", k, i,
+						    (unsigned long long)p, r ? err_str(be, r) : "host");
+			if (!be->f.ptr_attr(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) &&
+			    !be->f.ptr_attr(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) && size &&
+			    start + size < p + kvt__layer_extent(gr))
+				return kvt__dma_err(-EINVAL, "cuda: group %u layer %u: n_blocks * "
+						    "block_stride runs past its allocation", k, i);
+			if (ord >= 0 && o != ord)
+				return kvt__dma_err(-EINVAL, "cuda: the KV cache spans devices "
+						    "%d and %d", ord, o);
+			ord = o;
+		}
+	}
+	if (be->bound && ord != be->ordinal)
+		return kvt__dma_err(-EINVAL, "cuda: KV cache on device %d, handle bound to %d",
+				    ord, be->ordinal);
+	return be->bound ? 0 : set_device(d, ord);
+}
+
+static void cu_caps(const struct kvt_dma *d, struct kvt_plan_caps *c)
+{
+	const struct cu_be *be = d->be;
+
+	if (!be->bound || be->max_pitch <= 0)
+		return;
+	c->max_rows = 1u << 20;
+	c->pitch_align = 1;
+	c->max_pitch = (uint64_t)be->max_pitch;
+}
+
+static int cu_mem_reg(struct kvt_dma *d, struct kvt_dma_piece *p)
+{
+	struct cu_be *be = d->be;
+	CUdeviceptr dp = 0;
+	CUresult r;
+	int rc = push(be);
+
+	if (rc)
+		return rc;
+	r = be->f.host_register(p->host, p->len, CU_MEMHOSTREGISTER_PORTABLE |
+				CU_MEMHOSTREGISTER_DEVICEMAP);
+	if (r) {
+		pop(be);
+		return CU_FAIL(be, r, "cuMemHostRegister(%p, %llu)", (void *)p->host,
+			       (unsigned long long)p->len);
+	}
+	r = be->f.host_dev_ptr(&dp, p->host, 0);
+	if (r) {
+		be->f.host_unregister(p->host);
+		pop(be);
+		return CU_FAIL(be, r, "cuMemHostGetDevicePointer(%p)", (void *)p->host);
+	}
+	pop(be);
+	p->dev = (uint64_t)dp;
+	return 0;
+}
+
+static void cu_mem_unreg(struct kvt_dma *d, struct kvt_dma_piece *p)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+
+	if (push(be))
+		return;
+	r = be->f.host_unregister(p->host);
+	pop(be);
+	if (r)
+		kvt__dma_log(d, KVT_DMA_LOG_ERR, "cuda: cuMemHostUnregister(%p): %s",
+			     (void *)p->host, err_str(be, r));
+}
+
+static int grow(struct cu_slot *s, uint32_t n)
+{
+	CUdeviceptr *a, *b;
+	size_t *c;
+
+	if (n <= s->cap)
+		return 0;
+	a = realloc(s->dsts, n * sizeof(*a));
+	if (a)
+		s->dsts = a;
+	b = realloc(s->srcs, n * sizeof(*b));
+	if (b)
+		s->srcs = b;
+	c = realloc(s->sizes, n * sizeof(*c));
+	if (c)
+		s->sizes = c;
+	if (!a || !b || !c)
+		return -ENOMEM;
+	s->cap = n;
+	return 0;
+}
+
+static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
+{
+	struct cu_be *be = d->be;
+	struct cu_slot *s = &be->slots[slot];
+	const struct kvt_plan *p = j->plan;
+	CUstream st = be->streams[slot % be->n_streams];
+	int d2h = j->dir == KVT_DMA_D2H;
+	uint32_t n1 = 0;
+	CUresult r = CUDA_SUCCESS;
+	const char *what = "";
+	int rc;
+
+	for (uint32_t i = 0; i < p->n; i++)
+		n1 += p->copies[i].rows == 1;
+	if (be->use_batch && n1 >= 2 && grow(s, n1))
+		return kvt__dma_err(-ENOMEM, "cuda: out of memory");
+	rc = push(be);
+	if (rc)
+		return rc;
+	if (be->use_batch && n1 >= 2) {
+		CUmemcpyAttributes attr;
+		size_t idx = 0, fail_idx = 0;
+		uint32_t k = 0;
+
+		for (uint32_t i = 0; i < p->n; i++) {
+			const struct kvt_copy *c = &p->copies[i];
+
+			if (c->rows != 1)
+				continue;
+			s->dsts[k] = d2h ? j->host_dev + c->off : c->dev;
+			s->srcs[k] = d2h ? c->dev : j->host_dev + c->off;
+			s->sizes[k] = c->len;
+			k++;
+		}
+		memset(&attr, 0, sizeof(attr));
+		attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+		attr.flags = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE;
+		attr.srcLocHint.type = d2h ? CU_MEM_LOCATION_TYPE_DEVICE : CU_MEM_LOCATION_TYPE_HOST;
+		attr.srcLocHint.id = d2h ? be->ordinal : 0;
+		attr.dstLocHint.type = d2h ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE;
+		attr.dstLocHint.id = d2h ? 0 : be->ordinal;
+		what = "cuMemcpyBatchAsync";
+		if (be->f.batch_13000)
+			r = be->f.batch_13000(s->dsts, s->srcs, s->sizes, k, &attr, &idx, 1, st);
+		else
+			r = be->f.batch_12080(s->dsts, s->srcs, s->sizes, k, &attr, &idx, 1,
+					      &fail_idx, st);
+		n1 = 0; /* done */
+	}
+	for (uint32_t i = 0; i < p->n && r == CUDA_SUCCESS; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+		CUdeviceptr host = j->host_dev + c->off;
+
+		if (c->rows == 1) {
+			if (!n1)
+				continue;
+			what = "cuMemcpyAsync";
+			r = be->f.memcpy_async(d2h ? host : c->dev, d2h ? c->dev : host,
+					       c->len, st);
+		} else {
+			CUDA_MEMCPY2D m;
+
+			memset(&m, 0, sizeof(m));
+			m.srcMemoryType = CU_MEMORYTYPE_UNIFIED;
+			m.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
+			m.srcDevice = d2h ? c->dev : host;
+			m.srcPitch = d2h ? c->dev_pitch : c->host_pitch;
+			m.dstDevice = d2h ? host : c->dev;
+			m.dstPitch = d2h ? c->host_pitch : c->dev_pitch;
+			m.WidthInBytes = c->len;
+			m.Height = c->rows;
+			what = "cuMemcpy2DAsync";
+			r = be->f.memcpy_2d_async(&m, st);
+		}
+	}
+	if (r == CUDA_SUCCESS) {
+		what = "cuEventRecord";
+		r = be->f.event_record(s->ev, st);
+	}
+	if (r != CUDA_SUCCESS) {
+		/* nothing may stay in flight after a failed submit */
+		be->f.stream_sync(st);
+		pop(be);
+		return kvt__dma_err(-EIO, "cuda: %s: %s (%d)", what, err_str(be, r), (int)r);
+	}
+	pop(be);
+	return 0;
+}
+
+static int ev_status(struct kvt_dma *d, CUresult r)
+{
+	struct cu_be *be = d->be;
+
+	if (r == CUDA_SUCCESS)
+		return 0;
+	if (r == CUDA_ERROR_NOT_READY)
+		return -EINPROGRESS;
+	kvt__dma_log(d, KVT_DMA_LOG_ERR, "cuda: copy failed: %s (%d)", err_str(be, r), (int)r);
+	return -EIO;
+}
+
+static int cu_poll(struct kvt_dma *d, uint32_t slot)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+
+	if (push(be))
+		return -EIO;
+	r = be->f.event_query(be->slots[slot].ev);
+	pop(be);
+	return ev_status(d, r);
+}
+
+static int cu_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
+{
+	struct cu_be *be = d->be;
+	uint64_t nap = 2000;
+	CUresult r;
+
+	if (push(be))
+		return -EIO;
+	if (deadline == UINT64_MAX) {
+		r = be->f.event_sync(be->slots[slot].ev);
+		pop(be);
+		return ev_status(d, r);
+	}
+	while ((r = be->f.event_query(be->slots[slot].ev)) == CUDA_ERROR_NOT_READY) {
+		uint64_t now = kvt__now_ns();
+		struct timespec ts;
+
+		if (now >= deadline)
+			break;
+		if (nap > deadline - now)
+			nap = deadline - now;
+		ts.tv_sec = 0;
+		ts.tv_nsec = (long)nap;
+		nanosleep(&ts, NULL);
+		if (nap < 200000)
+			nap *= 2;
+	}
+	pop(be);
+	return r == CUDA_ERROR_NOT_READY ? -ETIMEDOUT : ev_status(d, r);
+}
+
+/* ---- device memory, ceiling --------------------------------------------- */
+
+static int cu_dev_alloc(struct kvt_dma *d, uint64_t bytes, uint64_t *dev)
+{
+	struct cu_be *be = d->be;
+	CUdeviceptr p = 0;
+	CUresult r;
+	int rc = push(be);
+
+	if (rc)
+		return rc;
+	r = be->f.mem_alloc(&p, bytes);
+	pop(be);
+	if (r)
+		return CU_FAIL(be, r, "cuMemAlloc(%llu)", (unsigned long long)bytes);
+	*dev = (uint64_t)p;
+	return 0;
+}
+
+static int cu_dev_free(struct kvt_dma *d, uint64_t dev)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+	int rc = push(be);
+
+	if (rc)
+		return rc;
+	r = be->f.mem_free((CUdeviceptr)dev);
+	pop(be);
+	return r ? CU_FAIL(be, r, "cuMemFree") : 0;
+}
+
+static int cu_dev_write(struct kvt_dma *d, uint64_t dev, const void *src, uint64_t len)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+	int rc = push(be);
+
+	if (rc)
+		return rc;
+	r = be->f.htod((CUdeviceptr)dev, src, len);
+	pop(be);
+	return r ? CU_FAIL(be, r, "cuMemcpyHtoD") : 0;
+}
+
+static int cu_dev_read(struct kvt_dma *d, void *dst, uint64_t dev, uint64_t len)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+	int rc = push(be);
+
+	if (rc)
+		return rc;
+	r = be->f.dtoh(dst, (CUdeviceptr)dev, len);
+	pop(be);
+	return r ? CU_FAIL(be, r, "cuMemcpyDtoH") : 0;
+}
+
+/* cudaMemcpyAsync from cudaMallocHost memory, in driver terms. */
+static int cu_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
+		      uint64_t bytes, uint64_t copy_bytes, uint32_t iters,
+		      double *seconds)
+{
+	struct cu_be *be = d->be;
+	CUstream st = be->streams[0];
+	void *host = NULL;
+	uint64_t t0;
+	CUresult r;
+	int rc = push(be);
+
+	if (rc)
+		return rc;
+	r = be->f.alloc_host(&host, bytes);
+	if (r) {
+		pop(be);
+		return CU_FAIL(be, r, "cuMemAllocHost(%llu)", (unsigned long long)bytes);
+	}
+	memset(host, 0x5a, bytes);
+	t0 = kvt__now_ns();
+	for (uint32_t it = 0; it < iters && !r; it++)
+		for (uint64_t o = 0; o + copy_bytes <= bytes && !r; o += copy_bytes)
+			r = dir == KVT_DMA_D2H
+				? be->f.dtoh_async((char *)host + o, (CUdeviceptr)(dev + o),
+						   copy_bytes, st)
+				: be->f.htod_async((CUdeviceptr)(dev + o), (char *)host + o,
+						   copy_bytes, st);
+	if (be->f.stream_sync(st) && !r)
+		r = CUDA_ERROR_UNKNOWN;
+	*seconds = (kvt__now_ns() - t0) * 1e-9;
+	be->f.free_host(host);
+	pop(be);
+	return r ? CU_FAIL(be, r, "ceiling copy") : 0;
+}
+
+const struct kvt_dma_ops kvt__dma_cuda_ops = {
+	.name = "cuda",
+	.init = cu_init,
+	.fini = cu_fini,
+	.bind = cu_bind,
+	.caps = cu_caps,
+	.mem_reg = cu_mem_reg,
+	.mem_unreg = cu_mem_unreg,
+	.submit = cu_submit,
+	.poll = cu_poll,
+	.wait = cu_wait,
+	.dev_alloc = cu_dev_alloc,
+	.dev_free = cu_dev_free,
+	.dev_write = cu_dev_write,
+	.dev_read = cu_dev_read,
+	.ceiling = cu_ceiling,
+};

@@ -1,0 +1,515 @@
+/* host.c - the host backend: "device" memory is ordinary memory and a
+ * small pool of worker threads does the copies.  The reference for
+ * correctness, and the backend for CPU engines.
+ *
+ * Each ticket's plan is expanded at submit into units of at most ~1 MiB
+ * (large copies split, 2-D copies cut into row bands) held in the ticket's
+ * own array, which grows only when a larger plan arrives: no allocation per
+ * copy, and the caller may reuse its plan at once.  Workers take batches of
+ * units (>= 256 KiB) from the oldest ticket that has unclaimed ones, so one
+ * big chunk is spread over every worker and many small chunks queue in
+ * order; a thread waiting for a ticket copies that ticket's unclaimed units
+ * itself rather than sleeping.  Large rows are copied with non-temporal
+ * stores: the destination is not read again soon by this thread, and
+ * streaming it past the cache keeps a copy near the memory bandwidth.
+ */
+#include "dma_int.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#define UNIT_BYTES  (1u << 20)   /* split copies into units of about this */
+#define BATCH_BYTES (256u << 10) /* a worker claims at least this much */
+#define NT_MIN      (32u << 10)  /* rows this long use streaming stores */
+
+struct unit {
+	char *dst;
+	const char *src;
+	uint64_t len;
+	uint64_t dpitch, spitch;
+	uint32_t rows;
+};
+
+enum { J_IDLE, J_RUNNING, J_OK, J_ERR };
+
+struct hjob {
+	struct unit *units;
+	uint32_t n_units, cap_units;
+	uint32_t next;         /* first unclaimed unit; under be->lock */
+	uint32_t done;         /* units finished; under be->lock */
+	int fault;
+	int state;             /* J_*; under be->lock */
+	struct hjob *qnext;
+};
+
+struct host_be {
+	pthread_mutex_t lock;
+	pthread_cond_t work;   /* a ticket was queued, or stop */
+	pthread_cond_t done;   /* a ticket finished */
+	struct hjob *jobs;     /* cfg.max_inflight */
+	struct hjob *qhead, *qtail;
+	pthread_t *threads;
+	uint32_t n_threads;
+	uint32_t active;       /* workers not asleep; under lock */
+	int stop;
+};
+
+void kvt__copy_nt(void *dst, const void *src, size_t n)
+{
+#if defined(__x86_64__)
+	char *d = dst;
+	const char *s = src;
+	size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+
+	if (n < 256) {
+		memcpy(d, s, n);
+		return;
+	}
+	memcpy(d, s, head);
+	d += head;
+	s += head;
+	n -= head;
+	while (n >= 64) {
+		__m128i a = _mm_loadu_si128((const __m128i *)s);
+		__m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+		__m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+		__m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+
+		_mm_stream_si128((__m128i *)d, a);
+		_mm_stream_si128((__m128i *)(d + 16), b);
+		_mm_stream_si128((__m128i *)(d + 32), c);
+		_mm_stream_si128((__m128i *)(d + 48), e);
+		d += 64;
+		s += 64;
+		n -= 64;
+	}
+	memcpy(d, s, n);
+	/* Streaming stores are weakly ordered: fence before the completion
+	 * is published (the release in the lock that follows is not enough
+	 * on its own for non-temporal stores). */
+	_mm_sfence();
+#else
+	memcpy(dst, src, n);
+#endif
+}
+
+static void unit_copy(const struct unit *u)
+{
+	for (uint32_t r = 0; r < u->rows; r++) {
+		char *d = u->dst + (uint64_t)r * u->dpitch;
+		const char *s = u->src + (uint64_t)r * u->spitch;
+
+		if (u->len >= NT_MIN)
+			kvt__copy_nt(d, s, u->len);
+		else
+			memcpy(d, s, u->len);
+	}
+}
+
+/* Claims a batch of j's units, copies them and accounts for them.  Called
+ * and returns with be->lock held; drops it while copying. */
+static void run_batch(struct host_be *be, struct hjob *j)
+{
+	uint32_t first, end;
+	uint64_t bytes = 0;
+
+	first = end = j->next;
+	while (end < j->n_units && bytes < BATCH_BYTES) {
+		bytes += j->units[end].len * j->units[end].rows;
+		end++;
+	}
+	j->next = end;
+	if (end == j->n_units) { /* fully claimed: off the queue */
+		struct hjob **pp = &be->qhead, *prev = NULL;
+
+		while (*pp && *pp != j) {
+			prev = *pp;
+			pp = &(*pp)->qnext;
+		}
+		if (*pp) {
+			*pp = j->qnext;
+			if (be->qtail == j)
+				be->qtail = prev;
+		}
+	}
+	pthread_mutex_unlock(&be->lock);
+
+	if (!j->fault)
+		for (uint32_t i = first; i < end; i++)
+			unit_copy(&j->units[i]);
+
+	pthread_mutex_lock(&be->lock);
+	j->done += end - first;
+	if (j->done == j->n_units) {
+		j->state = j->fault ? J_ERR : J_OK;
+		pthread_cond_broadcast(&be->done);
+	}
+}
+
+static void *worker(void *arg)
+{
+	struct host_be *be = arg;
+
+	pthread_mutex_lock(&be->lock);
+	be->active++;
+	for (;;) {
+		while (!be->stop && !be->qhead) {
+			be->active--;
+			pthread_cond_wait(&be->work, &be->lock);
+			be->active++;
+		}
+		if (be->stop)
+			break;
+		run_batch(be, be->qhead);
+	}
+	be->active--;
+	pthread_mutex_unlock(&be->lock);
+	return NULL;
+}
+
+static void host_stop(struct host_be *be)
+{
+	pthread_mutex_lock(&be->lock);
+	be->stop = 1;
+	pthread_cond_broadcast(&be->work);
+	pthread_mutex_unlock(&be->lock);
+	for (uint32_t i = 0; i < be->n_threads; i++)
+		pthread_join(be->threads[i], NULL);
+}
+
+static void host_fini(struct kvt_dma *d)
+{
+	struct host_be *be = d->be;
+
+	if (!be)
+		return;
+	host_stop(be);
+	for (uint32_t i = 0; i < d->cfg.max_inflight; i++)
+		free(be->jobs[i].units);
+	free(be->jobs);
+	free(be->threads);
+	pthread_cond_destroy(&be->work);
+	pthread_cond_destroy(&be->done);
+	pthread_mutex_destroy(&be->lock);
+	free(be);
+	d->be = NULL;
+}
+
+static int host_init(struct kvt_dma *d, char *why, size_t why_len)
+{
+	struct host_be *be;
+	pthread_condattr_t ca;
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	uint32_t n = d->cfg.n_workers;
+
+	if (!n)
+		n = ncpu < 1 ? 1 : ncpu > 4 ? 4 : (uint32_t)ncpu;
+	if (n > 64)
+		return kvt__fmt(-EINVAL, why, why_len, "n_workers %u > 64", n);
+	be = calloc(1, sizeof(*be));
+	if (!be)
+		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
+	be->jobs = calloc(d->cfg.max_inflight, sizeof(*be->jobs));
+	be->threads = calloc(n, sizeof(*be->threads));
+	if (!be->jobs || !be->threads) {
+		free(be->jobs);
+		free(be->threads);
+		free(be);
+		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
+	}
+	pthread_mutex_init(&be->lock, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&be->work, NULL);
+	pthread_cond_init(&be->done, &ca);
+	pthread_condattr_destroy(&ca);
+	d->be = be;
+	for (uint32_t i = 0; i < n; i++) {
+		if (pthread_create(&be->threads[i], NULL, worker, be)) {
+			host_fini(d);
+			return kvt__fmt(-EAGAIN, why, why_len, "cannot start worker threads");
+		}
+		be->n_threads++;
+	}
+	snprintf(d->feature, sizeof(d->feature), "%u copy threads", n);
+	return 0;
+}
+
+static int host_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
+{
+	(void)l;
+	if (d->device < 0)
+		d->device = 0;
+	return 0;
+}
+
+static void host_caps(const struct kvt_dma *d, struct kvt_plan_caps *c)
+{
+	(void)d;
+	c->max_rows = 1u << 20;
+	c->pitch_align = 1;
+	c->max_pitch = UINT64_MAX >> 2;
+}
+
+static int host_mem_reg(struct kvt_dma *d, struct kvt_dma_piece *p)
+{
+	(void)d;
+	p->dev = (uint64_t)(uintptr_t)p->host;
+	return 0;
+}
+
+static void host_mem_unreg(struct kvt_dma *d, struct kvt_dma_piece *p)
+{
+	(void)d;
+	(void)p;
+}
+
+/* Units a plan expands to (upper bound). */
+static uint64_t units_needed(const struct kvt_plan *p)
+{
+	uint64_t n = 0;
+
+	for (uint32_t i = 0; i < p->n; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+
+		if (c->rows == 1)
+			n += (c->len + UNIT_BYTES - 1) / UNIT_BYTES;
+		else
+			n += c->rows;
+	}
+	return n;
+}
+
+static int host_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *job)
+{
+	struct host_be *be = d->be;
+	struct hjob *j = &be->jobs[slot];
+	const struct kvt_plan *p = job->plan;
+	uint64_t need = units_needed(p);
+	uint64_t bytes = 0;
+	uint32_t n = 0;
+
+	if (need > UINT32_MAX)
+		return kvt__dma_err(-EINVAL, "host: plan too large");
+	if (need > j->cap_units) {
+		struct unit *u = realloc(j->units, need * sizeof(*u));
+
+		if (!u)
+			return kvt__dma_err(-ENOMEM, "host: out of memory");
+		j->units = u;
+		j->cap_units = (uint32_t)need;
+	}
+	for (uint32_t i = 0; i < p->n; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+		char *dev = (char *)(uintptr_t)c->dev;
+		char *host = job->host + c->off;
+		struct unit u = {
+			.dst = job->dir == KVT_DMA_D2H ? host : dev,
+			.src = job->dir == KVT_DMA_D2H ? dev : host,
+			.len = c->len,
+			.dpitch = job->dir == KVT_DMA_D2H ? c->host_pitch : c->dev_pitch,
+			.spitch = job->dir == KVT_DMA_D2H ? c->dev_pitch : c->host_pitch,
+			.rows = c->rows,
+		};
+
+		if (c->rows > 1) {
+			uint32_t band = c->len >= UNIT_BYTES ? 1 : (uint32_t)(UNIT_BYTES / c->len);
+
+			for (uint32_t r = 0; r < c->rows; r += band) {
+				struct unit b = u;
+
+				b.dst += (uint64_t)r * u.dpitch;
+				b.src += (uint64_t)r * u.spitch;
+				b.rows = c->rows - r < band ? c->rows - r : band;
+				j->units[n++] = b;
+			}
+			continue;
+		}
+		for (uint64_t o = 0; o < c->len; o += UNIT_BYTES) {
+			struct unit b = u;
+
+			b.dst += o;
+			b.src += o;
+			b.len = c->len - o < UNIT_BYTES ? c->len - o : UNIT_BYTES;
+			/* keep the tail from being a sliver */
+			if (c->len - o - b.len < UNIT_BYTES / 4) {
+				b.len = c->len - o;
+				o = c->len;
+			}
+			j->units[n++] = b;
+		}
+	}
+
+	for (uint32_t i = 0; i < p->n; i++)
+		bytes += p->copies[i].len * p->copies[i].rows;
+	pthread_mutex_lock(&be->lock);
+	j->n_units = n;
+	j->next = 0;
+	j->done = 0;
+	j->fault = job->fault;
+	j->qnext = NULL;
+	if (n == 0) {
+		j->state = j->fault ? J_ERR : J_OK;
+	} else {
+		j->state = J_RUNNING;
+		if (be->qtail)
+			be->qtail->qnext = j;
+		else
+			be->qhead = j;
+		be->qtail = j;
+		/* Wake a worker only when none is awake (an awake one drains the
+		 * queue before sleeping), and a second one for a chunk big enough
+		 * to split: a wake-up is a system call and a context switch,
+		 * which cost as much as copying a small chunk. */
+		if (be->active == 0 ||
+		    (be->active < be->n_threads && bytes >= 2 * BATCH_BYTES))
+			pthread_cond_signal(&be->work);
+	}
+	pthread_mutex_unlock(&be->lock);
+	return 0;
+}
+
+static int job_status(const struct hjob *j)
+{
+	return j->state == J_OK ? 0 : j->state == J_ERR ? -EIO : -EINPROGRESS;
+}
+
+static int host_poll(struct kvt_dma *d, uint32_t slot)
+{
+	struct host_be *be = d->be;
+	int rc;
+
+	pthread_mutex_lock(&be->lock);
+	rc = job_status(&be->jobs[slot]);
+	pthread_mutex_unlock(&be->lock);
+	return rc;
+}
+
+static int host_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
+{
+	struct host_be *be = d->be;
+	struct hjob *j = &be->jobs[slot];
+	struct timespec ts = {
+		.tv_sec = (time_t)(deadline / 1000000000u),
+		.tv_nsec = (long)(deadline % 1000000000u),
+	};
+	int rc;
+
+	pthread_mutex_lock(&be->lock);
+	while ((rc = job_status(j)) == -EINPROGRESS) {
+		/* A waiter copies its own ticket's unclaimed units instead of
+		 * sleeping: at low depth that saves two thread hand-offs per
+		 * chunk, which cost more than copying a small chunk. */
+		if (j->next < j->n_units) {
+			run_batch(be, j);
+			continue;
+		}
+		if (deadline == UINT64_MAX)
+			pthread_cond_wait(&be->done, &be->lock);
+		else if (pthread_cond_timedwait(&be->done, &be->lock, &ts) == ETIMEDOUT) {
+			rc = job_status(j);
+			if (rc == -EINPROGRESS)
+				rc = -ETIMEDOUT;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&be->lock);
+	return rc;
+}
+
+static int host_dev_alloc(struct kvt_dma *d, uint64_t bytes, uint64_t *dev)
+{
+	void *p;
+
+	(void)d;
+	if (bytes > SIZE_MAX - 4095)
+		return kvt__dma_err(-ENOMEM, "host: allocation too large");
+	p = aligned_alloc(4096, (bytes + 4095) & ~(uint64_t)4095);
+	if (!p)
+		return kvt__dma_err(-ENOMEM, "host: out of memory (%llu bytes)",
+				    (unsigned long long)bytes);
+	*dev = (uint64_t)(uintptr_t)p;
+	return 0;
+}
+
+static int host_dev_free(struct kvt_dma *d, uint64_t dev)
+{
+	(void)d;
+	free((void *)(uintptr_t)dev);
+	return 0;
+}
+
+static int host_dev_write(struct kvt_dma *d, uint64_t dev, const void *src, uint64_t len)
+{
+	(void)d;
+	memcpy((void *)(uintptr_t)dev, src, len);
+	return 0;
+}
+
+static int host_dev_read(struct kvt_dma *d, void *dst, uint64_t dev, uint64_t len)
+{
+	(void)d;
+	memcpy(dst, (const void *)(uintptr_t)dev, len);
+	return 0;
+}
+
+static int host_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
+			uint64_t bytes, uint64_t copy_bytes, uint32_t iters,
+			double *seconds)
+{
+	/* shared memory, like the arena (same page size, same faults) */
+	char *buf = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	char *devp = (char *)(uintptr_t)dev;
+	uint64_t t0;
+
+	(void)d;
+	if (buf == MAP_FAILED)
+		return kvt__dma_err(-ENOMEM, "host: out of memory");
+	/* Fault in and warm up outside the timing: on some VMs memory stays
+	 * slow after its first touch until it is written again (seen: 2.5 vs
+	 * 18 GB/s), which would make the ceiling a measure of that. */
+	memset(buf, 0x5a, bytes);
+	for (uint64_t o = 0; o + copy_bytes <= bytes; o += copy_bytes) {
+		if (dir == KVT_DMA_D2H)
+			memcpy(buf + o, devp + o, copy_bytes);
+		else
+			memcpy(devp + o, buf + o, copy_bytes);
+	}
+	t0 = kvt__now_ns();
+	for (uint32_t it = 0; it < iters; it++)
+		for (uint64_t o = 0; o + copy_bytes <= bytes; o += copy_bytes) {
+			if (dir == KVT_DMA_D2H)
+				memcpy(buf + o, devp + o, copy_bytes);
+			else
+				memcpy(devp + o, buf + o, copy_bytes);
+		}
+	*seconds = (kvt__now_ns() - t0) * 1e-9;
+	munmap(buf, bytes);
+	return 0;
+}
+
+const struct kvt_dma_ops kvt__dma_host_ops = {
+	.name = "host",
+	.init = host_init,
+	.fini = host_fini,
+	.bind = host_bind,
+	.caps = host_caps,
+	.mem_reg = host_mem_reg,
+	.mem_unreg = host_mem_unreg,
+	.submit = host_submit,
+	.poll = host_poll,
+	.wait = host_wait,
+	.dev_alloc = host_dev_alloc,
+	.dev_free = host_dev_free,
+	.dev_write = host_dev_write,
+	.dev_read = host_dev_read,
+	.ceiling = host_ceiling,
+};

@@ -1,0 +1,782 @@
+/* hsa.c - the AMD backend: ROCr (HSA) async copies between the GPU's KV
+ * pages and the page-locked arena, on SDMA engines.
+ *
+ * Runtime.  libhsa-runtime64.so.1 is dlopen'ed, RTLD_NOLOAD first so that
+ * an engine's HIP runtime instance is reused (hsa_init is reference counted;
+ * fini balances it with hsa_shut_down).  hsa_init failing -- no /dev/kfd
+ * gives 0x1008 -- means "unavailable", reported with the status.  The ROCm
+ * 5.6+ entry points (_on_engine, copy_engine_status, preferred engine) and
+ * the provisional _rect are optional: looked up with dlsym, with local
+ * prototypes, since Debian ships 5.2.3 headers.
+ *
+ * Pointers.  The arena is locked per piece with hsa_amd_memory_lock_to_pool
+ * for the bound GPU only (mapping it into every GPU's page tables would
+ * multiply the registration time) on the first CPU agent's global pool.
+ * Copies use the agent pointer the lock returned, never the host address:
+ * they differ on some systems, and the runtime only knows the former.
+ *
+ * Completion.  One signal per ticket slot, created at init and reused
+ * (interrupt signals are capped at 4096 per process): set to the number of
+ * copy operations, each completion decrements it, a negative value is an
+ * error.  If issuing fails part way, the operations never issued are
+ * subtracted and the issued ones are waited for before submit returns
+ * -EIO, so a failed submit leaves nothing in flight.
+ *
+ * Engines.  With _on_engine, copies of one ticket go to one SDMA engine
+ * and tickets rotate over the engines that copy_engine_status (and the
+ * preferred-engine query, when present) allow for that direction, limited
+ * to the agent's NUM_SDMA_ENG.  The wrong engine costs ~15% on MI300, so an
+ * engine that refuses a copy is dropped for good (logged), falling back to
+ * the runtime's own choice.
+ *
+ * Known limit: a negative signal ends the ticket with -EIO at once; other
+ * copies of the same ticket may still be running (HSA gives no per-copy
+ * status on a shared signal).  In ROCr a copy error is a queue error that
+ * also stops the queue, so this is reported, not repaired.
+ */
+#include "dma_int.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <hsa/hsa.h>
+#include <hsa/hsa_ext_amd.h>
+
+#define MAX_GPUS 64
+#define AGENT_INFO_NUM_SDMA_ENG      0xA10A /* ROCm 5.6+ */
+#define AGENT_INFO_NUM_SDMA_XGMI_ENG 0xA10B
+#define RECT_MAX_PITCH (1u << 19)           /* SDMA rect packet, safe for any element size */
+#define RECT_MAX_ROWS  (1u << 14)
+
+/* ROCm 5.6+ prototypes (engine_id is one bit of hsa_amd_sdma_engine_id_t). */
+typedef hsa_status_t (*copy_on_engine_fn)(void *dst, hsa_agent_t dst_agent,
+					  const void *src, hsa_agent_t src_agent,
+					  size_t size, uint32_t num_dep_signals,
+					  const hsa_signal_t *dep_signals,
+					  hsa_signal_t completion_signal,
+					  uint32_t engine_id, bool force_copy_on_sdma);
+typedef hsa_status_t (*engine_status_fn)(hsa_agent_t dst_agent, hsa_agent_t src_agent,
+					 uint32_t *engine_ids_mask);
+
+struct hsa_fns {
+	__typeof__(&hsa_init) init;
+	__typeof__(&hsa_shut_down) shut_down;
+	__typeof__(&hsa_status_string) status_string;
+	__typeof__(&hsa_system_get_info) system_get_info;
+	__typeof__(&hsa_iterate_agents) iterate_agents;
+	__typeof__(&hsa_agent_get_info) agent_get_info;
+	__typeof__(&hsa_amd_agent_iterate_memory_pools) iterate_pools;
+	__typeof__(&hsa_amd_memory_pool_get_info) pool_get_info;
+	__typeof__(&hsa_amd_memory_pool_allocate) pool_allocate;
+	__typeof__(&hsa_amd_memory_pool_free) pool_free;
+	__typeof__(&hsa_amd_agents_allow_access) allow_access;
+	__typeof__(&hsa_amd_memory_lock_to_pool) lock_to_pool;
+	__typeof__(&hsa_amd_memory_unlock) unlock;
+	__typeof__(&hsa_amd_memory_async_copy) async_copy;
+	__typeof__(&hsa_amd_pointer_info) pointer_info;
+	__typeof__(&hsa_signal_create) signal_create;
+	__typeof__(&hsa_signal_destroy) signal_destroy;
+	__typeof__(&hsa_signal_store_screlease) signal_store;
+	__typeof__(&hsa_signal_load_scacquire) signal_load;
+	__typeof__(&hsa_signal_add_screlease) signal_add;
+	__typeof__(&hsa_signal_subtract_screlease) signal_subtract;
+	__typeof__(&hsa_signal_wait_scacquire) signal_wait;
+	/* optional */
+	__typeof__(&hsa_amd_memory_async_copy_rect) copy_rect;
+	copy_on_engine_fn copy_on_engine;
+	engine_status_fn engine_status;
+	engine_status_fn preferred_engine;
+};
+
+struct sym {
+	const char *name;
+	size_t off;
+	int required;
+};
+
+#define SYM(field, name, req) { name, offsetof(struct hsa_fns, field), req }
+static const struct sym syms[] = {
+	SYM(init, "hsa_init", 1),
+	SYM(shut_down, "hsa_shut_down", 1),
+	SYM(status_string, "hsa_status_string", 1),
+	SYM(system_get_info, "hsa_system_get_info", 1),
+	SYM(iterate_agents, "hsa_iterate_agents", 1),
+	SYM(agent_get_info, "hsa_agent_get_info", 1),
+	SYM(iterate_pools, "hsa_amd_agent_iterate_memory_pools", 1),
+	SYM(pool_get_info, "hsa_amd_memory_pool_get_info", 1),
+	SYM(pool_allocate, "hsa_amd_memory_pool_allocate", 1),
+	SYM(pool_free, "hsa_amd_memory_pool_free", 1),
+	SYM(allow_access, "hsa_amd_agents_allow_access", 1),
+	SYM(lock_to_pool, "hsa_amd_memory_lock_to_pool", 1),
+	SYM(unlock, "hsa_amd_memory_unlock", 1),
+	SYM(async_copy, "hsa_amd_memory_async_copy", 1),
+	SYM(pointer_info, "hsa_amd_pointer_info", 1),
+	SYM(signal_create, "hsa_signal_create", 1),
+	SYM(signal_destroy, "hsa_signal_destroy", 1),
+	SYM(signal_store, "hsa_signal_store_screlease", 1),
+	SYM(signal_load, "hsa_signal_load_scacquire", 1),
+	SYM(signal_add, "hsa_signal_add_screlease", 1),
+	SYM(signal_subtract, "hsa_signal_subtract_screlease", 1),
+	SYM(signal_wait, "hsa_signal_wait_scacquire", 1),
+	SYM(copy_rect, "hsa_amd_memory_async_copy_rect", 0),
+	SYM(copy_on_engine, "hsa_amd_memory_async_copy_on_engine", 0),
+	SYM(engine_status, "hsa_amd_memory_copy_engine_status", 0),
+	SYM(preferred_engine, "hsa_amd_memory_get_preferred_copy_engine", 0),
+};
+
+struct hsa_be {
+	void *lib;
+	int reused;                 /* the library was loaded before us */
+	int inited;                 /* hsa_init succeeded: shut down at fini */
+	struct hsa_fns f;
+	uint64_t freq;              /* signal wait ticks per second */
+
+	hsa_agent_t cpu;
+	hsa_amd_memory_pool_t cpu_pool;
+	uint32_t n_gpus;
+	hsa_agent_t gpus[MAX_GPUS];
+	hsa_amd_memory_pool_t gpu_pool[MAX_GPUS];
+	int have_gpu_pool[MAX_GPUS];
+	int have_cpu;
+
+	int g;                      /* bound GPU index, -1 */
+	uint32_t n_sdma;            /* 0: unknown */
+	uint32_t mask[2];           /* engines per direction; 0: runtime's choice.
+				     * read/written with __atomic (dropped on error) */
+	int use_rect;               /* __atomic */
+	uint32_t rr;                /* __atomic: engine rotation */
+
+	hsa_signal_t *sig;          /* one per ticket slot */
+	uint32_t n_sig;
+	pthread_mutex_t aux_lock;   /* aux signal: synchronous helpers */
+	hsa_signal_t aux;
+	int have_aux;
+};
+
+static const char *st_str(const struct hsa_be *be, hsa_status_t st)
+{
+	const char *s = NULL;
+
+	if (be->f.status_string && be->f.status_string(st, &s) == HSA_STATUS_SUCCESS && s)
+		return s;
+	return "unknown status";
+}
+
+static int st_errno(hsa_status_t st)
+{
+	switch (st) {
+	case HSA_STATUS_SUCCESS:
+		return 0;
+	case HSA_STATUS_ERROR_OUT_OF_RESOURCES:
+		return -ENOMEM;
+	case HSA_STATUS_ERROR_INVALID_ARGUMENT:
+	case HSA_STATUS_ERROR_INVALID_AGENT:
+	case HSA_STATUS_ERROR_INVALID_SIGNAL:
+		return -EINVAL;
+	default:
+		return -EIO;
+	}
+}
+
+/* ---- discovery ---------------------------------------------------------- */
+
+struct pool_pick {
+	struct hsa_be *be;
+	hsa_amd_memory_pool_t pool;
+	uint32_t want;              /* a GLOBAL_FLAGS bit to prefer */
+	int found, found_wanted;
+};
+
+static hsa_status_t pool_cb(hsa_amd_memory_pool_t pool, void *arg)
+{
+	struct pool_pick *pp = arg;
+	hsa_amd_segment_t seg;
+	uint32_t flags = 0;
+	bool alloc_ok = false;
+
+	if (pp->be->f.pool_get_info(pool, HSA_AMD_MEMORY_POOL_INFO_SEGMENT, &seg) ||
+	    seg != HSA_AMD_SEGMENT_GLOBAL)
+		return HSA_STATUS_SUCCESS;
+	if (pp->be->f.pool_get_info(pool, HSA_AMD_MEMORY_POOL_INFO_GLOBAL_FLAGS, &flags))
+		return HSA_STATUS_SUCCESS;
+	if (pp->be->f.pool_get_info(pool, HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALLOWED,
+				    &alloc_ok) || !alloc_ok)
+		return HSA_STATUS_SUCCESS;
+	if (!pp->found_wanted && (flags & pp->want)) {
+		pp->pool = pool;
+		pp->found = pp->found_wanted = 1;
+	} else if (!pp->found) {
+		pp->pool = pool;
+		pp->found = 1;
+	}
+	return HSA_STATUS_SUCCESS;
+}
+
+static hsa_status_t agent_cb(hsa_agent_t a, void *arg)
+{
+	struct hsa_be *be = arg;
+	hsa_device_type_t type;
+	struct pool_pick pp = { .be = be };
+
+	if (be->f.agent_get_info(a, HSA_AGENT_INFO_DEVICE, &type))
+		return HSA_STATUS_SUCCESS;
+	if (type == HSA_DEVICE_TYPE_CPU && !be->have_cpu) {
+		pp.want = HSA_AMD_MEMORY_POOL_GLOBAL_FLAG_FINE_GRAINED;
+		be->f.iterate_pools(a, pool_cb, &pp);
+		if (pp.found) {
+			be->cpu = a;
+			be->cpu_pool = pp.pool;
+			be->have_cpu = 1;
+		}
+	} else if (type == HSA_DEVICE_TYPE_GPU && be->n_gpus < MAX_GPUS) {
+		pp.want = HSA_AMD_MEMORY_POOL_GLOBAL_FLAG_COARSE_GRAINED;
+		be->f.iterate_pools(a, pool_cb, &pp);
+		be->gpus[be->n_gpus] = a;
+		be->gpu_pool[be->n_gpus] = pp.pool;
+		be->have_gpu_pool[be->n_gpus] = pp.found;
+		be->n_gpus++;
+	}
+	return HSA_STATUS_SUCCESS;
+}
+
+static void be_free(struct kvt_dma *d)
+{
+	struct hsa_be *be = d->be;
+
+	if (!be)
+		return;
+	for (uint32_t i = 0; i < be->n_sig; i++)
+		be->f.signal_destroy(be->sig[i]);
+	if (be->have_aux)
+		be->f.signal_destroy(be->aux);
+	free(be->sig);
+	if (be->inited)
+		be->f.shut_down();
+	/* A library loaded by us is unloaded; the engine's instance stays. */
+	if (be->lib && !be->reused)
+		dlclose(be->lib);
+	pthread_mutex_destroy(&be->aux_lock);
+	free(be);
+	d->be = NULL;
+}
+
+static void hsa_fini(struct kvt_dma *d)
+{
+	be_free(d);
+}
+
+static uint32_t pick_engines(struct hsa_be *be, hsa_agent_t dst, hsa_agent_t src)
+{
+	uint32_t mask = 0, pref = 0;
+
+	if (!be->f.copy_on_engine || !be->f.engine_status ||
+	    be->f.engine_status(dst, src, &mask) != HSA_STATUS_SUCCESS)
+		return 0;
+	if (be->n_sdma && be->n_sdma < 32)
+		mask &= (1u << be->n_sdma) - 1;
+	if (be->f.preferred_engine &&
+	    be->f.preferred_engine(dst, src, &pref) == HSA_STATUS_SUCCESS && (mask & pref))
+		mask &= pref;
+	return mask;
+}
+
+static void describe_gpu(struct kvt_dma *d)
+{
+	struct hsa_be *be = d->be;
+	char name[64] = "";
+
+	be->f.agent_get_info(be->gpus[be->g], HSA_AGENT_INFO_NAME, name);
+	name[sizeof(name) - 1] = 0;
+	snprintf(d->feature, sizeof(d->feature),
+		 "%s (GPU %d of %u), %u SDMA engines, engines d2h 0x%x h2d 0x%x%s, "
+		 "rect %s, runtime %s", name, be->g, be->n_gpus, be->n_sdma,
+		 be->mask[KVT_DMA_D2H], be->mask[KVT_DMA_H2D],
+		 be->f.copy_on_engine ? "" : " (no _on_engine)",
+		 be->use_rect ? "yes" : "no", be->reused ? "reused" : "loaded");
+}
+
+static void set_gpu(struct kvt_dma *d, int g)
+{
+	struct hsa_be *be = d->be;
+	uint32_t n = 0;
+
+	be->g = g;
+	d->device = g;
+	if (be->f.agent_get_info(be->gpus[g], (hsa_agent_info_t)AGENT_INFO_NUM_SDMA_ENG,
+				 &n) == HSA_STATUS_SUCCESS)
+		be->n_sdma = n;
+	if (!(d->cfg.flags & KVT_DMA_F_NO_ENGINE)) {
+		be->mask[KVT_DMA_D2H] = pick_engines(be, be->cpu, be->gpus[g]);
+		be->mask[KVT_DMA_H2D] = pick_engines(be, be->gpus[g], be->cpu);
+	}
+	describe_gpu(d);
+}
+
+static int hsa_init_be(struct kvt_dma *d, char *why, size_t why_len)
+{
+	const char *path = getenv("KVTIER_HSA_LIBRARY");
+	const char *sdma = getenv("HSA_ENABLE_SDMA");
+	struct hsa_be *be;
+	hsa_status_t st;
+
+	if (!path || !*path)
+		path = "libhsa-runtime64.so.1";
+	be = calloc(1, sizeof(*be));
+	if (!be)
+		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
+	pthread_mutex_init(&be->aux_lock, NULL);
+	be->g = -1;
+	d->be = be;
+	be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+	be->reused = be->lib != NULL;
+	if (!be->lib)
+		be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!be->lib) {
+		kvt__fmt(-ENOENT, why, why_len, "%s", dlerror());
+		be_free(d);
+		return -ENOENT;
+	}
+	for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+		void *fn = dlsym(be->lib, syms[i].name);
+
+		if (!fn && syms[i].required) {
+			kvt__fmt(-ENOENT, why, why_len, "%s: no symbol %s", path, syms[i].name);
+			be_free(d);
+			return -ENOENT;
+		}
+		memcpy((char *)&be->f + syms[i].off, &fn, sizeof(fn));
+	}
+	st = be->f.init();
+	if (st != HSA_STATUS_SUCCESS) {
+		kvt__fmt(-ENODEV, why, why_len, "hsa_init failed: status 0x%x (%s)",
+			 (unsigned)st, st_str(be, st));
+		be_free(d);
+		return -ENODEV;
+	}
+	be->inited = 1;
+	be->f.iterate_agents(agent_cb, be);
+	if (!be->n_gpus || !be->have_cpu) {
+		kvt__fmt(-ENODEV, why, why_len, "%s", !be->n_gpus ? "no GPU agent" :
+			 "no CPU agent with a global memory pool");
+		be_free(d);
+		return -ENODEV;
+	}
+	if (be->f.system_get_info(HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY, &be->freq) ||
+	    !be->freq)
+		be->freq = 1000000000u;
+	be->use_rect = be->f.copy_rect && !(d->cfg.flags & KVT_DMA_F_NO_2D);
+	if (sdma && !strcmp(sdma, "0")) {
+		be->use_rect = 0;
+		kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: HSA_ENABLE_SDMA=0: copies run as "
+			     "shader kernels that compete with the model; no rect copies");
+	}
+	be->sig = calloc(d->cfg.max_inflight, sizeof(*be->sig));
+	if (!be->sig) {
+		be_free(d);
+		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
+	}
+	for (; be->n_sig < d->cfg.max_inflight; be->n_sig++) {
+		st = be->f.signal_create(0, 0, NULL, &be->sig[be->n_sig]);
+		if (st) {
+			kvt__fmt(-ENOMEM, why, why_len, "hsa_signal_create: %s", st_str(be, st));
+			be_free(d);
+			return -ENOMEM;
+		}
+	}
+	if (be->f.signal_create(0, 0, NULL, &be->aux) == HSA_STATUS_SUCCESS)
+		be->have_aux = 1;
+	if (d->cfg.device >= 0) {
+		if ((uint32_t)d->cfg.device >= be->n_gpus) {
+			kvt__fmt(-ENODEV, why, why_len, "device %d: only %u GPU agents",
+				 (int)d->cfg.device, be->n_gpus);
+			be_free(d);
+			return -ENODEV;
+		}
+		set_gpu(d, d->cfg.device);
+	} else {
+		snprintf(d->feature, sizeof(d->feature), "%u GPU agents, device unbound, "
+			 "runtime %s", be->n_gpus, be->reused ? "reused" : "loaded");
+	}
+	return 0;
+}
+
+static int gpu_index(const struct hsa_be *be, hsa_agent_t a)
+{
+	for (uint32_t i = 0; i < be->n_gpus; i++)
+		if (be->gpus[i].handle == a.handle)
+			return (int)i;
+	return -1;
+}
+
+static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
+{
+	struct hsa_be *be = d->be;
+	int g = -1;
+
+	for (uint32_t k = 0; k < l->n_groups; k++) {
+		const struct kvt_kv_group *gr = &l->groups[k];
+
+		for (uint32_t i = 0; i < gr->n_layers; i++) {
+			hsa_amd_pointer_info_t info;
+			hsa_status_t st;
+			int gi;
+
+			memset(&info, 0, sizeof(info));
+			info.size = sizeof(info);
+			st = be->f.pointer_info((void *)(uintptr_t)gr->layer_base[i], &info,
+						NULL, NULL, NULL);
+			if (st)
+				return kvt__dma_err(st_errno(st), "hsa: pointer_info(group %u "
+						    "layer %u): %s", k, i, st_str(be, st));
+			gi = gpu_index(be, info.agentOwner);
+			if ((info.type != HSA_EXT_POINTER_TYPE_HSA &&
+			     info.type != HSA_EXT_POINTER_TYPE_IPC) || gi < 0)
+				return kvt__dma_err(-EINVAL, "hsa: group %u layer %u base %#llx "
+						    "is not GPU memory", k, i,
+						    (unsigned long long)gr->layer_base[i]);
+			if (info.sizeInBytes && (uintptr_t)info.agentBaseAddress +
+			    info.sizeInBytes < gr->layer_base[i] + kvt__layer_extent(gr))
+				return kvt__dma_err(-EINVAL, "hsa: group %u layer %u: n_blocks * "
+						    "block_stride runs past its allocation", k, i);
+			if (g >= 0 && gi != g)
+				return kvt__dma_err(-EINVAL, "hsa: the KV cache spans GPUs %d "
+						    "and %d", g, gi);
+			g = gi;
+		}
+	}
+	if (be->g >= 0 && g != be->g)
+		return kvt__dma_err(-EINVAL, "hsa: KV cache on GPU %d, handle bound to %d",
+				    g, be->g);
+	if (be->g < 0)
+		set_gpu(d, g);
+	return 0;
+}
+
+static void hsa_caps(const struct kvt_dma *d, struct kvt_plan_caps *c)
+{
+	const struct hsa_be *be = d->be;
+
+	if (!__atomic_load_n(&be->use_rect, __ATOMIC_RELAXED))
+		return;
+	c->max_rows = RECT_MAX_ROWS;
+	c->pitch_align = 4;
+	c->max_pitch = RECT_MAX_PITCH;
+}
+
+static int hsa_mem_reg(struct kvt_dma *d, struct kvt_dma_piece *p)
+{
+	struct hsa_be *be = d->be;
+	hsa_agent_t gpu = be->gpus[be->g];
+	void *agent_ptr = NULL;
+	hsa_status_t st;
+
+	st = be->f.lock_to_pool(p->host, p->len, &gpu, 1, be->cpu_pool, 0, &agent_ptr);
+	if (st != HSA_STATUS_SUCCESS || !agent_ptr)
+		return kvt__dma_err(st ? st_errno(st) : -EIO, "hsa: lock_to_pool(%p, %llu): "
+				    "status 0x%x (%s)", (void *)p->host,
+				    (unsigned long long)p->len, (unsigned)st, st_str(be, st));
+	p->dev = (uint64_t)(uintptr_t)agent_ptr;
+	return 0;
+}
+
+static void hsa_mem_unreg(struct kvt_dma *d, struct kvt_dma_piece *p)
+{
+	struct hsa_be *be = d->be;
+	hsa_status_t st = be->f.unlock(p->host);
+
+	if (st)
+		kvt__dma_log(d, KVT_DMA_LOG_ERR, "hsa: unlock(%p): %s", (void *)p->host,
+			     st_str(be, st));
+}
+
+/* One linear copy; drops the engine choice for good if it is refused. */
+static hsa_status_t copy1(struct kvt_dma *d, int dir, uint32_t engine, void *dst,
+			  hsa_agent_t dst_agent, const void *src, hsa_agent_t src_agent,
+			  size_t len, hsa_signal_t sig)
+{
+	struct hsa_be *be = d->be;
+	hsa_status_t st;
+
+	if (engine) {
+		st = be->f.copy_on_engine(dst, dst_agent, src, src_agent, len, 0, NULL, sig,
+					  engine, false);
+		if (st == HSA_STATUS_SUCCESS)
+			return st;
+		if (__atomic_exchange_n(&be->mask[dir], 0, __ATOMIC_RELAXED))
+			kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: engine 0x%x refused a copy "
+				     "(%s); using the runtime's engine choice", engine,
+				     st_str(be, st));
+	}
+	return be->f.async_copy(dst, dst_agent, src, src_agent, len, 0, NULL, sig);
+}
+
+static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
+{
+	struct hsa_be *be = d->be;
+	const struct kvt_plan *p = j->plan;
+	hsa_signal_t sig = be->sig[slot];
+	hsa_agent_t gpu = be->gpus[be->g], cpu = be->cpu;
+	int d2h = j->dir == KVT_DMA_D2H;
+	int rect = __atomic_load_n(&be->use_rect, __ATOMIC_RELAXED);
+	uint32_t mask = __atomic_load_n(&be->mask[j->dir], __ATOMIC_RELAXED);
+	uint32_t engine = 0;
+	int64_t count = 0, issued = 0;
+	hsa_status_t st = HSA_STATUS_SUCCESS;
+
+	for (uint32_t i = 0; i < p->n; i++)
+		count += p->copies[i].rows > 1 && rect ? 1 : p->copies[i].rows;
+	be->f.signal_store(sig, count);
+	if (!count)
+		return 0;
+	if (mask) {
+		uint32_t k = __atomic_fetch_add(&be->rr, 1, __ATOMIC_RELAXED) %
+			     (uint32_t)__builtin_popcount(mask);
+
+		engine = mask;
+		while (k--)
+			engine &= engine - 1;
+		engine &= -engine; /* the k-th set bit */
+	}
+	for (uint32_t i = 0; i < p->n; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+		uint64_t host = j->host_dev + c->off;
+
+		if (c->rows > 1 && rect) {
+			hsa_pitched_ptr_t dp = { (void *)(uintptr_t)c->dev, c->dev_pitch,
+						 c->dev_pitch * c->rows };
+			hsa_pitched_ptr_t hp = { (void *)(uintptr_t)host, c->host_pitch,
+						 c->host_pitch * c->rows };
+			hsa_dim3_t zero = { 0, 0, 0 };
+			hsa_dim3_t range = { (uint32_t)c->len, c->rows, 1 };
+
+			st = be->f.copy_rect(d2h ? &hp : &dp, &zero, d2h ? &dp : &hp, &zero,
+					     &range, gpu, d2h ? hsaDeviceToHost : hsaHostToDevice,
+					     0, NULL, sig);
+			if (st == HSA_STATUS_SUCCESS) {
+				issued++;
+				continue;
+			}
+			/* Refused (no SDMA, limits): do this copy's rows one by
+			 * one, and no rect from now on.  The signal still counts
+			 * this copy once, so it cannot reach 0 meanwhile. */
+			if (__atomic_exchange_n(&be->use_rect, 0, __ATOMIC_RELAXED))
+				kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: rect copy refused (%s); "
+					     "using linear copies", st_str(be, st));
+			be->f.signal_add(sig, (hsa_signal_value_t)c->rows - 1);
+			count += c->rows - 1;
+		}
+		for (uint32_t r = 0; r < c->rows; r++) {
+			void *dv = (void *)(uintptr_t)(c->dev + (uint64_t)r * c->dev_pitch);
+			void *hv = (void *)(uintptr_t)(host + (uint64_t)r * c->host_pitch);
+
+			st = d2h ? copy1(d, j->dir, engine, hv, cpu, dv, gpu, c->len, sig)
+				 : copy1(d, j->dir, engine, dv, gpu, hv, cpu, c->len, sig);
+			if (st != HSA_STATUS_SUCCESS)
+				goto fail;
+			issued++;
+		}
+	}
+	return 0;
+
+fail:
+	/* Let the signal reach 0 when the issued copies land, and wait for
+	 * them: a failed submit leaves nothing in flight. */
+	be->f.signal_subtract(sig, count - issued);
+	while (be->f.signal_wait(sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
+				 HSA_WAIT_STATE_BLOCKED) >= 1)
+		;
+	return kvt__dma_err(-EIO, "hsa: async copy refused after %lld of %lld: status 0x%x (%s)",
+			    (long long)issued, (long long)count, (unsigned)st, st_str(be, st));
+}
+
+static int sig_status(hsa_signal_value_t v)
+{
+	return v > 0 ? -EINPROGRESS : v == 0 ? 0 : -EIO;
+}
+
+static int hsa_poll(struct kvt_dma *d, uint32_t slot)
+{
+	struct hsa_be *be = d->be;
+
+	return sig_status(be->f.signal_load(be->sig[slot]));
+}
+
+static int sig_wait(struct hsa_be *be, hsa_signal_t sig, uint64_t deadline)
+{
+	for (;;) {
+		uint64_t now = kvt__now_ns(), hint = UINT64_MAX;
+		hsa_signal_value_t v;
+
+		if (deadline != UINT64_MAX)
+			hint = deadline > now ? (uint64_t)((double)(deadline - now) *
+							   (double)be->freq / 1e9) : 0;
+		v = be->f.signal_wait(sig, HSA_SIGNAL_CONDITION_LT, 1, hint,
+				      HSA_WAIT_STATE_BLOCKED);
+		if (v < 1)
+			return sig_status(v);
+		if (deadline != UINT64_MAX && kvt__now_ns() >= deadline)
+			return -ETIMEDOUT;
+	}
+}
+
+static int hsa_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
+{
+	struct hsa_be *be = d->be;
+
+	return sig_wait(be, be->sig[slot], deadline);
+}
+
+/* ---- device memory, staging, ceiling ------------------------------------ */
+
+static int hsa_dev_alloc(struct kvt_dma *d, uint64_t bytes, uint64_t *dev)
+{
+	struct hsa_be *be = d->be;
+	void *p = NULL;
+	hsa_status_t st;
+
+	if (!be->have_gpu_pool[be->g])
+		return kvt__dma_err(-ENOTSUP, "hsa: GPU %d has no allocatable pool", be->g);
+	st = be->f.pool_allocate(be->gpu_pool[be->g], bytes, 0, &p);
+	if (st)
+		return kvt__dma_err(st_errno(st), "hsa: pool_allocate(%llu): %s",
+				    (unsigned long long)bytes, st_str(be, st));
+	*dev = (uint64_t)(uintptr_t)p;
+	return 0;
+}
+
+static int hsa_dev_free(struct kvt_dma *d, uint64_t dev)
+{
+	struct hsa_be *be = d->be;
+	hsa_status_t st = be->f.pool_free((void *)(uintptr_t)dev);
+
+	return st ? kvt__dma_err(st_errno(st), "hsa: pool_free: %s", st_str(be, st)) : 0;
+}
+
+/* Pinned host memory of the runtime's own (CPU pool), visible to the GPU. */
+static int staging_alloc(struct hsa_be *be, uint64_t bytes, void **out)
+{
+	hsa_agent_t gpu = be->gpus[be->g];
+	hsa_status_t st = be->f.pool_allocate(be->cpu_pool, bytes, 0, out);
+
+	if (st)
+		return kvt__dma_err(st_errno(st), "hsa: staging allocate(%llu): %s",
+				    (unsigned long long)bytes, st_str(be, st));
+	st = be->f.allow_access(1, &gpu, NULL, *out);
+	if (st) {
+		be->f.pool_free(*out);
+		return kvt__dma_err(st_errno(st), "hsa: allow_access: %s", st_str(be, st));
+	}
+	return 0;
+}
+
+#define STAGE (64ULL << 20)
+
+static int dev_xfer(struct kvt_dma *d, int to_dev, uint64_t dev, char *host, uint64_t len)
+{
+	struct hsa_be *be = d->be;
+	hsa_agent_t gpu = be->gpus[be->g];
+	uint64_t n = len < STAGE ? len : STAGE;
+	void *stage;
+	int rc;
+
+	if (!be->have_aux)
+		return kvt__dma_err(-ENOMEM, "hsa: no helper signal");
+	rc = staging_alloc(be, n ? n : 1, &stage);
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&be->aux_lock);
+	for (uint64_t o = 0; o < len && !rc; o += n) {
+		uint64_t k = len - o < n ? len - o : n;
+		void *dv = (void *)(uintptr_t)(dev + o);
+		hsa_status_t st;
+
+		if (to_dev)
+			memcpy(stage, host + o, k);
+		be->f.signal_store(be->aux, 1);
+		st = to_dev ? be->f.async_copy(dv, gpu, stage, be->cpu, k, 0, NULL, be->aux)
+			    : be->f.async_copy(stage, be->cpu, dv, gpu, k, 0, NULL, be->aux);
+		if (st)
+			rc = kvt__dma_err(st_errno(st), "hsa: copy: %s", st_str(be, st));
+		else if ((rc = sig_wait(be, be->aux, UINT64_MAX)) != 0)
+			kvt__dma_err(rc, "hsa: copy failed");
+		else if (!to_dev)
+			memcpy(host + o, stage, k);
+	}
+	pthread_mutex_unlock(&be->aux_lock);
+	be->f.pool_free(stage);
+	return rc;
+}
+
+static int hsa_dev_write(struct kvt_dma *d, uint64_t dev, const void *src, uint64_t len)
+{
+	return dev_xfer(d, 1, dev, (char *)(uintptr_t)src, len);
+}
+
+static int hsa_dev_read(struct kvt_dma *d, void *dst, uint64_t dev, uint64_t len)
+{
+	return dev_xfer(d, 0, dev, dst, len);
+}
+
+static int hsa_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
+		       uint64_t bytes, uint64_t copy_bytes, uint32_t iters,
+		       double *seconds)
+{
+	struct hsa_be *be = d->be;
+	hsa_agent_t gpu = be->gpus[be->g];
+	uint64_t n = bytes / copy_bytes, t0;
+	char *stage;
+	int rc;
+
+	if (!be->have_aux)
+		return kvt__dma_err(-ENOMEM, "hsa: no helper signal");
+	rc = staging_alloc(be, bytes, (void **)&stage);
+	if (rc)
+		return rc;
+	memset(stage, 0x5a, bytes);
+	pthread_mutex_lock(&be->aux_lock);
+	t0 = kvt__now_ns();
+	for (uint32_t it = 0; it < iters && !rc; it++) {
+		be->f.signal_store(be->aux, (hsa_signal_value_t)n);
+		for (uint64_t i = 0; i < n; i++) {
+			void *dv = (void *)(uintptr_t)(dev + i * copy_bytes);
+			void *hv = stage + i * copy_bytes;
+			hsa_status_t st = dir == KVT_DMA_D2H
+				? be->f.async_copy(hv, be->cpu, dv, gpu, copy_bytes, 0, NULL, be->aux)
+				: be->f.async_copy(dv, gpu, hv, be->cpu, copy_bytes, 0, NULL, be->aux);
+
+			if (st) {
+				be->f.signal_subtract(be->aux, (hsa_signal_value_t)(n - i));
+				rc = kvt__dma_err(st_errno(st), "hsa: copy: %s", st_str(be, st));
+				break;
+			}
+		}
+		if (sig_wait(be, be->aux, UINT64_MAX) && !rc)
+			rc = kvt__dma_err(-EIO, "hsa: ceiling copy failed");
+	}
+	*seconds = (kvt__now_ns() - t0) * 1e-9;
+	pthread_mutex_unlock(&be->aux_lock);
+	be->f.pool_free(stage);
+	return rc;
+}
+
+const struct kvt_dma_ops kvt__dma_hsa_ops = {
+	.name = "hsa",
+	.init = hsa_init_be,
+	.fini = hsa_fini,
+	.bind = hsa_bind,
+	.caps = hsa_caps,
+	.mem_reg = hsa_mem_reg,
+	.mem_unreg = hsa_mem_unreg,
+	.submit = hsa_submit,
+	.poll = hsa_poll,
+	.wait = hsa_wait,
+	.dev_alloc = hsa_dev_alloc,
+	.dev_free = hsa_dev_free,
+	.dev_write = hsa_dev_write,
+	.dev_read = hsa_dev_read,
+	.ceiling = hsa_ceiling,
+};

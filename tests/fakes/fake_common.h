@@ -1,0 +1,57 @@
+/* fake_common.h - what the fake GPU runtimes share: a device address space
+ * the CPU cannot touch, a table of regions mapping device addresses to the
+ * host memory behind them, and one in-order worker thread that plays the
+ * copy engine.  Compiled into each fake separately (each has its own
+ * globals; fakes may have globals, the library may not). */
+#ifndef KVT_FAKE_COMMON_H
+#define KVT_FAKE_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum fake_kind {
+	FAKE_DEV = 1,   /* device memory (backing: calloc) */
+	FAKE_ALIAS = 2, /* device view of a locked/registered host range */
+	FAKE_SYS = 3,   /* host memory the runtime pinned itself: its device
+			 * address is its host address */
+};
+
+struct fake_region {
+	uint64_t dev;    /* device address */
+	uint64_t len;
+	char *host;      /* host memory behind it */
+	int kind;
+	int owner;       /* device ordinal / agent index */
+	uint32_t flags;  /* runtime-specific */
+};
+
+/* Device memory: addresses inside a reserved PROT_NONE window, so a CPU
+ * access through a device address faults.  0 on failure. */
+uint64_t fake_region_add(int kind, uint64_t len, char *host, int owner, uint32_t flags);
+/* Registers host memory whose device address equals its host address. */
+int fake_region_add_sys(char *host, uint64_t len, int owner);
+/* Removes the region starting at dev; 0 or -1. */
+int fake_region_del(uint64_t dev, struct fake_region *out);
+/* Region holding [addr, addr + len) entirely; 0 or -1 (absent, or the
+ * range crosses the region's end). */
+int fake_region_find(uint64_t addr, uint64_t len, struct fake_region *out);
+/* Alias region whose host range contains [host, host + len); 0 or -1.
+ * (Used to explain a wrong-pointer error.) */
+int fake_alias_of_host(const char *host, uint64_t len, struct fake_region *out);
+/* Live regions of a kind (0: all). */
+int fake_region_count(int kind);
+/* The host address behind a device range, or NULL (with why). */
+char *fake_translate(uint64_t addr, uint64_t len, const char **why);
+
+/* In-order worker ("copy engine"). */
+typedef void (*fake_task_fn)(void *arg);
+void fake_worker_start(void);
+void fake_worker_stop(void);
+void fake_worker_push(fake_task_fn fn, void *arg);
+/* hold != 0: the worker finishes its current task and waits. */
+void fake_worker_hold(int hold);
+
+/* Environment helpers. */
+long fake_env_long(const char *name, long dflt);
+
+#endif

@@ -1,0 +1,997 @@
+/* fake_cuda.c - a fake libcuda.so.1 for CI without a GPU.
+ *
+ * Exports only cuGetProcAddress_v2 / cuGetProcAddress (and the test
+ * controls): every other entry point is reachable only through them, with
+ * the version semantics of the real driver (the highest version of a
+ * symbol not above both the requested version and the driver's), so a
+ * backend that asks for the wrong prototype version gets nothing.  Each
+ * entry is checked at compile time against its PFN_* type.
+ *
+ * Semantics that matter for correctness:
+ *   - FAKE_CUDA_DEVICES (default 2) devices, one primary context each;
+ *     calls that need a current context fail without one;
+ *   - device memory at addresses the CPU cannot touch;
+ *   - cuMemHostRegister + cuMemHostGetDevicePointer give a device pointer
+ *     different from the host pointer (as when a visible device cannot use
+ *     host pointers); copies given the raw host pointer of a registered
+ *     range fail, and so does a copy that runs past one registration
+ *     (FAKE_CUDA_MAX_REGISTER caps one registration, like R580 drivers);
+ *   - copies run in order on a worker thread; events complete when the
+ *     worker reaches them and report an injected asynchronous error of the
+ *     copies before them on the stream;
+ *   - cuMemcpyBatchAsync in its 12.8 (failIdx) or 13.0 form by
+ *     FAKE_CUDA_DRIVER_VERSION (default 13000), absent below 12.8; it
+ *     rejects the NULL stream and attributes without a srcAccessOrder.
+ */
+#include "fake_common.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_DEVICES 8
+#define CTX_MAGIC 0x4354584354584354ull
+#define STREAM_MAGIC 0x53545245414d5f5full
+#define EVENT_MAGIC 0x4556454e545f5f5full
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int initialized, n_devices, driver_version;
+static uint64_t max_register;
+
+struct fctx {
+	uint64_t magic;
+	int dev;
+	int refs; /* under lock */
+};
+static struct fctx ctxs[MAX_DEVICES];
+
+static _Thread_local struct fctx *ctx_stack[16];
+static _Thread_local int ctx_depth;
+
+static atomic_long fail_copy, async_error, fail_register;
+static atomic_long st_copies, st_batch_calls, st_batch_copies, st_copy2d_calls,
+	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total;
+
+static bool trip(atomic_long *c)
+{
+	long v = atomic_load(c);
+
+	while (v > 0 && !atomic_compare_exchange_weak(c, &v, v - 1))
+		;
+	return v == 1;
+}
+
+EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
+{
+	if (!strcmp(key, "fail_copy"))
+		atomic_store(&fail_copy, v);
+	else if (!strcmp(key, "async_error"))
+		atomic_store(&async_error, v);
+	else if (!strcmp(key, "fail_register"))
+		atomic_store(&fail_register, v);
+	else if (!strcmp(key, "hold"))
+		fake_worker_hold((int)v);
+	else if (!strcmp(key, "reset")) {
+		atomic_store(&fail_copy, 0);
+		atomic_store(&async_error, 0);
+		atomic_store(&fail_register, 0);
+		atomic_store(&st_copies, 0);
+		atomic_store(&st_batch_calls, 0);
+		atomic_store(&st_batch_copies, 0);
+		atomic_store(&st_copy2d_calls, 0);
+		atomic_store(&st_max_reg_bytes, 0);
+		atomic_store(&st_bad_pointer, 0);
+		atomic_store(&st_regs_total, 0);
+		fake_worker_hold(0);
+	} else
+		return -EINVAL;
+	return 0;
+}
+
+EXPORT long kvt_fake_cuda_stat(const char *key)
+{
+	if (!strcmp(key, "copies"))
+		return atomic_load(&st_copies);
+	if (!strcmp(key, "batch_calls"))
+		return atomic_load(&st_batch_calls);
+	if (!strcmp(key, "batch_copies"))
+		return atomic_load(&st_batch_copies);
+	if (!strcmp(key, "copy2d_calls"))
+		return atomic_load(&st_copy2d_calls);
+	if (!strcmp(key, "regs_live"))
+		return fake_region_count(FAKE_ALIAS);
+	if (!strcmp(key, "regs_total"))
+		return atomic_load(&st_regs_total);
+	if (!strcmp(key, "max_reg_bytes"))
+		return atomic_load(&st_max_reg_bytes);
+	if (!strcmp(key, "allocs_live"))
+		return fake_region_count(FAKE_DEV) + fake_region_count(FAKE_SYS);
+	if (!strcmp(key, "streams_live"))
+		return atomic_load(&st_streams_live);
+	if (!strcmp(key, "events_live"))
+		return atomic_load(&st_events_live);
+	if (!strcmp(key, "bad_pointer"))
+		return atomic_load(&st_bad_pointer);
+	if (!strcmp(key, "ctx_refs")) {
+		long n = 0;
+
+		pthread_mutex_lock(&lock);
+		for (int i = 0; i < MAX_DEVICES; i++)
+			n += ctxs[i].refs;
+		pthread_mutex_unlock(&lock);
+		return n;
+	}
+	return -1;
+}
+
+static struct fctx *current(void)
+{
+	return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL;
+}
+
+static int inited(void)
+{
+	int n;
+
+	pthread_mutex_lock(&lock);
+	n = initialized;
+	pthread_mutex_unlock(&lock);
+	return n;
+}
+
+#define NEED_INIT() do { if (!inited()) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+#define NEED_CTX() do { NEED_INIT(); if (!current()) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
+
+/* ---- init, devices, contexts ------------------------------------------- */
+
+static CUresult f_cuInit(unsigned int flags)
+{
+	long err = fake_env_long("FAKE_CUDA_INIT_ERROR", 0);
+
+	if (flags)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (err)
+		return (CUresult)err;
+	pthread_mutex_lock(&lock);
+	if (!initialized) {
+		n_devices = (int)fake_env_long("FAKE_CUDA_DEVICES", 2);
+		if (n_devices < 0 || n_devices > MAX_DEVICES)
+			n_devices = 2;
+		max_register = (uint64_t)fake_env_long("FAKE_CUDA_MAX_REGISTER", 64L << 30);
+		for (int i = 0; i < MAX_DEVICES; i++)
+			ctxs[i] = (struct fctx){ .magic = CTX_MAGIC, .dev = i };
+		if (n_devices)
+			initialized = 1;
+		/* the driver's worker lives for the process, as a real driver's threads do */
+		fake_worker_start();
+	}
+	pthread_mutex_unlock(&lock);
+	return n_devices ? CUDA_SUCCESS : CUDA_ERROR_NO_DEVICE;
+}
+
+static CUresult f_cuDriverGetVersion(int *v)
+{
+	if (!v)
+		return CUDA_ERROR_INVALID_VALUE;
+	*v = driver_version;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDeviceGetCount(int *n)
+{
+	NEED_INIT();
+	*n = n_devices;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDeviceGet(CUdevice *d, int ordinal)
+{
+	NEED_INIT();
+	if (ordinal < 0 || ordinal >= n_devices)
+		return CUDA_ERROR_INVALID_DEVICE;
+	*d = ordinal;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d)
+{
+	NEED_INIT();
+	if (d < 0 || d >= n_devices)
+		return CUDA_ERROR_INVALID_DEVICE;
+	switch (a) {
+	case CU_DEVICE_ATTRIBUTE_MAX_PITCH:
+		*v = 2147483647;
+		return CUDA_SUCCESS;
+	case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
+		*v = 2;
+		return CUDA_SUCCESS;
+	case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
+		*v = 1;
+		return CUDA_SUCCESS;
+	case CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM:
+		*v = 0;
+		return CUDA_SUCCESS;
+	default:
+		return CUDA_ERROR_INVALID_VALUE;
+	}
+}
+
+static CUresult f_cuDeviceGetName(char *name, int len, CUdevice d)
+{
+	NEED_INIT();
+	if (d < 0 || d >= n_devices || !name || len <= 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	snprintf(name, (size_t)len, "Fake H200");
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d)
+{
+	NEED_INIT();
+	if (d < 0 || d >= n_devices)
+		return CUDA_ERROR_INVALID_DEVICE;
+	pthread_mutex_lock(&lock);
+	ctxs[d].refs++;
+	pthread_mutex_unlock(&lock);
+	*c = (CUcontext)&ctxs[d];
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDevicePrimaryCtxRelease(CUdevice d)
+{
+	CUresult r = CUDA_SUCCESS;
+
+	NEED_INIT();
+	if (d < 0 || d >= n_devices)
+		return CUDA_ERROR_INVALID_DEVICE;
+	pthread_mutex_lock(&lock);
+	if (ctxs[d].refs > 0)
+		ctxs[d].refs--;
+	else
+		r = CUDA_ERROR_INVALID_CONTEXT;
+	pthread_mutex_unlock(&lock);
+	return r;
+}
+
+static CUresult f_cuCtxPushCurrent(CUcontext c)
+{
+	struct fctx *f = (struct fctx *)c;
+
+	NEED_INIT();
+	if (!f || f->magic != CTX_MAGIC || ctx_depth >= 16)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	ctx_stack[ctx_depth++] = f;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuCtxPopCurrent(CUcontext *c)
+{
+	NEED_INIT();
+	if (!ctx_depth)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	ctx_depth--;
+	if (c)
+		*c = (CUcontext)ctx_stack[ctx_depth];
+	return CUDA_SUCCESS;
+}
+
+/* ---- streams and events ------------------------------------------------- */
+
+struct fstream {
+	uint64_t magic;
+	CUresult err;   /* pending async error; touched by the worker only */
+};
+
+struct fevent {
+	uint64_t magic;
+	pthread_mutex_t m;
+	pthread_cond_t c;
+	int pending;    /* records not reached yet; under m */
+	CUresult status;
+};
+
+static struct fstream *stream_of(CUstream s)
+{
+	struct fstream *f = (struct fstream *)s;
+
+	return f && f->magic == STREAM_MAGIC ? f : NULL;
+}
+
+static struct fevent *event_of(CUevent e)
+{
+	struct fevent *f = (struct fevent *)e;
+
+	return f && f->magic == EVENT_MAGIC ? f : NULL;
+}
+
+static CUresult f_cuStreamCreate(CUstream *s, unsigned int flags)
+{
+	struct fstream *f;
+
+	NEED_CTX();
+	if (!s || (flags & ~CU_STREAM_NON_BLOCKING))
+		return CUDA_ERROR_INVALID_VALUE;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	f->magic = STREAM_MAGIC;
+	*s = (CUstream)f;
+	atomic_fetch_add(&st_streams_live, 1);
+	return CUDA_SUCCESS;
+}
+
+struct marker {
+	struct fstream *s;
+	struct fevent *e;     /* event to complete, or NULL */
+	pthread_mutex_t *m;   /* stream sync: flag to set */
+	pthread_cond_t *c;
+	int *done;
+};
+
+static void run_marker(void *arg)
+{
+	struct marker *k = arg;
+
+	if (k->e) {
+		pthread_mutex_lock(&k->e->m);
+		if (k->s && k->s->err) {
+			k->e->status = k->s->err;
+			k->s->err = CUDA_SUCCESS;
+		}
+		k->e->pending--;
+		pthread_cond_broadcast(&k->e->c);
+		pthread_mutex_unlock(&k->e->m);
+	} else {
+		pthread_mutex_lock(k->m);
+		*k->done = 1;
+		pthread_cond_broadcast(k->c);
+		pthread_mutex_unlock(k->m);
+	}
+	free(k);
+}
+
+static CUresult f_cuStreamSynchronize(CUstream s)
+{
+	pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+	pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+	struct marker *k;
+	int done = 0;
+
+	NEED_INIT();
+	if (s && !stream_of(s))
+		return CUDA_ERROR_INVALID_HANDLE;
+	k = calloc(1, sizeof(*k));
+	if (!k)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*k = (struct marker){ .s = stream_of(s), .m = &m, .c = &c, .done = &done };
+	fake_worker_push(run_marker, k);
+	pthread_mutex_lock(&m);
+	while (!done)
+		pthread_cond_wait(&c, &m);
+	pthread_mutex_unlock(&m);
+	pthread_cond_destroy(&c);
+	pthread_mutex_destroy(&m);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuStreamDestroy(CUstream s)
+{
+	struct fstream *f = stream_of(s);
+
+	NEED_INIT();
+	if (!f)
+		return CUDA_ERROR_INVALID_HANDLE;
+	f_cuStreamSynchronize(s); /* the real driver defers; same effect here */
+	f->magic = 0;
+	free(f);
+	atomic_fetch_sub(&st_streams_live, 1);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuEventCreate(CUevent *e, unsigned int flags)
+{
+	struct fevent *f;
+
+	NEED_CTX();
+	if (!e || (flags & ~(unsigned)(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)))
+		return CUDA_ERROR_INVALID_VALUE;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	f->magic = EVENT_MAGIC;
+	pthread_mutex_init(&f->m, NULL);
+	pthread_cond_init(&f->c, NULL);
+	*e = (CUevent)f;
+	atomic_fetch_add(&st_events_live, 1);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuEventDestroy(CUevent e)
+{
+	struct fevent *f = event_of(e);
+
+	NEED_INIT();
+	if (!f)
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&f->m);
+	while (f->pending) /* a record in flight still points at it */
+		pthread_cond_wait(&f->c, &f->m);
+	pthread_mutex_unlock(&f->m);
+	f->magic = 0;
+	pthread_mutex_destroy(&f->m);
+	pthread_cond_destroy(&f->c);
+	free(f);
+	atomic_fetch_sub(&st_events_live, 1);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuEventRecord(CUevent e, CUstream s)
+{
+	struct fevent *f = event_of(e);
+	struct marker *k;
+
+	NEED_INIT();
+	if (!f || (s && !stream_of(s)))
+		return CUDA_ERROR_INVALID_HANDLE;
+	k = calloc(1, sizeof(*k));
+	if (!k)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	pthread_mutex_lock(&f->m);
+	f->pending++;
+	f->status = CUDA_SUCCESS;
+	pthread_mutex_unlock(&f->m);
+	*k = (struct marker){ .s = stream_of(s), .e = f };
+	fake_worker_push(run_marker, k);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuEventQuery(CUevent e)
+{
+	struct fevent *f = event_of(e);
+	CUresult r;
+
+	NEED_INIT();
+	if (!f)
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&f->m);
+	r = f->pending ? CUDA_ERROR_NOT_READY : f->status;
+	pthread_mutex_unlock(&f->m);
+	return r;
+}
+
+static CUresult f_cuEventSynchronize(CUevent e)
+{
+	struct fevent *f = event_of(e);
+	CUresult r;
+
+	NEED_INIT();
+	if (!f)
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&f->m);
+	while (f->pending)
+		pthread_cond_wait(&f->c, &f->m);
+	r = f->status;
+	pthread_mutex_unlock(&f->m);
+	return r;
+}
+
+/* ---- memory ------------------------------------------------------------------ */
+
+static CUresult f_cuMemHostRegister(void *p, size_t bytes, unsigned int flags)
+{
+	struct fake_region r;
+	uint64_t dev;
+	long cur;
+
+	NEED_CTX();
+	if (!p || !bytes || (flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE |
+						  CU_MEMHOSTREGISTER_DEVICEMAP)))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (bytes > max_register)
+		return CUDA_ERROR_INVALID_VALUE; /* what R580 does for huge ranges */
+	for (uint64_t o = 0; o < bytes; o += 4096) /* any overlap */
+		if (fake_alias_of_host((char *)p + o, 1, &r) == 0)
+			return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+	if (fake_alias_of_host((char *)p + bytes - 1, 1, &r) == 0)
+		return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+	if (trip(&fail_register))
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	dev = fake_region_add(FAKE_ALIAS, bytes, p, current()->dev, flags);
+	if (!dev)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	atomic_fetch_add(&st_regs_total, 1);
+	cur = atomic_load(&st_max_reg_bytes);
+	while ((long)bytes > cur && !atomic_compare_exchange_weak(&st_max_reg_bytes, &cur, (long)bytes))
+		;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemHostUnregister(void *p)
+{
+	struct fake_region r;
+
+	NEED_CTX();
+	if (fake_alias_of_host(p, 1, &r) || r.host != p)
+		return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+	fake_region_del(r.dev, NULL);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemHostGetDevicePointer(CUdeviceptr *dp, void *p, unsigned int flags)
+{
+	struct fake_region r;
+
+	NEED_CTX();
+	if (!dp || flags || fake_alias_of_host(p, 1, &r))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (!(r.flags & CU_MEMHOSTREGISTER_DEVICEMAP))
+		return CUDA_ERROR_INVALID_VALUE;
+	*dp = (CUdeviceptr)(r.dev + (uint64_t)((char *)p - r.host));
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemAlloc(CUdeviceptr *dp, size_t bytes)
+{
+	char *backing;
+	uint64_t dev;
+
+	NEED_CTX();
+	if (!dp || !bytes)
+		return CUDA_ERROR_INVALID_VALUE;
+	backing = calloc(1, bytes);
+	if (!backing)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	dev = fake_region_add(FAKE_DEV, bytes, backing, current()->dev, 0);
+	if (!dev) {
+		free(backing);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	*dp = (CUdeviceptr)dev;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemFree(CUdeviceptr dp)
+{
+	struct fake_region r;
+
+	NEED_CTX();
+	if (fake_region_find(dp, 1, &r) || r.dev != dp || r.kind != FAKE_DEV)
+		return CUDA_ERROR_INVALID_VALUE;
+	fake_region_del(r.dev, NULL);
+	free(r.host);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemAllocHost(void **pp, size_t bytes)
+{
+	char *p;
+
+	NEED_CTX();
+	if (!pp || !bytes)
+		return CUDA_ERROR_INVALID_VALUE;
+	p = aligned_alloc(4096, (bytes + 4095) & ~(size_t)4095);
+	if (!p)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	if (fake_region_add_sys(p, bytes, current()->dev)) {
+		free(p);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	*pp = p;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemFreeHost(void *p)
+{
+	struct fake_region r;
+
+	NEED_INIT();
+	if (fake_region_find((uint64_t)(uintptr_t)p, 1, &r) || r.kind != FAKE_SYS ||
+	    r.host != p)
+		return CUDA_ERROR_INVALID_VALUE;
+	fake_region_del(r.dev, NULL);
+	free(p);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuPointerGetAttribute(void *data, CUpointer_attribute a, CUdeviceptr p)
+{
+	struct fake_region r;
+
+	NEED_INIT();
+	if (!data || fake_region_find(p, 1, &r))
+		return CUDA_ERROR_INVALID_VALUE;
+	switch (a) {
+	case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+		*(unsigned int *)data = r.kind == FAKE_DEV ? CU_MEMORYTYPE_DEVICE
+							   : CU_MEMORYTYPE_HOST;
+		return CUDA_SUCCESS;
+	case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+		*(int *)data = r.owner;
+		return CUDA_SUCCESS;
+	case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+		*(CUdeviceptr *)data = (CUdeviceptr)r.dev;
+		return CUDA_SUCCESS;
+	case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+		*(size_t *)data = r.len;
+		return CUDA_SUCCESS;
+	default:
+		return CUDA_ERROR_INVALID_VALUE;
+	}
+}
+
+/* ---- copies ------------------------------------------------------------------ */
+
+struct ctask {
+	char *dst;
+	const char *src;
+	uint64_t len, dpitch, spitch;
+	uint64_t rows;
+	struct fstream *s;
+	int error;
+};
+
+static void run_copy(void *arg)
+{
+	struct ctask *t = arg;
+
+	if (t->error) {
+		if (t->s)
+			t->s->err = CUDA_ERROR_ILLEGAL_ADDRESS;
+	} else {
+		for (uint64_t r = 0; r < t->rows; r++)
+			memcpy(t->dst + r * t->dpitch, t->src + r * t->spitch, t->len);
+	}
+	free(t);
+}
+
+static char *resolve(uint64_t addr, uint64_t len, const char *what)
+{
+	const char *why = "";
+	char *h = fake_translate(addr, len, &why);
+
+	if (!h) {
+		fprintf(stderr, "fake cuda: %s %#llx+%llu: %s\n", what,
+			(unsigned long long)addr, (unsigned long long)len, why);
+		atomic_fetch_add(&st_bad_pointer, 1);
+	}
+	return h;
+}
+
+static CUresult enqueue(char *d, const char *s, uint64_t len, uint64_t rows,
+			uint64_t dpitch, uint64_t spitch, CUstream stream)
+{
+	struct ctask *t;
+
+	if (trip(&fail_copy))
+		return CUDA_ERROR_INVALID_VALUE;
+	t = calloc(1, sizeof(*t));
+	if (!t)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*t = (struct ctask){ .dst = d, .src = s, .len = len, .rows = rows,
+			     .dpitch = dpitch, .spitch = spitch,
+			     .s = stream_of(stream), .error = trip(&async_error) };
+	atomic_fetch_add(&st_copies, 1);
+	fake_worker_push(run_copy, t);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream st)
+{
+	char *d, *s;
+
+	NEED_CTX();
+	if (st && !stream_of(st))
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (!n)
+		return CUDA_SUCCESS;
+	d = resolve(dst, n, "dst");
+	s = d ? resolve(src, n, "src") : NULL;
+	if (!d || !s)
+		return CUDA_ERROR_INVALID_VALUE;
+	return enqueue(d, s, n, 1, 0, 0, st);
+}
+
+static CUresult side_2d(CUmemorytype type, const void *hostp, CUdeviceptr devp,
+			uint64_t x, uint64_t y, uint64_t pitch, uint64_t w, uint64_t h,
+			const char *what, char **out)
+{
+	uint64_t base;
+
+	if (type == CU_MEMORYTYPE_HOST)
+		base = (uint64_t)(uintptr_t)hostp;
+	else if (type == CU_MEMORYTYPE_DEVICE || type == CU_MEMORYTYPE_UNIFIED)
+		base = devp;
+	else
+		return CUDA_ERROR_INVALID_VALUE;
+	if (h > 1 && pitch < x + w)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (pitch > 2147483647u)
+		return CUDA_ERROR_INVALID_VALUE;
+	*out = resolve(base + y * pitch + x, (h - 1) * pitch + w, what);
+	return *out ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult f_cuMemcpy2DAsync(const CUDA_MEMCPY2D *m, CUstream st)
+{
+	char *d = NULL, *s = NULL;
+	CUresult r;
+
+	NEED_CTX();
+	if (!m || (st && !stream_of(st)))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (!m->WidthInBytes || !m->Height)
+		return CUDA_SUCCESS;
+	r = side_2d(m->dstMemoryType, m->dstHost, m->dstDevice, m->dstXInBytes, m->dstY,
+		    m->dstPitch, m->WidthInBytes, m->Height, "2D dst", &d);
+	if (!r)
+		r = side_2d(m->srcMemoryType, m->srcHost, m->srcDevice, m->srcXInBytes, m->srcY,
+			    m->srcPitch, m->WidthInBytes, m->Height, "2D src", &s);
+	if (r)
+		return r;
+	atomic_fetch_add(&st_copy2d_calls, 1);
+	return enqueue(d, s, m->WidthInBytes, m->Height, m->dstPitch, m->srcPitch, st);
+}
+
+static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+		      CUmemcpyAttributes *attrs, size_t *attr_idxs, size_t num_attrs,
+		      size_t *fail_idx, CUstream st)
+{
+	NEED_CTX();
+	if (!st || !stream_of(st)) /* the legacy NULL stream is rejected */
+		return CUDA_ERROR_INVALID_VALUE;
+	if (!count || !dsts || !srcs || !sizes || !attrs || !attr_idxs || !num_attrs ||
+	    num_attrs > count || attr_idxs[0] != 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	for (size_t i = 0; i < num_attrs; i++) {
+		if (attrs[i].srcAccessOrder != CU_MEMCPY_SRC_ACCESS_ORDER_STREAM &&
+		    attrs[i].srcAccessOrder != CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL &&
+		    attrs[i].srcAccessOrder != CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+			return CUDA_ERROR_INVALID_VALUE;
+		if (i && attr_idxs[i] <= attr_idxs[i - 1])
+			return CUDA_ERROR_INVALID_VALUE;
+	}
+	atomic_fetch_add(&st_batch_calls, 1);
+	for (size_t i = 0; i < count; i++) {
+		char *d = resolve(dsts[i], sizes[i], "batch dst");
+		char *s = d ? resolve(srcs[i], sizes[i], "batch src") : NULL;
+		CUresult r = d && s ? enqueue(d, s, sizes[i], 1, 0, 0, st)
+				    : CUDA_ERROR_INVALID_VALUE;
+
+		if (r) {
+			if (fail_idx)
+				*fail_idx = i;
+			return r;
+		}
+		atomic_fetch_add(&st_batch_copies, 1);
+	}
+	if (fail_idx)
+		*fail_idx = SIZE_MAX;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+					size_t count, CUmemcpyAttributes *attrs,
+					size_t *attr_idxs, size_t num_attrs, CUstream st)
+{
+	return batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, NULL, st);
+}
+
+static CUresult f_cuMemcpyBatchAsync_v1(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+					size_t count, CUmemcpyAttributes *attrs,
+					size_t *attr_idxs, size_t num_attrs, size_t *fail_idx,
+					CUstream st)
+{
+	if (!fail_idx)
+		return CUDA_ERROR_INVALID_VALUE;
+	return batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx, st);
+}
+
+/* Synchronous copies with ordinary (pageable) host memory. */
+static CUresult f_cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n)
+{
+	struct fake_region r;
+	char *d;
+
+	NEED_CTX();
+	d = resolve(dst, n, "HtoD dst");
+	if (!d || fake_region_find(dst, n, &r) || r.kind != FAKE_DEV)
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy(d, src, n);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n)
+{
+	struct fake_region r;
+	char *s;
+
+	NEED_CTX();
+	s = resolve(src, n, "DtoH src");
+	if (!s || fake_region_find(src, n, &r) || r.kind != FAKE_DEV)
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy(dst, s, n);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, CUstream st)
+{
+	char *d, *s;
+
+	NEED_CTX();
+	d = resolve(dst, n, "HtoDAsync dst");
+	s = d ? resolve((uint64_t)(uintptr_t)src, n, "HtoDAsync src") : NULL;
+	if (!d || !s)
+		return CUDA_ERROR_INVALID_VALUE;
+	return enqueue(d, s, n, 1, 0, 0, st);
+}
+
+static CUresult f_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstream st)
+{
+	char *d, *s;
+
+	NEED_CTX();
+	d = resolve((uint64_t)(uintptr_t)dst, n, "DtoHAsync dst");
+	s = d ? resolve(src, n, "DtoHAsync src") : NULL;
+	if (!d || !s)
+		return CUDA_ERROR_INVALID_VALUE;
+	return enqueue(d, s, n, 1, 0, 0, st);
+}
+
+static CUresult f_cuGetErrorName(CUresult r, const char **s)
+{
+	switch ((int)r) {
+	case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+	case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+	case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+	case CUDA_ERROR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
+	case CUDA_ERROR_NO_DEVICE: *s = "CUDA_ERROR_NO_DEVICE"; break;
+	case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+	case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+	case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+	case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+	case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+	case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+	case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+		*s = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; break;
+	case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED:
+		*s = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; break;
+	default: *s = NULL; return CUDA_ERROR_INVALID_VALUE;
+	}
+	return CUDA_SUCCESS;
+}
+
+/* ---- cuGetProcAddress ---------------------------------------------------- */
+
+struct entry {
+	const char *name;
+	int version;
+	void *fn;
+};
+
+#define E(sym, ver, fn)                                                              \
+	{ sym, ver, (void *)fn }
+#define CHECK(fn, pfn) \
+	_Static_assert(__builtin_types_compatible_p(__typeof__(&fn), pfn), #fn " vs " #pfn)
+
+CHECK(f_cuInit, PFN_cuInit_v2000);
+CHECK(f_cuDriverGetVersion, PFN_cuDriverGetVersion_v2020);
+CHECK(f_cuDeviceGetCount, PFN_cuDeviceGetCount_v2000);
+CHECK(f_cuDeviceGet, PFN_cuDeviceGet_v2000);
+CHECK(f_cuDeviceGetAttribute, PFN_cuDeviceGetAttribute_v2000);
+CHECK(f_cuDeviceGetName, PFN_cuDeviceGetName_v2000);
+CHECK(f_cuDevicePrimaryCtxRetain, PFN_cuDevicePrimaryCtxRetain_v7000);
+CHECK(f_cuDevicePrimaryCtxRelease, PFN_cuDevicePrimaryCtxRelease_v11000);
+CHECK(f_cuCtxPushCurrent, PFN_cuCtxPushCurrent_v4000);
+CHECK(f_cuCtxPopCurrent, PFN_cuCtxPopCurrent_v4000);
+CHECK(f_cuStreamCreate, PFN_cuStreamCreate_v2000);
+CHECK(f_cuStreamDestroy, PFN_cuStreamDestroy_v4000);
+CHECK(f_cuStreamSynchronize, PFN_cuStreamSynchronize_v2000);
+CHECK(f_cuEventCreate, PFN_cuEventCreate_v2000);
+CHECK(f_cuEventDestroy, PFN_cuEventDestroy_v4000);
+CHECK(f_cuEventRecord, PFN_cuEventRecord_v2000);
+CHECK(f_cuEventQuery, PFN_cuEventQuery_v2000);
+CHECK(f_cuEventSynchronize, PFN_cuEventSynchronize_v2000);
+CHECK(f_cuMemHostRegister, PFN_cuMemHostRegister_v6050);
+CHECK(f_cuMemHostUnregister, PFN_cuMemHostUnregister_v4000);
+CHECK(f_cuMemHostGetDevicePointer, PFN_cuMemHostGetDevicePointer_v3020);
+CHECK(f_cuMemcpyAsync, PFN_cuMemcpyAsync_v4000);
+CHECK(f_cuMemcpy2DAsync, PFN_cuMemcpy2DAsync_v3020);
+CHECK(f_cuMemAlloc, PFN_cuMemAlloc_v3020);
+CHECK(f_cuMemFree, PFN_cuMemFree_v3020);
+CHECK(f_cuMemAllocHost, PFN_cuMemAllocHost_v3020);
+CHECK(f_cuMemFreeHost, PFN_cuMemFreeHost_v2000);
+CHECK(f_cuMemcpyHtoD, PFN_cuMemcpyHtoD_v3020);
+CHECK(f_cuMemcpyDtoH, PFN_cuMemcpyDtoH_v3020);
+CHECK(f_cuMemcpyHtoDAsync, PFN_cuMemcpyHtoDAsync_v3020);
+CHECK(f_cuMemcpyDtoHAsync, PFN_cuMemcpyDtoHAsync_v3020);
+CHECK(f_cuPointerGetAttribute, PFN_cuPointerGetAttribute_v4000);
+CHECK(f_cuGetErrorName, PFN_cuGetErrorName_v6000);
+CHECK(f_cuMemcpyBatchAsync_v1, PFN_cuMemcpyBatchAsync_v12080);
+CHECK(f_cuMemcpyBatchAsync_v2, PFN_cuMemcpyBatchAsync_v13000);
+
+static const struct entry table[] = {
+	E("cuInit", 2000, f_cuInit),
+	E("cuDriverGetVersion", 2020, f_cuDriverGetVersion),
+	E("cuDeviceGetCount", 2000, f_cuDeviceGetCount),
+	E("cuDeviceGet", 2000, f_cuDeviceGet),
+	E("cuDeviceGetAttribute", 2000, f_cuDeviceGetAttribute),
+	E("cuDeviceGetName", 2000, f_cuDeviceGetName),
+	E("cuDevicePrimaryCtxRetain", 7000, f_cuDevicePrimaryCtxRetain),
+	E("cuDevicePrimaryCtxRelease", 11000, f_cuDevicePrimaryCtxRelease),
+	E("cuCtxPushCurrent", 4000, f_cuCtxPushCurrent),
+	E("cuCtxPopCurrent", 4000, f_cuCtxPopCurrent),
+	E("cuStreamCreate", 2000, f_cuStreamCreate),
+	E("cuStreamDestroy", 4000, f_cuStreamDestroy),
+	E("cuStreamSynchronize", 2000, f_cuStreamSynchronize),
+	E("cuEventCreate", 2000, f_cuEventCreate),
+	E("cuEventDestroy", 4000, f_cuEventDestroy),
+	E("cuEventRecord", 2000, f_cuEventRecord),
+	E("cuEventQuery", 2000, f_cuEventQuery),
+	E("cuEventSynchronize", 2000, f_cuEventSynchronize),
+	E("cuMemHostRegister", 6050, f_cuMemHostRegister),
+	E("cuMemHostUnregister", 4000, f_cuMemHostUnregister),
+	E("cuMemHostGetDevicePointer", 3020, f_cuMemHostGetDevicePointer),
+	E("cuMemcpyAsync", 4000, f_cuMemcpyAsync),
+	E("cuMemcpy2DAsync", 3020, f_cuMemcpy2DAsync),
+	E("cuMemAlloc", 3020, f_cuMemAlloc),
+	E("cuMemFree", 3020, f_cuMemFree),
+	E("cuMemAllocHost", 3020, f_cuMemAllocHost),
+	E("cuMemFreeHost", 2000, f_cuMemFreeHost),
+	E("cuMemcpyHtoD", 3020, f_cuMemcpyHtoD),
+	E("cuMemcpyDtoH", 3020, f_cuMemcpyDtoH),
+	E("cuMemcpyHtoDAsync", 3020, f_cuMemcpyHtoDAsync),
+	E("cuMemcpyDtoHAsync", 3020, f_cuMemcpyDtoHAsync),
+	E("cuPointerGetAttribute", 4000, f_cuPointerGetAttribute),
+	E("cuGetErrorName", 6000, f_cuGetErrorName),
+	E("cuMemcpyBatchAsync", 12080, f_cuMemcpyBatchAsync_v1),
+	E("cuMemcpyBatchAsync", 13000, f_cuMemcpyBatchAsync_v2),
+};
+
+static int driver(void)
+{
+	pthread_mutex_lock(&lock);
+	if (!driver_version)
+		driver_version = (int)fake_env_long("FAKE_CUDA_DRIVER_VERSION", 13000);
+	pthread_mutex_unlock(&lock);
+	return driver_version;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
+				    cuuint64_t flags, CUdriverProcAddressQueryResult *status)
+{
+	const struct entry *best = NULL;
+	int named = 0, limit = cuda_version < driver() ? cuda_version : driver();
+
+	if (!symbol || !pfn || flags > CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+		return CUDA_ERROR_INVALID_VALUE;
+	for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
+		if (strcmp(table[i].name, symbol))
+			continue;
+		named = 1;
+		if (table[i].version <= limit && (!best || table[i].version > best->version))
+			best = &table[i];
+	}
+	*pfn = best ? best->fn : NULL;
+	if (status)
+		*status = best ? CU_GET_PROC_ADDRESS_SUCCESS
+			       : named ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
+				       : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+	return best ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+/* cuda.h maps cuGetProcAddress to _v2; the unversioned 11.3 symbol is
+ * exported too, with its own prototype. */
+#undef cuGetProcAddress
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version,
+				 cuuint64_t flags)
+{
+	return cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, NULL);
+}

@@ -1,0 +1,829 @@
+/* fake_hsa.c - a fake libhsa-runtime64.so.1 for CI without a GPU.
+ *
+ * Implements exactly the entry points kvtier's hsa backend uses, with real
+ * semantics where it matters for correctness:
+ *   - one CPU agent and FAKE_HSA_GPUS (default 2) GPU agents, each with a
+ *     global pool (plus a non-global one, to be filtered out);
+ *   - GPU memory lives at addresses the CPU cannot touch (a PROT_NONE
+ *     window), so only copies through the runtime reach it;
+ *   - hsa_amd_memory_lock_to_pool returns an agent pointer that differs
+ *     from the host pointer; a copy given the host pointer of a locked range
+ *     fails (as it would where the two differ on real hardware);
+ *   - copies run on a worker thread, in order, and decrement the completion
+ *     signal (or make it negative on an injected error);
+ *   - the ROCm 5.6 entry points (_on_engine, copy_engine_status, the SDMA
+ *     engine count) exist unless built with FAKE_HSA_52 (ROCm 5.2: absent).
+ * Injection and statistics through kvt_fake_hsa_ctl() / kvt_fake_hsa_stat(),
+ * and FAKE_HSA_INIT_STATUS / FAKE_HSA_GPUS in the environment.
+ */
+#include "fake_common.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <hsa/hsa.h>
+#include <hsa/hsa_ext_amd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+#define CPU_AGENT   0x100u
+#define GPU_AGENT   0x200u
+#define CPU_POOL    0x300u
+#define GPU_POOL    0x400u
+#define GROUP_POOL  0x500u
+#define MAX_GPUS    8
+#define N_SDMA      2
+#define SIG_MAGIC   0x5349474e414c5f5full
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int init_count;
+static int n_gpus;
+
+/* injection (counters: the k-th next call fails; 0 = off) */
+static atomic_long fail_copy, neg_signal, fail_lock, fail_rect, fail_engine;
+/* statistics */
+static atomic_long st_copies, st_engine_copies, st_rect_copies, st_locks_total,
+	st_max_lock_bytes, st_signals_live, st_engine_used[N_SDMA], st_bad_pointer;
+
+EXPORT int kvt_fake_hsa_ctl(const char *key, long v)
+{
+	if (!strcmp(key, "fail_copy"))
+		atomic_store(&fail_copy, v);
+	else if (!strcmp(key, "neg_signal"))
+		atomic_store(&neg_signal, v);
+	else if (!strcmp(key, "fail_lock"))
+		atomic_store(&fail_lock, v);
+	else if (!strcmp(key, "fail_rect"))
+		atomic_store(&fail_rect, v);
+	else if (!strcmp(key, "fail_engine"))
+		atomic_store(&fail_engine, v);
+	else if (!strcmp(key, "hold"))
+		fake_worker_hold((int)v);
+	else if (!strcmp(key, "reset")) {
+		atomic_store(&fail_copy, 0);
+		atomic_store(&neg_signal, 0);
+		atomic_store(&fail_lock, 0);
+		atomic_store(&fail_rect, 0);
+		atomic_store(&fail_engine, 0);
+		atomic_store(&st_copies, 0);
+		atomic_store(&st_engine_copies, 0);
+		atomic_store(&st_rect_copies, 0);
+		atomic_store(&st_locks_total, 0);
+		atomic_store(&st_max_lock_bytes, 0);
+		atomic_store(&st_bad_pointer, 0);
+		for (int i = 0; i < N_SDMA; i++)
+			atomic_store(&st_engine_used[i], 0);
+		fake_worker_hold(0);
+	} else
+		return -EINVAL;
+	return 0;
+}
+
+EXPORT long kvt_fake_hsa_stat(const char *key)
+{
+	if (!strcmp(key, "copies"))
+		return atomic_load(&st_copies);
+	if (!strcmp(key, "engine_copies"))
+		return atomic_load(&st_engine_copies);
+	if (!strcmp(key, "engine0"))
+		return atomic_load(&st_engine_used[0]);
+	if (!strcmp(key, "engine1"))
+		return atomic_load(&st_engine_used[1]);
+	if (!strcmp(key, "rect_copies"))
+		return atomic_load(&st_rect_copies);
+	if (!strcmp(key, "locks_live"))
+		return fake_region_count(FAKE_ALIAS);
+	if (!strcmp(key, "locks_total"))
+		return atomic_load(&st_locks_total);
+	if (!strcmp(key, "max_lock_bytes"))
+		return atomic_load(&st_max_lock_bytes);
+	if (!strcmp(key, "allocs_live"))
+		return fake_region_count(FAKE_DEV) + fake_region_count(FAKE_SYS);
+	if (!strcmp(key, "signals_live"))
+		return atomic_load(&st_signals_live);
+	if (!strcmp(key, "bad_pointer"))
+		return atomic_load(&st_bad_pointer);
+	if (!strcmp(key, "init_count")) {
+		long n;
+
+		pthread_mutex_lock(&lock);
+		n = init_count;
+		pthread_mutex_unlock(&lock);
+		return n;
+	}
+	return -1;
+}
+
+/* Decrements *c; true when it reached 0 now (this call is the k-th). */
+static bool trip(atomic_long *c)
+{
+	long v = atomic_load(c);
+
+	while (v > 0 && !atomic_compare_exchange_weak(c, &v, v - 1))
+		;
+	return v == 1;
+}
+
+static int inited(void)
+{
+	int n;
+
+	pthread_mutex_lock(&lock);
+	n = init_count;
+	pthread_mutex_unlock(&lock);
+	return n > 0;
+}
+
+static int gpu_of(hsa_agent_t a)
+{
+	if (a.handle >= GPU_AGENT && a.handle < GPU_AGENT + (uint64_t)n_gpus)
+		return (int)(a.handle - GPU_AGENT);
+	return -1;
+}
+
+static int is_cpu(hsa_agent_t a)
+{
+	return a.handle == CPU_AGENT;
+}
+
+/* ---- init ---------------------------------------------------------------- */
+
+EXPORT hsa_status_t hsa_init(void)
+{
+	long st = fake_env_long("FAKE_HSA_INIT_STATUS", 0);
+
+	if (st)
+		return (hsa_status_t)st;
+	pthread_mutex_lock(&lock);
+	if (init_count++ == 0) {
+		n_gpus = (int)fake_env_long("FAKE_HSA_GPUS", 2);
+		if (n_gpus < 0 || n_gpus > MAX_GPUS)
+			n_gpus = 2;
+		fake_worker_start();
+	}
+	pthread_mutex_unlock(&lock);
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_shut_down(void)
+{
+	int last = 0;
+
+	pthread_mutex_lock(&lock);
+	if (init_count == 0) {
+		pthread_mutex_unlock(&lock);
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	}
+	last = --init_count == 0;
+	pthread_mutex_unlock(&lock);
+	if (last)
+		fake_worker_stop();
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_status_string(hsa_status_t status, const char **str)
+{
+	switch ((int)status) {
+	case HSA_STATUS_SUCCESS:
+		*str = "HSA_STATUS_SUCCESS";
+		break;
+	case HSA_STATUS_ERROR_INVALID_ARGUMENT:
+		*str = "HSA_STATUS_ERROR_INVALID_ARGUMENT: one of the actual arguments "
+		       "does not meet a precondition stated in the documentation";
+		break;
+	case HSA_STATUS_ERROR_OUT_OF_RESOURCES:
+		*str = "HSA_STATUS_ERROR_OUT_OF_RESOURCES: the runtime failed to allocate "
+		       "the necessary resources";
+		break;
+	case HSA_STATUS_ERROR_NOT_INITIALIZED:
+		*str = "HSA_STATUS_ERROR_NOT_INITIALIZED";
+		break;
+	case HSA_STATUS_ERROR_INVALID_AGENT:
+		*str = "HSA_STATUS_ERROR_INVALID_AGENT";
+		break;
+	case HSA_STATUS_ERROR_INVALID_SIGNAL:
+		*str = "HSA_STATUS_ERROR_INVALID_SIGNAL";
+		break;
+	default:
+		*str = "HSA_STATUS_ERROR (fake)";
+		break;
+	}
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_system_get_info(hsa_system_info_t attribute, void *value)
+{
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (attribute != HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	*(uint64_t *)value = 1000000000u; /* 1 tick = 1 ns */
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_iterate_agents(hsa_status_t (*cb)(hsa_agent_t, void *), void *data)
+{
+	hsa_status_t st;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	/* GPUs first and the CPU last, as a reminder that order is not a contract */
+	for (int i = 0; i < n_gpus; i++)
+		if ((st = cb((hsa_agent_t){ GPU_AGENT + (uint64_t)i }, data)) != HSA_STATUS_SUCCESS)
+			return st;
+	return cb((hsa_agent_t){ CPU_AGENT }, data);
+}
+
+EXPORT hsa_status_t hsa_agent_get_info(hsa_agent_t agent, hsa_agent_info_t attribute,
+				       void *value)
+{
+	int g = gpu_of(agent);
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (g < 0 && !is_cpu(agent))
+		return HSA_STATUS_ERROR_INVALID_AGENT;
+	switch ((unsigned)attribute) {
+	case HSA_AGENT_INFO_DEVICE:
+		*(hsa_device_type_t *)value = g >= 0 ? HSA_DEVICE_TYPE_GPU : HSA_DEVICE_TYPE_CPU;
+		return HSA_STATUS_SUCCESS;
+	case HSA_AGENT_INFO_NAME:
+		memset(value, 0, 64);
+		snprintf(value, 64, g >= 0 ? "fake-gfx942" : "fake-cpu");
+		return HSA_STATUS_SUCCESS;
+#ifndef FAKE_HSA_52
+	case 0xA10A: /* HSA_AMD_AGENT_INFO_NUM_SDMA_ENG (ROCm 5.6+) */
+		if (g < 0)
+			return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+		*(uint32_t *)value = N_SDMA;
+		return HSA_STATUS_SUCCESS;
+#endif
+	default:
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	}
+}
+
+/* ---- pools --------------------------------------------------------------- */
+
+EXPORT hsa_status_t hsa_amd_agent_iterate_memory_pools(
+	hsa_agent_t agent, hsa_status_t (*cb)(hsa_amd_memory_pool_t, void *), void *data)
+{
+	int g = gpu_of(agent);
+	hsa_status_t st;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (g < 0 && !is_cpu(agent))
+		return HSA_STATUS_ERROR_INVALID_AGENT;
+	if (g >= 0) {
+		st = cb((hsa_amd_memory_pool_t){ GROUP_POOL + (uint64_t)g }, data);
+		if (st != HSA_STATUS_SUCCESS)
+			return st;
+		return cb((hsa_amd_memory_pool_t){ GPU_POOL + (uint64_t)g }, data);
+	}
+	return cb((hsa_amd_memory_pool_t){ CPU_POOL }, data);
+}
+
+EXPORT hsa_status_t hsa_amd_memory_pool_get_info(hsa_amd_memory_pool_t pool,
+						 hsa_amd_memory_pool_info_t attribute,
+						 void *value)
+{
+	uint64_t h = pool.handle;
+	int group = h >= GROUP_POOL && h < GROUP_POOL + MAX_GPUS;
+	int gpu = h >= GPU_POOL && h < GPU_POOL + MAX_GPUS;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!group && !gpu && h != CPU_POOL)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	switch (attribute) {
+	case HSA_AMD_MEMORY_POOL_INFO_SEGMENT:
+		*(hsa_amd_segment_t *)value = group ? HSA_AMD_SEGMENT_GROUP : HSA_AMD_SEGMENT_GLOBAL;
+		return HSA_STATUS_SUCCESS;
+	case HSA_AMD_MEMORY_POOL_INFO_GLOBAL_FLAGS:
+		if (group)
+			return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+		*(uint32_t *)value = gpu ? HSA_AMD_MEMORY_POOL_GLOBAL_FLAG_COARSE_GRAINED
+					 : HSA_AMD_MEMORY_POOL_GLOBAL_FLAG_FINE_GRAINED |
+					   HSA_AMD_MEMORY_POOL_GLOBAL_FLAG_KERNARG_INIT;
+		return HSA_STATUS_SUCCESS;
+	case HSA_AMD_MEMORY_POOL_INFO_SIZE:
+		*(size_t *)value = (size_t)64 << 30;
+		return HSA_STATUS_SUCCESS;
+	case HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALLOWED:
+		*(bool *)value = !group;
+		return HSA_STATUS_SUCCESS;
+	default:
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	}
+}
+
+EXPORT hsa_status_t hsa_amd_memory_pool_allocate(hsa_amd_memory_pool_t pool, size_t size,
+						 uint32_t flags, void **ptr)
+{
+	uint64_t h = pool.handle;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!size || !ptr || flags)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (h >= GPU_POOL && h < GPU_POOL + (uint64_t)n_gpus) {
+		char *backing = calloc(1, size);
+		uint64_t dev;
+
+		if (!backing)
+			return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+		dev = fake_region_add(FAKE_DEV, size, backing, (int)(h - GPU_POOL), 0);
+		if (!dev) {
+			free(backing);
+			return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+		}
+		*ptr = (void *)(uintptr_t)dev;
+		return HSA_STATUS_SUCCESS;
+	}
+	if (h == CPU_POOL) {
+		char *p = aligned_alloc(4096, (size + 4095) & ~(size_t)4095);
+
+		if (!p)
+			return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+		if (fake_region_add_sys(p, size, -1)) {
+			free(p);
+			return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+		}
+		*ptr = p;
+		return HSA_STATUS_SUCCESS;
+	}
+	return HSA_STATUS_ERROR_INVALID_ARGUMENT; /* group pools are not allocatable */
+}
+
+EXPORT hsa_status_t hsa_amd_memory_pool_free(void *ptr)
+{
+	struct fake_region r;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (fake_region_find((uint64_t)(uintptr_t)ptr, 1, &r) || r.dev != (uint64_t)(uintptr_t)ptr ||
+	    (r.kind != FAKE_DEV && r.kind != FAKE_SYS))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	fake_region_del(r.dev, NULL);
+	free(r.host);
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_agents_allow_access(uint32_t num_agents, const hsa_agent_t *agents,
+						const uint32_t *flags, const void *ptr)
+{
+	struct fake_region r;
+
+	(void)flags;
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!num_agents || !agents || fake_region_find((uint64_t)(uintptr_t)ptr, 1, &r))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	for (uint32_t i = 0; i < num_agents; i++)
+		if (gpu_of(agents[i]) < 0 && !is_cpu(agents[i]))
+			return HSA_STATUS_ERROR_INVALID_AGENT;
+	return HSA_STATUS_SUCCESS;
+}
+
+/* ---- locking --------------------------------------------------------------- */
+
+EXPORT hsa_status_t hsa_amd_memory_lock_to_pool(void *host_ptr, size_t size,
+						hsa_agent_t *agents, int num_agent,
+						hsa_amd_memory_pool_t pool, uint32_t flags,
+						void **agent_ptr)
+{
+	uint64_t dev;
+	int owner = -1;
+	long cur;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!host_ptr || !size || !agent_ptr || flags || (!agents) != (num_agent == 0))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (pool.handle != CPU_POOL)
+		return (hsa_status_t)HSA_STATUS_ERROR_INVALID_MEMORY_POOL;
+	for (int i = 0; i < num_agent; i++) {
+		if (gpu_of(agents[i]) < 0)
+			return HSA_STATUS_ERROR_INVALID_AGENT;
+		owner = gpu_of(agents[i]);
+	}
+	if (trip(&fail_lock))
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	dev = fake_region_add(FAKE_ALIAS, size, host_ptr, owner, 0);
+	if (!dev)
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	atomic_fetch_add(&st_locks_total, 1);
+	cur = atomic_load(&st_max_lock_bytes);
+	while ((long)size > cur && !atomic_compare_exchange_weak(&st_max_lock_bytes, &cur, (long)size))
+		;
+	*agent_ptr = (void *)(uintptr_t)dev;
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_memory_unlock(void *host_ptr)
+{
+	struct fake_region r;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (fake_alias_of_host(host_ptr, 1, &r) || r.host != host_ptr)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT; /* real: undefined */
+	fake_region_del(r.dev, NULL);
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_pointer_info(const void *ptr, hsa_amd_pointer_info_t *info,
+					 void *(*alloc)(size_t), uint32_t *num_agents_accessible,
+					 hsa_agent_t **accessible)
+{
+	struct fake_region r;
+
+	(void)alloc;
+	(void)num_agents_accessible;
+	(void)accessible;
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!ptr || !info || info->size < sizeof(*info))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	memset((char *)info + sizeof(info->size), 0, sizeof(*info) - sizeof(info->size));
+	if (fake_region_find((uint64_t)(uintptr_t)ptr, 1, &r)) {
+		info->type = HSA_EXT_POINTER_TYPE_UNKNOWN;
+		return HSA_STATUS_SUCCESS;
+	}
+	info->type = r.kind == FAKE_ALIAS ? HSA_EXT_POINTER_TYPE_LOCKED : HSA_EXT_POINTER_TYPE_HSA;
+	info->agentBaseAddress = (void *)(uintptr_t)r.dev;
+	info->hostBaseAddress = r.kind == FAKE_DEV ? NULL : r.host;
+	info->sizeInBytes = r.len;
+	info->agentOwner.handle = r.kind == FAKE_DEV ? GPU_AGENT + (uint64_t)r.owner : CPU_AGENT;
+	return HSA_STATUS_SUCCESS;
+}
+
+/* ---- signals -------------------------------------------------------------- */
+
+struct fsig {
+	uint64_t magic;
+	pthread_mutex_t m;
+	pthread_cond_t c;
+	int64_t v; /* under m */
+};
+
+static struct fsig *sig_of(hsa_signal_t s)
+{
+	struct fsig *f = (struct fsig *)(uintptr_t)s.handle;
+
+	return f && f->magic == SIG_MAGIC ? f : NULL;
+}
+
+EXPORT hsa_status_t hsa_signal_create(hsa_signal_value_t initial_value, uint32_t num_consumers,
+				      const hsa_agent_t *consumers, hsa_signal_t *signal)
+{
+	struct fsig *f;
+	pthread_condattr_t ca;
+
+	(void)consumers;
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!signal || (num_consumers && !consumers))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	f->magic = SIG_MAGIC;
+	f->v = initial_value;
+	pthread_mutex_init(&f->m, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&f->c, &ca);
+	pthread_condattr_destroy(&ca);
+	signal->handle = (uint64_t)(uintptr_t)f;
+	atomic_fetch_add(&st_signals_live, 1);
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_signal_destroy(hsa_signal_t signal)
+{
+	struct fsig *f = sig_of(signal);
+
+	if (!f)
+		return HSA_STATUS_ERROR_INVALID_SIGNAL;
+	f->magic = 0;
+	pthread_mutex_destroy(&f->m);
+	pthread_cond_destroy(&f->c);
+	free(f);
+	atomic_fetch_sub(&st_signals_live, 1);
+	return HSA_STATUS_SUCCESS;
+}
+
+static void sig_update(struct fsig *f, int set, int64_t v)
+{
+	pthread_mutex_lock(&f->m);
+	if (set)
+		f->v = v;
+	else
+		f->v += v;
+	pthread_cond_broadcast(&f->c);
+	pthread_mutex_unlock(&f->m);
+}
+
+EXPORT void hsa_signal_store_screlease(hsa_signal_t signal, hsa_signal_value_t value)
+{
+	struct fsig *f = sig_of(signal);
+
+	if (f)
+		sig_update(f, 1, value);
+	else
+		abort(); /* the real runtime would crash too */
+}
+
+EXPORT void hsa_signal_add_screlease(hsa_signal_t signal, hsa_signal_value_t value)
+{
+	struct fsig *f = sig_of(signal);
+
+	if (!f)
+		abort();
+	sig_update(f, 0, value);
+}
+
+EXPORT void hsa_signal_subtract_screlease(hsa_signal_t signal, hsa_signal_value_t value)
+{
+	struct fsig *f = sig_of(signal);
+
+	if (!f)
+		abort();
+	sig_update(f, 0, -value);
+}
+
+EXPORT hsa_signal_value_t hsa_signal_load_scacquire(hsa_signal_t signal)
+{
+	struct fsig *f = sig_of(signal);
+	int64_t v;
+
+	if (!f)
+		abort();
+	pthread_mutex_lock(&f->m);
+	v = f->v;
+	pthread_mutex_unlock(&f->m);
+	return v;
+}
+
+static int cond_met(int64_t v, hsa_signal_condition_t c, int64_t cmp)
+{
+	switch (c) {
+	case HSA_SIGNAL_CONDITION_EQ:
+		return v == cmp;
+	case HSA_SIGNAL_CONDITION_NE:
+		return v != cmp;
+	case HSA_SIGNAL_CONDITION_LT:
+		return v < cmp;
+	case HSA_SIGNAL_CONDITION_GTE:
+		return v >= cmp;
+	}
+	return 1;
+}
+
+EXPORT hsa_signal_value_t hsa_signal_wait_scacquire(hsa_signal_t signal,
+						    hsa_signal_condition_t condition,
+						    hsa_signal_value_t compare_value,
+						    uint64_t timeout_hint,
+						    hsa_wait_state_t wait_state_hint)
+{
+	struct fsig *f = sig_of(signal);
+	struct timespec ts;
+	int64_t v;
+
+	(void)wait_state_hint;
+	if (!f)
+		abort();
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	if (timeout_hint != UINT64_MAX) {
+		uint64_t ns = (uint64_t)ts.tv_nsec + timeout_hint % 1000000000u;
+
+		ts.tv_sec += (time_t)(timeout_hint / 1000000000u + ns / 1000000000u);
+		ts.tv_nsec = (long)(ns % 1000000000u);
+	}
+	pthread_mutex_lock(&f->m);
+	while (!cond_met(f->v, condition, compare_value)) {
+		if (timeout_hint == UINT64_MAX)
+			pthread_cond_wait(&f->c, &f->m);
+		else if (pthread_cond_timedwait(&f->c, &f->m, &ts))
+			break; /* the hint expired: return the current value */
+	}
+	v = f->v;
+	pthread_mutex_unlock(&f->m);
+	return v;
+}
+
+/* ---- copies ---------------------------------------------------------------- */
+
+struct ctask {
+	char *dst;
+	const char *src;
+	uint64_t len, dpitch, spitch;
+	uint32_t rows, slices;
+	uint64_t dslice, sslice;
+	struct fsig *sig;
+	int negative;
+};
+
+static void run_copy(void *arg)
+{
+	struct ctask *t = arg;
+
+	for (uint32_t z = 0; z < t->slices; z++)
+		for (uint32_t r = 0; r < t->rows; r++)
+			memcpy(t->dst + z * t->dslice + r * t->dpitch,
+			       t->src + z * t->sslice + r * t->spitch, t->len);
+	if (t->negative)
+		sig_update(t->sig, 1, -1);
+	else
+		sig_update(t->sig, 0, -1);
+	free(t);
+}
+
+/* Resolves one side of a copy and checks the agent named for it. */
+static char *side(const void *p, uint64_t len, hsa_agent_t agent, const char *what)
+{
+	struct fake_region r;
+	const char *why = "";
+	char *h = fake_translate((uint64_t)(uintptr_t)p, len, &why);
+
+	if (!h) {
+		fprintf(stderr, "fake hsa: %s %p+%llu: %s\n", what, p, (unsigned long long)len, why);
+		atomic_fetch_add(&st_bad_pointer, 1);
+		return NULL;
+	}
+	fake_region_find((uint64_t)(uintptr_t)p, len, &r);
+	if (r.kind == FAKE_DEV && gpu_of(agent) != r.owner) {
+		fprintf(stderr, "fake hsa: %s is memory of GPU %d but agent %#llx was named\n",
+			what, r.owner, (unsigned long long)agent.handle);
+		return NULL;
+	}
+	if (r.kind != FAKE_DEV && gpu_of(agent) < 0 && !is_cpu(agent))
+		return NULL;
+	return h;
+}
+
+static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *src,
+				hsa_agent_t src_agent, size_t size, hsa_signal_t completion)
+{
+	struct fsig *f = sig_of(completion);
+	struct ctask *t;
+	char *d, *s;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!f)
+		return HSA_STATUS_ERROR_INVALID_SIGNAL;
+	if ((gpu_of(dst_agent) < 0 && !is_cpu(dst_agent)) ||
+	    (gpu_of(src_agent) < 0 && !is_cpu(src_agent)))
+		return HSA_STATUS_ERROR_INVALID_AGENT;
+	if (!dst || !src)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (size == 0)
+		return HSA_STATUS_SUCCESS;
+	if (gpu_of(dst_agent) < 0 && gpu_of(src_agent) < 0)
+		return HSA_STATUS_ERROR_INVALID_AGENT; /* no GPU to copy with */
+	d = side(dst, size, dst_agent, "dst");
+	s = side(src, size, src_agent, "src");
+	if (!d || !s)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (trip(&fail_copy))
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	t = calloc(1, sizeof(*t));
+	if (!t)
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	*t = (struct ctask){ .dst = d, .src = s, .len = size, .rows = 1, .slices = 1,
+			     .sig = f, .negative = trip(&neg_signal) };
+	atomic_fetch_add(&st_copies, 1);
+	fake_worker_push(run_copy, t);
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_memory_async_copy(void *dst, hsa_agent_t dst_agent, const void *src,
+					      hsa_agent_t src_agent, size_t size,
+					      uint32_t num_dep_signals,
+					      const hsa_signal_t *dep_signals,
+					      hsa_signal_t completion_signal)
+{
+	if (num_dep_signals && !dep_signals)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	return submit_copy(dst, dst_agent, src, src_agent, size, completion_signal);
+}
+
+#ifndef FAKE_HSA_52
+EXPORT hsa_status_t hsa_amd_memory_async_copy_on_engine(void *dst, hsa_agent_t dst_agent,
+							const void *src, hsa_agent_t src_agent,
+							size_t size, uint32_t num_dep_signals,
+							const hsa_signal_t *dep_signals,
+							hsa_signal_t completion_signal,
+							uint32_t engine_id, bool force_copy_on_sdma)
+{
+	hsa_status_t st;
+	int e;
+
+	(void)force_copy_on_sdma;
+	if ((num_dep_signals && !dep_signals) || !engine_id || (engine_id & (engine_id - 1)))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT; /* exactly one bit */
+	e = __builtin_ctz(engine_id);
+	if (e >= N_SDMA)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (trip(&fail_engine))
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	st = submit_copy(dst, dst_agent, src, src_agent, size, completion_signal);
+	if (st == HSA_STATUS_SUCCESS) {
+		atomic_fetch_add(&st_engine_copies, 1);
+		atomic_fetch_add(&st_engine_used[e], 1);
+	}
+	return st;
+}
+
+EXPORT hsa_status_t hsa_amd_memory_copy_engine_status(hsa_agent_t dst_agent,
+						      hsa_agent_t src_agent,
+						      uint32_t *engine_ids_mask)
+{
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if ((gpu_of(dst_agent) < 0 && !is_cpu(dst_agent)) ||
+	    (gpu_of(src_agent) < 0 && !is_cpu(src_agent)) || !engine_ids_mask)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	*engine_ids_mask = (1u << N_SDMA) - 1;
+	return HSA_STATUS_SUCCESS;
+}
+#endif
+
+EXPORT hsa_status_t hsa_amd_memory_async_copy_rect(
+	const hsa_pitched_ptr_t *dst, const hsa_dim3_t *dst_offset, const hsa_pitched_ptr_t *src,
+	const hsa_dim3_t *src_offset, const hsa_dim3_t *range, hsa_agent_t copy_agent,
+	hsa_amd_copy_direction_t dir, uint32_t num_dep_signals, const hsa_signal_t *dep_signals,
+	hsa_signal_t completion_signal)
+{
+	struct fsig *f = sig_of(completion_signal);
+	struct fake_region rd, rs;
+	struct ctask *t;
+	uint64_t dext, sext;
+	char *d, *s;
+	const char *why = "";
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!f)
+		return HSA_STATUS_ERROR_INVALID_SIGNAL;
+	if (gpu_of(copy_agent) < 0)
+		return HSA_STATUS_ERROR_INVALID_AGENT; /* CPU agents are not supported */
+	if ((num_dep_signals && !dep_signals) || !range->x || !range->y || !range->z)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (atomic_load(&fail_rect))
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES; /* like "no SDMA" */
+	/* ROCr's checks: DWORD alignment, the rect inside the pitches */
+	if ((uintptr_t)dst->base % 4 || (uintptr_t)src->base % 4 || dst->pitch % 4 ||
+	    src->pitch % 4 || dst->slice % 4 || src->slice % 4 ||
+	    dst_offset->x + (uint64_t)range->x > dst->pitch ||
+	    src_offset->x + (uint64_t)range->x > src->pitch ||
+	    (src->slice && src_offset->y + (uint64_t)range->y > src->slice / src->pitch) ||
+	    (dst->slice && dst_offset->y + (uint64_t)range->y > dst->slice / dst->pitch) ||
+	    (range->z > 1 && (!src->slice || !dst->slice)) ||
+	    src->pitch > (1u << 19) || dst->pitch > (1u << 19))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	dext = (dst_offset->z + range->z - 1ull) * dst->slice +
+	       (dst_offset->y + range->y - 1ull) * dst->pitch + dst_offset->x + range->x;
+	sext = (src_offset->z + range->z - 1ull) * src->slice +
+	       (src_offset->y + range->y - 1ull) * src->pitch + src_offset->x + range->x;
+	d = fake_translate((uint64_t)(uintptr_t)dst->base, dext, &why);
+	if (d)
+		s = fake_translate((uint64_t)(uintptr_t)src->base, sext, &why);
+	if (!d || !s) {
+		fprintf(stderr, "fake hsa: rect: %s\n", why);
+		atomic_fetch_add(&st_bad_pointer, 1);
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	}
+	fake_region_find((uint64_t)(uintptr_t)dst->base, dext, &rd);
+	fake_region_find((uint64_t)(uintptr_t)src->base, sext, &rs);
+	if ((dir == hsaDeviceToHost && (rs.kind != FAKE_DEV || rd.kind == FAKE_DEV)) ||
+	    (dir == hsaHostToDevice && (rd.kind != FAKE_DEV || rs.kind == FAKE_DEV)) ||
+	    (dir != hsaDeviceToHost && dir != hsaHostToDevice))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (trip(&fail_copy))
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	t = calloc(1, sizeof(*t));
+	if (!t)
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	*t = (struct ctask){
+		.dst = d + dst_offset->z * dst->slice + dst_offset->y * dst->pitch + dst_offset->x,
+		.src = s + src_offset->z * src->slice + src_offset->y * src->pitch + src_offset->x,
+		.len = range->x, .rows = range->y, .slices = range->z,
+		.dpitch = dst->pitch, .spitch = src->pitch,
+		.dslice = dst->slice, .sslice = src->slice,
+		.sig = f, .negative = trip(&neg_signal),
+	};
+	atomic_fetch_add(&st_copies, 1);
+	atomic_fetch_add(&st_rect_copies, 1);
+	fake_worker_push(run_copy, t);
+	return HSA_STATUS_SUCCESS;
+}
