@@ -1,9 +1,13 @@
 /* index.c - the lock-free key -> slot index.
  *
  * Shape: n_buckets (a power of two) cache-line buckets, each a control word
- * and 7 entries.  A key hashes to a primary bucket b1 and a secondary b2;
- * a lookup reads at most those two lines (plus the slot's meta line to
- * compare the full 128-bit key).
+ * and 7 entries, at most 1/4 full (n_buckets x 7 >= 4 x n_slots).  A key
+ * hashes to a primary bucket b1 and a secondary b2 and goes to the emptier
+ * of the two (two choices keep the fullest bucket near the mean, so a key
+ * whose 14 ways are all taken is vanishingly rare; it is counted as
+ * index_full and its save fails with -ENOSPC).  A lookup reads at most
+ * those two lines (plus the slot's meta line to compare the full 128-bit
+ * key).
  *
  * Entry word: [tentative][gen low 15][tag 16][slot + 1].  0 is empty.
  *
@@ -197,11 +201,19 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		}
 		if (kvt__index_find(s, k, existing_gen, existing, 1))
 			return 1;
-		for (pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++)
-			if (kvt_load(entry_at(s, b1, b2, pos), KVT_RLX) == 0)
-				break;
-		if (pos == 2 * KVT_BUCKET_WAYS)
+		/* Two choices: the emptier bucket (b1 on a tie), its first
+		 * free way.  Relaxed: a stale view only picks a worse way; the
+		 * CAS below decides. */
+		uint32_t free1 = 0, free2 = 0, first1 = KVT_BUCKET_WAYS, first2 = KVT_BUCKET_WAYS;
+		for (uint32_t w = 0; w < KVT_BUCKET_WAYS; w++) {
+			if (kvt_load(&s->buckets[b1].e[w], KVT_RLX) == 0 && free1++ == 0)
+				first1 = w;
+			if (kvt_load(&s->buckets[b2].e[w], KVT_RLX) == 0 && free2++ == 0)
+				first2 = w;
+		}
+		if (!free1 && !free2)
 			return -ENOSPC;
+		pos = free1 >= free2 ? first1 : KVT_BUCKET_WAYS + first2;
 		tent = KVT_E(slot, gen, VTAG(CTL_VER(c) + 1), 1);
 		/* Release: the slot's key, written before, is visible to a
 		 * helper that reads this entry. */

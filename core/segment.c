@@ -198,8 +198,8 @@ int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 	d->lease_bytes = sizeof(struct kvt_lease) + (uint64_t)g->lease_max_chunks * 8;
 	d->n_entries = g->n_instances * (g->world + 1) + KVT_MAX_CLIENTS;
 	d->counter_block = round_up(KVT_C__COUNT * 8, KVT_CACHELINE);
-	/* Load factor <= 1/2 over 7-way buckets. */
-	want_buckets = ((uint64_t)g->n_slots * 2 + KVT_BUCKET_WAYS - 1) / KVT_BUCKET_WAYS;
+	/* Load factor <= 1/4 over 7-way buckets (see index.c). */
+	want_buckets = ((uint64_t)g->n_slots * 4 + KVT_BUCKET_WAYS - 1) / KVT_BUCKET_WAYS;
 	d->n_buckets = 2;
 	while (d->n_buckets < want_buckets)
 		d->n_buckets <<= 1;

@@ -130,9 +130,9 @@ static uint64_t meta_estimate(uint32_t world, uint32_t n_shards, uint64_t slots)
 {
 	const uint64_t page = 4096, line = 64;
 	uint64_t entries = 1 * (world + 1) + 32;          /* one instance + clients */
-	uint64_t counters = (entries + 1) * round_up(20 * 8, line);
+	uint64_t counters = (entries + 1) * round_up(21 * 8, line);
 	uint64_t leases = 1024 * (64 + 512 * 8);          /* defaults */
-	uint64_t buckets = 2, want = (slots * 2 + 6) / 7;
+	uint64_t buckets = 2, want = (slots * 4 + 6) / 7;
 	uint64_t off = page;
 
 	while (buckets < want)
