@@ -73,6 +73,7 @@ struct opts {
 	uint32_t repeat;
 	int json, no_2d, quiet;
 	int best;                      /* --stat best: maxima instead of medians */
+	int warm;                      /* --warm: rewrite what a phase writes first */
 	const char *plot;
 	const char *dir;               /* segment directory (hugetlbfs) */
 	uint64_t reg_bytes;            /* registration probe size */
@@ -239,6 +240,8 @@ static void usage(FILE *f)
 "  --reg-bytes SIZE     registration probe size (default 1G; 0: skip)\n"
 "  --hugetlbfs DIR      put the segment on this hugetlbfs mount\n"
 "  --no-2d              plans without 2-D copies\n"
+"  --warm               before each phase, write twice (untimed) the memory it\n"
+"                       writes: the arena, and the host backend's device memory\n"
 "  --json               one JSON object instead of the table\n"
 "  --plot FILE          also draw FILE (PNG, gnuplot; FILE.gp and FILE.dat kept)\n");
 }
@@ -252,7 +255,7 @@ static int parse(int argc, char **argv, struct opts *o)
 		{ "blocks", 1, 0, 'B' }, { "depths", 1, 0, 'D' }, { "ranks", 1, 0, 'r' },
 		{ "run-bytes", 1, 0, 'R' }, { "dev-bytes", 1, 0, 'V' }, { "repeat", 1, 0, 'n' },
 		{ "reg-bytes", 1, 0, 'G' }, { "hugetlbfs", 1, 0, 'H' }, { "no-2d", 0, 0, '2' },
-		{ "stat", 1, 0, 's' }, { "json", 0, 0, 'j' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
+		{ "stat", 1, 0, 's' }, { "json", 0, 0, 'j' }, { "warm", 0, 0, 'W' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
 		{ 0, 0, 0, 0 },
 	};
 	int c;
@@ -310,6 +313,7 @@ static int parse(int argc, char **argv, struct opts *o)
 			o->best = !strcmp(optarg, "best");
 			break;
 		case 'j': o->json = 1; break;
+		case 'W': o->warm = 1; break;
 		case 'p': o->plot = optarg; break;
 		case 'h': usage(stdout); return 1;
 		default: usage(stderr); return 2;
@@ -422,6 +426,8 @@ struct rank {
 	struct kvt_wref *w;
 	uint32_t q_head, q_n, q_cap;
 	uint32_t depth;               /* tickets in flight allowed now */
+	void *arena;                  /* this rank's part of the arena */
+	uint64_t arena_len;
 };
 
 static int fail(struct rank *k, const char *what, int rc, const char *detail)
@@ -730,6 +736,8 @@ static int rank_setup(struct rank *k)
 	/* Its own shard of the arena, registered (timed). */
 	if ((rc = kvt_seg_arena(k->seg, k->rank, &arena, &arena_len)))
 		return fail(k, "kvt_seg_arena", rc, kvt_core_last_error());
+	k->arena = arena;
+	k->arena_len = arena_len;
 	/* Fault in before registering, as kvtierd does -- twice: on some VMs a
 	 * page stays slow after its first touch until written again (2.5 vs
 	 * 18 GB/s measured), and every run writes fresh slots. */
@@ -769,6 +777,27 @@ static void rank_teardown(struct rank *k)
 static void barrier(struct rank *k)
 {
 	pthread_barrier_wait(k->bar);
+}
+
+/* --warm: write the memory the next phase writes, twice, untimed.  On some
+ * VMs (this project's CI VM) a page written once, or left idle for a few
+ * seconds, is slow to touch again (2-5 vs 14-18 GB/s measured with plain
+ * memcpy) until it has been written twice; a serving tier cycling its
+ * arena sees warm pages, and the ceiling warms its own buffer, so runs
+ * into cold pages would measure the VM.  The host backend's device memory
+ * is ordinary memory and is warmed the same way before both phases. */
+static void warm(struct rank *k, int load)
+{
+	if (!k->o->warm || k->res->failed)
+		return;
+	for (int pass = 0; pass < 2; pass++) {
+		if (!load)
+			memset(k->arena, pass, k->arena_len);
+		/* host: the device memory, read by saves and written by loads */
+		if (!strcmp(kvt_dma_backend(k->d), "host"))
+			for (uint32_t g = 0; g < k->cf->geo.n_groups; g++)
+				memset((void *)(uintptr_t)k->dev[g], pass, k->dev_len[g]);
+	}
 }
 
 static void ceiling(struct rank *k, enum kvt_dma_dir dir, double *seconds)
@@ -816,6 +845,7 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 
 			/* the depth bound: at most depths[di] tickets at once */
 			k.depth = o->depths[di];
+			warm(&k, 0);
 			barrier(&k);
 			k.res->t0[di][rep][0] = now_ns();
 			if (!k.res->failed && save_run(&k, run) == 0)
@@ -823,6 +853,7 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 			k.res->t1[di][rep][0] = now_ns();
 			barrier(&k);
 			ceiling(&k, KVT_DMA_D2H, &k.res->ceil_s[di][rep][0]);
+			warm(&k, 1);
 			barrier(&k);
 			k.res->t0[di][rep][1] = now_ns();
 			if (!k.res->failed)
@@ -1064,8 +1095,9 @@ static void print_table(const struct opts *o, const struct row *rows, uint32_t n
 	char a[32], b[32], c[32];
 
 	printf("kvtier-bench bandwidth: %s\n", describe);
-	printf("layout %s, %s blocks, %u run(s) per point (%s), ceiling: %s\n\n",
-	       o->layout, o->random_blocks ? "random" : "adjacent", o->repeat,
+	printf("layout %s, %s blocks,%s %u run(s) per point (%s), ceiling: %s\n\n",
+	       o->layout, o->random_blocks ? "random" : "adjacent",
+	       o->warm ? " warm memory," : "", o->repeat,
 	       o->best ? "best run; ratio: best over best ceiling"
 		       : "medians; ratio: median of each run over the ceiling right after it",
 	       strstr(describe, "host") == describe ? "memcpy, same process count"

@@ -83,12 +83,18 @@ if cmake -S "$root" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_CUDA=ON 
 else
 	rec NOTE "CMake build failed (build.log); building kvtier-bench directly"
 	mkdir -p "$out/direct"
+	# core + dma + the bench's ops and bandwidth commands; replay needs the
+	# public library (tier, numa) and is stubbed out here
+	cat >"$out/direct/stub.c" <<-'EOF'
+		int kvt_bench_replay(int argc, char **argv);
+		int kvt_bench_replay(int argc, char **argv) { (void)argc; (void)argv; return 2; }
+	EOF
 	if cc -O2 -g -std=c11 -D_GNU_SOURCE -DKVTIER_HAVE_CUDA=1 -DKVT_BENCH_HAVE_BANDWIDTH=1 \
 		-I"$root/core/include" -I"$root/core" -I"$root/dma/include" -I"$root/dma/src" \
 		-isystem "$cuda/include" \
 		"$root"/core/*.c "$root"/dma/src/plan.c "$root"/dma/src/dma.c \
 		"$root"/dma/src/host.c "$root"/dma/src/cuda.c \
-		"$root"/bench/main.c "$root"/bench/ops.c "$root"/bench/bandwidth.c \
+		"$root"/bench/main.c "$root"/bench/ops.c "$root"/bench/bandwidth.c "$out/direct/stub.c" \
 		-ldl -lpthread -lrt -o "$out/direct/kvtier-bench" >>"$out/build.log" 2>&1; then
 		bench=$out/direct/kvtier-bench
 		rec PASS "direct build with the CUDA backend"
