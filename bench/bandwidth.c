@@ -44,6 +44,7 @@
 #include <unistd.h>
 
 #include "kvt_core.h"
+#include "bench_util.h"
 #include "kvt_dma.h"
 
 #ifndef MFD_HUGE_2MB
@@ -118,38 +119,6 @@ struct row {
 	uint64_t reg_ns, reg_bytes;
 };
 
-static char seg_name[KVT_NAME_MAX + 1];
-static pid_t parent_pid;
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-	return z ^ (z >> 31);
-}
-
-static void cleanup(void)
-{
-	if (seg_name[0] && getpid() == parent_pid)
-		kvt_seg_unlink(seg_name, NULL);
-}
-
-static void on_signal(int sig)
-{
-	cleanup();
-	signal(sig, SIG_DFL);
-	raise(sig);
-}
 
 static const char *human(uint64_t b, char *buf, size_t len)
 {
@@ -1259,10 +1228,7 @@ int kvt_bench_bandwidth(int argc, char **argv)
 		perror("bandwidth");
 		return 1;
 	}
-	parent_pid = getpid();
-	atexit(cleanup);
-	signal(SIGINT, on_signal);
-	signal(SIGTERM, on_signal);
+	seg_guard_install();
 
 	if (o.reg_bytes) {
 		pid_t p;

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "kvt_core.h"
+#include "bench_util.h"
 
 #define TARGET_NS   100.0 /* lookup+pin+release, per chunk, one process */
 #define MAX_PROCS   8
@@ -74,38 +75,6 @@ struct row {
 	double agg_per_s;         /* chunks per second, all processes */
 };
 
-static char g_name[KVT_NAME_MAX + 1];
-static pid_t g_parent;
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-	return z ^ (z >> 31);
-}
-
-static void cleanup(void)
-{
-	if (g_name[0] && getpid() == g_parent)
-		kvt_seg_unlink(g_name, NULL);
-}
-
-static void on_signal(int sig)
-{
-	cleanup();
-	signal(sig, SIG_DFL);
-	raise(sig);
-}
 
 static void usage(FILE *f)
 {
@@ -431,14 +400,11 @@ int kvt_bench_ops(int argc, char **argv)
 	g.lease_max_chunks = o.cpl > 512 ? o.cpl : 0;
 	c = (struct kvt_seg_create_opts){ .size = sizeof(c), .name = o.name, .geo = &g,
 					  .flags = KVT_SEG_F_REPLACE };
-	g_parent = getpid();
-	snprintf(g_name, sizeof(g_name), "%s", o.name);
-	atexit(cleanup);
-	signal(SIGINT, on_signal);
-	signal(SIGTERM, on_signal);
+	seg_guard_install();
+	snprintf(seg_name, sizeof(seg_name), "%s", o.name);
 	if ((r = kvt_seg_create(&c, NULL, &s)) != 0) {
 		fprintf(stderr, "ops: create: %s\n", kvt_core_last_error());
-		g_name[0] = 0;
+		seg_name[0] = 0;
 		return 1;
 	}
 	if (kvt_seg_size(s) < (1ULL << 30) || o.slots < 100000)
@@ -491,6 +457,6 @@ out:
 	munmap(sh, sizeof(*sh));
 	kvt_seg_detach(s);
 	cleanup();
-	g_name[0] = 0;
+	seg_name[0] = 0;
 	return rc;
 }
