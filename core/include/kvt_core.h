@@ -258,14 +258,6 @@ void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o);
 /* Per-process liveness helpers. */
 uint64_t kvt_proc_start_time(int pid); /* 0 when the process does not exist */
 
-/* Transitional spellings for code written before the public API took these
- * names; not visible where kvtier.h is included. */
-#ifndef KVTIER_H
-#define kvt_lookup kvt_seg_lookup
-#define kvt_step kvt_seg_step
-#define kvt_reap kvt_seg_reap
-#endif
-
 #ifdef __cplusplus
 }
 #endif
