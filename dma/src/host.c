@@ -9,9 +9,20 @@
  * units (>= 256 KiB) from the oldest ticket that has unclaimed ones, so one
  * big chunk is spread over every worker and many small chunks queue in
  * order; a thread waiting for a ticket copies that ticket's unclaimed units
- * itself rather than sleeping.  Large rows are copied with non-temporal
- * stores: the destination is not read again soon by this thread, and
- * streaming it past the cache keeps a copy near the memory bandwidth.
+ * itself rather than sleeping, and when its own are all claimed by others
+ * it copies the oldest other ticket's, so the caller is one more copying
+ * thread instead of a sleeper that needs a wake-up.  Large rows are copied
+ * with non-temporal stores: the destination is not read again soon by this
+ * thread, and streaming it past the cache keeps a copy near the memory
+ * bandwidth.
+ *
+ * Hand-offs: a wake-up is a futex system call and a context switch (tens
+ * of microseconds on a paravirtualized VM), as much as copying a 256 KiB
+ * chunk.  So a worker that runs out of work polls the queue for SPIN_NS
+ * before it sleeps (it still counts as awake, and submit wakes a worker
+ * only when none is), and a waiter polls its ticket for SPIN_NS before it
+ * sleeps.  In a stream of chunks neither ever sleeps; an idle backend
+ * costs nothing after SPIN_NS.
  */
 #include "dma_int.h"
 
@@ -19,16 +30,23 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() __asm__ __volatile__("" ::: "memory")
 #endif
 
 #define UNIT_BYTES  (1u << 20)   /* split copies into units of about this */
-#define BATCH_BYTES (256u << 10) /* a worker claims at least this much */
+#define BATCH_BYTES (64u << 10)  /* a thread claims at least this much */
 #define NT_MIN      (32u << 10)  /* rows this long use streaming stores */
+#define SPIN_NS     50000u       /* poll this long before sleeping */
 
 struct unit {
 	char *dst;
@@ -46,7 +64,9 @@ struct hjob {
 	uint32_t next;         /* first unclaimed unit; under be->lock */
 	uint32_t done;         /* units finished; under be->lock */
 	int fault;
-	int state;             /* J_*; under be->lock */
+	int state;             /* J_*; written under be->lock, polled without
+				* it (__atomic, acquire: the copies happen
+				* before the release in the lock's unlock) */
 	struct hjob *qnext;
 };
 
@@ -56,6 +76,9 @@ struct host_be {
 	pthread_cond_t done;   /* a ticket finished */
 	struct hjob *jobs;     /* cfg.max_inflight */
 	struct hjob *qhead, *qtail;
+	int queued;            /* qhead != NULL; written under lock, polled
+				* without it by spinning workers (relaxed:
+				* a hint, rechecked under the lock) */
 	pthread_t *threads;
 	uint32_t n_threads;
 	uint32_t active;       /* workers not asleep; under lock */
@@ -139,6 +162,7 @@ static void run_batch(struct host_be *be, struct hjob *j)
 			if (be->qtail == j)
 				be->qtail = prev;
 		}
+		__atomic_store_n(&be->queued, be->qhead != NULL, __ATOMIC_RELAXED);
 	}
 	pthread_mutex_unlock(&be->lock);
 
@@ -149,8 +173,36 @@ static void run_batch(struct host_be *be, struct hjob *j)
 	pthread_mutex_lock(&be->lock);
 	j->done += end - first;
 	if (j->done == j->n_units) {
-		j->state = j->fault ? J_ERR : J_OK;
+		/* pairs with the acquire in job_status(): every copy of the
+		 * ticket happened before (each copier's unlock, then our lock) */
+		__atomic_store_n(&j->state, j->fault ? J_ERR : J_OK, __ATOMIC_RELEASE);
 		pthread_cond_broadcast(&be->done);
+	}
+}
+
+/* Polls, without the lock, until *flag is nonzero, the stop flag is set,
+ * SPIN_NS pass, or the deadline (ns, CLOCK_MONOTONIC) is reached.
+ * Nothing is decided on what it sees: callers recheck under the lock. */
+static void spin(const struct host_be *be, const int *flag, int until_not, int want,
+		 uint64_t deadline)
+{
+	uint64_t end = kvt__now_ns() + SPIN_NS;
+
+	if (deadline < end)
+		end = deadline;
+	for (uint32_t i = 1;; i++) {
+		int v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+
+		if ((until_not ? v != want : v == want) ||
+		    __atomic_load_n(&be->stop, __ATOMIC_RELAXED) ||
+		    __atomic_load_n(&be->queued, __ATOMIC_RELAXED))
+			return;
+		cpu_relax();
+		if (!(i & 63)) {
+			if (kvt__now_ns() >= end)
+				return;
+			sched_yield();
+		}
 	}
 }
 
@@ -162,6 +214,12 @@ static void *worker(void *arg)
 	be->active++;
 	for (;;) {
 		while (!be->stop && !be->qhead) {
+			/* poll a while, still counted awake, before sleeping */
+			pthread_mutex_unlock(&be->lock);
+			spin(be, &be->queued, 0, 1, UINT64_MAX);
+			pthread_mutex_lock(&be->lock);
+			if (be->stop || be->qhead)
+				break;
 			be->active--;
 			pthread_cond_wait(&be->work, &be->lock);
 			be->active++;
@@ -178,7 +236,7 @@ static void *worker(void *arg)
 static void host_stop(struct host_be *be)
 {
 	pthread_mutex_lock(&be->lock);
-	be->stop = 1;
+	__atomic_store_n(&be->stop, 1, __ATOMIC_RELAXED);
 	pthread_cond_broadcast(&be->work);
 	pthread_mutex_unlock(&be->lock);
 	for (uint32_t i = 0; i < be->n_threads; i++)
@@ -357,14 +415,15 @@ static int host_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_jo
 	j->fault = job->fault;
 	j->qnext = NULL;
 	if (n == 0) {
-		j->state = j->fault ? J_ERR : J_OK;
+		__atomic_store_n(&j->state, j->fault ? J_ERR : J_OK, __ATOMIC_RELEASE);
 	} else {
-		j->state = J_RUNNING;
+		__atomic_store_n(&j->state, J_RUNNING, __ATOMIC_RELAXED);
 		if (be->qtail)
 			be->qtail->qnext = j;
 		else
 			be->qhead = j;
 		be->qtail = j;
+		__atomic_store_n(&be->queued, 1, __ATOMIC_RELAXED);
 		/* Wake a worker only when none is awake (an awake one drains the
 		 * queue before sleeping), and a second one for a chunk big enough
 		 * to split: a wake-up is a system call and a context switch,
@@ -379,7 +438,9 @@ static int host_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_jo
 
 static int job_status(const struct hjob *j)
 {
-	return j->state == J_OK ? 0 : j->state == J_ERR ? -EIO : -EINPROGRESS;
+	int st = __atomic_load_n(&j->state, __ATOMIC_ACQUIRE);
+
+	return st == J_OK ? 0 : st == J_ERR ? -EIO : -EINPROGRESS;
 }
 
 static int host_poll(struct kvt_dma *d, uint32_t slot)
@@ -407,11 +468,23 @@ static int host_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
 	while ((rc = job_status(j)) == -EINPROGRESS) {
 		/* A waiter copies its own ticket's unclaimed units instead of
 		 * sleeping: at low depth that saves two thread hand-offs per
-		 * chunk, which cost more than copying a small chunk. */
+		 * chunk, which cost more than copying a small chunk.  With its
+		 * own all claimed, it copies the oldest queued ticket's (one
+		 * batch, so it returns at most a batch late). */
 		if (j->next < j->n_units) {
 			run_batch(be, j);
 			continue;
 		}
+		if (be->qhead && kvt__now_ns() < deadline) {
+			run_batch(be, be->qhead);
+			continue;
+		}
+		/* poll a while before sleeping: the last batches are running */
+		pthread_mutex_unlock(&be->lock);
+		spin(be, &j->state, 1, J_RUNNING, deadline);
+		pthread_mutex_lock(&be->lock);
+		if (job_status(j) != -EINPROGRESS || (be->qhead && kvt__now_ns() < deadline))
+			continue;
 		if (deadline == UINT64_MAX)
 			pthread_cond_wait(&be->done, &be->lock);
 		else if (pthread_cond_timedwait(&be->done, &be->lock, &ts) == ETIMEDOUT) {
@@ -425,17 +498,29 @@ static int host_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
 	return rc;
 }
 
+/* "Device" memory of the host backend: what a CPU engine's KV cache is,
+ * a large ordinary allocation.  From 2 MiB up it is 2 MiB aligned and
+ * asks for transparent huge pages (MADV_HUGEPAGE; a hint, harmless where
+ * THP is off), as a KV cache of that size should be: scattered 4 KiB-page
+ * KV blocks cost a TLB miss each, and on some VMs pages idle for a few
+ * seconds are slow to touch again unless they are huge. */
 static int host_dev_alloc(struct kvt_dma *d, uint64_t bytes, uint64_t *dev)
 {
+	uint64_t align = bytes >= (2u << 20) ? 2u << 20 : 4096;
 	void *p;
 
 	(void)d;
-	if (bytes > SIZE_MAX - 4095)
+	if (bytes > SIZE_MAX - align)
 		return kvt__dma_err(-ENOMEM, "host: allocation too large");
-	p = aligned_alloc(4096, (bytes + 4095) & ~(uint64_t)4095);
+	bytes = (bytes + align - 1) & ~(align - 1);
+	p = aligned_alloc(align, bytes);
 	if (!p)
 		return kvt__dma_err(-ENOMEM, "host: out of memory (%llu bytes)",
 				    (unsigned long long)bytes);
+#ifdef MADV_HUGEPAGE
+	if (align > 4096)
+		(void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
 	*dev = (uint64_t)(uintptr_t)p;
 	return 0;
 }

@@ -526,6 +526,40 @@ static void test_inflight_bound(void **state)
 	fix_close(&f);
 }
 
+/* Waits in any order, and zero-timeout waits, finish every ticket: the
+ * host backend's waiter copies other queued tickets while its own are
+ * claimed, and a zero-timeout wait still makes progress. */
+static void test_wait_out_of_order(void **state)
+{
+	struct kvt_dma_config c = base_cfg();
+	struct fix f;
+	kvt_dma_ticket t[4];
+	int rc;
+
+	(void)state;
+	fix_open(&f, &c);
+	for (int round = 0; round < 50; round++) {
+		memset(f.a.base, 0xee, 4 * f.a.stride);
+		for (int i = 0; i < 4; i++)
+			assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + i * f.a.stride,
+							KVT_DMA_D2H, &t[i]), 0);
+		if (round % 2) {
+			for (int i = 3; i >= 0; i--)
+				assert_int_equal(kvt_dma_wait(f.d, t[i], -1), 0);
+		} else {
+			for (int i = 3; i >= 0; i--) {
+				while ((rc = kvt_dma_wait(f.d, t[i], 0)) == -ETIMEDOUT)
+					;
+				assert_int_equal(rc, 0);
+			}
+		}
+		assert_int_equal(kvt_dma_inflight(f.d), 0);
+		for (int i = 0; i < 4; i++)
+			check_slot(&f, (uint32_t)i, 1);
+	}
+	fix_close(&f);
+}
+
 /* The caller's protocol: a ready bit only for a ticket that completed. */
 static void test_error_on_ticket(void **state)
 {
@@ -1033,6 +1067,7 @@ int main(void)
 		cmocka_unit_test(test_roundtrip_glm5),
 		cmocka_unit_test(test_roundtrip_partial),
 		cmocka_unit_test(test_inflight_bound),
+		cmocka_unit_test(test_wait_out_of_order),
 		cmocka_unit_test(test_error_on_ticket),
 		cmocka_unit_test(test_submit_failure),
 		cmocka_unit_test(test_register_failure),
