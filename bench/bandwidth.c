@@ -15,19 +15,28 @@
  *         (H2D, into other blocks) -> wait -> kvt_lease_release.
  *
  * Ranks start each phase together (a process-shared barrier); a phase's
- * GB/s is all ranks' bytes over (last end - first start).  The ceiling is
- * the backend's kvt_dma_ceiling() -- memcpy for host, the runtime's own
- * pinned copy for hsa/cuda -- moving as many bytes in C-byte copies over
- * the same device memory, in R processes at once, right after each run:
- * on a busy machine both shift alike.  Medians of `repeat` runs (and of
- * the per-run ratios) are printed.
+ * GB/s is all ranks' bytes over (last end - first start).  Right after each
+ * run, in R processes at once (on a busy machine both shift alike):
+ *
+ *   ceil  host: the run's own copies again -- same plans, device blocks and
+ *         sub-slots -- by memcpy in one thread per rank (the platform's
+ *         memcpy on exactly these pages); hsa/cuda: the runtime's own
+ *         pinned copy (kvt_dma_ceiling), C-byte copies over the same
+ *         device memory;
+ *   peak  kvt_dma_ceiling(): host: memcpy of whole C-byte chunks over the
+ *         same device memory (what memcpy does without the engine's page
+ *         scatter); hsa/cuda: the same as ceil.
+ *
+ * Medians of `repeat` runs (and of the per-run ratios) are printed.
  * Before timing, each configuration is verified once: a saved sub-slot must
  * hold the device pages token by token, and a load must reproduce them in
  * other blocks.
  *
  * The arena is sized so that no run evicts another's chunks (loads must
- * find them all); registration time of the arena (4 KiB pages) and of a
- * huge-page mapping of the same kind (memfd, MFD_HUGETLB) is reported.
+ * find them all) and goes where kvt_open would put it: on a hugetlbfs
+ * mount with enough free huge pages, else in /dev/shm (--hugetlbfs).
+ * Registration time of the arena and of a 4 KiB / 2 MiB page memfd of the
+ * same size (the probe) is reported.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -46,6 +55,7 @@
 #include "kvt_core.h"
 #include "bench_util.h"
 #include "kvt_dma.h"
+#include "kvt_numa.h"
 
 #ifndef MFD_HUGE_2MB
 #define MFD_HUGE_2MB (21u << 26)
@@ -76,8 +86,9 @@ struct opts {
 	int best;                      /* --stat best: maxima instead of medians */
 	int warm;                      /* --warm: rewrite what a phase writes first */
 	const char *plot;
-	const char *dir;               /* segment directory (hugetlbfs) */
+	const char *hugetlbfs;         /* "auto" (default), "none" or a directory */
 	uint64_t reg_bytes;            /* registration probe size */
+	uint32_t workers;              /* host: copy threads, cuda: streams (0: default) */
 };
 
 /* One configuration: a layout and a rank count. */
@@ -90,6 +101,7 @@ struct conf {
 	uint32_t n;                    /* chunks per rank per run */
 	uint64_t n_blocks;             /* per layer */
 	char name[64];
+	char dir[256];                 /* segment directory ("": /dev/shm) */
 };
 
 /* Results of one rank, in memory shared with the parent. */
@@ -97,6 +109,8 @@ struct rank_res {
 	uint64_t t0[MAX_LIST][MAX_REP][2], t1[MAX_LIST][MAX_REP][2];
 	uint64_t chunks[MAX_LIST][MAX_REP][2];
 	double ceil_s[MAX_LIST][MAX_REP][2];  /* the ceiling next to each run */
+	uint64_t ceil_b[MAX_LIST][MAX_REP][2]; /* bytes it moved */
+	double peak_s[MAX_LIST][MAX_REP][2];  /* host: contiguous memcpy */
 	uint64_t ceil_bytes, ceil_iters;
 	uint64_t reg_ns, reg_bytes;
 	uint32_t copies;               /* copies in a save plan */
@@ -116,7 +130,9 @@ struct row {
 	uint32_t ranks, depth, copies;
 	uint64_t chunk, page;
 	double gbs[2], ceil[2], ratio[2];
+	double peak[2], peak_ratio[2]; /* host: contiguous memcpy; else = ceil */
 	uint64_t reg_ns, reg_bytes;
+	int huge;                      /* arena on hugetlbfs */
 };
 
 
@@ -207,8 +223,13 @@ static void usage(FILE *f)
 "  --repeat N           runs per measurement (default 3)\n"
 "  --stat median|best   print medians (default) or the best run (busy machines)\n"
 "  --reg-bytes SIZE     registration probe size (default 1G; 0: skip)\n"
-"  --hugetlbfs DIR      put the segment on this hugetlbfs mount\n"
+"  --hugetlbfs DIR|auto|none\n"
+"                       where the segment goes: auto (default) takes a hugetlbfs\n"
+"                       mount with enough free huge pages, as kvt_open does,\n"
+"                       else /dev/shm (4 KiB pages); none: /dev/shm\n"
 "  --no-2d              plans without 2-D copies\n"
+"  --workers N          host: copy threads per rank (default min(4, CPUs));\n"
+"                       cuda: streams per rank (default 4)\n"
 "  --warm               before each phase, write twice (untimed) the memory it\n"
 "                       writes: the arena, and the host backend's device memory\n"
 "  --json               one JSON object instead of the table\n"
@@ -224,6 +245,7 @@ static int parse(int argc, char **argv, struct opts *o)
 		{ "blocks", 1, 0, 'B' }, { "depths", 1, 0, 'D' }, { "ranks", 1, 0, 'r' },
 		{ "run-bytes", 1, 0, 'R' }, { "dev-bytes", 1, 0, 'V' }, { "repeat", 1, 0, 'n' },
 		{ "reg-bytes", 1, 0, 'G' }, { "hugetlbfs", 1, 0, 'H' }, { "no-2d", 0, 0, '2' },
+		{ "workers", 1, 0, 'w' },
 		{ "stat", 1, 0, 's' }, { "json", 0, 0, 'j' }, { "warm", 0, 0, 'W' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
 		{ 0, 0, 0, 0 },
 	};
@@ -243,6 +265,7 @@ static int parse(int argc, char **argv, struct opts *o)
 	o->dev_bytes = 256ULL << 20;
 	o->repeat = 3;
 	o->reg_bytes = 1ULL << 30;
+	o->hugetlbfs = "auto";
 	optind = 1;
 	while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
 		int bad = 0;
@@ -275,8 +298,12 @@ static int parse(int argc, char **argv, struct opts *o)
 			else
 				bad = parse_size(optarg, &o->reg_bytes);
 			break;
-		case 'H': o->dir = optarg; break;
+		case 'H': o->hugetlbfs = optarg; bad = !*optarg; break;
 		case '2': o->no_2d = 1; break;
+		case 'w':
+			o->workers = (uint32_t)atoi(optarg);
+			bad = !o->workers || o->workers > 64;
+			break;
 		case 's':
 			bad = strcmp(optarg, "median") && strcmp(optarg, "best");
 			o->best = !strcmp(optarg, "best");
@@ -397,6 +424,9 @@ struct rank {
 	uint32_t depth;               /* tickets in flight allowed now */
 	void *arena;                  /* this rank's part of the arena */
 	uint64_t arena_len;
+	/* what the last run did, for the host ceiling to do again */
+	char **subs;                  /* [cf->n] sub-slot of chunk i, NULL: none */
+	uint64_t run_seed;            /* k->seed when the run started */
 };
 
 static int fail(struct rank *k, const char *what, int rc, const char *detail)
@@ -500,6 +530,8 @@ static int submit(struct rank *k, void *sub, enum kvt_dma_dir dir, const struct 
 
 static int save_run(struct rank *k, uint32_t run)
 {
+	memset(k->subs, 0, k->cf->n * sizeof(*k->subs));
+	k->run_seed = k->seed;
 	for (uint32_t i = 0; i < k->cf->n && !k->res->failed; i++) {
 		kvt_key key = key_of(run, i);
 		struct kvt_wref w;
@@ -509,8 +541,8 @@ static int save_run(struct rank *k, uint32_t run)
 			continue;
 		if (rc)
 			return fail(k, "kvt_write_begin", rc, kvt_core_last_error());
-		if (build(k, i, 0) ||
-		    submit(k, kvt_slot_shard_ptr(k->seg, w.slot, w.shard), KVT_DMA_D2H, &w)) {
+		k->subs[i] = kvt_slot_shard_ptr(k->seg, w.slot, w.shard);
+		if (build(k, i, 0) || submit(k, k->subs[i], KVT_DMA_D2H, &w)) {
 			kvt_write_end(k->seg, &w, 0);
 			return -1;
 		}
@@ -529,6 +561,8 @@ static int64_t load_run(struct rank *k, uint32_t run)
 	uint64_t gens[256];
 	int64_t loaded = 0;
 
+	memset(k->subs, 0, k->cf->n * sizeof(*k->subs));
+	k->run_seed = k->seed;
 	for (uint32_t i = 0; i < k->cf->n && !k->res->failed;) {
 		uint32_t n = k->cf->n - i < 256 ? k->cf->n - i : 256;
 		uint64_t lease = 0;
@@ -542,11 +576,12 @@ static int64_t load_run(struct rank *k, uint32_t run)
 		got = hits ? kvt_lease_slots(k->seg, lease, slots, gens, n) : 0;
 		if (got < 0)
 			return fail(k, "kvt_lease_slots", got, kvt_core_last_error());
-		for (int j = 0; j < got; j++)
+		for (int j = 0; j < got; j++) {
+			k->subs[i + j] = kvt_slot_shard_ptr(k->seg, slots[j], k->rank);
 			if (build(k, i + (uint32_t)j, 1) ||
-			    submit(k, kvt_slot_shard_ptr(k->seg, slots[j], k->rank), KVT_DMA_H2D,
-				   NULL))
+			    submit(k, k->subs[i + j], KVT_DMA_H2D, NULL))
 				break;
+		}
 		while (k->q_n)
 			if (retire(k, 0))
 				break;
@@ -624,7 +659,8 @@ static int verify(struct rank *k)
 static int rank_setup(struct rank *k)
 {
 	const struct conf *cf = k->cf;
-	struct kvt_seg_attach_opts ao = { .size = sizeof(ao), .name = seg_name, .dir = k->o->dir,
+	struct kvt_seg_attach_opts ao = { .size = sizeof(ao), .name = seg_name,
+					  .dir = cf->dir[0] ? cf->dir : NULL,
 					  .role = KVT_ROLE_CLIENT };
 	struct kvt_dma_config dc = { .size = sizeof(dc), .backend = k->o->backend,
 				     .device = k->o->device, .flags = KVT_DMA_F_QUIET };
@@ -641,6 +677,7 @@ static int rank_setup(struct rank *k)
 	if ((rc = kvt_seg_attach(&ao, &k->seg)))
 		return fail(k, "kvt_seg_attach", rc, kvt_core_last_error());
 	dc.max_inflight = depth_max;
+	dc.n_workers = k->o->workers;
 	if (k->o->no_2d)
 		dc.flags |= KVT_DMA_F_NO_2D;
 	if ((rc = kvt_dma_open(&dc, &k->d)))
@@ -655,7 +692,8 @@ static int rank_setup(struct rank *k)
 	k->q_cap = depth_max + 1;
 	k->t = calloc(k->q_cap, sizeof(*k->t));
 	k->w = calloc(k->q_cap, sizeof(*k->w));
-	if (!k->bases || !k->blocks || !k->t || !k->w)
+	k->subs = calloc(cf->n, sizeof(*k->subs));
+	if (!k->bases || !k->blocks || !k->t || !k->w || !k->subs)
 		return fail(k, "setup", -ENOMEM, NULL);
 	k->layout.chunk_tokens = cf->geo.chunk_tokens;
 	k->layout.n_groups = cf->geo.n_groups;
@@ -741,6 +779,7 @@ static void rank_teardown(struct rank *k)
 	free(k->blocks);
 	free(k->t);
 	free(k->w);
+	free(k->subs);
 }
 
 static void barrier(struct rank *k)
@@ -769,17 +808,72 @@ static void warm(struct rank *k, int load)
 	}
 }
 
-static void ceiling(struct rank *k, enum kvt_dma_dir dir, double *seconds)
+/* The host ceiling: the copies the run just made -- the same plans, device
+ * blocks and arena sub-slots -- again, by memcpy in this one thread (only
+ * the copies are timed, not the plans).  What memcpy itself does with
+ * these pages: scattered 4 KiB pages copy at half the speed of one long
+ * run on common CPUs (a TLB miss and a prefetcher restart per page), and
+ * no copy engine should be credited or blamed for that.  The memory was
+ * just touched by the run, so this favours the ceiling, if anything. */
+static void replay(struct rank *k, int load, double *seconds, uint64_t *bytes)
+{
+	const struct kvt_plan *p = &k->plan;
+	uint64_t seed = k->seed, ns = 0, b = 0;
+
+	k->seed = k->run_seed;
+	for (uint32_t i = 0; i < k->cf->n && !k->res->failed; i++) {
+		uint64_t t0;
+
+		if (!k->subs[i])
+			continue;
+		if (build(k, i, load))
+			break;
+		t0 = now_ns();
+		for (uint32_t c = 0; c < p->n; c++) {
+			const struct kvt_copy *cp = &p->copies[c];
+
+			for (uint32_t r = 0; r < cp->rows; r++) {
+				char *dev = (char *)(uintptr_t)(cp->dev + r * cp->dev_pitch);
+				char *host = k->subs[i] + cp->off + r * cp->host_pitch;
+
+				if (load)
+					memcpy(dev, host, cp->len);
+				else
+					memcpy(host, dev, cp->len);
+			}
+		}
+		ns += now_ns() - t0;
+		b += p->bytes;
+	}
+	k->seed = seed;
+	*seconds = ns * 1e-9;
+	*bytes = b;
+}
+
+/* The ceilings next to run (di, rep) in direction dir: for the host
+ * backend, memcpy of the same copies (ceil) and contiguous chunk-sized
+ * memcpy over the same device memory (peak); for a GPU backend, the
+ * runtime's pinned copy (both). */
+static void ceiling(struct rank *k, uint32_t di, uint32_t rep, enum kvt_dma_dir dir)
 {
 	const struct conf *cf = k->cf;
+	struct rank_res *x = k->res;
 	int rc;
 
-	if (k->res->failed || !k->res->ceil_bytes)
+	if (x->failed || !x->ceil_bytes)
 		return;
-	rc = kvt_dma_ceiling(k->d, dir, k->dev[0], k->res->ceil_bytes, cf->chunk_bytes,
-			     (uint32_t)k->res->ceil_iters, seconds);
-	if (rc)
+	rc = kvt_dma_ceiling(k->d, dir, k->dev[0], x->ceil_bytes, cf->chunk_bytes,
+			     (uint32_t)x->ceil_iters, &x->peak_s[di][rep][dir]);
+	if (rc) {
 		fail(k, "ceiling", rc, kvt_dma_last_error());
+		return;
+	}
+	if (!strcmp(kvt_dma_backend(k->d), "host")) {
+		replay(k, dir == KVT_DMA_H2D, &x->ceil_s[di][rep][dir], &x->ceil_b[di][rep][dir]);
+	} else {
+		x->ceil_s[di][rep][dir] = x->peak_s[di][rep][dir];
+		x->ceil_b[di][rep][dir] = x->ceil_bytes * x->ceil_iters;
+	}
 }
 
 static int rank_main(const struct opts *o, const struct conf *cf, struct shared *sh,
@@ -821,7 +915,7 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 				k.res->chunks[di][rep][0] = k.cf->n;
 			k.res->t1[di][rep][0] = now_ns();
 			barrier(&k);
-			ceiling(&k, KVT_DMA_D2H, &k.res->ceil_s[di][rep][0]);
+			ceiling(&k, di, rep, KVT_DMA_D2H);
 			warm(&k, 1);
 			barrier(&k);
 			k.res->t0[di][rep][1] = now_ns();
@@ -830,7 +924,7 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 			k.res->t1[di][rep][1] = now_ns();
 			k.res->chunks[di][rep][1] = got > 0 ? (uint64_t)got : 0;
 			barrier(&k);
-			ceiling(&k, KVT_DMA_H2D, &k.res->ceil_s[di][rep][1]);
+			ceiling(&k, di, rep, KVT_DMA_H2D);
 		}
 	}
 	rank_teardown(&k);
@@ -943,6 +1037,44 @@ static double pick(double *v, uint32_t n, int best)
 	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+static void quiet_log(void *arg, int level, const char *msg)
+{
+	(void)arg;
+	(void)level;
+	(void)msg;
+}
+
+/* Where the segment goes (cf->dir): --hugetlbfs DIR; auto: a hugetlbfs
+ * mount with enough free huge pages for the whole segment, as kvt_open's
+ * create path decides (kvt_hugepages_choose), else /dev/shm. */
+static int arena_dir(const struct opts *o, struct conf *cf)
+{
+	struct kvt_numa_topo *topo;
+	struct kvt_hp_request hr;
+	struct kvt_hp_choice hc;
+	int rc;
+
+	cf->dir[0] = 0;
+	if (!strcmp(o->hugetlbfs, "none"))
+		return 0;
+	if (strcmp(o->hugetlbfs, "auto")) {
+		snprintf(cf->dir, sizeof(cf->dir), "%s", o->hugetlbfs);
+		return 0;
+	}
+	if (kvt_numa_topo_read(NULL, &topo))
+		return 0; /* no topology: /dev/shm */
+	memset(&hr, 0, sizeof(hr));
+	hr.size = sizeof(hr);
+	hr.want = KVT_HP_AUTO;
+	hr.seg_bytes = kvt_geometry_segment_bytes(&cf->geo);
+	hr.log = quiet_log;
+	rc = kvt_hugepages_choose(topo, NULL, &hr, &hc);
+	kvt_numa_topo_free(topo);
+	if (rc == 0 && hc.use)
+		snprintf(cf->dir, sizeof(cf->dir), "%s", hc.dir);
+	return 0;
+}
+
 static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 		    struct row *rows, uint32_t *n_rows, char *describe, size_t dlen)
 {
@@ -960,8 +1092,11 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 	}
 	cf->geo.n_slots = (uint32_t)(cf->n * runs + cf->ranks + 64);
 	cf->geo.lease_max_chunks = 256;
+	if (arena_dir(o, cf))
+		return -1;
 	snprintf(seg_name, sizeof(seg_name), "kvtier-bw-%d", (int)getpid());
-	co = (struct kvt_seg_create_opts){ .size = sizeof(co), .name = seg_name, .dir = o->dir,
+	seg_dir = cf->dir[0] ? cf->dir : NULL;
+	co = (struct kvt_seg_create_opts){ .size = sizeof(co), .name = seg_name, .dir = seg_dir,
 					   .geo = &cf->geo, .flags = KVT_SEG_F_REPLACE };
 	if ((rc = kvt_seg_create(&co, NULL, &s))) {
 		fprintf(stderr, "bandwidth: segment of %u slots x %u shards x %llu B: %s\n",
@@ -988,7 +1123,7 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 			for (uint32_t i = 0; i < r; i++)
 				waitpid(pids[i], NULL, 0);
 			kvt_seg_detach(s);
-			kvt_seg_unlink(seg_name, NULL);
+			kvt_seg_unlink(seg_name, seg_dir);
 			seg_name[0] = 0;
 			return -1;
 		}
@@ -1005,7 +1140,7 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 	}
 	pthread_barrier_destroy(&sh->bar);
 	kvt_seg_detach(s);
-	kvt_seg_unlink(seg_name, NULL);
+	kvt_seg_unlink(seg_name, seg_dir);
 	seg_name[0] = 0;
 	if (failed)
 		return -1;
@@ -1024,13 +1159,15 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 		w->copies = sh->r[0].copies;
 		w->reg_ns = sh->r[0].reg_ns;
 		w->reg_bytes = sh->r[0].reg_bytes;
+		w->huge = cf->dir[0] != 0;
 		for (int dir = 0; dir < 2; dir++) {
-			double q[MAX_REP];
+			double q[MAX_REP], qp[MAX_REP], pk[MAX_REP];
 
 			for (uint32_t rep = 0; rep < o->repeat; rep++) {
-				uint64_t t0 = UINT64_MAX, t1 = 0, bytes = 0;
-				double worst = 0;
+				uint64_t t0 = UINT64_MAX, t1 = 0, bytes = 0, cb = 0;
+				double worst = 0, worst_p = 0;
 
+				/* ranks run side by side: all bytes over the slowest */
 				for (uint32_t r = 0; r < cf->ranks; r++) {
 					const struct rank_res *x = &sh->r[r];
 
@@ -1039,20 +1176,28 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 					if (x->t1[di][rep][dir] > t1)
 						t1 = x->t1[di][rep][dir];
 					bytes += x->chunks[di][rep][dir] * cf->chunk_bytes;
+					cb += x->ceil_b[di][rep][dir];
 					if (x->ceil_s[di][rep][dir] > worst)
 						worst = x->ceil_s[di][rep][dir];
+					if (x->peak_s[di][rep][dir] > worst_p)
+						worst_p = x->peak_s[di][rep][dir];
 				}
 				g[dir][rep] = t1 > t0 ? bytes / (double)(t1 - t0) : 0;
-				c[dir][rep] = worst > 0 ? cf->ranks * (double)sh->r[0].ceil_bytes *
-							  sh->r[0].ceil_iters / worst * 1e-9 : 0;
+				c[dir][rep] = worst > 0 ? cb / worst * 1e-9 : 0;
+				pk[rep] = worst_p > 0 ? cf->ranks * (double)sh->r[0].ceil_bytes *
+							sh->r[0].ceil_iters / worst_p * 1e-9 : 0;
 				q[rep] = c[dir][rep] > 0 ? g[dir][rep] / c[dir][rep] : 0;
+				qp[rep] = pk[rep] > 0 ? g[dir][rep] / pk[rep] : 0;
 			}
 			w->gbs[dir] = pick(g[dir], o->repeat, o->best);
 			w->ceil[dir] = pick(c[dir], o->repeat, o->best);
+			w->peak[dir] = pick(pk, o->repeat, o->best);
 			/* best: the best run over the best ceiling; median: the
 			 * median of each run over the ceiling right after it */
 			w->ratio[dir] = o->best ? (w->ceil[dir] > 0 ? w->gbs[dir] / w->ceil[dir] : 0)
 						: pick(q, o->repeat, 0);
+			w->peak_ratio[dir] = o->best ? (w->peak[dir] > 0 ? w->gbs[dir] / w->peak[dir] : 0)
+						     : pick(qp, o->repeat, 0);
 		}
 	}
 	return 0;
@@ -1063,26 +1208,40 @@ static void print_table(const struct opts *o, const struct row *rows, uint32_t n
 {
 	char a[32], b[32], c[32];
 
+	int host = strstr(describe, "host") == describe;
+	uint32_t n_huge = 0;
+
 	printf("kvtier-bench bandwidth: %s\n", describe);
-	printf("layout %s, %s blocks,%s %u run(s) per point (%s), ceiling: %s\n\n",
+	printf("layout %s, %s blocks,%s %u run(s) per point (%s)\n",
 	       o->layout, o->random_blocks ? "random" : "adjacent",
 	       o->warm ? " warm memory," : "", o->repeat,
 	       o->best ? "best run; ratio: best over best ceiling"
-		       : "medians; ratio: median of each run over the ceiling right after it",
-	       strstr(describe, "host") == describe ? "memcpy, same process count"
-						    : "the runtime's pinned-memory copy");
-	printf("%-12s %5s %7s %7s %6s %7s | %9s %9s %6s | %9s %9s %6s\n", "layout", "ranks",
-	       "chunk", "page", "depth", "copies", "save GB/s", "ceil D2H", "ratio",
-	       "load GB/s", "ceil H2D", "ratio");
+		       : "medians; ratio: median of each run over the ceiling right after it");
+	if (host)
+		printf("ceil: memcpy of the same copies (same plans, pages and sub-slots), one thread\n"
+		       "      per rank process; peak: memcpy of whole chunks over the same memory\n\n");
+	else
+		printf("ceil = peak: the runtime's own copy from memory it pinned itself, in\n"
+		       "      chunk-sized copies, one stream per rank process\n\n");
+	printf("%-12s %5s %7s %7s %6s %6s | %9s %7s %5s %7s %5s | %9s %7s %5s %7s %5s\n",
+	       "layout", "ranks", "chunk", "page", "depth", "copies", "save GB/s", "ceil", "ratio",
+	       "peak", "ratio", "load GB/s", "ceil", "ratio", "peak", "ratio");
 	for (uint32_t i = 0; i < n; i++) {
 		const struct row *w = &rows[i];
 
-		printf("%-12s %5u %7s %7s %6u %7u | %9.2f %9.2f %6.2f | %9.2f %9.2f %6.2f\n",
+		printf("%-12s %5u %7s %7s %6u %6u | %9.2f %7.2f %5.2f %7.2f %5.2f | %9.2f %7.2f "
+		       "%5.2f %7.2f %5.2f\n",
 		       w->layout, w->ranks, human(w->chunk, a, sizeof(a)),
 		       human(w->page, b, sizeof(b)), w->depth, w->copies, w->gbs[0], w->ceil[0],
-		       w->ratio[0], w->gbs[1], w->ceil[1], w->ratio[1]);
+		       w->ratio[0], w->peak[0], w->peak_ratio[0], w->gbs[1], w->ceil[1],
+		       w->ratio[1], w->peak[1], w->peak_ratio[1]);
+		n_huge += w->huge;
 	}
-	printf("\narena registration (%s pages, per rank):\n", o->dir ? "hugetlbfs" : "4 KiB shm");
+	printf("\narena: %s\n", n_huge == n ? "hugetlbfs (2 MiB pages), every row"
+	       : n_huge ? "hugetlbfs (2 MiB pages) for some rows, 4 KiB shm pages for the others"
+			  " (not enough free huge pages)"
+	       : "4 KiB shm pages (/dev/shm; no hugetlbfs mount with enough free pages)");
+	printf("arena registration (per rank):\n");
 	for (uint32_t i = 0; i < n && strstr(describe, "host") != describe; i++)
 		if (i == 0 || rows[i].chunk != rows[i - 1].chunk || rows[i].ranks != rows[i - 1].ranks)
 			printf("  %-12s ranks %u chunk %7s: %s in %.3f s (%.2f GB/s)\n",
@@ -1133,11 +1292,15 @@ static void print_json(const struct opts *o, const struct row *rows, uint32_t n,
 
 		printf("%s{\"layout\":\"%s\",\"ranks\":%u,\"chunk_bytes\":%llu,\"page_bytes\":%llu,"
 		       "\"depth\":%u,\"copies_per_chunk\":%u,\"save_gbs\":%.3f,\"save_ceiling_gbs\":%.3f,"
-		       "\"save_ratio\":%.3f,\"load_gbs\":%.3f,\"load_ceiling_gbs\":%.3f,"
-		       "\"load_ratio\":%.3f,\"register_bytes\":%llu,"
+		       "\"save_ratio\":%.3f,\"save_peak_gbs\":%.3f,\"save_peak_ratio\":%.3f,"
+		       "\"load_gbs\":%.3f,\"load_ceiling_gbs\":%.3f,"
+		       "\"load_ratio\":%.3f,\"load_peak_gbs\":%.3f,\"load_peak_ratio\":%.3f,"
+		       "\"arena_hugetlbfs\":%s,\"register_bytes\":%llu,"
 		       "\"register_s\":%.6f}", i ? "," : "", w->layout, w->ranks,
 		       (unsigned long long)w->chunk, (unsigned long long)w->page, w->depth, w->copies,
-		       w->gbs[0], w->ceil[0], w->ratio[0], w->gbs[1], w->ceil[1], w->ratio[1],
+		       w->gbs[0], w->ceil[0], w->ratio[0], w->peak[0], w->peak_ratio[0],
+		       w->gbs[1], w->ceil[1], w->ratio[1], w->peak[1], w->peak_ratio[1],
+		       w->huge ? "true" : "false",
 		       (unsigned long long)w->reg_bytes, w->reg_ns * 1e-9);
 	}
 	printf("]");

@@ -30,15 +30,17 @@ static inline uint64_t rnd(uint64_t *s)
 	return z ^ (z >> 31);
 }
 
-/* The segment the bench created (empty: none), removed by the parent only:
- * forked workers exit through atexit too. */
+/* The segment the bench created (empty: none) and its directory (NULL:
+ * /dev/shm), removed by the parent only: forked workers exit through
+ * atexit too. */
 static char seg_name[KVT_NAME_MAX + 1];
+static const char *seg_dir;
 static pid_t parent_pid;
 
 static inline void cleanup(void)
 {
 	if (seg_name[0] && getpid() == parent_pid)
-		kvt_seg_unlink(seg_name, NULL);
+		kvt_seg_unlink(seg_name, seg_dir);
 }
 
 static inline void on_signal(int sig)
