@@ -1086,11 +1086,11 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 	int rc, failed = 0;
 
 	/* no run evicts another's chunks: room for all of them, + verify */
-	if ((uint64_t)cf->n * runs + cf->ranks + 64 > (1ULL << 30)) {
+	if ((uint64_t)cf->n * runs + cf->ranks + 8 > (1ULL << 30)) {
 		fprintf(stderr, "bandwidth: too many chunks; lower --run-bytes\n");
 		return -1;
 	}
-	cf->geo.n_slots = (uint32_t)(cf->n * runs + cf->ranks + 64);
+	cf->geo.n_slots = (uint32_t)(cf->n * runs + cf->ranks + 8);
 	cf->geo.lease_max_chunks = 256;
 	if (arena_dir(o, cf))
 		return -1;
@@ -1223,24 +1223,23 @@ static void print_table(const struct opts *o, const struct row *rows, uint32_t n
 	else
 		printf("ceil = peak: the runtime's own copy from memory it pinned itself, in\n"
 		       "      chunk-sized copies, one stream per rank process\n\n");
-	printf("%-12s %5s %7s %7s %6s %6s | %9s %7s %5s %7s %5s | %9s %7s %5s %7s %5s\n",
+	printf("%-12s %5s %7s %7s %6s %6s | %9s %7s %5s %7s %5s | %9s %7s %5s %7s %5s | %5s\n",
 	       "layout", "ranks", "chunk", "page", "depth", "copies", "save GB/s", "ceil", "ratio",
-	       "peak", "ratio", "load GB/s", "ceil", "ratio", "peak", "ratio");
+	       "peak", "ratio", "load GB/s", "ceil", "ratio", "peak", "ratio", "arena");
 	for (uint32_t i = 0; i < n; i++) {
 		const struct row *w = &rows[i];
 
 		printf("%-12s %5u %7s %7s %6u %6u | %9.2f %7.2f %5.2f %7.2f %5.2f | %9.2f %7.2f "
-		       "%5.2f %7.2f %5.2f\n",
+		       "%5.2f %7.2f %5.2f | %5s\n",
 		       w->layout, w->ranks, human(w->chunk, a, sizeof(a)),
 		       human(w->page, b, sizeof(b)), w->depth, w->copies, w->gbs[0], w->ceil[0],
 		       w->ratio[0], w->peak[0], w->peak_ratio[0], w->gbs[1], w->ceil[1],
-		       w->ratio[1], w->peak[1], w->peak_ratio[1]);
+		       w->ratio[1], w->peak[1], w->peak_ratio[1], w->huge ? "2M" : "4K");
 		n_huge += w->huge;
 	}
-	printf("\narena: %s\n", n_huge == n ? "hugetlbfs (2 MiB pages), every row"
-	       : n_huge ? "hugetlbfs (2 MiB pages) for some rows, 4 KiB shm pages for the others"
-			  " (not enough free huge pages)"
-	       : "4 KiB shm pages (/dev/shm; no hugetlbfs mount with enough free pages)");
+	printf("\narena: 2M = hugetlbfs (2 MiB pages), 4K = /dev/shm (4 KiB pages)%s\n",
+	       n_huge == n ? "" : ": no hugetlbfs mount with enough free huge pages for"
+	       " the 4K rows (numa/reserve-hugepages.sh)");
 	printf("arena registration (per rank):\n");
 	for (uint32_t i = 0; i < n && strstr(describe, "host") != describe; i++)
 		if (i == 0 || rows[i].chunk != rows[i - 1].chunk || rows[i].ranks != rows[i - 1].ranks)

@@ -12,5 +12,18 @@ cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build-release -j "$jobs" >/dev/null
 build-release/bench/kvtier-bench ops "$@"
 echo
+# The bench puts each segment where kvt_open would: on hugetlbfs when enough
+# 2 MiB pages are free (2.1 GiB for the largest configuration below),
+# else /dev/shm.  Reserve them for the run (best effort, needs root) and give
+# back what was added afterwards.
+pool=/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
+before=$(cat "$pool" 2>/dev/null || true)
+restore_pool() {
+  if [ -n "$before" ] && [ "$(cat "$pool" 2>/dev/null)" != "$before" ]; then
+    echo "$before" >"$pool" 2>/dev/null || true
+  fi
+}
+trap restore_pool EXIT
+sh numa/reserve-hugepages.sh 1280 || true
 build-release/bench/kvtier-bench bandwidth --chunk-sizes 64K,256K,1M,4M --depths 1,32 \
   --ranks 1,2 --run-bytes 128M --dev-bytes 256M --repeat 3 --reg-bytes 256M

@@ -185,7 +185,7 @@ for f in bandwidth bandwidth-adjacent bandwidth-glm5 bandwidth-llama70b-tp8; do
 	function bytes(s,   n) { n = s + 0; if (s ~ /K$/) n *= 1024; else if (s ~ /M$/) n *= 1048576;
 		else if (s ~ /G$/) n *= 1073741824; return n }
 	$7 == "|" && $1 != "layout" && bytes($4) >= 65536 && $5 > 1 {
-		save = $10; load = $14
+		save = $10; load = $16
 		printf "%s %s ranks=%s chunk=%s page=%s depth=%s save/ceil=%.2f load/ceil=%.2f\n",
 			(save >= 0.95 && load >= 0.95) ? "PASS" : "MISS", f, $2, $3, $4, $5, save, load
 	}' "$out/$f.txt" | while read -r verdict rest; do rec "$verdict" "target 0.95: $rest"; done
