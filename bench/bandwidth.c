@@ -228,7 +228,7 @@ static void usage(FILE *f)
 "                       mount with enough free huge pages, as kvt_open does,\n"
 "                       else /dev/shm (4 KiB pages); none: /dev/shm\n"
 "  --no-2d              plans without 2-D copies\n"
-"  --workers N          host: copy threads per rank (default min(4, CPUs));\n"
+"  --workers N          host: copy threads per rank (default CPUs - 1, 1 to 4);\n"
 "                       cuda: streams per rank (default 4)\n"
 "  --warm               before each phase, write twice (untimed) the memory it\n"
 "                       writes: the arena, and the host backend's device memory\n"

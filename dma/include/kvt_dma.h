@@ -194,7 +194,7 @@ struct kvt_dma_config {
 				 * else "auto" */
 	int32_t device;         /* GPU ordinal; -1: the owner of the KV pointers */
 	uint32_t max_inflight;  /* tickets; 0: KVT_DMA_INFLIGHT_DEFAULT */
-	uint32_t n_workers;     /* host: copy threads (0: min(4, CPUs));
+	uint32_t n_workers;     /* host: copy threads (0: CPUs - 1, 1 to 4);
 				 * cuda: streams (0: 4) */
 	uint32_t flags;         /* KVT_DMA_F_* */
 	uint64_t piece_max;     /* largest registration piece; 0: KVT_DMA_PIECE_MAX */

@@ -2,14 +2,17 @@
  * small pool of worker threads does the copies.  The reference for
  * correctness, and the backend for CPU engines.
  *
- * Each ticket's plan is expanded at submit into units of at most ~1 MiB
- * (large copies split, 2-D copies cut into row bands) held in the ticket's
- * own array, which grows only when a larger plan arrives: no allocation per
- * copy, and the caller may reuse its plan at once.  Workers take batches of
- * units (>= 256 KiB) from the oldest ticket that has unclaimed ones, so one
- * big chunk is spread over every worker and many small chunks queue in
- * order; a thread waiting for a ticket copies that ticket's unclaimed units
- * itself rather than sleeping, and when its own are all claimed by others
+ * Each ticket's plan is expanded at submit into units of about 128 KiB
+ * (large copies split, 2-D copies cut into row bands; a row is never split)
+ * held in the ticket's own array, which grows only when a larger plan
+ * arrives: no allocation per copy, and the caller may reuse its plan at
+ * once.  Threads take batches of units (>= 64 KiB) from the oldest ticket
+ * that has unclaimed ones, so even a 256 KiB chunk is copied by two
+ * threads at depth 1 (1 MiB units left that to one thread: 0.5-0.7x
+ * memcpy), one big chunk is spread over every worker, and many small chunks
+ * queue in order; a thread waiting for a ticket copies that ticket's
+ * unclaimed units itself rather than sleeping, and when its own are all
+ * claimed by others
  * it copies the oldest other ticket's, so the caller is one more copying
  * thread instead of a sleeper that needs a wake-up.  Large rows are copied
  * with non-temporal stores: the destination is not read again soon by this
@@ -21,8 +24,11 @@
  * chunk.  So a worker that runs out of work polls the queue for SPIN_NS
  * before it sleeps (it still counts as awake, and submit wakes a worker
  * only when none is), and a waiter polls its ticket for SPIN_NS before it
- * sleeps.  In a stream of chunks neither ever sleeps; an idle backend
- * costs nothing after SPIN_NS.
+ * sleeps.  Polling yields the CPU every few hundred nanoseconds
+ * (sched_yield), so where threads outnumber CPUs a poller gives way to a
+ * thread that copies.  In a stream of chunks neither ever sleeps; an idle
+ * backend costs nothing after SPIN_NS.  Workers: CPUs - 1 (1 to 4) by
+ * default, as the caller copies too.
  */
 #include "dma_int.h"
 
@@ -43,7 +49,7 @@
 #define cpu_relax() __asm__ __volatile__("" ::: "memory")
 #endif
 
-#define UNIT_BYTES  (1u << 20)   /* split copies into units of about this */
+#define UNIT_BYTES  (128u << 10) /* split copies into units of about this */
 #define BATCH_BYTES (64u << 10)  /* a thread claims at least this much */
 #define NT_MIN      (32u << 10)  /* rows this long use streaming stores */
 #define SPIN_NS     50000u       /* poll this long before sleeping */
@@ -268,8 +274,11 @@ static int host_init(struct kvt_dma *d, char *why, size_t why_len)
 	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
 	uint32_t n = d->cfg.n_workers;
 
+	/* The caller copies too (a waiter takes queued work), so CPUs - 1
+	 * workers keep every CPU copying without a thread more: on 2 CPUs a
+	 * second worker only took CPU time from the one copying (measured). */
 	if (!n)
-		n = ncpu < 1 ? 1 : ncpu > 4 ? 4 : (uint32_t)ncpu;
+		n = ncpu <= 2 ? 1 : ncpu > 5 ? 4 : (uint32_t)ncpu - 1;
 	if (n > 64)
 		return kvt__fmt(-EINVAL, why, why_len, "n_workers %u > 64", n);
 	be = calloc(1, sizeof(*be));
@@ -297,7 +306,7 @@ static int host_init(struct kvt_dma *d, char *why, size_t why_len)
 		}
 		be->n_threads++;
 	}
-	snprintf(d->feature, sizeof(d->feature), "%u copy threads", n);
+	snprintf(d->feature, sizeof(d->feature), "%u copy thread%s", n, n == 1 ? "" : "s");
 	return 0;
 }
 
