@@ -12,12 +12,11 @@
  * memcpy), one big chunk is spread over every worker, and many small chunks
  * queue in order; a thread waiting for a ticket copies that ticket's
  * unclaimed units itself rather than sleeping, and when its own are all
- * claimed by others
- * it copies the oldest other ticket's, so the caller is one more copying
- * thread instead of a sleeper that needs a wake-up.  Large rows are copied
- * with non-temporal stores: the destination is not read again soon by this
- * thread, and streaming it past the cache keeps a copy near the memory
- * bandwidth.
+ * claimed by others it copies the oldest other ticket's, so the caller is
+ * one more copying thread instead of a sleeper that needs a wake-up.  Large
+ * rows are copied with non-temporal stores: the destination is not read
+ * again soon by this thread, and streaming it past the cache keeps a copy
+ * near the memory bandwidth.
  *
  * Hand-offs: a wake-up is a futex system call and a context switch (tens
  * of microseconds on a paravirtualized VM), as much as copying a 256 KiB
@@ -70,9 +69,10 @@ struct hjob {
 	uint32_t next;         /* first unclaimed unit; under be->lock */
 	uint32_t done;         /* units finished; under be->lock */
 	int fault;
-	int state;             /* J_*; written under be->lock, polled without
-				* it (__atomic, acquire: the copies happen
-				* before the release in the lock's unlock) */
+	int state;             /* J_*; stored under be->lock (release), loaded
+				* with acquire, also without the lock by a
+				* polling waiter: J_OK/J_ERR seen means every
+				* copy of the ticket happened before */
 	struct hjob *qnext;
 };
 
@@ -186,22 +186,27 @@ static void run_batch(struct host_be *be, struct hjob *j)
 	}
 }
 
-/* Polls, without the lock, until *flag is nonzero, the stop flag is set,
- * SPIN_NS pass, or the deadline (ns, CLOCK_MONOTONIC) is reached.
- * Nothing is decided on what it sees: callers recheck under the lock. */
-static void spin(const struct host_be *be, const int *flag, int until_not, int want,
-		 uint64_t deadline)
+static int job_status(const struct hjob *j)
+{
+	int st = __atomic_load_n(&j->state, __ATOMIC_ACQUIRE);
+
+	return st == J_OK ? 0 : st == J_ERR ? -EIO : -EINPROGRESS;
+}
+
+/* Polls, without the lock, until work is queued, the backend stops, the
+ * ticket j (NULL: none) has ended, SPIN_NS pass, or the deadline (ns,
+ * CLOCK_MONOTONIC) is reached.  Nothing is decided on what it sees: the
+ * callers recheck under the lock. */
+static void spin(const struct host_be *be, const struct hjob *j, uint64_t deadline)
 {
 	uint64_t end = kvt__now_ns() + SPIN_NS;
 
 	if (deadline < end)
 		end = deadline;
 	for (uint32_t i = 1;; i++) {
-		int v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
-
-		if ((until_not ? v != want : v == want) ||
+		if (__atomic_load_n(&be->queued, __ATOMIC_RELAXED) ||
 		    __atomic_load_n(&be->stop, __ATOMIC_RELAXED) ||
-		    __atomic_load_n(&be->queued, __ATOMIC_RELAXED))
+		    (j && job_status(j) != -EINPROGRESS))
 			return;
 		cpu_relax();
 		if (!(i & 63)) {
@@ -222,7 +227,7 @@ static void *worker(void *arg)
 		while (!be->stop && !be->qhead) {
 			/* poll a while, still counted awake, before sleeping */
 			pthread_mutex_unlock(&be->lock);
-			spin(be, &be->queued, 0, 1, UINT64_MAX);
+			spin(be, NULL, UINT64_MAX);
 			pthread_mutex_lock(&be->lock);
 			if (be->stop || be->qhead)
 				break;
@@ -445,13 +450,6 @@ static int host_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_jo
 	return 0;
 }
 
-static int job_status(const struct hjob *j)
-{
-	int st = __atomic_load_n(&j->state, __ATOMIC_ACQUIRE);
-
-	return st == J_OK ? 0 : st == J_ERR ? -EIO : -EINPROGRESS;
-}
-
 static int host_poll(struct kvt_dma *d, uint32_t slot)
 {
 	struct host_be *be = d->be;
@@ -490,7 +488,7 @@ static int host_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
 		}
 		/* poll a while before sleeping: the last batches are running */
 		pthread_mutex_unlock(&be->lock);
-		spin(be, &j->state, 1, J_RUNNING, deadline);
+		spin(be, j, deadline);
 		pthread_mutex_lock(&be->lock);
 		if (job_status(j) != -EINPROGRESS || (be->qhead && kvt__now_ns() < deadline))
 			continue;
