@@ -51,7 +51,9 @@
 #define UNIT_BYTES  (128u << 10) /* split copies into units of about this */
 #define BATCH_BYTES (64u << 10)  /* a thread claims at least this much */
 #define NT_MIN      (32u << 10)  /* rows this long use streaming stores */
-#define SPIN_NS     50000u       /* poll this long before sleeping */
+#define SPIN_NS     20000u   /* poll this long before sleeping: one 128 KiB
+				* unit of scattered pages at ~8 GB/s; 0 lost
+				* 10-15 %, 10 to 50 us measured alike */
 
 struct unit {
 	char *dst;
