@@ -41,7 +41,7 @@ int kvt_check(kvt_seg *s, char *msg, size_t len)
 		return -ENOMEM;
 	/* C4 */
 	for (uint32_t e = 0; e < s->d.n_entries; e++) {
-		uint64_t w = kvt_load(&s->ents[e].owner, KVT_ACQ);
+		uint64_t w = kat_load(&s->ents[e].owner, KVT_ACQ);
 		uint32_t st = KVT_OWNER_ST(w);
 		if (st > KVT_ENT_REAPING)
 			FAIL("ranks: entry %u has unknown state %u", e, st);
@@ -49,16 +49,16 @@ int kvt_check(kvt_seg *s, char *msg, size_t len)
 			continue;
 		if (!kvt__entry_alive(s, e))
 			FAIL("ranks: entry %u (pid %d) is dead and not reaped", e, KVT_OWNER_PID(w));
-		if (kvt_load(&s->ents[e].journal, KVT_ACQ) != 0)
+		if (kat_load(&s->ents[e].journal, KVT_ACQ) != 0)
 			FAIL("ranks: entry %u has an open journal %#llx", e,
-			     (unsigned long long)kvt_load(&s->ents[e].journal, KVT_ACQ));
+			     (unsigned long long)kat_load(&s->ents[e].journal, KVT_ACQ));
 	}
 	/* C1 */
 	for (uint32_t x = 0; x < n; x++) {
 		struct kvt_slot *sl = kvt__slot(s, x);
-		uint64_t w = kvt_load(&sl->state, KVT_ACQ);
-		uint64_t wr = kvt_load(&sl->writing, KVT_ACQ);
-		uint64_t rd = kvt_load(&sl->ready, KVT_ACQ);
+		uint64_t w = kat_load(&sl->state, KVT_ACQ);
+		uint64_t wr = kat_load(&sl->writing, KVT_ACQ);
+		uint64_t rd = kat_load(&sl->ready, KVT_ACQ);
 		uint32_t st = KVT_ST(w);
 
 		if (w & KVT_ST_FROZEN)
@@ -79,7 +79,7 @@ int kvt_check(kvt_seg *s, char *msg, size_t len)
 			FAIL("slots: READY slot %u has ready %#llx writing %#llx", x,
 			     (unsigned long long)rd, (unsigned long long)wr);
 		for (uint32_t sh = 0; sh < s->d.n_shards; sh++) {
-			uint32_t who = kvt_load(&sl->writer[sh], KVT_ACQ);
+			uint32_t who = kat_load(&sl->writer[sh], KVT_ACQ);
 			int bit = (int)((wr >> sh) & 1);
 			if ((who != 0) != bit)
 				FAIL("slots: slot %u shard %u: writer %u but writing bit %d",
@@ -96,22 +96,22 @@ int kvt_check(kvt_seg *s, char *msg, size_t len)
 	/* C3 */
 	for (uint32_t i = 0; i < s->geo.n_leases; i++) {
 		struct kvt_lease *l = kvt__lease(s, i);
-		uint64_t w = kvt_load(&l->state, KVT_ACQ);
+		uint64_t w = kat_load(&l->state, KVT_ACQ);
 		uint32_t st = KVT_LST(w), nr;
 
 		if (st == KVT_L_FREE)
 			continue;
 		if (st != KVT_L_ACTIVE)
 			FAIL("leases: lease %u left in state %u", i, st);
-		nr = kvt_load(&l->n_refs, KVT_ACQ);
+		nr = kat_load(&l->n_refs, KVT_ACQ);
 		if (nr == 0 || nr > s->geo.lease_max_chunks)
 			FAIL("leases: lease %u has %u refs", i, nr);
 		for (uint32_t k = 0; k < nr; k++) {
-			uint64_t ref = kvt_load(&l->refs[k], KVT_ACQ);
+			uint64_t ref = kat_load(&l->refs[k], KVT_ACQ);
 			uint32_t x = KVT_REF_SLOT(ref);
 			if (!ref || x >= n)
 				FAIL("leases: lease %u ref %u is %#llx", i, k, (unsigned long long)ref);
-			uint64_t sw = kvt_load(&kvt__slot(s, x)->state, KVT_ACQ);
+			uint64_t sw = kat_load(&kvt__slot(s, x)->state, KVT_ACQ);
 			if (KVT_ST(sw) != KVT_S_READY ||
 			    (KVT_GEN(sw) & 0xffffffffULL) != KVT_REF_GEN(ref))
 				FAIL("leases: lease %u pins slot %u gen %llu which is not READY "
@@ -120,7 +120,7 @@ int kvt_check(kvt_seg *s, char *msg, size_t len)
 		}
 	}
 	for (uint32_t x = 0; x < n; x++) {
-		uint64_t w = kvt_load(&kvt__slot(s, x)->state, KVT_ACQ);
+		uint64_t w = kat_load(&kvt__slot(s, x)->state, KVT_ACQ);
 		if (KVT_PINS(w) != pins[x])
 			FAIL("pins: slot %u has %u pins but %u lease references", x,
 			     KVT_PINS(w), pins[x]);

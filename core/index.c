@@ -91,7 +91,7 @@ void kvt__index_prefetch(const kvt_seg *s, const kvt_key *k)
 void kvt__index_help_all(kvt_seg *s)
 {
 	for (uint32_t b = 0; b < s->d.n_buckets; b++) {
-		uint64_t c = kvt_load(&s->buckets[b].ctl, KVT_ACQ);
+		uint64_t c = kat_load(&s->buckets[b].ctl, KVT_ACQ);
 		if (c & (1ULL << 36))
 			index_help(s, b, c);
 	}
@@ -106,8 +106,8 @@ static kvt_a64 *entry_at(kvt_seg *s, uint32_t b1, uint32_t b2, uint32_t pos)
 static int key_eq(const struct kvt_slot *sl, const kvt_key *k)
 {
 	/* Relaxed: the caller validates the generation around this read. */
-	return kvt_load(&sl->key_lo, KVT_RLX) == k->lo &&
-	       kvt_load(&sl->key_hi, KVT_RLX) == k->hi;
+	return kat_load(&sl->key_lo, KVT_RLX) == k->lo &&
+	       kat_load(&sl->key_hi, KVT_RLX) == k->hi;
 }
 
 int kvt__slot_state_live(uint64_t w)
@@ -125,7 +125,7 @@ int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
 		/* A1: acquire pairs with the release CAS that published the
 		 * entry (insert step 3/5): the slot's key and depth, written
 		 * before, are visible. */
-		uint64_t e = kvt_load(entry_at(s, b1, b2, pos), KVT_ACQ);
+		uint64_t e = kat_load(entry_at(s, b1, b2, pos), KVT_ACQ);
 		uint32_t x;
 		uint64_t w, w2;
 
@@ -137,7 +137,7 @@ int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
 		struct kvt_slot *sl = kvt__slot(s, x);
 		/* A2: acquire pairs with the release that made the slot READY
 		 * (kvt_write_end): the payload of every shard is visible. */
-		w = kvt_load(&sl->state, KVT_ACQ);
+		w = kat_load(&sl->state, KVT_ACQ);
 		if ((KVT_GEN(w) & 0x7fffULL) != KVT_E_GEN(e))
 			continue;
 		if (!(KVT_ST(w) == KVT_S_READY ||
@@ -147,7 +147,7 @@ int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
 			continue;
 		/* The key we compared belongs to generation KVT_GEN(w) only
 		 * if the generation did not move meanwhile. */
-		w2 = kvt_load(&sl->state, KVT_ACQ);
+		w2 = kat_load(&sl->state, KVT_ACQ);
 		if (KVT_GEN(w2) != KVT_GEN(w))
 			continue;
 		*slot_out = x;
@@ -164,23 +164,23 @@ static void index_help(kvt_seg *s, uint32_t b1, uint64_t c)
 
 	if (pos < 2 * KVT_BUCKET_WAYS && x < s->geo.n_slots) {
 		struct kvt_slot *sl = kvt__slot(s, x);
-		kvt_key k = { kvt_load(&sl->key_lo, KVT_RLX), kvt_load(&sl->key_hi, KVT_RLX) };
+		kvt_key k = { kat_load(&sl->key_lo, KVT_RLX), kat_load(&sl->key_hi, KVT_RLX) };
 		uint32_t kb1, kb2, tag;
 		kvt__key_hash(s, &k, &kb1, &kb2, &tag);
 		/* If the slot was reused meanwhile, the key (hence kb2) is
 		 * another's and the exact-match test below fails: harmless. */
 		kvt_a64 *ep = entry_at(s, b1, kb2, pos);
-		uint64_t e = kvt_load(ep, KVT_ACQ);
+		uint64_t e = kat_load(ep, KVT_ACQ);
 		if ((e & KVT_E_TENT) && KVT_E_SLOT(e) == x &&
 		    KVT_E_TAG(e) == VTAG(CTL_VER(c)) && kb1 == b1) {
 			uint64_t fin = (e & ~(KVT_E_TENT | (0xffffULL << 32))) |
 				       ((uint64_t)tag << 32);
 			/* R1: release publishes the entry to finders (A1). */
-			kvt_cas(ep, &e, fin, KVT_AR);
+			kat_cas(ep, &e, fin, KVT_AR);
 		}
 	}
 	/* Clear pending; failure means someone else already did. */
-	kvt_cas(&s->buckets[b1].ctl, &c, CTL_IDLE(CTL_VER(c)), KVT_AR);
+	kat_cas(&s->buckets[b1].ctl, &c, CTL_IDLE(CTL_VER(c)), KVT_AR);
 }
 
 int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
@@ -193,7 +193,7 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		kvt_a64 *ctl = &s->buckets[b1].ctl;
 		/* A3: acquire pairs with the commit/clear CAS of other inserts
 		 * (R2/R1), so the scan below sees the entries they committed. */
-		uint64_t c = kvt_load(ctl, KVT_ACQ), e0 = 0, tent;
+		uint64_t c = kat_load(ctl, KVT_ACQ), e0 = 0, tent;
 		uint32_t pos;
 
 		if (CTL_IS_PEND(c)) {
@@ -207,9 +207,9 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		 * CAS below decides. */
 		uint32_t free1 = 0, free2 = 0, first1 = KVT_BUCKET_WAYS, first2 = KVT_BUCKET_WAYS;
 		for (uint32_t w = 0; w < KVT_BUCKET_WAYS; w++) {
-			if (kvt_load(&s->buckets[b1].e[w], KVT_RLX) == 0 && free1++ == 0)
+			if (kat_load(&s->buckets[b1].e[w], KVT_RLX) == 0 && free1++ == 0)
 				first1 = w;
-			if (kvt_load(&s->buckets[b2].e[w], KVT_RLX) == 0 && free2++ == 0)
+			if (kat_load(&s->buckets[b2].e[w], KVT_RLX) == 0 && free2++ == 0)
 				first2 = w;
 		}
 		if (!free1 && !free2)
@@ -218,12 +218,12 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		tent = KVT_E(slot, gen, VTAG(CTL_VER(c) + 1), 1);
 		/* Release: the slot's key, written before, is visible to a
 		 * helper that reads this entry. */
-		if (!kvt_cas(entry_at(s, b1, b2, pos), &e0, tent, KVT_AR))
+		if (!kat_cas(entry_at(s, b1, b2, pos), &e0, tent, KVT_AR))
 			continue;
 		/* R2: the commit point (see the essay above). */
-		if (!kvt_cas(ctl, &c, CTL_PEND(CTL_VER(c) + 1, pos, slot), KVT_AR)) {
+		if (!kat_cas(ctl, &c, CTL_PEND(CTL_VER(c) + 1, pos, slot), KVT_AR)) {
 			uint64_t t = tent;
-			kvt_cas(entry_at(s, b1, b2, pos), &t, 0, KVT_AR);
+			kat_cas(entry_at(s, b1, b2, pos), &t, 0, KVT_AR);
 			continue;
 		}
 		index_help(s, b1, CTL_PEND(CTL_VER(c) + 1, pos, slot));
@@ -235,7 +235,7 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen)
 {
 	struct kvt_slot *sl = kvt__slot(s, slot);
-	kvt_key k = { kvt_load(&sl->key_lo, KVT_RLX), kvt_load(&sl->key_hi, KVT_RLX) };
+	kvt_key k = { kat_load(&sl->key_lo, KVT_RLX), kat_load(&sl->key_hi, KVT_RLX) };
 	uint32_t b1, b2, tag;
 	int found;
 
@@ -244,10 +244,10 @@ void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen)
 		found = 0;
 		for (uint32_t pos = 0; pos < 2 * KVT_BUCKET_WAYS; pos++) {
 			kvt_a64 *ep = entry_at(s, b1, b2, pos);
-			uint64_t e = kvt_load(ep, KVT_ACQ);
+			uint64_t e = kat_load(ep, KVT_ACQ);
 			if (e && KVT_E_SLOT(e) == slot && KVT_E_GEN(e) == (gen & 0x7fffULL)) {
 				found = 1;
-				kvt_cas(ep, &e, 0, KVT_AR);
+				kat_cas(ep, &e, 0, KVT_AR);
 			}
 		}
 	} while (found);
@@ -279,11 +279,11 @@ int kvt__index_check(kvt_seg *s, char *msg, size_t len)
 		return -ENOMEM;
 	}
 	for (uint32_t b = 0; b < s->d.n_buckets; b++) {
-		uint64_t c = kvt_load(&s->buckets[b].ctl, KVT_ACQ);
+		uint64_t c = kat_load(&s->buckets[b].ctl, KVT_ACQ);
 		if (CTL_IS_PEND(c))
 			CHECK_FAIL("index: bucket %u has an unfinished insert", b);
 		for (uint32_t w = 0; w < KVT_BUCKET_WAYS; w++) {
-			uint64_t e = kvt_load(&s->buckets[b].e[w], KVT_ACQ);
+			uint64_t e = kat_load(&s->buckets[b].e[w], KVT_ACQ);
 			if (!e)
 				continue;
 			if (e & KVT_E_TENT)
@@ -292,11 +292,11 @@ int kvt__index_check(kvt_seg *s, char *msg, size_t len)
 			if (x >= n)
 				CHECK_FAIL("index: bucket %u way %u names slot %u of %u", b, w, x, n);
 			struct kvt_slot *sl = kvt__slot(s, x);
-			uint64_t st = kvt_load(&sl->state, KVT_ACQ);
+			uint64_t st = kat_load(&sl->state, KVT_ACQ);
 			if (!kvt__slot_state_live(st) || (KVT_GEN(st) & 0x7fff) != KVT_E_GEN(e))
 				CHECK_FAIL("index: bucket %u way %u names slot %u which is not "
 					   "live (state %u)", b, w, x, KVT_ST(st));
-			kvt_key k = { kvt_load(&sl->key_lo, KVT_RLX), kvt_load(&sl->key_hi, KVT_RLX) };
+			kvt_key k = { kat_load(&sl->key_lo, KVT_RLX), kat_load(&sl->key_hi, KVT_RLX) };
 			uint32_t b1, b2, tag;
 			kvt__key_hash(s, &k, &b1, &b2, &tag);
 			if ((b != b1 && b != b2) || tag != KVT_E_TAG(e))
@@ -307,12 +307,12 @@ int kvt__index_check(kvt_seg *s, char *msg, size_t len)
 	}
 	for (uint32_t x = 0; x < n; x++) {
 		struct kvt_slot *sl = kvt__slot(s, x);
-		uint64_t st = kvt_load(&sl->state, KVT_ACQ);
+		uint64_t st = kat_load(&sl->state, KVT_ACQ);
 		if (kvt__slot_state_live(st)) {
 			if (refs[x] != 1)
 				CHECK_FAIL("index: live slot %u has %u index entries", x, refs[x]);
-			keys[nk][0] = kvt_load(&sl->key_lo, KVT_RLX);
-			keys[nk][1] = kvt_load(&sl->key_hi, KVT_RLX);
+			keys[nk][0] = kat_load(&sl->key_lo, KVT_RLX);
+			keys[nk][1] = kat_load(&sl->key_hi, KVT_RLX);
 			nk++;
 		}
 	}

@@ -5,6 +5,11 @@
  * The wrappers only shorten the spelling; each call site names the ordering
  * it needs and, for every non-relaxed one, its partner (STYLE.md).
  *
+ * Names: kat_* ("kvtier atomic").  They were kvt_load/kvt_cas once, which
+ * collided in every reader's head (and in every cross-reference tool) with
+ * the public API's kvt_load, "load chunks".  kat_or / kat_and are the
+ * fetch-or / fetch-and; every kat_* returns what the C11 call returns.
+ *
  * Cross-process use: these objects live in a MAP_SHARED mapping.  64-bit
  * atomics are lock-free on every platform kvtier builds for (checked
  * below), and lock-free atomics are address-free, so they work between
@@ -30,21 +35,21 @@ typedef _Atomic uint16_t kvt_a16;
 #define KVT_AR  memory_order_acq_rel
 #define KVT_SC  memory_order_seq_cst
 
-#define kvt_load(p, mo)        atomic_load_explicit((p), (mo))
-#define kvt_store(p, v, mo)    atomic_store_explicit((p), (v), (mo))
-#define kvt_xchg(p, v, mo)     atomic_exchange_explicit((p), (v), (mo))
-#define kvt_fadd(p, v, mo)     atomic_fetch_add_explicit((p), (v), (mo))
-#define kvt_fsub(p, v, mo)     atomic_fetch_sub_explicit((p), (v), (mo))
-#define kvt_for(p, v, mo)      atomic_fetch_or_explicit((p), (v), (mo))
-#define kvt_fand(p, v, mo)     atomic_fetch_and_explicit((p), (v), (mo))
+#define kat_load(p, mo)        atomic_load_explicit((p), (mo))
+#define kat_store(p, v, mo)    atomic_store_explicit((p), (v), (mo))
+#define kat_xchg(p, v, mo)     atomic_exchange_explicit((p), (v), (mo))
+#define kat_fadd(p, v, mo)     atomic_fetch_add_explicit((p), (v), (mo))
+#define kat_fsub(p, v, mo)     atomic_fetch_sub_explicit((p), (v), (mo))
+#define kat_or(p, v, mo)       atomic_fetch_or_explicit((p), (v), (mo))
+#define kat_and(p, v, mo)      atomic_fetch_and_explicit((p), (v), (mo))
 /* Strong CAS; on failure *expected is updated with the current value and
  * the failure ordering is the success ordering without its release part. */
-#define kvt_cas(p, expected, desired, mo)                                   \
+#define kat_cas(p, expected, desired, mo)                                   \
 	atomic_compare_exchange_strong_explicit((p), (expected), (desired),  \
 		(mo), ((mo) == KVT_AR || (mo) == KVT_REL) ?                  \
 		((mo) == KVT_AR ? KVT_ACQ : KVT_RLX) : (mo))
 
-static inline void kvt_cpu_relax(void)
+static inline void kat_relax(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
 	__builtin_ia32_pause();

@@ -323,7 +323,7 @@ static inline void kvt__count(kvt_seg *s, enum kvt_counter c, uint64_t v)
 	 * (the handle that owns the table entry; observers never count), and
 	 * readers sum the blocks racily. */
 	_Atomic uint64_t *p = (_Atomic uint64_t *)&s->my_counters[c];
-	kvt_store(p, kvt_load(p, KVT_RLX) + v, KVT_RLX);
+	kat_store(p, kat_load(p, KVT_RLX) + v, KVT_RLX);
 }
 
 static inline uint64_t kvt__full_mask(uint32_t n)

@@ -65,24 +65,24 @@ static int lease_alloc(kvt_seg *s, uint32_t *idx, uint64_t *gen)
 {
 	uint32_t n = s->geo.n_leases;
 	/* Relaxed: the hint spreads processes over the table; CAS decides. */
-	uint32_t start = (uint32_t)kvt_fadd(&s->hdr->lease_hint, 1, KVT_RLX);
+	uint32_t start = (uint32_t)kat_fadd(&s->hdr->lease_hint, 1, KVT_RLX);
 
 	for (uint32_t k = 0; k < n; k++) {
 		uint32_t i = (start + k) % n;
 		struct kvt_lease *l = kvt__lease(s, i);
-		uint64_t w = kvt_load(&l->state, KVT_RLX);
+		uint64_t w = kat_load(&l->state, KVT_RLX);
 
 		if (KVT_LST(w) != KVT_L_FREE)
 			continue;
 		/* A6: acquire pairs with the release that freed it (R8). */
-		if (!kvt_cas(&l->state, &w, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), s->entry + 1),
+		if (!kat_cas(&l->state, &w, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), s->entry + 1),
 			     KVT_AR))
 			continue;
-		kvt_store(&l->instance, s->instance, KVT_RLX);
-		kvt_store(&l->n_refs, 0, KVT_RLX);
-		kvt_store(&l->loaded, 0, KVT_RLX);
-		kvt_store(&l->misses, 0, KVT_RLX);
-		kvt_store(&l->last_step, kvt_load(&s->hdr->step[s->instance].epoch, KVT_RLX),
+		kat_store(&l->instance, s->instance, KVT_RLX);
+		kat_store(&l->n_refs, 0, KVT_RLX);
+		kat_store(&l->loaded, 0, KVT_RLX);
+		kat_store(&l->misses, 0, KVT_RLX);
+		kat_store(&l->last_step, kat_load(&s->hdr->step[s->instance].epoch, KVT_RLX),
 			  KVT_RLX);
 		*idx = i;
 		*gen = KVT_LGEN(w);
@@ -94,7 +94,7 @@ static int lease_alloc(kvt_seg *s, uint32_t *idx, uint64_t *gen)
 /* Pins a READY slot of generation gen; journaled by the caller. */
 static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 {
-	uint64_t w = kvt_load(&sl->state, KVT_RLX);
+	uint64_t w = kat_load(&sl->state, KVT_RLX);
 
 	for (;;) {
 		if (KVT_ST(w) != KVT_S_READY || KVT_GEN(w) != gen ||
@@ -102,7 +102,7 @@ static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 			return -EAGAIN;
 		/* Acquire: the payload (published by R6) stays visible to the
 		 * loads that follow; the pin itself needs no release. */
-		if (kvt_cas(&sl->state, &w, w + KVT_PIN_ONE, KVT_AR))
+		if (kat_cas(&sl->state, &w, w + KVT_PIN_ONE, KVT_AR))
 			return 0;
 	}
 }
@@ -137,17 +137,17 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 		if (hits == s->geo.lease_max_chunks)
 			break;
 		struct kvt_slot *sl = kvt__slot(s, x);
-		kvt_store(&l->n_refs, hits + 1, KVT_RLX);
-		kvt_store(my_journal(s), KVT_J(KVT_J_PIN, x, gen), KVT_REL);
+		kat_store(&l->n_refs, hits + 1, KVT_RLX);
+		kat_store(my_journal(s), KVT_J(KVT_J_PIN, x, gen), KVT_REL);
 		if (slot_pin(sl, gen)) {
-			kvt_store(my_journal(s), 0, KVT_REL);
-			kvt_store(&l->n_refs, hits, KVT_RLX);
+			kat_store(my_journal(s), 0, KVT_REL);
+			kat_store(&l->n_refs, hits, KVT_RLX);
 			break;
 		}
-		kvt_store(&l->refs[hits], KVT_REF(x, gen), KVT_RLX);
-		kvt_store(my_journal(s), 0, KVT_REL);
+		kat_store(&l->refs[hits], KVT_REF(x, gen), KVT_RLX);
+		kat_store(my_journal(s), 0, KVT_REL);
 		/* A hit protects the chunk for one more sweep (relaxed: heuristic). */
-		kvt_store(&sl->ref, 2, KVT_RLX);
+		kat_store(&sl->ref, 2, KVT_RLX);
 		hits++;
 	}
 	if (l) {
@@ -155,11 +155,11 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 		if (hits) {
 			/* R7: publishes refs and n_refs (A7).  The builder stays the
 			 * actor: its death releases the lease (reaper). */
-			kvt_cas(&l->state, &w, KVT_LW(KVT_L_ACTIVE, lgen, s->entry + 1), KVT_AR);
+			kat_cas(&l->state, &w, KVT_LW(KVT_L_ACTIVE, lgen, s->entry + 1), KVT_AR);
 			*lease = KVT_LEASE_ID(idx, lgen);
 		} else {
 			/* R8 */
-			kvt_cas(&l->state, &w, KVT_LW(KVT_L_FREE, lgen + 1, 0), KVT_AR);
+			kat_cas(&l->state, &w, KVT_LW(KVT_L_FREE, lgen + 1, 0), KVT_AR);
 		}
 	}
 	kvt__count(s, KVT_C_HIT_CHUNKS, hits);
@@ -178,15 +178,15 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 	if (r)
 		return r;
 	l = kvt__lease(s, idx);
-	w = kvt_load(&l->state, KVT_ACQ); /* A7 */
+	w = kat_load(&l->state, KVT_ACQ); /* A7 */
 	if (KVT_LST(w) != KVT_L_ACTIVE || (KVT_LGEN(w) & 0xffffffffULL) != gen32)
 		return kvt__err(-ESTALE, "lease %#llx is not live", (unsigned long long)lease);
-	n = kvt_load(&l->n_refs, KVT_RLX);
+	n = kat_load(&l->n_refs, KVT_RLX);
 	if (n > s->geo.lease_max_chunks)
 		return kvt__err(-EUCLEAN, "lease %#llx: n_refs %u out of range",
 				(unsigned long long)lease, n);
 	for (uint32_t i = 0; i < n && i < max; i++) {
-		uint64_t ref = kvt_load(&l->refs[i], KVT_RLX);
+		uint64_t ref = kat_load(&l->refs[i], KVT_RLX);
 		uint32_t x = KVT_REF_SLOT(ref);
 		if (!ref || x >= s->geo.n_slots)
 			return kvt__err(-EUCLEAN, "lease %#llx: ref %u is corrupt",
@@ -197,7 +197,7 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 			gens[i] = KVT_REF_GEN(ref);
 	}
 	/* The refs we copied belong to this lease only if it is still live. */
-	if (kvt_load(&l->state, KVT_ACQ) != w)
+	if (kat_load(&l->state, KVT_ACQ) != w)
 		return kvt__err(-ESTALE, "lease %#llx was released meanwhile",
 				(unsigned long long)lease);
 	return (int)(n < max ? n : max);
@@ -206,28 +206,28 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 void kvt__lease_finish_release(kvt_seg *s, uint32_t idx)
 {
 	struct kvt_lease *l = kvt__lease(s, idx);
-	uint64_t w = kvt_load(&l->state, KVT_ACQ);
-	uint32_t n = kvt_load(&l->n_refs, KVT_RLX);
+	uint64_t w = kat_load(&l->state, KVT_ACQ);
+	uint32_t n = kat_load(&l->n_refs, KVT_RLX);
 
 	if (KVT_LST(w) != KVT_L_RELEASING)
 		return;
 	if (n > s->geo.lease_max_chunks)
 		n = s->geo.lease_max_chunks; /* corrupt count: release what exists */
 	for (uint32_t i = 0; i < n; i++) {
-		uint64_t ref = kvt_load(&l->refs[i], KVT_ACQ);
+		uint64_t ref = kat_load(&l->refs[i], KVT_ACQ);
 		uint32_t x = KVT_REF_SLOT(ref);
 		if (!ref)
 			continue;
 		if (x < s->geo.n_slots) {
-			kvt_store(my_journal(s), KVT_J(KVT_J_UNPIN, x, KVT_REF_GEN(ref)), KVT_REL);
+			kat_store(my_journal(s), KVT_J(KVT_J_UNPIN, x, KVT_REF_GEN(ref)), KVT_REL);
 			(void)kvt__slot_unpin(s, x, KVT_REF_GEN(ref));
 		}
-		kvt_store(&l->refs[i], 0, KVT_REL);
-		kvt_store(my_journal(s), 0, KVT_REL);
+		kat_store(&l->refs[i], 0, KVT_REL);
+		kat_store(my_journal(s), 0, KVT_REL);
 	}
-	kvt_store(&l->n_refs, 0, KVT_RLX);
+	kat_store(&l->n_refs, 0, KVT_RLX);
 	/* R8: pairs with A6; everything above is done before reuse. */
-	kvt_cas(&l->state, &w, KVT_LW(KVT_L_FREE, KVT_LGEN(w) + 1, 0), KVT_AR);
+	kat_cas(&l->state, &w, KVT_LW(KVT_L_FREE, KVT_LGEN(w) + 1, 0), KVT_AR);
 }
 
 /* ACTIVE (or BUILDING, for the reaper) -> RELEASING, then finish. */
@@ -236,7 +236,7 @@ static int lease_release_idx(kvt_seg *s, uint32_t idx, uint64_t expect)
 	struct kvt_lease *l = kvt__lease(s, idx);
 	uint64_t w = expect;
 
-	if (!kvt_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(expect), s->entry + 1),
+	if (!kat_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(expect), s->entry + 1),
 		     KVT_AR))
 		return -EALREADY;
 	kvt__lease_finish_release(s, idx);
@@ -251,7 +251,7 @@ static int lease_release_id(kvt_seg *s, uint64_t lease, int count_double)
 
 	if (r)
 		return r;
-	w = kvt_load(&kvt__lease(s, idx)->state, KVT_ACQ);
+	w = kat_load(&kvt__lease(s, idx)->state, KVT_ACQ);
 	if (KVT_LST(w) == KVT_L_ACTIVE && (KVT_LGEN(w) & 0xffffffffULL) == gen32 &&
 	    lease_release_idx(s, idx, w) == 0)
 		return 0;
@@ -284,16 +284,16 @@ int kvt_lease_loaded(kvt_seg *s, uint64_t lease, uint32_t rank)
 	if (r)
 		return r;
 	l = kvt__lease(s, idx);
-	w = kvt_load(&l->state, KVT_ACQ);
+	w = kat_load(&l->state, KVT_ACQ);
 	if (KVT_LST(w) != KVT_L_ACTIVE || (KVT_LGEN(w) & 0xffffffffULL) != gen32)
 		return kvt__err(-ESTALE, "lease %#llx is not live", (unsigned long long)lease);
 	bit = 1ULL << rank;
 	full = kvt__full_mask(s->geo.world);
 	/* Acq_rel: every rank's loads are done before whoever sees the full
 	 * mask releases the pins (R4 then carries it to the evictor). */
-	prev = kvt_for(&l->loaded, bit, KVT_AR);
+	prev = kat_or(&l->loaded, bit, KVT_AR);
 	if (!(prev & bit))
-		kvt__count(s, KVT_C_LOADED_CHUNKS, kvt_load(&l->n_refs, KVT_RLX));
+		kvt__count(s, KVT_C_LOADED_CHUNKS, kat_load(&l->n_refs, KVT_RLX));
 	if ((prev | bit) == full && !(prev & bit))
 		return lease_release_idx(s, idx, w) == 0 ? 1 : 0;
 	return 0;
@@ -321,23 +321,23 @@ int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n)
 		qsort(set, n, sizeof(*set), u64_cmp);
 	}
 	/* Relaxed: the epoch only stamps leases for the stat view. */
-	uint64_t epoch = kvt_fadd(&s->hdr->step[s->instance].epoch, 1, KVT_RLX) + 1;
+	uint64_t epoch = kat_fadd(&s->hdr->step[s->instance].epoch, 1, KVT_RLX) + 1;
 	for (uint32_t i = 0; i < s->geo.n_leases; i++) {
 		struct kvt_lease *l = kvt__lease(s, i);
-		uint64_t w = kvt_load(&l->state, KVT_ACQ);
+		uint64_t w = kat_load(&l->state, KVT_ACQ);
 		if (KVT_LST(w) != KVT_L_ACTIVE ||
-		    kvt_load(&l->instance, KVT_RLX) != s->instance)
+		    kat_load(&l->instance, KVT_RLX) != s->instance)
 			continue;
 		uint64_t id = KVT_LEASE_ID(i, KVT_LGEN(w));
 		if (set && bsearch(&id, set, n, sizeof(*set), u64_cmp)) {
-			kvt_store(&l->misses, 0, KVT_RLX);
-			kvt_store(&l->last_step, epoch, KVT_RLX);
+			kat_store(&l->misses, 0, KVT_RLX);
+			kat_store(&l->last_step, epoch, KVT_RLX);
 			continue;
 		}
 		/* Relaxed: one scheduler steps an instance; a racing step by a
 		 * second one only releases a stale lease one step early. */
-		uint32_t m = kvt_load(&l->misses, KVT_RLX) + 1;
-		kvt_store(&l->misses, m, KVT_RLX);
+		uint32_t m = kat_load(&l->misses, KVT_RLX) + 1;
+		kat_store(&l->misses, m, KVT_RLX);
 		if (m >= 2 && lease_release_idx(s, i, w) == 0) {
 			kvt__count(s, KVT_C_STALE_UNPINS, 1);
 			released++;
@@ -355,14 +355,14 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 	if (x >= s->geo.n_slots)
 		return;
 	sl = kvt__slot(s, x);
-	w = kvt_load(&sl->state, KVT_ACQ);
+	w = kat_load(&sl->state, KVT_ACQ);
 	for (;;) {
 		if (KVT_ST(w) != KVT_S_READY || (KVT_GEN(w) & 0xfffffffULL) != gen28)
 			return; /* pins exist only in READY; another life now */
-		kvt_store(my_journal(s), KVT_J(KVT_J_FREEZE, x, KVT_GEN(w)), KVT_REL);
+		kat_store(my_journal(s), KVT_J(KVT_J_FREEZE, x, KVT_GEN(w)), KVT_REL);
 		if (w & KVT_ST_FROZEN)
 			break; /* a dead reaper's freeze: adopt it */
-		if (kvt_cas(&sl->state, &w, w | KVT_ST_FROZEN, KVT_SC)) {
+		if (kat_cas(&sl->state, &w, w | KVT_ST_FROZEN, KVT_SC)) {
 			w |= KVT_ST_FROZEN;
 			break;
 		}
@@ -372,13 +372,13 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 		if (e == s->entry)
 			continue;
 		for (unsigned spins = 0;; spins++) {
-			uint64_t j = kvt_load(&s->ents[e].journal, KVT_SC);
+			uint64_t j = kat_load(&s->ents[e].journal, KVT_SC);
 			uint32_t op = KVT_J_OP(j);
 			if ((op != KVT_J_PIN && op != KVT_J_UNPIN) || KVT_J_SLOT(j) != x ||
 			    (j & KVT_J_BLOCKED))
 				break;
 			/* An entry being reaped belongs to a dead process. */
-			uint32_t ost = KVT_OWNER_ST(kvt_load(&s->ents[e].owner, KVT_ACQ));
+			uint32_t ost = KVT_OWNER_ST(kat_load(&s->ents[e].owner, KVT_ACQ));
 			if (ost != KVT_ENT_ATTACHED && ost != KVT_ENT_CLAIMING)
 				break;
 			if ((spins & 1023) == 1023 && !kvt__entry_alive(s, e))
@@ -388,14 +388,14 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 	}
 	for (uint32_t i = 0; i < s->geo.n_leases; i++) {
 		struct kvt_lease *l = kvt__lease(s, i);
-		uint64_t lw = kvt_load(&l->state, KVT_ACQ);
+		uint64_t lw = kat_load(&l->state, KVT_ACQ);
 		if (KVT_LST(lw) == KVT_L_FREE)
 			continue;
-		uint32_t n = kvt_load(&l->n_refs, KVT_ACQ);
+		uint32_t n = kat_load(&l->n_refs, KVT_ACQ);
 		if (n > s->geo.lease_max_chunks)
 			n = s->geo.lease_max_chunks;
 		for (uint32_t k = 0; k < n; k++)
-			if (kvt_load(&l->refs[k], KVT_ACQ) == KVT_REF(x, KVT_GEN(w)))
+			if (kat_load(&l->refs[k], KVT_ACQ) == KVT_REF(x, KVT_GEN(w)))
 				count++;
 	}
 	if (count > KVT_PINS_MAX)
@@ -403,10 +403,10 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 	/* Only we change a frozen word (pins and unpins wait or fail). */
 	for (;;) {
 		uint64_t nw = KVT_SW(KVT_S_READY, KVT_GEN(w), count);
-		if (kvt_cas(&sl->state, &w, nw, KVT_SC))
+		if (kat_cas(&sl->state, &w, nw, KVT_SC))
 			break;
 		if (!(w & KVT_ST_FROZEN))
 			break; /* a concurrent adopter finished it */
 	}
-	kvt_store(my_journal(s), 0, KVT_REL);
+	kat_store(my_journal(s), 0, KVT_REL);
 }

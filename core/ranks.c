@@ -44,12 +44,12 @@ static int pid_exists(int pid)
 
 int kvt__entry_alive(const kvt_seg *s, uint32_t e)
 {
-	uint64_t w = kvt_load(&s->ents[e].owner, KVT_ACQ);
+	uint64_t w = kat_load(&s->ents[e].owner, KVT_ACQ);
 	int pid = KVT_OWNER_PID(w);
 
 	switch (KVT_OWNER_ST(w)) {
 	case KVT_ENT_ATTACHED: {
-		uint64_t st = kvt_load(&s->ents[e].start, KVT_RLX);
+		uint64_t st = kat_load(&s->ents[e].start, KVT_RLX);
 		return pid == s->pid ? st == s->start : kvt_proc_start_time(pid) == st;
 	}
 	case KVT_ENT_CLAIMING:
@@ -67,21 +67,21 @@ int kvt__entry_claim(kvt_seg *s, uint32_t e)
 	struct kvt_ent *ent = &s->ents[e];
 
 	for (unsigned tries = 0; tries < 100000; tries++) {
-		uint64_t w = kvt_load(&ent->owner, KVT_ACQ);
+		uint64_t w = kat_load(&ent->owner, KVT_ACQ);
 
 		switch (KVT_OWNER_ST(w)) {
 		case KVT_ENT_EMPTY:
-			if (!kvt_cas(&ent->owner, &w, KVT_OWNER(KVT_ENT_CLAIMING, s->pid), KVT_AR))
+			if (!kat_cas(&ent->owner, &w, KVT_OWNER(KVT_ENT_CLAIMING, s->pid), KVT_AR))
 				continue;
-			kvt_store(&ent->start, s->start, KVT_RLX);
-			kvt_store(&ent->role, s->role, KVT_RLX);
-			kvt_store(&ent->instance, s->instance, KVT_RLX);
-			kvt_store(&ent->rank, s->rank, KVT_RLX);
-			kvt_store(&ent->journal, 0, KVT_RLX);
-			kvt_store(&ent->heartbeat, kvt__now_ns(), KVT_RLX);
-			kvt_fadd(&ent->attach_gen, 1, KVT_RLX);
+			kat_store(&ent->start, s->start, KVT_RLX);
+			kat_store(&ent->role, s->role, KVT_RLX);
+			kat_store(&ent->instance, s->instance, KVT_RLX);
+			kat_store(&ent->rank, s->rank, KVT_RLX);
+			kat_store(&ent->journal, 0, KVT_RLX);
+			kat_store(&ent->heartbeat, kvt__now_ns(), KVT_RLX);
+			kat_fadd(&ent->attach_gen, 1, KVT_RLX);
 			/* R9: publishes the fields above to liveness checks (acq). */
-			kvt_store(&ent->owner, KVT_OWNER(KVT_ENT_ATTACHED, s->pid), KVT_REL);
+			kat_store(&ent->owner, KVT_OWNER(KVT_ENT_ATTACHED, s->pid), KVT_REL);
 			s->entry = e;
 			s->my_counters = (uint64_t *)kvt__ctr(s, e);
 			return 0;
@@ -95,7 +95,7 @@ int kvt__entry_claim(kvt_seg *s, uint32_t e)
 				sched_yield(); /* a live reaper is on it */
 				continue;
 			}
-			if (kvt_cas(&ent->owner, &w, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_AR))
+			if (kat_cas(&ent->owner, &w, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_AR))
 				entry_reap_locked(s, e);
 			continue;
 		default:
@@ -113,13 +113,13 @@ void kvt__entry_release(kvt_seg *s)
 	/* Claims this handle still holds are aborted: their data never
 	 * completed.  Leases stay; they belong to the instance. */
 	for (uint32_t x = 0; x < s->geo.n_slots; x++) {
-		uint64_t w = kvt_load(&kvt__slot(s, x)->state, KVT_RLX);
+		uint64_t w = kat_load(&kvt__slot(s, x)->state, KVT_RLX);
 		if (KVT_ST(w) == KVT_S_FILLING || KVT_ST(w) == KVT_S_DOOMED)
 			kvt__slot_writer_gone(s, x, e);
 	}
-	kvt_store(&s->ents[e].journal, 0, KVT_REL);
+	kat_store(&s->ents[e].journal, 0, KVT_REL);
 	/* R10: everything we did is visible before the entry can be reused. */
-	kvt_store(&s->ents[e].owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
+	kat_store(&s->ents[e].owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
 	s->entry = UINT32_MAX;
 }
 
@@ -128,10 +128,10 @@ void kvt__entry_release(kvt_seg *s)
 static void entry_reap_locked(kvt_seg *s, uint32_t e)
 {
 	struct kvt_ent *ent = &s->ents[e];
-	uint64_t j = kvt_load(&ent->journal, KVT_ACQ);
-	uint32_t role = kvt_load(&ent->role, KVT_RLX);
-	uint32_t inst = kvt_load(&ent->instance, KVT_RLX);
-	uint32_t rank = kvt_load(&ent->rank, KVT_RLX);
+	uint64_t j = kat_load(&ent->journal, KVT_ACQ);
+	uint32_t role = kat_load(&ent->role, KVT_RLX);
+	uint32_t inst = kat_load(&ent->instance, KVT_RLX);
+	uint32_t rank = kat_load(&ent->rank, KVT_RLX);
 	uint32_t me = s->entry;
 
 	if (me == UINT32_MAX || me == e) {
@@ -148,10 +148,10 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 	default:
 		break;
 	}
-	kvt_store(&ent->journal, 0, KVT_REL);
+	kat_store(&ent->journal, 0, KVT_REL);
 
 	for (uint32_t x = 0; x < s->geo.n_slots; x++) {
-		uint64_t w = kvt_load(&kvt__slot(s, x)->state, KVT_ACQ);
+		uint64_t w = kat_load(&kvt__slot(s, x)->state, KVT_ACQ);
 		switch (KVT_ST(w)) {
 		case KVT_S_FILLING:
 		case KVT_S_DOOMED:
@@ -168,7 +168,7 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 			/* It died in kvt_write_end between the READY CAS and
 			 * its shard release: the chunk is complete, only the
 			 * claim (writer field, writing bit) is left to drop. */
-			if (kvt_load(&kvt__slot(s, x)->writing, KVT_ACQ))
+			if (kat_load(&kvt__slot(s, x)->writing, KVT_ACQ))
 				kvt__slot_writer_gone(s, x, e);
 			break;
 		default:
@@ -178,7 +178,7 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 
 	for (uint32_t i = 0; i < s->geo.n_leases; i++) {
 		struct kvt_lease *l = kvt__lease(s, i);
-		uint64_t w = kvt_load(&l->state, KVT_ACQ);
+		uint64_t w = kat_load(&l->state, KVT_ACQ);
 		uint32_t st = KVT_LST(w);
 		int release = 0;
 
@@ -187,12 +187,12 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 		if (KVT_LACT(w) == e + 1)
 			release = 1; /* it built it (BUILDING, ACTIVE) or was releasing it */
 		else if (st == KVT_L_ACTIVE && role == KVT_ROLE_RANK &&
-			 kvt_load(&l->instance, KVT_RLX) == inst &&
-			 rank < 64 && !(kvt_load(&l->loaded, KVT_ACQ) & (1ULL << rank)))
+			 kat_load(&l->instance, KVT_RLX) == inst &&
+			 rank < 64 && !(kat_load(&l->loaded, KVT_ACQ) & (1ULL << rank)))
 			release = 1; /* it would wait forever for this rank */
 		/* Take the lease over as its releaser, in one CAS. */
 		if (release &&
-		    kvt_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), s->entry + 1),
+		    kat_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), s->entry + 1),
 			    KVT_AR))
 			kvt__lease_finish_release(s, i);
 	}
@@ -201,7 +201,7 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 	kvt__count(s, KVT_C_REAPED_RANKS, 1);
 	s->entry = me;
 	/* R11: the repairs are visible before the entry is reused. */
-	kvt_store(&ent->owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
+	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
 }
 
 int kvt_seg_reap(kvt_seg *s)
@@ -210,16 +210,16 @@ int kvt_seg_reap(kvt_seg *s)
 
 	if (s->entry == UINT32_MAX)
 		return kvt__err(-EPERM, "reap: an observer handle cannot reap");
-	kvt_store(&s->ents[s->entry].heartbeat, kvt__now_ns(), KVT_RLX);
+	kat_store(&s->ents[s->entry].heartbeat, kvt__now_ns(), KVT_RLX);
 	for (uint32_t e = 0; e < s->d.n_entries; e++) {
-		uint64_t w = kvt_load(&s->ents[e].owner, KVT_ACQ);
+		uint64_t w = kat_load(&s->ents[e].owner, KVT_ACQ);
 		if (e == s->entry || KVT_OWNER_ST(w) == KVT_ENT_EMPTY)
 			continue;
 		if (KVT_OWNER_ST(w) > KVT_ENT_REAPING)
 			continue; /* corrupt: kvt_check reports it */
 		if (kvt__entry_alive(s, e))
 			continue;
-		if (kvt_cas(&s->ents[e].owner, &w, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_AR)) {
+		if (kat_cas(&s->ents[e].owner, &w, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_AR)) {
 			entry_reap_locked(s, e);
 			reaped++;
 		}

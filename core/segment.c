@@ -585,7 +585,7 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	}
 	s->hdr = (struct kvt_hdr *)s->base;
 	/* A0: pairs with R0 in kvt_seg_create; the header is complete. */
-	if (kvt_load(&s->hdr->magic, KVT_ACQ) != KVT_MAGIC) {
+	if (kat_load(&s->hdr->magic, KVT_ACQ) != KVT_MAGIC) {
 		r = kvt__err(-EPROTO, "header.magic: '%s' is not a kvtier segment, or its "
 			     "creator died before finishing it", a->name);
 		goto out_unmap;
@@ -700,7 +700,7 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	memcpy(h->regions, reg, sizeof(reg));
 	h->checksum = kvt__hdr_checksum(h);
 	/* R0: publishes the header; pairs with A0 in kvt_seg_attach. */
-	kvt_store(&h->magic, KVT_MAGIC, KVT_REL);
+	kat_store(&h->magic, KVT_MAGIC, KVT_REL);
 
 	if (c->flags & KVT_SEG_F_PREFAULT) {
 #ifdef MADV_POPULATE_WRITE
@@ -807,7 +807,7 @@ void kvt_counters_read(const kvt_seg *s, uint64_t out[KVT_C__COUNT])
 	for (uint32_t b = 0; b <= s->d.n_entries; b++) {
 		_Atomic uint64_t *blk = kvt__ctr(s, b);
 		for (int c = 0; c < KVT_C__COUNT; c++)
-			out[c] += kvt_load(&blk[c], KVT_RLX); /* statistics */
+			out[c] += kat_load(&blk[c], KVT_RLX); /* statistics */
 	}
 }
 
@@ -815,7 +815,7 @@ void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o)
 {
 	memset(o, 0, sizeof(*o));
 	for (uint32_t i = 0; i < s->geo.n_slots; i++) {
-		uint64_t w = kvt_load(&kvt__slot(s, i)->state, KVT_RLX); /* snapshot */
+		uint64_t w = kat_load(&kvt__slot(s, i)->state, KVT_RLX); /* snapshot */
 		switch (KVT_ST(w)) {
 		case KVT_S_FREE: o->free++; break;
 		case KVT_S_FILLING: case KVT_S_DOOMED: o->filling++; break;
@@ -824,10 +824,10 @@ void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o)
 		}
 	}
 	for (uint32_t i = 0; i < s->geo.n_leases; i++)
-		if (KVT_LST(kvt_load(&kvt__lease(s, i)->state, KVT_RLX)) != KVT_L_FREE)
+		if (KVT_LST(kat_load(&kvt__lease(s, i)->state, KVT_RLX)) != KVT_L_FREE)
 			o->leases_live++;
 	for (uint32_t e = 0; e < s->d.n_entries; e++)
-		if (KVT_OWNER_ST(kvt_load(&s->ents[e].owner, KVT_RLX)) == KVT_ENT_ATTACHED &&
+		if (KVT_OWNER_ST(kat_load(&s->ents[e].owner, KVT_RLX)) == KVT_ENT_ATTACHED &&
 		    kvt__entry_alive(s, e))
 			o->ranks_live++;
 }

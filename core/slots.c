@@ -56,14 +56,14 @@ static kvt_a64 *my_journal(kvt_seg *s)
 void kvt__slot_reclaim(kvt_seg *s, uint32_t x)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
-	uint64_t w = kvt_load(&sl->state, KVT_SC);
+	uint64_t w = kat_load(&sl->state, KVT_SC);
 
 	if (KVT_ST(w) == KVT_S_DOOMED) {
 		/* Seq_cst read of the mask: the Dekker partner of a joining
 		 * writer's fetch_or (see the essay). */
-		if (kvt_load(&sl->writing, KVT_SC) != 0)
+		if (kat_load(&sl->writing, KVT_SC) != 0)
 			return;
-		if (!kvt_cas(&sl->state, &w, KVT_SW(KVT_S_EVICTING, KVT_GEN(w), 0), KVT_SC))
+		if (!kat_cas(&sl->state, &w, KVT_SW(KVT_S_EVICTING, KVT_GEN(w), 0), KVT_SC))
 			return; /* someone else moved it on */
 		w = KVT_SW(KVT_S_EVICTING, KVT_GEN(w), 0);
 	}
@@ -72,17 +72,17 @@ void kvt__slot_reclaim(kvt_seg *s, uint32_t x)
 	kvt__index_remove(s, x, KVT_GEN(w));
 	/* R3: release pairs with the allocator's acquire CAS on FREE (A4):
 	 * the index removal is done before the slot can be reused. */
-	kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (KVT_GEN(w) + 1) & KVT_GEN_MASK, 0), KVT_AR);
+	kat_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (KVT_GEN(w) + 1) & KVT_GEN_MASK, 0), KVT_AR);
 }
 
 /* Moves FILLING|gen to DOOMED and reclaims it if no writer is left. */
 void kvt__slot_doom(kvt_seg *s, uint32_t x, uint64_t gen)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
-	uint64_t w = kvt_load(&sl->state, KVT_SC);
+	uint64_t w = kat_load(&sl->state, KVT_SC);
 
 	while (KVT_ST(w) == KVT_S_FILLING && KVT_GEN(w) == gen) {
-		if (kvt_cas(&sl->state, &w, KVT_SW(KVT_S_DOOMED, gen, 0), KVT_SC))
+		if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_DOOMED, gen, 0), KVT_SC))
 			break;
 	}
 	kvt__slot_reclaim(s, x);
@@ -94,20 +94,20 @@ static void shard_release(kvt_seg *s, uint32_t x, uint32_t shard, uint32_t e)
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint16_t me = (uint16_t)(e + 1);
 
-	kvt_cas(&sl->writer[shard], &me, 0, KVT_AR);
+	kat_cas(&sl->writer[shard], &me, 0, KVT_AR);
 	/* Release: our payload writes (on commit) or nothing (abort) come
 	 * before the bit disappears; seq_cst for the Dekker pair. */
-	kvt_fand(&sl->writing, ~(1ULL << shard), KVT_SC);
+	kat_and(&sl->writing, ~(1ULL << shard), KVT_SC);
 }
 
 void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
-	uint64_t w = kvt_load(&sl->state, KVT_SC);
+	uint64_t w = kat_load(&sl->state, KVT_SC);
 	int had = 0;
 
 	for (uint32_t sh = 0; sh < s->d.n_shards; sh++) {
-		if (kvt_load(&sl->writer[sh], KVT_ACQ) == (uint16_t)(e + 1)) {
+		if (kat_load(&sl->writer[sh], KVT_ACQ) == (uint16_t)(e + 1)) {
 			shard_release(s, x, sh, e);
 			had = 1;
 		}
@@ -121,7 +121,7 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
-	uint64_t w = kvt_load(&sl->state, KVT_RLX);
+	uint64_t w = kat_load(&sl->state, KVT_RLX);
 	int spins = 0;
 
 	for (;;) {
@@ -131,19 +131,19 @@ int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 			/* A reaper is recounting this slot's pins: tell it we have
 			 * not unpinned yet, and wait (see leases.c). */
 			if (s->entry != UINT32_MAX)
-				kvt_for(my_journal(s), KVT_J_BLOCKED, KVT_SC);
+				kat_or(my_journal(s), KVT_J_BLOCKED, KVT_SC);
 			if (++spins > 64)
 				sched_yield();
-			w = kvt_load(&sl->state, KVT_ACQ);
+			w = kat_load(&sl->state, KVT_ACQ);
 			continue;
 		}
 		if (s->entry != UINT32_MAX && spins)
-			kvt_fand(my_journal(s), ~KVT_J_BLOCKED, KVT_SC);
+			kat_and(my_journal(s), ~KVT_J_BLOCKED, KVT_SC);
 		if (KVT_PINS(w) == 0)
 			return -EUCLEAN;
 		/* R4: release orders our reads of the payload (a load) before
 		 * the eviction that may follow (the evictor's CAS is acq). */
-		if (kvt_cas(&sl->state, &w, w - KVT_PIN_ONE, KVT_AR))
+		if (kat_cas(&sl->state, &w, w - KVT_PIN_ONE, KVT_AR))
 			return 0;
 	}
 }
@@ -152,7 +152,7 @@ int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 static int slot_cold(const struct kvt_slot *sl, uint64_t w)
 {
 	return KVT_ST(w) == KVT_S_READY && !KVT_PINS(w) && !(w & KVT_ST_FROZEN) &&
-	       kvt_load(&sl->ref, KVT_RLX) == 0;
+	       kat_load(&sl->ref, KVT_RLX) == 0;
 }
 
 /* Takes a FREE slot for us: FREE|g -> FILLING|g|owner = us. */
@@ -163,7 +163,7 @@ static int slot_take(kvt_seg *s, uint32_t x, uint64_t w, uint32_t *xo, uint64_t 
 	/* A4: acquire pairs with R3: the previous life of the slot is over
 	 * before we write its fields. */
 	if (KVT_ST(w) != KVT_S_FREE ||
-	    !kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w), s->entry + 1), KVT_AR))
+	    !kat_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w), s->entry + 1), KVT_AR))
 		return 0;
 	*xo = x;
 	*geno = KVT_GEN(w);
@@ -195,16 +195,16 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 
 	while (budget--) {
 		/* Relaxed: the hand is only a cursor; slots are claimed by CAS. */
-		uint64_t h = kvt_fadd(&s->hdr->clock_hand, 1, KVT_RLX);
+		uint64_t h = kat_fadd(&s->hdr->clock_hand, 1, KVT_RLX);
 		uint32_t x = (uint32_t)(h % n);
 		struct kvt_slot *sl = kvt__slot(s, x);
-		uint64_t w = kvt_load(&sl->state, KVT_ACQ);
+		uint64_t w = kat_load(&sl->state, KVT_ACQ);
 
 		switch (KVT_ST(w)) {
 		case KVT_S_EVICTING:
 		case KVT_S_DOOMED:
 			kvt__slot_reclaim(s, x);
-			w = kvt_load(&sl->state, KVT_ACQ);
+			w = kat_load(&sl->state, KVT_ACQ);
 			if (slot_take(s, x, w, xo, geno))
 				return 0;
 			break;
@@ -213,13 +213,13 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 				return 0;
 			break;
 		case KVT_S_FILLING:
-			if (KVT_FILL_OWNER(w) || kvt_load(&sl->writing, KVT_SC) != 0 ||
+			if (KVT_FILL_OWNER(w) || kat_load(&sl->writing, KVT_SC) != 0 ||
 			    (w & KVT_ST_FROZEN))
 				break; /* being set up, or being written */
 			if (!now)
 				now = kvt__now_ns();
-			if (now - kvt_load(&sl->fill_ns, KVT_RLX) > timeout_ns &&
-			    kvt_load(&sl->fill_ns, KVT_RLX) < now) {
+			if (now - kat_load(&sl->fill_ns, KVT_RLX) > timeout_ns &&
+			    kat_load(&sl->fill_ns, KVT_RLX) < now) {
 				kvt__count(s, KVT_C_FILL_TIMEOUTS, 1);
 				kvt__slot_doom(s, x, KVT_GEN(w));
 			}
@@ -229,18 +229,18 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 				break;
 			/* Relaxed: reference counts are a heuristic; a lost
 			 * update only changes which chunk goes first. */
-			uint32_t ref = kvt_load(&sl->ref, KVT_RLX);
+			uint32_t ref = kat_load(&sl->ref, KVT_RLX);
 			if (ref) {
-				kvt_store(&sl->ref, ref - 1, KVT_RLX);
+				kat_store(&sl->ref, ref - 1, KVT_RLX);
 				break;
 			}
-			uint32_t best = x, best_depth = kvt_load(&sl->depth, KVT_RLX);
+			uint32_t best = x, best_depth = kat_load(&sl->depth, KVT_RLX);
 			uint64_t best_w = w;
 			for (uint32_t k = 1; k <= s->sweep_peek && k < n; k++) {
 				uint32_t y = (uint32_t)((h + k) % n);
 				struct kvt_slot *sy = kvt__slot(s, y);
-				uint64_t wy = kvt_load(&sy->state, KVT_ACQ);
-				uint32_t d = kvt_load(&sy->depth, KVT_RLX);
+				uint64_t wy = kat_load(&sy->state, KVT_ACQ);
+				uint32_t d = kat_load(&sy->depth, KVT_RLX);
 				if (slot_cold(sy, wy) && d > best_depth) {
 					best = y;
 					best_depth = d;
@@ -249,11 +249,11 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 			}
 			struct kvt_slot *sb = kvt__slot(s, best);
 			/* A5: acquire pairs with the unpinners' R4. */
-			if (kvt_cas(&sb->state, &best_w, KVT_SW(KVT_S_EVICTING, KVT_GEN(best_w), 0),
+			if (kat_cas(&sb->state, &best_w, KVT_SW(KVT_S_EVICTING, KVT_GEN(best_w), 0),
 				    KVT_AR)) {
 				kvt__count(s, KVT_C_EVICTIONS, 1);
 				kvt__slot_reclaim(s, best);
-				if (slot_take(s, best, kvt_load(&sb->state, KVT_ACQ), xo, geno))
+				if (slot_take(s, best, kat_load(&sb->state, KVT_ACQ), xo, geno))
 					return 0;
 			}
 			break;
@@ -273,18 +273,18 @@ static int shard_join(kvt_seg *s, uint32_t x, uint64_t gen, uint32_t shard)
 	uint64_t bit = 1ULL << shard, w;
 	uint16_t zero = 0;
 
-	if (kvt_load(&sl->ready, KVT_ACQ) & bit)
+	if (kat_load(&sl->ready, KVT_ACQ) & bit)
 		return KVT_SKIP;
-	if (!kvt_cas(&sl->writer[shard], &zero, (uint16_t)(s->entry + 1), KVT_AR))
+	if (!kat_cas(&sl->writer[shard], &zero, (uint16_t)(s->entry + 1), KVT_AR))
 		return KVT_SKIP; /* someone is writing this shard */
-	kvt_for(&sl->writing, bit, KVT_SC);
-	w = kvt_load(&sl->state, KVT_SC); /* Dekker partner of slot_doom */
+	kat_or(&sl->writing, bit, KVT_SC);
+	w = kat_load(&sl->state, KVT_SC); /* Dekker partner of slot_doom */
 	if (KVT_ST(w) != KVT_S_FILLING || KVT_GEN(w) != gen) {
 		shard_release(s, x, shard, s->entry);
 		kvt__slot_reclaim(s, x);
 		return KVT_ST(w) == KVT_S_READY && KVT_GEN(w) == gen ? KVT_SKIP : -EAGAIN;
 	}
-	if (kvt_load(&sl->ready, KVT_ACQ) & bit) {
+	if (kat_load(&sl->ready, KVT_ACQ) & bit) {
 		shard_release(s, x, shard, s->entry);
 		return KVT_SKIP;
 	}
@@ -323,18 +323,18 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 		}
 		struct kvt_slot *sl = kvt__slot(s, x);
 		/* Fields of the new life (S3: only the allocator resets them). */
-		kvt_store(&sl->key_lo, key->lo, KVT_RLX);
-		kvt_store(&sl->key_hi, key->hi, KVT_RLX);
-		kvt_store(&sl->depth, depth, KVT_RLX);
-		kvt_store(&sl->tag, tag, KVT_RLX);
-		kvt_store(&sl->owner, s->entry + 1, KVT_RLX);
-		kvt_store(&sl->fill_ns, kvt__now_ns(), KVT_RLX);
-		kvt_store(&sl->ref, 1, KVT_RLX);
-		kvt_store(&sl->ready, 0, KVT_RLX);
+		kat_store(&sl->key_lo, key->lo, KVT_RLX);
+		kat_store(&sl->key_hi, key->hi, KVT_RLX);
+		kat_store(&sl->depth, depth, KVT_RLX);
+		kat_store(&sl->tag, tag, KVT_RLX);
+		kat_store(&sl->owner, s->entry + 1, KVT_RLX);
+		kat_store(&sl->fill_ns, kvt__now_ns(), KVT_RLX);
+		kat_store(&sl->ref, 1, KVT_RLX);
+		kat_store(&sl->ready, 0, KVT_RLX);
 		for (uint32_t i = 0; i < s->d.n_shards; i++)
-			kvt_store(&sl->writer[i], 0, KVT_RLX);
-		kvt_store(&sl->writer[shard], (uint16_t)(s->entry + 1), KVT_RLX);
-		kvt_store(&sl->writing, 1ULL << shard, KVT_SC);
+			kat_store(&sl->writer[i], 0, KVT_RLX);
+		kat_store(&sl->writer[shard], (uint16_t)(s->entry + 1), KVT_RLX);
+		kat_store(&sl->writing, 1ULL << shard, KVT_SC);
 
 		uint32_t ex;
 		uint64_t exgen;
@@ -345,15 +345,15 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 			/* Setup done: from here the reaper finds us through
 			 * writer[], like any writer. */
 			uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
-			kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, gen, 0), KVT_AR);
+			kat_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, gen, 0), KVT_AR);
 			goto claimed;
 		}
 		/* Lost the race for the key (r == 1) or the index is full:
 		 * the slot was never visible, so it goes straight back. */
-		kvt_store(&sl->writer[shard], 0, KVT_RLX);
-		kvt_store(&sl->writing, 0, KVT_SC);
+		kat_store(&sl->writer[shard], 0, KVT_RLX);
+		kat_store(&sl->writing, 0, KVT_SC);
 		uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
-		kvt_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (gen + 1) & KVT_GEN_MASK, 0), KVT_AR);
+		kat_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (gen + 1) & KVT_GEN_MASK, 0), KVT_AR);
 		if (r < 0) {
 			kvt__count(s, KVT_C_INDEX_FULL, 1);
 			kvt__count(s, KVT_C_SAVE_NOSPC, 1);
@@ -378,20 +378,20 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 	    wr->shard >= s->d.n_shards)
 		return kvt__err(-EINVAL, "write_end: bad write reference");
 	sl = kvt__slot(s, wr->slot);
-	if (kvt_load(&sl->writer[wr->shard], KVT_ACQ) != (uint16_t)(s->entry + 1))
+	if (kat_load(&sl->writer[wr->shard], KVT_ACQ) != (uint16_t)(s->entry + 1))
 		return kvt__err(-EINVAL, "write_end: slot %u shard %u is not claimed by "
 				"this handle", wr->slot, wr->shard);
 	bit = 1ULL << wr->shard;
 	full = kvt__full_mask(s->d.n_shards);
-	w = kvt_load(&sl->state, KVT_ACQ);
+	w = kat_load(&sl->state, KVT_ACQ);
 	if (ok && KVT_ST(w) == KVT_S_FILLING && KVT_GEN(w) == wr->gen) {
 		/* R5: release publishes our shard's payload; acquire takes the
 		 * other writers' (their R5), so whoever completes the mask
 		 * publishes all shards with the READY CAS below. */
-		prev = kvt_for(&sl->ready, bit, KVT_AR);
+		prev = kat_or(&sl->ready, bit, KVT_AR);
 		if ((prev | bit) == full && !(prev & bit)) {
 			/* R6: pairs with A2 in the index lookup. */
-			if (kvt_cas(&sl->state, &w, KVT_SW(KVT_S_READY, wr->gen, 0), KVT_AR))
+			if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_READY, wr->gen, 0), KVT_AR))
 				ret = 1;
 			else
 				ret = -ESTALE;
@@ -406,10 +406,10 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 		kvt__count(s, KVT_C_FILL_ABORTS, 1);
 	}
 	shard_release(s, wr->slot, wr->shard, s->entry);
-	w = kvt_load(&sl->state, KVT_SC);
+	w = kat_load(&sl->state, KVT_SC);
 	if (KVT_GEN(w) == wr->gen) {
 		if (KVT_ST(w) == KVT_S_FILLING && (!ok || ret < 0) &&
-		    kvt_load(&sl->ready, KVT_ACQ) == 0 && kvt_load(&sl->writing, KVT_SC) == 0)
+		    kat_load(&sl->ready, KVT_ACQ) == 0 && kat_load(&sl->writing, KVT_SC) == 0)
 			kvt__slot_doom(s, wr->slot, wr->gen); /* nothing of it was written */
 		else if (KVT_ST(w) == KVT_S_DOOMED)
 			kvt__slot_reclaim(s, wr->slot);  /* last one out */

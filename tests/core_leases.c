@@ -219,20 +219,20 @@ static void test_pin_repair(void **st)
 			if (kvt_test_attach(NAME, KVT_ROLE_CLIENT, 0, 0, 0, &c))
 				_exit(1);
 			struct kvt_slot *sl = kvt__slot(c, slot);
-			uint64_t w = kvt_load(&sl->state, KVT_RLX);
+			uint64_t w = kat_load(&sl->state, KVT_RLX);
 			if (scenario == 0) {
 				/* pinned, died before recording the ref */
-				kvt_store(&c->ents[c->entry].journal, KVT_J(KVT_J_PIN, slot, KVT_GEN(w)), KVT_REL);
-				kvt_store(&sl->state, w + KVT_PIN_ONE, KVT_REL);
+				kat_store(&c->ents[c->entry].journal, KVT_J(KVT_J_PIN, slot, KVT_GEN(w)), KVT_REL);
+				kat_store(&sl->state, w + KVT_PIN_ONE, KVT_REL);
 			} else {
 				/* releasing `lease`: unpinned, died before clearing the ref */
 				uint32_t idx = (uint32_t)lease - 1;
 				struct kvt_lease *l = kvt__lease(c, idx);
-				uint64_t lw = kvt_load(&l->state, KVT_RLX);
-				kvt_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(lw), c->entry + 1),
+				uint64_t lw = kat_load(&l->state, KVT_RLX);
+				kat_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(lw), c->entry + 1),
 					  KVT_REL);
-				kvt_store(&c->ents[c->entry].journal, KVT_J(KVT_J_UNPIN, slot, KVT_GEN(w)), KVT_REL);
-				kvt_store(&sl->state, w - KVT_PIN_ONE, KVT_REL);
+				kat_store(&c->ents[c->entry].journal, KVT_J(KVT_J_UNPIN, slot, KVT_GEN(w)), KVT_REL);
+				kat_store(&sl->state, w - KVT_PIN_ONE, KVT_REL);
 			}
 			_exit(0);
 		}
@@ -275,20 +275,20 @@ static void test_dead_mid_transition(void **st)
 			uint32_t me = c->entry + 1;
 			if (scenario == 0) {        /* B: RELEASING, nothing unpinned */
 				struct kvt_lease *l = kvt__lease(c, (uint32_t)lease - 1);
-				uint64_t w = kvt_load(&l->state, KVT_RLX);
-				kvt_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), me), KVT_REL);
+				uint64_t w = kat_load(&l->state, KVT_RLX);
+				kat_store(&l->state, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), me), KVT_REL);
 			} else if (scenario == 1) { /* C: BUILDING, nothing recorded */
 				struct kvt_lease *l = kvt__lease(c, 7);
-				uint64_t w = kvt_load(&l->state, KVT_RLX);
+				uint64_t w = kat_load(&l->state, KVT_RLX);
 				if (KVT_LST(w) != KVT_L_FREE)
 					_exit(2);
-				kvt_store(&l->state, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), me), KVT_REL);
+				kat_store(&l->state, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), me), KVT_REL);
 			} else if (scenario == 2) { /* D: FREE -> FILLING|owner, no setup */
 				for (uint32_t x = 0; x < 16; x++) {
 					struct kvt_slot *sl = kvt__slot(c, x);
-					uint64_t w = kvt_load(&sl->state, KVT_RLX);
+					uint64_t w = kat_load(&sl->state, KVT_RLX);
 					if (KVT_ST(w) == KVT_S_FREE) {
-						kvt_store(&sl->state, KVT_SW(KVT_S_FILLING, KVT_GEN(w), me), KVT_REL);
+						kat_store(&sl->state, KVT_SW(KVT_S_FILLING, KVT_GEN(w), me), KVT_REL);
 						break;
 					}
 				}
@@ -301,13 +301,13 @@ static void test_dead_mid_transition(void **st)
 				kvt__key_hash(c, &k, &b1, &b2, &tag);
 				/* turn its final entry back into a committed, pending one */
 				for (uint32_t p = 0; p < KVT_BUCKET_WAYS; p++) {
-					uint64_t e = kvt_load(&c->buckets[b1].e[p], KVT_RLX);
+					uint64_t e = kat_load(&c->buckets[b1].e[p], KVT_RLX);
 					if (e && KVT_E_SLOT(e) == w.slot) {
-						uint64_t ver = (kvt_load(&c->buckets[b1].ctl, KVT_RLX) >> 37) + 1;
+						uint64_t ver = (kat_load(&c->buckets[b1].ctl, KVT_RLX) >> 37) + 1;
 						uint64_t t = KVT_E_TENT | (e & ~(0xffffULL << 32)) |
 							     ((ver & 0xffff) << 32);
-						kvt_store(&c->buckets[b1].e[p], t, KVT_REL);
-						kvt_store(&c->buckets[b1].ctl, (ver << 37) | (1ULL << 36) |
+						kat_store(&c->buckets[b1].e[p], t, KVT_REL);
+						kat_store(&c->buckets[b1].ctl, (ver << 37) | (1ULL << 36) |
 							  ((uint64_t)p << 32) | (w.slot + 1), KVT_REL);
 						break;
 					}
