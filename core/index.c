@@ -15,7 +15,12 @@
  *   reachable through a final entry.
  * Invariant I2: a lookup never returns a slot whose key or generation
  *   differs from what it matched (find re-reads the state word after the
- *   key compare; pins CAS on the full state word, generation included).
+ *   key compare, behind an acquire fence F2 that pairs with the
+ *   allocator's release fence F1 in slots.c -- the seqlock rule: the
+ *   relaxed key loads must not be satisfied from a newer life than the
+ *   re-read state shows, which an acquire *load* alone does not forbid in
+ *   C11 or on aarch64; pins CAS on the full state word, generation
+ *   included).
  *
  * Inserts of a key are serialized through its primary bucket's control
  * word, without a lock:
@@ -41,8 +46,8 @@
  * slot in EVICTING (or a helper completing that eviction); it needs no
  * serialization because removing can never create a duplicate.  A process
  * that dies between steps 3 and 4 leaves a tentative entry that no ctl
- * points to: the slot it names is FILLING with the dead process's writing
- * bit, so the reaper dooms and reclaims the slot, and reclaiming removes
+ * points to: the slot it names is FILLING with the dead process as its
+ * allocator (in the state word), so the reaper dooms and reclaims the slot, and reclaiming removes
  * every entry naming (slot, generation).
  */
 #include <errno.h>
@@ -116,7 +121,7 @@ int kvt__slot_state_live(uint64_t w)
 }
 
 int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
-		    uint32_t *slot_out, int want_filling)
+		    uint32_t *slot_out, int want_filling, uint64_t *state_out)
 {
 	uint32_t b1, b2, t;
 
@@ -145,13 +150,19 @@ int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
 			continue;
 		if (!key_eq(sl, k))
 			continue;
+		KVT_SP(FIND_KEYREAD, s);
 		/* The key we compared belongs to generation KVT_GEN(w) only
-		 * if the generation did not move meanwhile. */
-		w2 = kat_load(&sl->state, KVT_ACQ);
+		 * if the generation did not move meanwhile.  F2: pairs with F1
+		 * (slots.c): if the key loads saw a newer life's stores, this
+		 * load sees that life's state word. */
+		atomic_thread_fence(KVT_ACQ);
+		w2 = kat_load(&sl->state, KVT_RLX);
 		if (KVT_GEN(w2) != KVT_GEN(w))
 			continue;
 		*slot_out = x;
 		*gen_out = KVT_GEN(w);
+		if (state_out)
+			*state_out = w;
 		return 1;
 	}
 	return 0;
@@ -200,7 +211,7 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 			index_help(s, b1, c);
 			continue;
 		}
-		if (kvt__index_find(s, k, existing_gen, existing, 1))
+		if (kvt__index_find(s, k, existing_gen, existing, 1, NULL))
 			return 1;
 		/* Two choices: the emptier bucket (b1 on a tie), its first
 		 * free way.  Relaxed: a stale view only picks a worse way; the
@@ -220,12 +231,14 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		 * helper that reads this entry. */
 		if (!kat_cas(entry_at(s, b1, b2, pos), &e0, tent, KVT_AR))
 			continue;
+		KVT_SP(INDEX_TENTATIVE, s);
 		/* R2: the commit point (see the essay above). */
 		if (!kat_cas(ctl, &c, CTL_PEND(CTL_VER(c) + 1, pos, slot), KVT_AR)) {
 			uint64_t t = tent;
 			kat_cas(entry_at(s, b1, b2, pos), &t, 0, KVT_AR);
 			continue;
 		}
+		KVT_SP(INDEX_COMMITTED, s);
 		index_help(s, b1, CTL_PEND(CTL_VER(c) + 1, pos, slot));
 		return 0;
 	}

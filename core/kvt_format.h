@@ -12,6 +12,7 @@
  *          |   32   creator uid, pid, start time, creation time,        |
  *          |        eviction policy bits                                |
  *          |   64   geometry (struct kvt_geometry, 120 bytes)           |
+ *          |   184  segment id (random at creation; tags lease ids)     |
  *          |   192  derived sizes: shard, slot meta, lease, shard part, |
  *          |        shards, entries, buckets, counter block             |
  *          |   256  layout fingerprint (128 bit)                        |
@@ -22,18 +23,20 @@
  *   4096   +------------------------------------------------------------+
  *          | rank table: n_entries x 64 B                               |
  *          |   instance i: world rank entries, then its scheduler;      |
- *          |   then KVT_MAX_CLIENTS client entries                      |
+ *          |   then KVT_MAX_CLIENTS client entries.  The first byte of  |
+ *          |   entry e in the file carries e's liveness lock (ranks.c)  |
  *          +------------------------------------------------------------+
  *          | counters: (n_entries + 1) blocks of KVT_C__COUNT u64,      |
  *          |   each block padded to cache lines; the last block is for  |
  *          |   processes without an entry (observers)                   |
  *          +------------------------------------------------------------+
- *          | lease table: n_leases x (64 B header + refs[max] u64)      |
+ *          | lease table: n_leases x (64 B header + loaded[world] u64   |
+ *          |   + refs[max] u64)                                         |
  *          +------------------------------------------------------------+
  *          | index: n_buckets x 64 B (ctl word + 7 entries)             |
  *          +------------------------------------------------------------+
  *          | slot meta: n_slots x slot_meta_bytes                       |
- *          |   64 B of words + writer[n_shards] u16, padded to 64 B     |
+ *          |   64 B of words + claim[n_shards] u64, padded to 64 B      |
  *          +------------------------------------------------------------+ 2 MiB
  *          | arena: n_shards parts of shard_part bytes (2 MiB aligned); |
  *          |   part s holds shard s of every slot: slot i at i x shard  |
@@ -52,10 +55,14 @@
 
 #include "kvt_atomic.h"
 #include "kvt_core.h"
+#include "kvt_sp.h"
 
 /* "KVTIER01" as a little-endian u64 */
 #define KVT_MAGIC          0x313052454954564bULL
-#define KVT_LAYOUT_VERSION 1u
+/* Version 2: generation-tagged shard claims replace the writer/writing
+ * pair, per-rank tagged loaded words and a tagged miss count in leases, a
+ * segment id in the header (lease ids carry it), OFD-lock liveness. */
+#define KVT_LAYOUT_VERSION 2u
 #define KVT_POLICY_DEPTH_FIRST 0x1ULL /* eviction prefers deeper cold chunks */
 #define KVT_POLICY_MASK        0x1ULL
 #define KVT_CACHELINE      64u
@@ -111,7 +118,7 @@ struct kvt_hdr {
 	uint64_t created_ns;           /*  48 */
 	uint64_t policy;               /*  56: KVT_POLICY_* */
 	struct kvt_geometry geo;       /*  64 */
-	uint8_t  pad0[192 - 64 - sizeof(struct kvt_geometry)];
+	uint64_t seg_id;               /* 184: random, nonzero */
 	struct kvt_derived d;          /* 192 */
 	kvt_key  fingerprint;          /* 256 */
 	struct kvt_region regions[KVT_R__COUNT]; /* 272 */
@@ -133,6 +140,7 @@ _Static_assert(sizeof(struct kvt_geometry) == 120, "geometry is frozen");
 _Static_assert(sizeof(struct kvt_derived) == 64, "derived is frozen");
 _Static_assert(offsetof(struct kvt_hdr, version) == 8, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, geo) == 64, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, seg_id) == 184, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, d) == 192, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, fingerprint) == 256, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, regions) == 272, "hdr layout");
@@ -143,7 +151,10 @@ _Static_assert(offsetof(struct kvt_hdr, step) % KVT_CACHELINE == 0, "own line");
 _Static_assert(sizeof(struct kvt_hdr) == KVT_PAGE, "header is one page");
 
 /* ---- rank table ----
- * owner word: [63..40 unused][39..32 state][31..0 pid]. */
+ * owner word: [63..40 unused][39..32 state][31..0 pid].  The pid is for
+ * messages only: whether an entry's holder lives is decided by an OFD lock
+ * on the entry's first byte in the segment file (ranks.c), which the kernel
+ * drops when the holder dies, in whatever PID namespace. */
 enum kvt_ent_state {
 	KVT_ENT_EMPTY = 0, KVT_ENT_CLAIMING = 1, KVT_ENT_ATTACHED = 2,
 	KVT_ENT_REAPING = 3,
@@ -152,9 +163,12 @@ enum kvt_ent_state {
 #define KVT_OWNER_ST(w)    ((uint32_t)((w) >> 32) & 0xffu)
 #define KVT_OWNER_PID(w)   ((int)(uint32_t)(w))
 
-/* journal word: the one pin/unpin/alloc/freeze in progress for this entry.
- * [63..61 op][60 blocked][59..32 gen low 28 bits][31..0 slot + 1]. */
-enum kvt_jop { KVT_J_NONE = 0, KVT_J_PIN = 1, KVT_J_UNPIN = 2, KVT_J_FREEZE = 4 };
+/* journal word: the one pin or unpin in progress for this entry, or the
+ * pin repair a reaper owes for it.
+ * [63..61 op][60 blocked][59..32 gen low 28 bits][31..0 slot + 1].
+ * REPAIR is what a reaper turns a dead entry's PIN/UNPIN into before it
+ * repairs that slot: nobody waits on a REPAIR (leases.c). */
+enum kvt_jop { KVT_J_NONE = 0, KVT_J_PIN = 1, KVT_J_UNPIN = 2, KVT_J_REPAIR = 4 };
 #define KVT_J(op, slot, gen) (((uint64_t)(op) << 61) | \
 	(((uint64_t)(gen) & 0xfffffffULL) << 32) | ((uint64_t)(slot) + 1))
 #define KVT_J_OP(w)      ((uint32_t)((w) >> 61))
@@ -181,7 +195,9 @@ _Static_assert(sizeof(struct kvt_ent) == KVT_CACHELINE, "entry is one line");
  * In FILLING the pins field holds the allocator (entry + 1) until its setup
  * (fields, shard claim, index entry) is done, then 0: written in the
  * FREE -> FILLING CAS itself, so the reaper knows a slot whose allocator
- * died during setup. */
+ * died during setup.  In READY|FROZEN it holds the freezer (entry + 1): a
+ * pin repair recounts the pins anyway, and whoever meets a frozen slot
+ * can tell whether its freezer still lives (leases.c). */
 enum kvt_slot_state {
 	KVT_S_FREE = 0, KVT_S_FILLING = 1, KVT_S_READY = 2, KVT_S_EVICTING = 3,
 	KVT_S_DOOMED = 4, /* FILLING that will never be READY; reclaimed when
@@ -193,23 +209,33 @@ enum kvt_slot_state {
 #define KVT_PINS(w)      ((uint32_t)(((w) >> 4) & 0xfffffu))
 #define KVT_PINS_MAX     0xfffffu
 #define KVT_FILL_OWNER(w) KVT_PINS(w)  /* in FILLING: allocator entry + 1, or 0 */
+#define KVT_FREEZER(w)   KVT_PINS(w)   /* in READY|FROZEN: freezer entry + 1 */
 #define KVT_GEN(w)       ((w) >> 24)
 #define KVT_GEN_MASK     0xffffffffffULL
 #define KVT_SW(st, gen, pins) (((uint64_t)(gen) << 24) | \
 	((uint64_t)(pins) << 4) | (uint64_t)(st))
 
+/* claim word, one per shard: [63..56 0][55..16 slot gen (40)][15..0 entry + 1];
+ * 0 = free.  A claim is live in life g when its entry is nonzero and its
+ * gen is g; a claim of an older life is garbage that the next claimer
+ * overwrites (slots.c). */
+#define KVT_CLAIM(gen, e)   ((((uint64_t)(gen) & KVT_GEN_MASK) << 16) | \
+			     (((uint64_t)(e) + 1) & 0xffffULL))
+#define KVT_CLAIM_ENT(c)    ((uint32_t)(c) & 0xffffu)   /* entry + 1, 0 = none */
+#define KVT_CLAIM_GEN(c)    (((c) >> 16) & KVT_GEN_MASK)
+
 struct kvt_slot {
 	kvt_a64 state;
-	kvt_a64 writing;  /* shards being written */
-	kvt_a64 ready;    /* shards written */
+	kvt_a64 ready;    /* shards written in this life (by claim holders) */
 	kvt_a64 key_lo;
 	kvt_a64 key_hi;
 	kvt_a64 fill_ns;  /* CLOCK_MONOTONIC when allocated */
 	kvt_a32 depth;    /* chunk index in its prompt */
 	kvt_a32 ref;      /* CLOCK reference count 0..2 */
-	kvt_a32 owner;    /* entry + 1 of the allocator */
+	kvt_a32 owner;    /* entry + 1 of the allocator (diagnostic) */
 	kvt_a32 tag;      /* index tag of key */
-	kvt_a16 writer[]; /* n_shards: entry + 1 of each shard's writer */
+	uint8_t pad[8];
+	kvt_a64 claim[];  /* n_shards claim words */
 };
 _Static_assert(sizeof(struct kvt_slot) == 64, "slot meta head is one line");
 
@@ -218,7 +244,8 @@ _Static_assert(sizeof(struct kvt_slot) == 64, "slot meta head is one line");
  * actor is whoever the state belongs to -- the builder while BUILDING and
  * ACTIVE, the releaser while RELEASING -- written in the same CAS as the
  * state, so a process that dies right after a transition is known.
- * Lease id: [63..32 gen low][31..0 idx+1]. */
+ * Lease id (see kvt__lease_id): [63..44 segment tag][gen low][idx + 1],
+ * the index taking as many bits as n_leases needs. */
 enum kvt_lease_state {
 	KVT_L_FREE = 0, KVT_L_BUILDING = 1, KVT_L_ACTIVE = 2, KVT_L_RELEASING = 3,
 };
@@ -227,7 +254,14 @@ enum kvt_lease_state {
 #define KVT_LST(w)       ((uint32_t)(w) & 0xfu)
 #define KVT_LACT(w)      ((uint32_t)((w) >> 4) & 0xfffu)
 #define KVT_LGEN(w)      ((w) >> 16)
-#define KVT_LEASE_ID(idx, gen) ((((gen) & 0xffffffffULL) << 32) | ((uint64_t)(idx) + 1))
+#define KVT_LID_TAG_BITS 20u
+/* loaded word, one per rank: the lease life that rank loaded, as
+ * gen << 1 | 1 (0 = never).  A mark of an older life is not this life's. */
+#define KVT_LOADED(gen)  (((uint64_t)(gen) << 1) | 1u)
+/* misses word: [63..32 lease gen low 32][31..0 consecutive missed steps] */
+#define KVT_MISSES(gen, m) ((((uint64_t)(gen) & 0xffffffffULL) << 32) | (uint32_t)(m))
+#define KVT_MISSES_GEN(w)  ((w) >> 32)
+#define KVT_MISSES_N(w)    ((uint32_t)(w))
 /* ref word: [63..32 slot gen low 32][31..0 slot + 1]; 0 = none. */
 #define KVT_REF(slot, gen) ((((uint64_t)(gen) & 0xffffffffULL) << 32) | ((uint64_t)(slot) + 1))
 #define KVT_REF_SLOT(r)    ((uint32_t)(r) - 1u)
@@ -235,16 +269,12 @@ enum kvt_lease_state {
 
 struct kvt_lease {
 	kvt_a64 state;
-	kvt_a32 reserved0;
-	kvt_a32 reserved1;
 	kvt_a32 instance;
 	kvt_a32 n_refs;
-	kvt_a64 loaded;    /* ranks that finished loading */
-	kvt_a32 misses;    /* consecutive steps absent from the load set */
-	kvt_a32 pad32;
-	kvt_a64 last_step;
-	uint8_t pad[KVT_CACHELINE - 48];
-	kvt_a64 refs[];
+	kvt_a64 misses;    /* KVT_MISSES(gen, steps absent from the load set) */
+	kvt_a64 last_step; /* the instance's step that last saw it (statistic) */
+	uint8_t pad[KVT_CACHELINE - 32];
+	kvt_a64 words[];   /* loaded[world], then refs[lease_max_chunks] */
 };
 _Static_assert(sizeof(struct kvt_lease) == KVT_CACHELINE, "lease head is one line");
 
@@ -299,6 +329,14 @@ struct kvt_seg {
 	uint32_t bucket_mask;
 	uint32_t lease_scan;      /* private lease allocation cursor */
 	uint32_t sweep_peek;      /* slots looked ahead for a deeper victim */
+	int fd;                   /* the segment file: holds our entry lock and
+				   * probes the others'; -1 after fork() */
+	uint32_t reaping;         /* entry we hold locked to reap, or UINT32_MAX */
+	uint32_t forked;          /* inherited across fork(): inert */
+	uint32_t lid_tag;         /* lease ids: segment tag (20 bits, nonzero) */
+	uint32_t lid_idx_bits;    /* ... bits of idx + 1 */
+	uint64_t lid_gen_mask;    /* ... mask of the gen bits */
+	struct kvt_seg *next;     /* the process's handles (fork) */
 	char name[KVT_NAME_MAX + 1];
 };
 
@@ -310,6 +348,29 @@ static inline struct kvt_slot *kvt__slot(const kvt_seg *s, uint32_t i)
 static inline struct kvt_lease *kvt__lease(const kvt_seg *s, uint32_t i)
 {
 	return (struct kvt_lease *)(s->leases + (uint64_t)i * s->d.lease_bytes);
+}
+
+static inline kvt_a64 *kvt__lease_loaded(const kvt_seg *s, struct kvt_lease *l)
+{
+	(void)s;
+	return l->words;
+}
+
+static inline kvt_a64 *kvt__lease_refs(const kvt_seg *s, struct kvt_lease *l)
+{
+	return l->words + s->geo.world;
+}
+
+/* Lease id of lease idx in life gen (the low bits of gen that fit). */
+static inline uint64_t kvt__lease_id(const kvt_seg *s, uint32_t idx, uint64_t gen)
+{
+	return ((uint64_t)s->lid_tag << (64 - KVT_LID_TAG_BITS)) |
+	       ((gen & s->lid_gen_mask) << s->lid_idx_bits) | ((uint64_t)idx + 1);
+}
+
+static inline kvt_a64 *kvt__journal(const kvt_seg *s)
+{
+	return &s->ents[s->entry].journal;
 }
 
 static inline _Atomic uint64_t *kvt__ctr(const kvt_seg *s, uint32_t block)
@@ -343,16 +404,18 @@ uint64_t kvt__hdr_checksum(const struct kvt_hdr *h);
 int kvt__geometry_check(const struct kvt_geometry *g);
 
 /* ranks.c */
-int kvt__entry_claim(kvt_seg *s, uint32_t e);
+int kvt__entry_claim(kvt_seg *s, uint32_t e, int wait);
 void kvt__entry_release(kvt_seg *s);
 int kvt__entry_alive(const kvt_seg *s, uint32_t e);
+int kvt__entry_held(const kvt_seg *s, uint32_t e);
+int kvt__need_entry(const kvt_seg *s, const char *what);
 uint32_t kvt__entry_index(const kvt_seg *s, uint32_t role, uint32_t instance,
 			  uint32_t rank);
 int kvt__reap_entry(kvt_seg *s, uint32_t e);
 
 /* index.c */
 int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
-		    uint32_t *slot_out, int want_filling);
+		    uint32_t *slot_out, int want_filling, uint64_t *state_out);
 int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		      uint32_t *existing, uint64_t *existing_gen);
 void kvt__index_remove(kvt_seg *s, uint32_t slot, uint64_t gen);
@@ -363,14 +426,16 @@ void kvt__index_help_all(kvt_seg *s);
 void kvt__index_prefetch(const kvt_seg *s, const kvt_key *k);
 
 /* slots.c */
-void kvt__slot_reclaim(kvt_seg *s, uint32_t slot);
+void kvt__slot_reclaim(kvt_seg *s, uint32_t slot, uint64_t gen);
 int kvt__slot_unpin(kvt_seg *s, uint32_t slot, uint64_t gen32);
 void kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
 void kvt__slot_doom(kvt_seg *s, uint32_t slot, uint64_t gen);
 int kvt__slot_state_live(uint64_t w);
+int kvt__claims_drained(const kvt_seg *s, struct kvt_slot *sl, uint64_t gen);
 
 /* leases.c */
 void kvt__lease_finish_release(kvt_seg *s, uint32_t idx);
 void kvt__pins_repair(kvt_seg *s, uint32_t slot, uint64_t gen28);
+void kvt__pins_adopt(kvt_seg *s, uint32_t slot, uint64_t frozen_word);
 
 #endif /* KVT_FORMAT_H */

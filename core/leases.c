@@ -7,13 +7,29 @@
  *    ^                                                                   |
  *    +--------------------- every ref unpinned, gen + 1 ------------------+
  *
- * A lease id carries the low 32 bits of the generation, so a stale id
- * (released, maybe reused) is recognised: releasing it again is counted as
- * a double unpin and changes nothing.  A lease is released exactly once,
- * by whoever wins the CAS ACTIVE -> RELEASING: the last rank to load, an
+ * A lease id carries a tag of the segment (from the random segment id in
+ * the header), the lease index and the low bits of its generation, so an
+ * id of another segment is refused (-EINVAL) and a stale id (released,
+ * maybe reused) is recognised: releasing it again is counted as a double
+ * unpin and changes nothing.  A lease is released exactly once, by
+ * whoever wins the CAS ACTIVE -> RELEASING: the last rank to load, an
  * explicit release, the step sweep (absent from the load set for two
  * consecutive steps), or the reaper (its builder died, or a rank it waits
  * for died).
+ *
+ * Words that others change after reading the state (L1).  A lease can be
+ * released and reused between a process's read of its state and its next
+ * store, so nothing may be written on a lease by a plain check-then-write:
+ *   - a rank's "loaded" mark is its own word loaded[rank] = LOADED(gen),
+ *     tagged with the life it loaded; a mark of another life is not this
+ *     life's, and a loader that finds the lease moved on after its mark
+ *     puts the word back (Layout 1 had one mask, and a stale bit could
+ *     complete a reused lease's mask: released before its last rank had
+ *     loaded);
+ *   - the miss count is [gen low 32 | count], changed only by a CAS that
+ *     requires the tag of the life the stepper read (a stale stepper's
+ *     count could break the two-step rule of a reused lease);
+ *   - every release is a CAS on the full state word.
  *
  * Pins and crashes.  A pin (slot CAS) and its record in the lease (a ref
  * word) are two stores; a process can die between them.  To make that
@@ -23,19 +39,43 @@
  *   pin:   journal PIN(x,g); n_refs = i+1; CAS pins+1; ref[i] = (x,g); journal 0
  *   unpin: journal UNPIN(x,g); CAS pins-1; ref[i] = 0; journal 0
  *
- * The reaper, finding a dead entry whose journal names slot x, repairs x's
- * pin count (kvt__pins_repair): it FREEZES x (a flag in the state word
- * that makes new pins fail and new unpins wait), waits until no live
- * process is between the two stores on x (journal on x and not BLOCKED),
- * counts the refs to (x, g) in every lease, and sets pins to that count as
- * it unfreezes.  Every pin is then matched by exactly one ref again; the
- * dead process's lease is released afterwards through its refs.  The
- * freeze is itself journaled (FREEZE), so a reaper that dies while
- * holding it is repaired by the next one (the repair is idempotent).
+ * Pin repair (kvt__pins_repair) fixes slot x's count after a death: it
+ * FREEZES x (a flag in the state word that makes new pins fail and new
+ * unpins wait; the freezer's entry is written in the pins field of the
+ * frozen word), waits until no live process is between the two stores on
+ * x (journal on x, not BLOCKED, its entry lock held), counts the refs to
+ * (x, g) in every lease, and sets pins to that count as it unfreezes.
+ * Every pin is then matched by exactly one ref again; a dead process's
+ * lease is released afterwards through its refs.
+ *
+ * Who waits for whom (P1: no cycle, no wait on the dead):
+ *   - a repairer waits for live processes between their two stores, which
+ *     wait for nothing: a pinner that meets a frozen slot fails its pin, an
+ *     unpinner marks its journal BLOCKED before it waits;
+ *   - an unpinner that meets a frozen slot waits only for a live freezer;
+ *     a dead freezer's repair it adopts and finishes itself (the repair is
+ *     idempotent), so kvt_release, kvt_step, load completion and a
+ *     reaper's own lease releases never spin on a dead process;
+ *   - a reaper first turns the dead entry's PIN/UNPIN journal into REPAIR,
+ *     which nobody waits on (it holds that entry's lock, so the entry looks
+ *     alive to others until it is reaped); it then repairs, and only its
+ *     own live operations journal PIN/UNPIN.
+ * Liveness is the entry lock (ranks.c): an entry reaped by a live process
+ * (a re-attaching rank that borrows the dead entry's journal) is alive,
+ * so a concurrent repair waits for its unpins instead of counting a ref
+ * whose unpin already happened (Layout 1 skipped such entries: a
+ * permanent extra pin).
  *
  * Orderings: the BUILDING -> ACTIVE CAS is a release (R7) that publishes
  * the refs to ranks, which read the state with acquire (A7) before reading
- * refs.  Journal stores are releases read with acquire by the reaper (A8).
+ * refs; kvt_lease_slots re-reads the state behind an acquire fence (F2),
+ * paired with the builder's release fence (F1) after FREE -> BUILDING.
+ * Journal stores are releases read with acquire by the repairer (A8); for
+ * a pin or unpin whose CAS came before the freeze, the freeze CAS reads
+ * (through the slot word's modification order) a value that its CAS
+ * released, so the repairer sees its journal (or the later 0, and then
+ * its ref store).  Loaded marks and the full check are seq_cst (a Dekker
+ * pair between the last two ranks: at least one sees the mask full).
  */
 #include <errno.h>
 #include <sched.h>
@@ -44,21 +84,25 @@
 
 #include "kvt_format.h"
 
-static kvt_a64 *my_journal(kvt_seg *s)
+static int lease_decode(const kvt_seg *s, uint64_t id, uint32_t *idx, uint64_t *gen_lo)
 {
-	return &s->ents[s->entry].journal;
+	uint64_t i = id & ((1ULL << s->lid_idx_bits) - 1);
+
+	if ((id >> (64 - KVT_LID_TAG_BITS)) != s->lid_tag)
+		return kvt__err(-EINVAL, "lease id %#llx is not a lease of segment '%s'%s",
+				(unsigned long long)id, s->name,
+				id ? " (another segment's, or not a lease id)" : "");
+	if (i == 0 || i > s->geo.n_leases)
+		return kvt__err(-EINVAL, "lease id %#llx: lease %llu out of range (%u leases)",
+				(unsigned long long)id, (unsigned long long)i, s->geo.n_leases);
+	*idx = (uint32_t)i - 1;
+	*gen_lo = (id >> s->lid_idx_bits) & s->lid_gen_mask;
+	return 0;
 }
 
-static int lease_decode(const kvt_seg *s, uint64_t id, uint32_t *idx, uint64_t *gen32)
+static int lease_live(const kvt_seg *s, uint64_t w, uint64_t gen_lo)
 {
-	uint32_t i = (uint32_t)id;
-
-	if (i == 0 || i > s->geo.n_leases)
-		return kvt__err(-EINVAL, "lease id %#llx is not a lease of this segment",
-				(unsigned long long)id);
-	*idx = i - 1;
-	*gen32 = id >> 32;
-	return 0;
+	return KVT_LST(w) == KVT_L_ACTIVE && (KVT_LGEN(w) & s->lid_gen_mask) == gen_lo;
 }
 
 static int lease_alloc(kvt_seg *s, uint32_t *idx, uint64_t *gen)
@@ -78,10 +122,13 @@ static int lease_alloc(kvt_seg *s, uint32_t *idx, uint64_t *gen)
 		if (!kat_cas(&l->state, &w, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), s->entry + 1),
 			     KVT_AR))
 			continue;
+		/* F1: the fields below come after the new life's state word
+		 * for readers that validate behind F2. */
+		atomic_thread_fence(KVT_REL);
+		KVT_SP(LEASE_BUILDING, s);
 		kat_store(&l->instance, s->instance, KVT_RLX);
 		kat_store(&l->n_refs, 0, KVT_RLX);
-		kat_store(&l->loaded, 0, KVT_RLX);
-		kat_store(&l->misses, 0, KVT_RLX);
+		kat_store(&l->misses, KVT_MISSES(KVT_LGEN(w), 0), KVT_RLX);
 		kat_store(&l->last_step, kat_load(&s->hdr->step[s->instance].epoch, KVT_RLX),
 			  KVT_RLX);
 		*idx = i;
@@ -101,7 +148,8 @@ static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 		    (w & KVT_ST_FROZEN) || KVT_PINS(w) >= KVT_PINS_MAX)
 			return -EAGAIN;
 		/* Acquire: the payload (published by R6) stays visible to the
-		 * loads that follow; the pin itself needs no release. */
+		 * loads that follow; release: our journal store is before it
+		 * (a repairer's freeze that reads this value sees the journal). */
 		if (kat_cas(&sl->state, &w, w + KVT_PIN_ONE, KVT_AR))
 			return 0;
 	}
@@ -110,12 +158,16 @@ static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 {
 	struct kvt_lease *l = NULL;
+	kvt_a64 *refs = NULL;
 	uint32_t idx = 0, hits = 0, x;
 	uint64_t lgen = 0, gen;
+	int r;
 
+	if (!lease || (n && !keys))
+		return kvt__err(-EINVAL, "lookup: NULL argument");
 	*lease = 0;
-	if (s->entry == UINT32_MAX)
-		return kvt__err(-EPERM, "lookup: an observer handle cannot pin");
+	if ((r = kvt__need_entry(s, "lookup")))
+		return r;
 	kvt__count(s, KVT_C_LOOKUPS, 1);
 	kvt__count(s, KVT_C_LOOKUP_CHUNKS, n);
 	/* The buckets of a prompt's keys are independent cache misses: start
@@ -124,7 +176,7 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 	for (uint32_t i = 0; i < n && i < 64; i++)
 		kvt__index_prefetch(s, &keys[i]);
 	for (uint32_t i = 0; i < n; i++) {
-		if (!kvt__index_find(s, &keys[i], &gen, &x, 0))
+		if (!kvt__index_find(s, &keys[i], &gen, &x, 0, NULL))
 			break;
 		if (!l) {
 			if (lease_alloc(s, &idx, &lgen)) {
@@ -133,19 +185,22 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 						s->geo.n_leases);
 			}
 			l = kvt__lease(s, idx);
+			refs = kvt__lease_refs(s, l);
 		}
 		if (hits == s->geo.lease_max_chunks)
 			break;
 		struct kvt_slot *sl = kvt__slot(s, x);
 		kat_store(&l->n_refs, hits + 1, KVT_RLX);
-		kat_store(my_journal(s), KVT_J(KVT_J_PIN, x, gen), KVT_REL);
+		kat_store(kvt__journal(s), KVT_J(KVT_J_PIN, x, gen), KVT_REL);
+		KVT_SP(PIN_JOURNALED, s);
 		if (slot_pin(sl, gen)) {
-			kat_store(my_journal(s), 0, KVT_REL);
+			kat_store(kvt__journal(s), 0, KVT_REL);
 			kat_store(&l->n_refs, hits, KVT_RLX);
 			break;
 		}
-		kat_store(&l->refs[hits], KVT_REF(x, gen), KVT_RLX);
-		kat_store(my_journal(s), 0, KVT_REL);
+		KVT_SP(PIN_DONE, s);
+		kat_store(&refs[hits], KVT_REF(x, gen), KVT_RLX);
+		kat_store(kvt__journal(s), 0, KVT_REL);
 		/* A hit protects the chunk for one more sweep (relaxed: heuristic). */
 		kat_store(&sl->ref, 2, KVT_RLX);
 		hits++;
@@ -156,7 +211,7 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 			/* R7: publishes refs and n_refs (A7).  The builder stays the
 			 * actor: its death releases the lease (reaper). */
 			kat_cas(&l->state, &w, KVT_LW(KVT_L_ACTIVE, lgen, s->entry + 1), KVT_AR);
-			*lease = KVT_LEASE_ID(idx, lgen);
+			*lease = kvt__lease_id(s, idx, lgen);
 		} else {
 			/* R8 */
 			kat_cas(&l->state, &w, KVT_LW(KVT_L_FREE, lgen + 1, 0), KVT_AR);
@@ -171,22 +226,26 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 		    uint32_t max)
 {
 	uint32_t idx = 0, n;
-	uint64_t gen32 = 0, w;
+	uint64_t gen_lo = 0, w;
 	struct kvt_lease *l;
-	int r = lease_decode(s, lease, &idx, &gen32);
+	kvt_a64 *refs;
+	int r = lease_decode(s, lease, &idx, &gen_lo);
 
 	if (r)
 		return r;
+	if (max && !slots && !gens)
+		max = 0;
 	l = kvt__lease(s, idx);
+	refs = kvt__lease_refs(s, l);
 	w = kat_load(&l->state, KVT_ACQ); /* A7 */
-	if (KVT_LST(w) != KVT_L_ACTIVE || (KVT_LGEN(w) & 0xffffffffULL) != gen32)
+	if (!lease_live(s, w, gen_lo))
 		return kvt__err(-ESTALE, "lease %#llx is not live", (unsigned long long)lease);
 	n = kat_load(&l->n_refs, KVT_RLX);
 	if (n > s->geo.lease_max_chunks)
 		return kvt__err(-EUCLEAN, "lease %#llx: n_refs %u out of range",
 				(unsigned long long)lease, n);
 	for (uint32_t i = 0; i < n && i < max; i++) {
-		uint64_t ref = kat_load(&l->refs[i], KVT_RLX);
+		uint64_t ref = kat_load(&refs[i], KVT_RLX);
 		uint32_t x = KVT_REF_SLOT(ref);
 		if (!ref || x >= s->geo.n_slots)
 			return kvt__err(-EUCLEAN, "lease %#llx: ref %u is corrupt",
@@ -196,8 +255,10 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 		if (gens)
 			gens[i] = KVT_REF_GEN(ref);
 	}
-	/* The refs we copied belong to this lease only if it is still live. */
-	if (kat_load(&l->state, KVT_ACQ) != w)
+	/* The refs we copied belong to this lease only if it is still live.
+	 * F2: pairs with F1 in lease_alloc (the seqlock rule). */
+	atomic_thread_fence(KVT_ACQ);
+	if (kat_load(&l->state, KVT_RLX) != w)
 		return kvt__err(-ESTALE, "lease %#llx was released meanwhile",
 				(unsigned long long)lease);
 	return (int)(n < max ? n : max);
@@ -206,6 +267,7 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 void kvt__lease_finish_release(kvt_seg *s, uint32_t idx)
 {
 	struct kvt_lease *l = kvt__lease(s, idx);
+	kvt_a64 *refs = kvt__lease_refs(s, l);
 	uint64_t w = kat_load(&l->state, KVT_ACQ);
 	uint32_t n = kat_load(&l->n_refs, KVT_RLX);
 
@@ -214,16 +276,18 @@ void kvt__lease_finish_release(kvt_seg *s, uint32_t idx)
 	if (n > s->geo.lease_max_chunks)
 		n = s->geo.lease_max_chunks; /* corrupt count: release what exists */
 	for (uint32_t i = 0; i < n; i++) {
-		uint64_t ref = kat_load(&l->refs[i], KVT_ACQ);
+		uint64_t ref = kat_load(&refs[i], KVT_ACQ);
 		uint32_t x = KVT_REF_SLOT(ref);
 		if (!ref)
 			continue;
 		if (x < s->geo.n_slots) {
-			kat_store(my_journal(s), KVT_J(KVT_J_UNPIN, x, KVT_REF_GEN(ref)), KVT_REL);
-			(void)kvt__slot_unpin(s, x, KVT_REF_GEN(ref));
+			kat_store(kvt__journal(s), KVT_J(KVT_J_UNPIN, x, KVT_REF_GEN(ref)), KVT_REL);
+			KVT_SP(UNPIN_JOURNALED, s);
+			if (kvt__slot_unpin(s, x, KVT_REF_GEN(ref)) == 0)
+				KVT_SP(UNPIN_DONE, s);
 		}
-		kat_store(&l->refs[i], 0, KVT_REL);
-		kat_store(my_journal(s), 0, KVT_REL);
+		kat_store(&refs[i], 0, KVT_REL);
+		kat_store(kvt__journal(s), 0, KVT_REL);
 	}
 	kat_store(&l->n_refs, 0, KVT_RLX);
 	/* R8: pairs with A6; everything above is done before reuse. */
@@ -239,64 +303,73 @@ static int lease_release_idx(kvt_seg *s, uint32_t idx, uint64_t expect)
 	if (!kat_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(expect), s->entry + 1),
 		     KVT_AR))
 		return -EALREADY;
+	KVT_SP(RELEASE_CLAIMED, s);
 	kvt__lease_finish_release(s, idx);
 	return 0;
 }
 
-static int lease_release_id(kvt_seg *s, uint64_t lease, int count_double)
-{
-	uint32_t idx = 0;
-	uint64_t gen32 = 0, w;
-	int r = lease_decode(s, lease, &idx, &gen32);
-
-	if (r)
-		return r;
-	w = kat_load(&kvt__lease(s, idx)->state, KVT_ACQ);
-	if (KVT_LST(w) == KVT_L_ACTIVE && (KVT_LGEN(w) & 0xffffffffULL) == gen32 &&
-	    lease_release_idx(s, idx, w) == 0)
-		return 0;
-	if (count_double)
-		kvt__count(s, KVT_C_DOUBLE_UNPINS, 1);
-	return kvt__err(-EALREADY, "lease %#llx was already released",
-			(unsigned long long)lease);
-}
-
 int kvt_lease_release(kvt_seg *s, uint64_t lease)
 {
-	if (s->entry == UINT32_MAX)
-		return kvt__err(-EPERM, "release: an observer handle cannot unpin");
-	return lease_release_id(s, lease, 1);
+	uint32_t idx = 0;
+	uint64_t gen_lo = 0, w;
+	int r;
+
+	if ((r = kvt__need_entry(s, "release")))
+		return r;
+	if ((r = lease_decode(s, lease, &idx, &gen_lo)))
+		return r;
+	w = kat_load(&kvt__lease(s, idx)->state, KVT_ACQ);
+	if (lease_live(s, w, gen_lo) && lease_release_idx(s, idx, w) == 0)
+		return 0;
+	kvt__count(s, KVT_C_DOUBLE_UNPINS, 1);
+	return kvt__err(-EALREADY, "lease %#llx was already released",
+			(unsigned long long)lease);
 }
 
 int kvt_lease_loaded(kvt_seg *s, uint64_t lease, uint32_t rank)
 {
 	uint32_t idx = 0;
-	uint64_t gen32 = 0, w, bit, prev, full;
+	uint64_t gen_lo = 0, w, mark, prev;
 	struct kvt_lease *l;
+	kvt_a64 *ld;
 	int r;
 
-	if (s->entry == UINT32_MAX)
-		return kvt__err(-EPERM, "loaded: an observer handle cannot load");
+	if ((r = kvt__need_entry(s, "loaded")))
+		return r;
 	if (rank >= s->geo.world)
 		return kvt__err(-EINVAL, "loaded: rank %u out of range for world=%u",
 				rank, s->geo.world);
-	r = lease_decode(s, lease, &idx, &gen32);
-	if (r)
+	if ((r = lease_decode(s, lease, &idx, &gen_lo)))
 		return r;
 	l = kvt__lease(s, idx);
+	ld = kvt__lease_loaded(s, l);
 	w = kat_load(&l->state, KVT_ACQ);
-	if (KVT_LST(w) != KVT_L_ACTIVE || (KVT_LGEN(w) & 0xffffffffULL) != gen32)
+	if (!lease_live(s, w, gen_lo))
 		return kvt__err(-ESTALE, "lease %#llx is not live", (unsigned long long)lease);
-	bit = 1ULL << rank;
-	full = kvt__full_mask(s->geo.world);
-	/* Acq_rel: every rank's loads are done before whoever sees the full
-	 * mask releases the pins (R4 then carries it to the evictor). */
-	prev = kat_or(&l->loaded, bit, KVT_AR);
-	if (!(prev & bit))
-		kvt__count(s, KVT_C_LOADED_CHUNKS, kat_load(&l->n_refs, KVT_RLX));
-	if ((prev | bit) == full && !(prev & bit))
-		return lease_release_idx(s, idx, w) == 0 ? 1 : 0;
-	return 0;
+	/* The lease was live after the caller's loads ended: they read pinned
+	 * chunks.  What follows only records it (L1). */
+	KVT_SP(LOADED_CHECKED, s);
+	mark = KVT_LOADED(KVT_LGEN(w));
+	/* Seq_cst (release included): every rank's loads are done before
+	 * whoever sees the full set releases the pins (R4 then carries it to
+	 * the evictor). */
+	prev = kat_xchg(&ld[rank], mark, KVT_SC);
+	KVT_SP(LOADED_MARKED, s);
+	if (KVT_LGEN(kat_load(&l->state, KVT_SC)) != KVT_LGEN(w)) {
+		/* Released and reused since our check: the mark is not the new
+		 * life's; put the word back unless its own rank wrote it. */
+		uint64_t m = mark;
+		if (prev != mark)
+			kat_cas(&ld[rank], &m, prev, KVT_RLX);
+		return 0;
+	}
+	if (prev == mark)
+		return 0; /* this rank had loaded already */
+	kvt__count(s, KVT_C_LOADED_CHUNKS, kat_load(&l->n_refs, KVT_RLX));
+	for (uint32_t q = 0; q < s->geo.world; q++)
+		if (kat_load(&ld[q], KVT_SC) != mark)
+			return 0;
+	return lease_release_idx(s, idx, w) == 0 ? 1 : 0;
 }
 
 static int u64_cmp(const void *a, const void *b)
@@ -309,10 +382,12 @@ static int u64_cmp(const void *a, const void *b)
 int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n)
 {
 	uint64_t *set = NULL;
-	int released = 0;
+	int released = 0, r;
 
-	if (s->entry == UINT32_MAX)
-		return kvt__err(-EPERM, "step: an observer handle cannot step");
+	if ((r = kvt__need_entry(s, "step")))
+		return r;
+	if (n && !live)
+		return kvt__err(-EINVAL, "step: live is NULL but n = %u", n);
 	if (n) {
 		set = malloc(n * sizeof(*set));
 		if (!set)
@@ -328,17 +403,27 @@ int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n)
 		if (KVT_LST(w) != KVT_L_ACTIVE ||
 		    kat_load(&l->instance, KVT_RLX) != s->instance)
 			continue;
-		uint64_t id = KVT_LEASE_ID(i, KVT_LGEN(w));
+		uint64_t id = kvt__lease_id(s, i, KVT_LGEN(w));
+		uint64_t tag = KVT_LGEN(w) & 0xffffffffULL, m = kat_load(&l->misses, KVT_RLX);
 		if (set && bsearch(&id, set, n, sizeof(*set), u64_cmp)) {
-			kat_store(&l->misses, 0, KVT_RLX);
+			/* Relaxed: the word carries its life's tag; a CAS that
+			 * finds another tag changes nothing (L1). */
+			if (KVT_MISSES_GEN(m) == tag && KVT_MISSES_N(m))
+				kat_cas(&l->misses, &m, KVT_MISSES(tag, 0), KVT_RLX);
 			kat_store(&l->last_step, epoch, KVT_RLX);
 			continue;
 		}
-		/* Relaxed: one scheduler steps an instance; a racing step by a
-		 * second one only releases a stale lease one step early. */
-		uint32_t m = kat_load(&l->misses, KVT_RLX) + 1;
-		kat_store(&l->misses, m, KVT_RLX);
-		if (m >= 2 && lease_release_idx(s, i, w) == 0) {
+		KVT_SP(STEP_CHECKED, s);
+		uint32_t missed = 0;
+		for (;;) {
+			if (KVT_MISSES_GEN(m) != tag)
+				break; /* released and reused since we read it */
+			missed = KVT_MISSES_N(m) + 1;
+			if (kat_cas(&l->misses, &m, KVT_MISSES(tag, missed), KVT_RLX))
+				break;
+			missed = 0;
+		}
+		if (missed >= 2 && lease_release_idx(s, i, w) == 0) {
 			kvt__count(s, KVT_C_STALE_UNPINS, 1);
 			released++;
 		}
@@ -347,29 +432,25 @@ int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n)
 	return released;
 }
 
-void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
-{
-	struct kvt_slot *sl;
-	uint64_t w, count = 0;
+/* ---- pin repair ---- */
 
-	if (x >= s->geo.n_slots)
-		return;
-	sl = kvt__slot(s, x);
-	w = kat_load(&sl->state, KVT_ACQ);
-	for (;;) {
-		if (KVT_ST(w) != KVT_S_READY || (KVT_GEN(w) & 0xfffffffULL) != gen28)
-			return; /* pins exist only in READY; another life now */
-		kat_store(my_journal(s), KVT_J(KVT_J_FREEZE, x, KVT_GEN(w)), KVT_REL);
-		if (w & KVT_ST_FROZEN)
-			break; /* a dead reaper's freeze: adopt it */
-		if (kat_cas(&sl->state, &w, w | KVT_ST_FROZEN, KVT_SC)) {
-			w |= KVT_ST_FROZEN;
-			break;
-		}
-	}
-	/* Wait for live processes between their two stores on x (A8). */
+static uint64_t frozen_word(const kvt_seg *s, uint64_t gen)
+{
+	return KVT_SW(KVT_S_READY, gen, s->entry + 1) | KVT_ST_FROZEN;
+}
+
+/* Waits for the live processes between their two stores on slot x,
+ * counts the refs and unfreezes with that count.  `mine` is the frozen
+ * word we own. */
+static void repair_body(kvt_seg *s, uint32_t x, uint64_t mine)
+{
+	struct kvt_slot *sl = kvt__slot(s, x);
+	uint64_t count = 0, w = mine, ref = KVT_REF(x, KVT_GEN(mine));
+
+	KVT_SP(REPAIR_FROZEN, s);
+	/* A8: acquire loads of the journals, see the essay. */
 	for (uint32_t e = 0; e < s->d.n_entries; e++) {
-		if (e == s->entry)
+		if (e == s->entry || e == s->reaping)
 			continue;
 		for (unsigned spins = 0;; spins++) {
 			uint64_t j = kat_load(&s->ents[e].journal, KVT_SC);
@@ -377,11 +458,7 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 			if ((op != KVT_J_PIN && op != KVT_J_UNPIN) || KVT_J_SLOT(j) != x ||
 			    (j & KVT_J_BLOCKED))
 				break;
-			/* An entry being reaped belongs to a dead process. */
-			uint32_t ost = KVT_OWNER_ST(kat_load(&s->ents[e].owner, KVT_ACQ));
-			if (ost != KVT_ENT_ATTACHED && ost != KVT_ENT_CLAIMING)
-				break;
-			if ((spins & 1023) == 1023 && !kvt__entry_alive(s, e))
+			if ((spins & 1023) == 0 && !kvt__entry_alive(s, e))
 				break; /* dead: its outcome is what the count says */
 			sched_yield();
 		}
@@ -391,22 +468,66 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 		uint64_t lw = kat_load(&l->state, KVT_ACQ);
 		if (KVT_LST(lw) == KVT_L_FREE)
 			continue;
+		kvt_a64 *refs = kvt__lease_refs(s, l);
 		uint32_t n = kat_load(&l->n_refs, KVT_ACQ);
 		if (n > s->geo.lease_max_chunks)
 			n = s->geo.lease_max_chunks;
 		for (uint32_t k = 0; k < n; k++)
-			if (kat_load(&l->refs[k], KVT_ACQ) == KVT_REF(x, KVT_GEN(w)))
+			if (kat_load(&refs[k], KVT_ACQ) == ref)
 				count++;
 	}
 	if (count > KVT_PINS_MAX)
 		count = KVT_PINS_MAX;
-	/* Only we change a frozen word (pins and unpins wait or fail). */
-	for (;;) {
-		uint64_t nw = KVT_SW(KVT_S_READY, KVT_GEN(w), count);
-		if (kat_cas(&sl->state, &w, nw, KVT_SC))
-			break;
-		if (!(w & KVT_ST_FROZEN))
-			break; /* a concurrent adopter finished it */
+	KVT_SP(REPAIR_COUNTED, s);
+	/* Only we change a word frozen by us (pins fail, unpins wait, a
+	 * would-be adopter sees us alive). */
+	if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_READY, KVT_GEN(mine), count), KVT_SC))
+		kvt__count(s, KVT_C_PIN_REPAIRS, 1);
+}
+
+void kvt__pins_adopt(kvt_seg *s, uint32_t x, uint64_t w)
+{
+	struct kvt_slot *sl = kvt__slot(s, x);
+	uint64_t mine = frozen_word(s, KVT_GEN(w));
+
+	if (!(w & KVT_ST_FROZEN) || KVT_ST(w) != KVT_S_READY)
+		return;
+	if (w != mine && !kat_cas(&sl->state, &w, mine, KVT_SC))
+		return; /* it moved on: the caller looks again */
+	kvt__count(s, KVT_C_ADOPTED, 1);
+	repair_body(s, x, mine);
+}
+
+void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
+{
+	struct kvt_slot *sl;
+	uint64_t w;
+
+	if (x >= s->geo.n_slots || s->entry == UINT32_MAX)
+		return;
+	sl = kvt__slot(s, x);
+	w = kat_load(&sl->state, KVT_ACQ);
+	for (unsigned spins = 0;; spins++) {
+		if (KVT_ST(w) != KVT_S_READY || (KVT_GEN(w) & 0xfffffffULL) != gen28)
+			return; /* pins exist only in READY; another life now */
+		uint64_t mine = frozen_word(s, KVT_GEN(w));
+		if (w & KVT_ST_FROZEN) {
+			uint32_t f = KVT_FREEZER(w);
+			if (w != mine && f && f - 1 != s->reaping && kvt__entry_alive(s, f - 1)) {
+				/* A live repairer is on it and waits for no one
+				 * who waits for us (P1): let it finish, then
+				 * repair again (idempotent). */
+				if (spins > 64)
+					sched_yield();
+				w = kat_load(&sl->state, KVT_ACQ);
+				continue;
+			}
+			if (w != mine)
+				kvt__count(s, KVT_C_ADOPTED, 1);
+		}
+		if (w == mine || kat_cas(&sl->state, &w, mine, KVT_SC)) {
+			repair_body(s, x, mine);
+			return;
+		}
 	}
-	kat_store(my_journal(s), 0, KVT_REL);
 }

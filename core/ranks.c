@@ -1,29 +1,52 @@
 /* ranks.c - the rank table, liveness, and the reaper.
  *
- * Entry states (owner word [state 8][pid 32], CAS only):
+ * Entry states (owner word [state 8][pid 32], CAS only; the pid is for
+ * messages):
  *
  *   EMPTY --attach--> CLAIMING --fields written--> ATTACHED --detach--> EMPTY
  *                         |                            |
- *                         +---- process found dead ----+--> REAPING --> EMPTY
+ *                         +---- holder found dead -----+--> REAPING --> EMPTY
  *
- * Liveness of an ATTACHED entry is (pid, process start time): a pid that was
- * reused by another process has another start time, so it reads as dead.
- * A second live attach of the same (instance, rank) is refused (-EBUSY);
- * an attach that finds the previous holder dead reaps it first.
+ * Liveness is what the kernel vouches for.  Entry e's token is an OFD
+ * write lock (F_OFD_SETLK) on byte e of the rank table in the segment
+ * file: whoever holds the entry -- its attached process, a process
+ * attaching to it, or a reaper reaping it -- holds that lock, taken
+ * without waiting.  The kernel drops it when the holder's last descriptor
+ * of that open file goes, i.e. when the process dies, whatever its PID
+ * namespace and whatever pid is reused later.  A prober asks with
+ * F_OFD_GETLK on its own descriptor of the file: no /proc read, no new
+ * descriptor (a reaper at its file-descriptor limit still sees the
+ * truth), no pid comparison.  Its own locks an OFD never sees, so a
+ * handle treats its own entry as alive and the entry it is reaping as
+ * dead (kvt__entry_alive).  Layout 1 decided liveness by reading
+ * /proc/PID/stat: any open failure (EMFILE, hidepid, a holder in another
+ * PID namespace) reaped a live process, and pid reuse kept a dead
+ * CLAIMING/REAPING entry alive for ever.
  *
- * The reaper moves a dead entry to REAPING|own pid with a CAS, so one
- * process reaps it at a time; if the reaper dies too, the next one finds
- * REAPING with a dead pid and takes it over.  Every reap step is
- * idempotent: repair the pins named by the dead entry's journal, release
- * its shard claims (dooming those slots) and the slots it was setting up,
- * finish evictions left half done, release the leases it built, was
- * releasing, or that wait for its load, and finish index inserts left
- * pending.
+ * fork: a child inherits the open file description, hence the lock.  The
+ * atfork child handler (segment.c) closes every handle's descriptor in the
+ * child and makes the handle inert there, so a dead parent's entries do
+ * not stay alive through a child that never attached them.
+ *
+ * Attach takes entry e's lock first; holding it, it owns the entry, and
+ * whatever the owner word says (ATTACHED, CLAIMING or REAPING of a dead
+ * process) is left from the dead: it reaps that, then claims.  A lock held
+ * by someone else means a live holder (-EBUSY), or a live reaper or a
+ * detach in its last step (waited for, briefly).  A reaper takes a dead
+ * entry's lock the same way, so one process reaps an entry at a time and a
+ * reaper that dies mid-reap releases it to the next, who redoes every
+ * step (each is idempotent): repair the pins named by the dead entry's
+ * journal (first turned into a REPAIR that nobody waits on, see leases.c),
+ * drop its shard claims (dooming the FILLING slots they held), doom the
+ * slots it was setting up, repair the slots it left frozen, finish
+ * evictions left half done, release the leases it built, was releasing,
+ * or that wait for its load, and finish index inserts left pending.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
-#include <signal.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvt_format.h"
@@ -37,73 +60,141 @@ uint32_t kvt__entry_index(const kvt_seg *s, uint32_t role, uint32_t instance,
 					  : instance * per + rank;
 }
 
-static int pid_exists(int pid)
+int kvt__need_entry(const kvt_seg *s, const char *what)
 {
-	return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
+	if (!s)
+		return kvt__err(-EINVAL, "%s: NULL handle", what);
+	if (s->entry != UINT32_MAX)
+		return 0;
+	if (s->forked)
+		return kvt__err(-EPERM, "%s: this handle was inherited across fork(); "
+				"attach again in this process", what);
+	return kvt__err(-EPERM, "%s: an observer handle has no table entry", what);
+}
+
+static void lock_at(struct flock *fl, const kvt_seg *s, uint32_t e, short type)
+{
+	memset(fl, 0, sizeof(*fl));
+	fl->l_type = type;
+	fl->l_whence = SEEK_SET;
+	fl->l_start = (off_t)(s->r[KVT_R_RANKS].off + (uint64_t)e * sizeof(struct kvt_ent));
+	fl->l_len = 1;
+}
+
+/* Takes entry e's lock without waiting: 0, -EAGAIN (someone holds it), or
+ * another -errno. */
+static int ent_lock(kvt_seg *s, uint32_t e)
+{
+	struct flock fl;
+
+	if (s->fd < 0)
+		return kvt__err(-EBADF, "entry %u: this handle has no descriptor", e);
+	lock_at(&fl, s, e, F_WRLCK);
+	if (fcntl(s->fd, F_OFD_SETLK, &fl) == 0)
+		return 0;
+	if (errno == EAGAIN || errno == EACCES)
+		return -EAGAIN;
+	return kvt__err(-errno, "entry %u: F_OFD_SETLK: %s", e, strerror(errno));
+}
+
+static void ent_unlock(kvt_seg *s, uint32_t e)
+{
+	struct flock fl;
+
+	lock_at(&fl, s, e, F_UNLCK);
+	(void)fcntl(s->fd, F_OFD_SETLK, &fl);
+}
+
+int kvt__entry_held(const kvt_seg *s, uint32_t e)
+{
+	struct flock fl;
+
+	if (s->fd < 0)
+		return 1; /* cannot tell: never take anyone for dead */
+	lock_at(&fl, s, e, F_WRLCK);
+	if (fcntl(s->fd, F_OFD_GETLK, &fl) != 0)
+		return 1; /* idem */
+	return fl.l_type != F_UNLCK;
 }
 
 int kvt__entry_alive(const kvt_seg *s, uint32_t e)
 {
-	uint64_t w = kat_load(&s->ents[e].owner, KVT_ACQ);
-	int pid = KVT_OWNER_PID(w);
-
-	switch (KVT_OWNER_ST(w)) {
-	case KVT_ENT_ATTACHED: {
-		uint64_t st = kat_load(&s->ents[e].start, KVT_RLX);
-		return pid == s->pid ? st == s->start : kvt_proc_start_time(pid) == st;
-	}
-	case KVT_ENT_CLAIMING:
-	case KVT_ENT_REAPING:
-		return pid == s->pid || pid_exists(pid);
-	default:
+	if (e >= s->d.n_entries)
 		return 0;
+	if (e == s->entry)
+		return 1;
+	if (e == s->reaping)
+		return 0; /* we hold its lock because its holder is dead */
+	return kvt__entry_held(s, e);
+}
+
+static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting);
+
+static void pause_briefly(unsigned tries)
+{
+	if (tries < 64) {
+		sched_yield();
+	} else {
+		struct timespec ts = { 0, 200000 };
+		nanosleep(&ts, NULL);
 	}
 }
 
-static void entry_reap_locked(kvt_seg *s, uint32_t e);
-
-int kvt__entry_claim(kvt_seg *s, uint32_t e)
+int kvt__entry_claim(kvt_seg *s, uint32_t e, int wait)
 {
 	struct kvt_ent *ent = &s->ents[e];
+	uint64_t deadline = 0;
+	int r;
 
-	for (unsigned tries = 0; tries < 100000; tries++) {
+	for (unsigned tries = 0;; tries++) {
+		r = ent_lock(s, e);
+		if (r == 0)
+			break;
+		if (r != -EAGAIN)
+			return r;
 		uint64_t w = kat_load(&ent->owner, KVT_ACQ);
-
-		switch (KVT_OWNER_ST(w)) {
-		case KVT_ENT_EMPTY:
-			if (!kat_cas(&ent->owner, &w, KVT_OWNER(KVT_ENT_CLAIMING, s->pid), KVT_AR))
-				continue;
-			kat_store(&ent->start, s->start, KVT_RLX);
-			kat_store(&ent->role, s->role, KVT_RLX);
-			kat_store(&ent->instance, s->instance, KVT_RLX);
-			kat_store(&ent->rank, s->rank, KVT_RLX);
-			kat_store(&ent->journal, 0, KVT_RLX);
-			kat_store(&ent->heartbeat, kvt__now_ns(), KVT_RLX);
-			kat_fadd(&ent->attach_gen, 1, KVT_RLX);
-			/* R9: publishes the fields above to liveness checks (acq). */
-			kat_store(&ent->owner, KVT_OWNER(KVT_ENT_ATTACHED, s->pid), KVT_REL);
-			s->entry = e;
-			s->my_counters = (uint64_t *)kvt__ctr(s, e);
-			return 0;
-		case KVT_ENT_ATTACHED:
-		case KVT_ENT_CLAIMING:
-			if (kvt__entry_alive(s, e))
-				return -EBUSY;
-			__attribute__((fallthrough)); /* the holder is dead */
-		case KVT_ENT_REAPING:
-			if (KVT_OWNER_ST(w) == KVT_ENT_REAPING && kvt__entry_alive(s, e)) {
-				sched_yield(); /* a live reaper is on it */
-				continue;
-			}
-			if (kat_cas(&ent->owner, &w, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_AR))
-				entry_reap_locked(s, e);
-			continue;
-		default:
-			return kvt__err(-EUCLEAN, "rank table: entry %u has state %u", e,
-					KVT_OWNER_ST(w));
-		}
+		uint32_t st = KVT_OWNER_ST(w);
+		if (!wait || st == KVT_ENT_ATTACHED || st == KVT_ENT_CLAIMING)
+			return kvt__err(-EBUSY, "entry %u is held by a live process (pid %d, "
+					"as its own namespace numbers it)", e, KVT_OWNER_PID(w));
+		/* EMPTY: a detach between its last store and its unlock;
+		 * REAPING: a live reaper on it.  Both end soon. */
+		uint64_t now = kvt__now_ns();
+		if (!deadline)
+			deadline = now + 5000000000ULL;
+		if (now > deadline)
+			return kvt__err(-EBUSY, "entry %u: a live process (pid %d) has been %s "
+					"it for 5 s", e, KVT_OWNER_PID(w),
+					st == KVT_ENT_REAPING ? "reaping" : "releasing");
+		pause_briefly(tries);
 	}
-	return -EAGAIN;
+	/* We hold the lock: nobody else can act on the entry. */
+	KVT_SP(CLAIM_LOCKED, s);
+	uint64_t w = kat_load(&ent->owner, KVT_ACQ);
+	if (KVT_OWNER_ST(w) > KVT_ENT_REAPING) {
+		ent_unlock(s, e);
+		return kvt__err(-EUCLEAN, "rank table: entry %u has state %u", e,
+				KVT_OWNER_ST(w));
+	}
+	if (KVT_OWNER_ST(w) != KVT_ENT_EMPTY) {
+		/* Left by a dead holder or a dead reaper: reap it as its
+		 * next holder (we borrow its journal; the lock makes it ours). */
+		kat_store(&ent->owner, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_REL);
+		entry_reap_locked(s, e, e);
+	}
+	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_CLAIMING, s->pid), KVT_REL);
+	kat_store(&ent->start, s->start, KVT_RLX);
+	kat_store(&ent->role, s->role, KVT_RLX);
+	kat_store(&ent->instance, s->instance, KVT_RLX);
+	kat_store(&ent->rank, s->rank, KVT_RLX);
+	kat_store(&ent->journal, 0, KVT_RLX);
+	kat_store(&ent->heartbeat, kvt__now_ns(), KVT_RLX);
+	kat_fadd(&ent->attach_gen, 1, KVT_RLX);
+	/* R9: publishes the fields above to readers of the owner word (acq). */
+	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_ATTACHED, s->pid), KVT_REL);
+	s->entry = e;
+	s->my_counters = (uint64_t *)kvt__ctr(s, e);
+	return 0;
 }
 
 void kvt__entry_release(kvt_seg *s)
@@ -114,67 +205,78 @@ void kvt__entry_release(kvt_seg *s)
 	 * completed.  Leases stay; they belong to the instance. */
 	for (uint32_t x = 0; x < s->geo.n_slots; x++) {
 		uint64_t w = kat_load(&kvt__slot(s, x)->state, KVT_RLX);
-		if (KVT_ST(w) == KVT_S_FILLING || KVT_ST(w) == KVT_S_DOOMED)
+		if (KVT_ST(w) != KVT_S_FREE)
 			kvt__slot_writer_gone(s, x, e);
 	}
 	kat_store(&s->ents[e].journal, 0, KVT_REL);
-	/* R10: everything we did is visible before the entry can be reused. */
+	KVT_SP(DETACH_ABORTED, s);
+	/* R10: everything we did is visible before the entry can be reused;
+	 * then the lock goes (a waiting attacher retries on EMPTY). */
 	kat_store(&s->ents[e].owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
+	ent_unlock(s, e);
 	s->entry = UINT32_MAX;
+	s->my_counters = (uint64_t *)kvt__ctr(s, s->d.n_entries);
 }
 
-/* The caller holds entry e in REAPING.  We act with our own entry (for our
- * journal), so the reaper must be attached with one. */
-static void entry_reap_locked(kvt_seg *s, uint32_t e)
+/* The caller holds entry e's lock, the entry is REAPING.  `acting` is the
+ * entry whose journal our own pins and unpins use: the caller's own, or e
+ * itself for a process re-attaching to it. */
+static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 {
 	struct kvt_ent *ent = &s->ents[e];
 	uint64_t j = kat_load(&ent->journal, KVT_ACQ);
 	uint32_t role = kat_load(&ent->role, KVT_RLX);
 	uint32_t inst = kat_load(&ent->instance, KVT_RLX);
 	uint32_t rank = kat_load(&ent->rank, KVT_RLX);
-	uint32_t me = s->entry;
+	uint32_t me = s->entry, was_reaping = s->reaping;
 
-	if (me == UINT32_MAX || me == e) {
-		/* A handle re-claiming its own dead entry has no other entry
-		 * for its journal: borrow the dead one (nobody else uses it). */
-		s->entry = e;
-	}
+	s->entry = acting;
+	s->reaping = acting == e ? UINT32_MAX : e;
+	KVT_SP(REAP_LOCKED, s);
 	switch (KVT_J_OP(j)) {
 	case KVT_J_PIN:
 	case KVT_J_UNPIN:
-	case KVT_J_FREEZE:
-		kvt__pins_repair(s, KVT_J_SLOT(j), KVT_J_GEN(j));
+	case KVT_J_REPAIR: {
+		uint32_t x = KVT_J_SLOT(j);
+		uint64_t g = KVT_J_GEN(j);
+		/* Nobody waits on a REPAIR: a repairer that waits for this
+		 * entry (alive to others while we hold its lock) would wait
+		 * for ever on a dead op otherwise. */
+		kat_store(&ent->journal, KVT_J(KVT_J_REPAIR, x, g), KVT_REL);
+		kvt__pins_repair(s, x, g);
 		break;
+	}
 	default:
 		break;
 	}
 	kat_store(&ent->journal, 0, KVT_REL);
 
 	for (uint32_t x = 0; x < s->geo.n_slots; x++) {
-		uint64_t w = kat_load(&kvt__slot(s, x)->state, KVT_ACQ);
+		struct kvt_slot *sl = kvt__slot(s, x);
+		uint64_t w = kat_load(&sl->state, KVT_ACQ);
 		switch (KVT_ST(w)) {
 		case KVT_S_FILLING:
-		case KVT_S_DOOMED:
 			kvt__slot_writer_gone(s, x, e);
-			if (KVT_ST(w) == KVT_S_FILLING && KVT_FILL_OWNER(w) == e + 1)
+			if (KVT_FILL_OWNER(w) == e + 1)
 				kvt__slot_doom(s, x, KVT_GEN(w)); /* died setting it up */
-			else if (KVT_ST(w) == KVT_S_DOOMED)
-				kvt__slot_reclaim(s, x);
 			break;
+		case KVT_S_DOOMED:
 		case KVT_S_EVICTING:
-			kvt__slot_reclaim(s, x);
+			kvt__slot_writer_gone(s, x, e);
+			kvt__slot_reclaim(s, x, KVT_GEN(w)); /* finish what is left */
 			break;
 		case KVT_S_READY:
-			/* It died in kvt_write_end between the READY CAS and
-			 * its shard release: the chunk is complete, only the
-			 * claim (writer field, writing bit) is left to drop. */
-			if (kat_load(&kvt__slot(s, x)->writing, KVT_ACQ))
-				kvt__slot_writer_gone(s, x, e);
+			/* It died in kvt_write_end between the READY CAS and its
+			 * claim drop: only the claim is left to drop. */
+			kvt__slot_writer_gone(s, x, e);
+			if ((w & KVT_ST_FROZEN) && KVT_FREEZER(w) == e + 1)
+				kvt__pins_repair(s, x, KVT_GEN(w) & 0xfffffffULL);
 			break;
 		default:
 			break;
 		}
 	}
+	KVT_SP(REAP_SLOTS, s);
 
 	for (uint32_t i = 0; i < s->geo.n_leases; i++) {
 		struct kvt_lease *l = kvt__lease(s, i);
@@ -186,10 +288,11 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 			continue;
 		if (KVT_LACT(w) == e + 1)
 			release = 1; /* it built it (BUILDING, ACTIVE) or was releasing it */
-		else if (st == KVT_L_ACTIVE && role == KVT_ROLE_RANK &&
+		else if (st == KVT_L_ACTIVE && role == KVT_ROLE_RANK && rank < s->geo.world &&
 			 kat_load(&l->instance, KVT_RLX) == inst &&
-			 rank < 64 && !(kat_load(&l->loaded, KVT_ACQ) & (1ULL << rank)))
-			release = 1; /* it would wait forever for this rank */
+			 kat_load(&kvt__lease_loaded(s, l)[rank], KVT_ACQ) !=
+				 KVT_LOADED(KVT_LGEN(w)))
+			release = 1; /* it would wait for ever for this rank */
 		/* Take the lease over as its releaser, in one CAS. */
 		if (release &&
 		    kat_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), s->entry + 1),
@@ -198,18 +301,21 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e)
 	}
 	/* An insert it committed but did not finalize. */
 	kvt__index_help_all(s);
+	KVT_SP(REAP_DONE, s);
 	kvt__count(s, KVT_C_REAPED_RANKS, 1);
 	s->entry = me;
+	s->reaping = was_reaping;
 	/* R11: the repairs are visible before the entry is reused. */
+	kat_store(&ent->journal, 0, KVT_REL);
 	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
 }
 
 int kvt_seg_reap(kvt_seg *s)
 {
-	int reaped = 0;
+	int reaped = 0, r;
 
-	if (s->entry == UINT32_MAX)
-		return kvt__err(-EPERM, "reap: an observer handle cannot reap");
+	if ((r = kvt__need_entry(s, "reap")))
+		return r;
 	kat_store(&s->ents[s->entry].heartbeat, kvt__now_ns(), KVT_RLX);
 	for (uint32_t e = 0; e < s->d.n_entries; e++) {
 		uint64_t w = kat_load(&s->ents[e].owner, KVT_ACQ);
@@ -217,12 +323,15 @@ int kvt_seg_reap(kvt_seg *s)
 			continue;
 		if (KVT_OWNER_ST(w) > KVT_ENT_REAPING)
 			continue; /* corrupt: kvt_check reports it */
-		if (kvt__entry_alive(s, e))
-			continue;
-		if (kat_cas(&s->ents[e].owner, &w, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_AR)) {
-			entry_reap_locked(s, e);
+		if (ent_lock(s, e))
+			continue; /* its holder (or another reaper) lives */
+		w = kat_load(&s->ents[e].owner, KVT_ACQ);
+		if (KVT_OWNER_ST(w) != KVT_ENT_EMPTY && KVT_OWNER_ST(w) <= KVT_ENT_REAPING) {
+			kat_store(&s->ents[e].owner, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_REL);
+			entry_reap_locked(s, e, s->entry);
 			reaped++;
 		}
+		ent_unlock(s, e);
 	}
 	return reaped;
 }

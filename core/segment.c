@@ -18,19 +18,34 @@
  * lease refs, entry numbers in writer fields) are still bounds-checked at
  * each use, because other processes keep writing it.
  *
+ * Creation (kvt_seg_create) checks the size against the filesystem and
+ * the host, reserves the tables and then -- after the caller's `prepare`
+ * step, which binds the arena to its NUMA nodes -- the arena (fallocate on
+ * tmpfs; the creator's shared mapping reserves huge pages on hugetlbfs),
+ * claims the creator's own table entry, and only then stores the magic.
+ * So a segment that does not fit fails with -ENOSPC/-EFBIG and a message
+ * with both sizes, and no attacher can ever fault on an unbacked page
+ * (layout 1 sized the object with ftruncate alone, which always succeeds
+ * on tmpfs: the pre-fault, or a later touch, died with SIGBUS, and so did
+ * every later attacher of the file left behind).  Every failure path
+ * unlinks the name before it unmaps and walks nothing in the mapping.
  * A process that dies while creating leaves a segment without magic:
  * attach reports it (-EPROTO "magic") and KVT_SEG_F_REPLACE removes it.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysinfo.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -194,8 +209,10 @@ int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 	d->n_shards = g->mode == KVT_MODE_SHARDED ? g->world : 1;
 	d->shard_bytes = kvt_geometry_shard_bytes(g);
 	d->slot_meta_bytes = round_up(sizeof(struct kvt_slot) +
-				      (uint64_t)d->n_shards * sizeof(kvt_a16), KVT_CACHELINE);
-	d->lease_bytes = sizeof(struct kvt_lease) + (uint64_t)g->lease_max_chunks * 8;
+				      (uint64_t)d->n_shards * sizeof(kvt_a64), KVT_CACHELINE);
+	/* head, loaded[world], refs[lease_max_chunks] */
+	d->lease_bytes = sizeof(struct kvt_lease) + (uint64_t)g->world * 8 +
+			 (uint64_t)g->lease_max_chunks * 8;
 	d->n_entries = g->n_instances * (g->world + 1) + KVT_MAX_CLIENTS;
 	d->counter_block = round_up(KVT_C__COUNT * 8, KVT_CACHELINE);
 	/* Load factor <= 1/4 over 7-way buckets (see index.c). */
@@ -350,8 +367,68 @@ int kvt_seg_unlink(const char *name, const char *dir)
 	return 0;
 }
 
+/* ---- the process's handles, for fork ----
+ *
+ * A forked child inherits every handle's open file description, and with
+ * it the OFD lock that says the parent's entry lives (ranks.c).  So the
+ * child handler closes those descriptors in the child and makes the
+ * handles inert there: the entry stays the parent's, and dies with it.
+ * This list is the one piece of process-wide state in core: fork is a
+ * process-wide event. */
+static pthread_mutex_t handles_mu = PTHREAD_MUTEX_INITIALIZER;
+static kvt_seg *handles;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void atfork_prepare(void) { pthread_mutex_lock(&handles_mu); }
+static void atfork_parent(void) { pthread_mutex_unlock(&handles_mu); }
+
+static void atfork_child(void)
+{
+	for (kvt_seg *s = handles; s; s = s->next) {
+		if (s->fd >= 0)
+			close(s->fd);
+		s->fd = -1;
+		s->forked = 1;
+		s->entry = UINT32_MAX;
+		s->reaping = UINT32_MAX;
+		s->my_counters = (uint64_t *)kvt__ctr(s, s->d.n_entries);
+		s->pid = getpid();
+	}
+	handles = NULL;
+	pthread_mutex_unlock(&handles_mu);
+}
+
+static void atfork_init(void)
+{
+	(void)pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+static void handle_register(kvt_seg *s)
+{
+	pthread_once(&atfork_once, atfork_init);
+	pthread_mutex_lock(&handles_mu);
+	s->next = handles;
+	handles = s;
+	pthread_mutex_unlock(&handles_mu);
+}
+
+static void handle_unregister(kvt_seg *s)
+{
+	pthread_mutex_lock(&handles_mu);
+	for (kvt_seg **pp = &handles; *pp; pp = &(*pp)->next)
+		if (*pp == s) {
+			*pp = s->next;
+			break;
+		}
+	pthread_mutex_unlock(&handles_mu);
+}
+
+/* Fills the handle's pointers and private fields from its validated
+ * geometry, layout and header (s->base, size, geo, d, r, hdr set). */
 static void handle_init_regions(kvt_seg *s)
 {
+	uint32_t bits = 64 - (uint32_t)__builtin_clzll((unsigned long long)s->geo.n_leases);
+
 	s->ents = (struct kvt_ent *)(s->base + s->r[KVT_R_RANKS].off);
 	s->counters = s->base + s->r[KVT_R_COUNTERS].off;
 	s->leases = s->base + s->r[KVT_R_LEASES].off;
@@ -362,8 +439,17 @@ static void handle_init_regions(kvt_seg *s)
 	s->chunk_bytes = chunk_payload(&s->geo);
 	s->my_counters = (uint64_t *)kvt__ctr(s, s->d.n_entries);
 	s->entry = UINT32_MAX;
+	s->reaping = UINT32_MAX;
 	s->pid = getpid();
 	s->start = kvt_proc_start_time(s->pid);
+	s->sweep_peek = (s->hdr->policy & KVT_POLICY_DEPTH_FIRST) ? 8 : 0;
+	/* Lease ids: [tag 20][gen][idx + 1 in `bits`]; n_leases <= 2^20
+	 * leaves at least 23 bits of generation. */
+	s->lid_tag = (uint32_t)(kvt__mix64(s->hdr->seg_id) >> 11) & ((1u << KVT_LID_TAG_BITS) - 1);
+	if (!s->lid_tag)
+		s->lid_tag = 1;
+	s->lid_idx_bits = bits;
+	s->lid_gen_mask = (1ULL << (64 - KVT_LID_TAG_BITS - bits)) - 1;
 }
 
 /* Validates the header against the mapping; names the first bad field. */
@@ -376,8 +462,9 @@ static int hdr_validate(const struct kvt_hdr *h, uint64_t map_size, uid_t file_u
 
 #define HCHK(cond, code, ...) do { if (!(cond)) return kvt__err(code, __VA_ARGS__); } while (0)
 	HCHK(h->version == KVT_LAYOUT_VERSION, -EPROTO,
-	     "header.version: %u, this library reads layout version %u",
-	     h->version, KVT_LAYOUT_VERSION);
+	     "header.version: %u, this library reads layout version %u%s",
+	     h->version, KVT_LAYOUT_VERSION, h->version < KVT_LAYOUT_VERSION ?
+	     " (made by an older kvtier: remove it and create it again)" : "");
 	HCHK(h->hdr_size == sizeof(struct kvt_hdr), -EPROTO,
 	     "header.hdr_size: %u, expected %zu", h->hdr_size, sizeof(struct kvt_hdr));
 	HCHK(h->total_size == map_size, -EPROTO,
@@ -394,6 +481,7 @@ static int hdr_validate(const struct kvt_hdr *h, uint64_t map_size, uid_t file_u
 	     "header.creator_pid: %u out of range", h->creator_pid);
 	HCHK(h->creator_start != 0, -EPROTO, "header.creator_start: zero");
 	HCHK(h->created_ns != 0, -EPROTO, "header.created_ns: zero");
+	HCHK(h->seg_id != 0, -EPROTO, "header.seg_id: zero");
 	rc = kvt__geometry_check(&h->geo);
 	if (rc) {
 		char tmp[sizeof(kvt_errbuf)];
@@ -485,15 +573,17 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 	if (a->role == KVT_ROLE_CLIENT) {
 		for (uint32_t k = 0; k < KVT_MAX_CLIENTS; k++) {
 			e = s->geo.n_instances * (s->geo.world + 1) + k;
-			r = kvt__entry_claim(s, e);
+			r = kvt__entry_claim(s, e, 0);
 			if (r == 0)
 				return 0;
+			if (r != -EBUSY)
+				return r;
 		}
 		return kvt__err(-EBUSY, "clients: all %u client entries are in use",
 				KVT_MAX_CLIENTS);
 	}
 	e = kvt__entry_index(s, a->role, a->instance, a->rank);
-	r = kvt__entry_claim(s, e);
+	r = kvt__entry_claim(s, e, 1);
 	if (r == -EBUSY)
 		return kvt__err(-EBUSY, "%s (instance %u%s%u) is attached by a live process",
 				a->role == KVT_ROLE_RANK ? "rank" : "scheduler", a->instance,
@@ -559,6 +649,10 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 		close(fd);
 		return kvt__err(r, "attach '%s': fstat: %s", a->name, strerror(-r));
 	}
+	if (!S_ISREG(st.st_mode)) {
+		close(fd);
+		return kvt__err(-EINVAL, "attach '%s': %s is not a regular file", a->name, path);
+	}
 	if (st.st_uid != geteuid() && !(a->flags & KVT_SEG_F_ANY_UID)) {
 		close(fd);
 		return kvt__err(-EPERM, "attach '%s': owned by uid %u, not by this uid %u "
@@ -577,9 +671,10 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	}
 	snprintf(s->name, sizeof(s->name), "%s", a->name);
 	s->size = (uint64_t)st.st_size;
+	s->fd = fd;
 	r = map_fd(fd, s->size, map_align(&st), &s->base);
-	close(fd);
 	if (r) {
+		close(fd);
 		free(s);
 		return kvt__err(r, "attach '%s': mmap: %s", a->name, strerror(-r));
 	}
@@ -587,7 +682,7 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	/* A0: pairs with R0 in kvt_seg_create; the header is complete. */
 	if (kat_load(&s->hdr->magic, KVT_ACQ) != KVT_MAGIC) {
 		r = kvt__err(-EPROTO, "header.magic: '%s' is not a kvtier segment, or its "
-			     "creator died before finishing it", a->name);
+			     "creator has not finished (or died before finishing) it", a->name);
 		goto out_unmap;
 	}
 	r = hdr_validate(s->hdr, s->size, st.st_uid, &s->d, s->r);
@@ -595,16 +690,140 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 		goto out_unmap;
 	s->geo = s->hdr->geo;
 	handle_init_regions(s);
-	s->sweep_peek = (s->hdr->policy & KVT_POLICY_DEPTH_FIRST) ? 8 : 0;
+	handle_register(s);
 	r = attach_identity(s, a);
-	if (r)
+	if (r) {
+		handle_unregister(s);
 		goto out_unmap;
+	}
 	*out = s;
 	return 0;
 out_unmap:
 	munmap(s->base, s->size);
+	close(fd);
 	free(s);
 	return r;
+}
+
+/* ---- creation: capacity, reservation ---- */
+
+#define KVT_HUGETLBFS_MAGIC 0x958458f6
+#define GIB(x) ((double)(x) / (double)(1ULL << 30))
+
+/* Free huge pages of size `page` in the pool (free minus reserved), or -1
+ * when the pool does not say. */
+static int64_t hugepages_free(uint64_t page)
+{
+	char path[128];
+	long long v[2];
+	static const char *const f[2] = { "free_hugepages", "resv_hugepages" };
+
+	for (int i = 0; i < 2; i++) {
+		snprintf(path, sizeof(path), "/sys/kernel/mm/hugepages/hugepages-%llukB/%s",
+			 (unsigned long long)(page >> 10), f[i]);
+		FILE *fp = fopen(path, "re");
+		if (!fp)
+			return -1;
+		int ok = fscanf(fp, "%lld", &v[i]) == 1;
+		fclose(fp);
+		if (!ok)
+			return -1;
+	}
+	return v[0] > v[1] ? v[0] - v[1] : 0;
+}
+
+/* Refuses a segment that cannot fit: -EFBIG when it exceeds what the
+ * filesystem (or, for memory filesystems, the host's memory and swap)
+ * could ever hold, -ENOSPC when it exceeds what is free now.  The real
+ * guarantee is the reservation that follows; this gives the message. */
+static int capacity_check(int fd, const char *name, uint64_t total, int *is_huge)
+{
+	struct statfs sf;
+	struct sysinfo si;
+
+	*is_huge = 0;
+	if (fstatfs(fd, &sf) != 0)
+		return 0; /* cannot tell: the reservation decides */
+	*is_huge = (uint64_t)sf.f_type == KVT_HUGETLBFS_MAGIC;
+	uint64_t bs = (uint64_t)sf.f_bsize;
+	int memfs = *is_huge || (uint64_t)sf.f_type == 0x01021994 /* TMPFS_MAGIC */;
+	if (memfs && sysinfo(&si) == 0) {
+		uint64_t host = ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
+		if (total > host)
+			return kvt__err(-EFBIG, "create '%s': the segment needs %llu bytes "
+					"(%.1f GiB), more than this host's memory and swap "
+					"(%llu bytes, %.1f GiB)", name, (unsigned long long)total,
+					GIB(total), (unsigned long long)host, GIB(host));
+	}
+	if (sf.f_blocks > 0 && sf.f_blocks != (fsblkcnt_t)-1) {
+		uint64_t cap = (uint64_t)sf.f_blocks * bs, avail = (uint64_t)sf.f_bavail * bs;
+		if (total > cap)
+			return kvt__err(-EFBIG, "create '%s': the segment needs %llu bytes "
+					"(%.1f GiB), more than its filesystem holds at all "
+					"(%llu bytes, %.1f GiB)", name, (unsigned long long)total,
+					GIB(total), (unsigned long long)cap, GIB(cap));
+		if (total > avail)
+			return kvt__err(-ENOSPC, "create '%s': the segment needs %llu bytes "
+					"(%.1f GiB), its filesystem has %llu bytes free (%.1f GiB)",
+					name, (unsigned long long)total, GIB(total),
+					(unsigned long long)avail, GIB(avail));
+	} else if (*is_huge) {
+		int64_t fr = hugepages_free(bs);
+		if (fr >= 0 && total > (uint64_t)fr * bs)
+			return kvt__err(-ENOSPC, "create '%s': the segment needs %llu huge pages "
+					"of %llu KiB (%.1f GiB), the pool has %lld free (%.1f GiB)",
+					name, (unsigned long long)((total + bs - 1) / bs),
+					(unsigned long long)(bs >> 10), GIB(total), (long long)fr,
+					GIB((uint64_t)fr * bs));
+	}
+	return 0;
+}
+
+/* Backs [off, off + len) of the file with memory now (tmpfs and the like:
+ * fallocate allocates and zeroes the pages, under the file's NUMA policy,
+ * and fails with ENOSPC instead of a later SIGBUS).  Hugetlbfs needs
+ * nothing here: the creator's shared mapping reserved the huge pages. */
+static int reserve(int fd, const char *name, uint64_t off, uint64_t len, int is_huge)
+{
+	if (is_huge || !len)
+		return 0;
+	if (fallocate(fd, 0, (off_t)off, (off_t)len) == 0)
+		return 0;
+	if (errno == EOPNOTSUPP || errno == ENOSYS)
+		return 0; /* the capacity check is all this filesystem allows */
+	if (errno == ENOSPC)
+		return kvt__err(-ENOSPC, "create '%s': reserving %llu bytes (%.1f GiB) of "
+				"memory failed: its filesystem is full", name,
+				(unsigned long long)len, GIB(len));
+	return kvt__err(-errno, "create '%s': fallocate of %llu bytes: %s", name,
+			(unsigned long long)len, strerror(errno));
+}
+
+static int prefault(const char *name, uint8_t *p, uint64_t len, int is_huge)
+{
+#ifdef MADV_POPULATE_WRITE
+	if (madvise(p, len, MADV_POPULATE_WRITE) == 0)
+		return 0;
+	if (errno != EINVAL)
+		return kvt__err(errno == EFAULT || errno == ENOMEM ? -ENOSPC : -errno,
+				"create '%s': pre-faulting the arena (%.1f GiB): %s", name,
+				GIB(len), strerror(errno));
+#endif
+	/* A kernel without MADV_POPULATE_WRITE: touching is safe because the
+	 * pages are reserved (fallocate, or the hugetlb reservation). */
+	(void)is_huge;
+	for (uint64_t o = 0; o < len; o += KVT_PAGE)
+		p[o] = 0;
+	return 0;
+}
+
+static uint64_t random_id(void)
+{
+	uint64_t id = 0;
+
+	if (getrandom(&id, sizeof(id), GRND_NONBLOCK) != (ssize_t)sizeof(id))
+		id = kvt__mix64(kvt__now_ns() ^ ((uint64_t)getpid() << 32) ^ (uintptr_t)&id);
+	return id ? id : 1;
 }
 
 int kvt_seg_create(const struct kvt_seg_create_opts *c,
@@ -616,11 +835,12 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	struct kvt_region reg[KVT_R__COUNT];
 	struct kvt_geometry g;
 	struct kvt_hdr *h;
+	struct stat st;
 	char path[PATH_MAX];
 	uint64_t total;
 	uint8_t *base = NULL;
-	kvt_seg *s;
-	int is_shm, fd, r;
+	kvt_seg *s = NULL;
+	int is_shm, is_huge = 0, fd, r;
 
 	if (!c || !out || !c->geo)
 		return kvt__err(-EINVAL, "create: NULL argument");
@@ -649,13 +869,15 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	if (r)
 		return r;
 	if (total > (uint64_t)LLONG_MAX)
-		return kvt__err(-EOVERFLOW, "geometry: segment of %llu bytes is too large",
+		return kvt__err(-EFBIG, "geometry: segment of %llu bytes is too large",
 				(unsigned long long)total);
 	r = seg_path(path, sizeof(path), c->name, c->dir, &is_shm);
 	if (r)
 		return r;
-	if (c->flags & KVT_SEG_F_REPLACE)
-		(void)(is_shm ? shm_unlink(path) : unlink(path));
+	if ((c->flags & KVT_SEG_F_REPLACE) &&
+	    (is_shm ? shm_unlink(path) : unlink(path)) < 0 && errno != ENOENT)
+		return kvt__err(-errno, "create '%s': cannot remove the existing %s: %s",
+				c->name, path, strerror(errno));
 	fd = seg_open(path, is_shm, O_RDWR | O_CREAT | O_EXCL,
 		      (c->flags & KVT_SEG_F_GROUP) ? 0660 : 0600);
 	if (fd < 0)
@@ -663,31 +885,40 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 				fd == -EEXIST ? " (remove it, or pass KVT_SEG_F_REPLACE)" : "");
 	/* The mode argument is filtered by the umask: set it exactly. */
 	(void)fchmod(fd, (c->flags & KVT_SEG_F_GROUP) ? 0660 : 0600);
+	r = capacity_check(fd, c->name, total, &is_huge);
+	if (r)
+		goto out_close;
 	if (ftruncate(fd, (off_t)total) < 0) {
 		r = kvt__err(-errno, "create '%s': ftruncate to %llu bytes: %s", c->name,
 			     (unsigned long long)total, strerror(errno));
 		goto out_close;
 	}
-	{
-		struct stat st;
-		r = fstat(fd, &st) < 0 ? -errno : map_fd(fd, total, map_align(&st), &base);
-	}
+	/* The tables first: every attacher walks them. */
+	r = reserve(fd, c->name, 0, reg[KVT_R_ARENA].off, is_huge);
+	if (r)
+		goto out_close;
+	r = fstat(fd, &st) < 0 ? -errno : map_fd(fd, total, map_align(&st), &base);
 	if (r) {
-		kvt__err(r, "create '%s': mmap of %llu bytes: %s", c->name,
-			 (unsigned long long)total, strerror(-r));
+		if (is_huge && r == -ENOMEM)
+			r = kvt__err(-ENOSPC, "create '%s': reserving %.1f GiB of huge pages "
+				     "failed: the pool has too few free", c->name, GIB(total));
+		else
+			kvt__err(r, "create '%s': mmap of %llu bytes: %s", c->name,
+				 (unsigned long long)total, strerror(-r));
 		goto out_close;
 	}
-	close(fd);
-	fd = -1;
 
+	/* The header, all but the magic (nobody can attach yet). */
 	h = (struct kvt_hdr *)base;
 	h->version = KVT_LAYOUT_VERSION;
 	h->hdr_size = sizeof(struct kvt_hdr);
 	h->total_size = total;
-	h->page_size = (uint64_t)sysconf(_SC_PAGESIZE);
+	h->page_size = is_huge ? (uint64_t)st.st_blksize : (uint64_t)sysconf(_SC_PAGESIZE);
 	h->creator_uid = (uint32_t)geteuid();
 	h->creator_pid = (uint32_t)getpid();
 	h->creator_start = kvt_proc_start_time(getpid());
+	if (!h->creator_start)
+		h->creator_start = 1; /* no /proc here: diagnostics only */
 	{
 		struct timespec ts;
 		clock_gettime(CLOCK_REALTIME, &ts);
@@ -695,41 +926,67 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	}
 	h->policy = (c->flags & KVT_SEG_F_DEPTH_FIRST) ? KVT_POLICY_DEPTH_FIRST : 0;
 	h->geo = g;
+	h->seg_id = random_id();
 	h->d = d;
 	kvt__fingerprint(&g, &h->fingerprint);
 	memcpy(h->regions, reg, sizeof(reg));
 	h->checksum = kvt__hdr_checksum(h);
-	/* R0: publishes the header; pairs with A0 in kvt_seg_attach. */
-	kat_store(&h->magic, KVT_MAGIC, KVT_REL);
 
-	if (c->flags & KVT_SEG_F_PREFAULT) {
-#ifdef MADV_POPULATE_WRITE
-		if (madvise(base + reg[KVT_R_ARENA].off, reg[KVT_R_ARENA].size,
-			    MADV_POPULATE_WRITE) != 0)
-#endif
-		{
-			for (uint64_t o = 0; o < reg[KVT_R_ARENA].size; o += KVT_PAGE)
-				base[reg[KVT_R_ARENA].off + o] = 0;
+	s = calloc(1, sizeof(*s));
+	if (!s) {
+		r = kvt__err(-ENOMEM, "create: out of memory");
+		goto out_unmap;
+	}
+	snprintf(s->name, sizeof(s->name), "%s", c->name);
+	s->base = base;
+	s->size = total;
+	s->fd = fd;
+	s->hdr = h;
+	s->geo = g;
+	s->d = d;
+	memcpy(s->r, reg, sizeof(reg));
+	handle_init_regions(s);
+
+	if (c->prepare) {
+		r = c->prepare(s, c->prepare_arg);
+		if (r) {
+			if (r > 0)
+				r = -EIO;
+			kvt__err(r, "create '%s': the prepare step failed: %s", c->name,
+				 strerror(-r));
+			goto out_unmap;
 		}
 	}
-	munmap(base, total);
-
-	struct kvt_seg_attach_opts at = a ? *a : client;
-	at.name = c->name;
-	at.dir = c->dir;
-	r = kvt_seg_attach(&at, &s);
-	if (r) {
-		char tmp[sizeof(kvt_errbuf)];
-		save_err(tmp, sizeof(tmp));
-		(void)(is_shm ? shm_unlink(path) : unlink(path));
-		return kvt__err(r, "create '%s': attach after creation failed: %.180s",
-				c->name, tmp);
+	r = reserve(fd, c->name, reg[KVT_R_ARENA].off, reg[KVT_R_ARENA].size, is_huge);
+	if (r)
+		goto out_unmap;
+	if (c->flags & KVT_SEG_F_PREFAULT) {
+		r = prefault(c->name, base + reg[KVT_R_ARENA].off, reg[KVT_R_ARENA].size, is_huge);
+		if (r)
+			goto out_unmap;
 	}
+	/* Our own entry, before anyone else can see the segment. */
+	handle_register(s);
+	r = attach_identity(s, a ? a : &client);
+	if (r) {
+		handle_unregister(s);
+		goto out_unmap;
+	}
+	/* R0: publishes the header; pairs with A0 in kvt_seg_attach. */
+	kat_store(&h->magic, KVT_MAGIC, KVT_REL);
 	*out = s;
 	return 0;
-out_close:
-	close(fd);
+out_unmap:
+	/* Unlink first: no process may find a half-made segment.  Nothing in
+	 * the mapping is walked on this path. */
 	(void)(is_shm ? shm_unlink(path) : unlink(path));
+	munmap(base, total);
+	close(fd);
+	free(s);
+	return r;
+out_close:
+	(void)(is_shm ? shm_unlink(path) : unlink(path));
+	close(fd);
 	return r;
 }
 
@@ -737,9 +994,12 @@ int kvt_seg_detach(kvt_seg *s)
 {
 	if (!s)
 		return kvt__err(-EINVAL, "detach: NULL handle");
+	handle_unregister(s);
 	if (s->entry != UINT32_MAX)
 		kvt__entry_release(s);
 	munmap(s->base, s->size);
+	if (s->fd >= 0)
+		close(s->fd);
 	free(s);
 	return 0;
 }
@@ -787,7 +1047,8 @@ static const char *const counter_names[KVT_C__COUNT] = {
 	[KVT_C_FILL_ABORTS] = "fill_aborts", [KVT_C_FILL_TIMEOUTS] = "fill_timeouts",
 	[KVT_C_LEASES_FULL] = "leases_full", [KVT_C_INDEX_FULL] = "index_full",
 	[KVT_C_DISK_WRITES] = "disk_writes", [KVT_C_DISK_READS] = "disk_reads",
-	[KVT_C_DMA_ERRORS] = "dma_errors",
+	[KVT_C_DMA_ERRORS] = "dma_errors", [KVT_C_LOST_CLAIMS] = "lost_claims",
+	[KVT_C_PIN_REPAIRS] = "pin_repairs", [KVT_C_ADOPTED] = "adopted",
 };
 
 const char *kvt_counter_name(enum kvt_counter c)

@@ -1,4 +1,4 @@
-/* slots.c - slot states, writers, allocation and the CLOCK sweep.
+/* slots.c - slot states, shard claims, allocation and the CLOCK sweep.
  *
  * State word (one 64-bit CAS): [gen 40][pins 20][frozen][state 3].
  *
@@ -7,38 +7,67 @@
  *    |                 | writer died, aborted or    +- pin/unpin      |
  *    |                 | abandoned (fill timeout)                     |
  *    |                 v                                              |
- *    |              DOOMED --writing mask drained--> EVICTING --------+
- *    +--------------------------- index entry removed, gen + 1 -------+
+ *    |              DOOMED --no claim of this life--> EVICTING -------+
+ *    +----------- no claim of this life, index entries removed, gen + 1
+ *
+ * Shard claims.  A writer claims shard s of slot x in life g by CAS of the
+ * claim word claim[s]: (anything not live in g) -> CLAIM(g, entry).  The
+ * claim is live in life g only; a claim word of an older life is garbage
+ * that the next claimer overwrites, and a writer of an older life can only
+ * ever CAS its own exact word (gen included) back to 0.  So no process can
+ * clear or take over a claim of a life it does not belong to.
+ *
+ * (Layout 1 had a writer field per shard and one writing mask per slot,
+ * neither tagged with the life: a writer preempted between its READY CAS
+ * and its release, or in a join's back-out, cleared the mask bit of the
+ * next life's writer of the same shard, and a slot was then reclaimed
+ * under that writer's copy, which landed in the next chunk.  The Promela
+ * model tests/model/slot.pml shows it with -DLAYOUT1.)
  *
  * Invariants:
  *  S1  pins > 0 only in READY; a pin is CAS(READY|g|p -> READY|g|p+1) and
  *      the evictor's claim is CAS(READY|g|0 -> EVICTING|g), so a pinned
  *      slot is never evicted and an evicted slot is never pinned.
- *  S2  a slot with a writing bit set is never reclaimed: only DOOMED slots
- *      with writing == 0 move to EVICTING, and DOOMED is final (a DOOMED
- *      slot never becomes READY).  So no DMA can land in a reused slot.
- *  S3  EVICTING is final too: completing it (remove the index entries
- *      naming (slot, gen), then CAS EVICTING|g -> FREE|g+1) is idempotent,
- *      so any process may finish an eviction whose evictor died.  Fields
- *      are reset by the next allocator, never by the evictor, so a slow
- *      helper cannot clobber a reused slot.
- *  S4  a shard is claimed by CAS(writer[s]: 0 -> entry+1), then the writing
- *      bit is set; it is released in the opposite order.  The writer field
- *      is what the reaper matches against a dead entry.
+ *  S2  a slot leaves life g (EVICTING|g -> FREE|g+1) only after a scan
+ *      found no live claim of life g, made after the slot was DOOMED or
+ *      EVICTING; a claim made after that scan sees DOOMED/EVICTING/another
+ *      life in its re-check and writes nothing (the Dekker pair below).  A
+ *      writer holding a claim therefore always writes into the life it
+ *      claimed: no copy lands in a reused slot.  DOOMED is final (it never
+ *      becomes READY) and so is EVICTING.
+ *  S3  completing an eviction (remove the index entries naming (slot, gen),
+ *      then CAS EVICTING|g -> FREE|g+1) is idempotent, so any process may
+ *      finish one whose evictor died or whose last writer left.  Fields are
+ *      reset by the next allocator, never by the evictor.
+ *  S4  the ready mask is written only by holders of a live claim (their
+ *      own bit) and reset by the allocator before the slot is published; a
+ *      chunk is READY exactly when every shard's bit is set in its life.
  *
- * The Dekker pair: a joining writer sets its writing bit (seq_cst) and
- * then reads the state (seq_cst); whoever dooms a slot CASes the state
- * (seq_cst) and then reads the writing mask (seq_cst).  At least one of
- * them sees the other: either the writer sees DOOMED and backs out, or the
- * doomer sees the bit and leaves the reclaim to that writer, who finds
- * DOOMED at its write_end and, being last out, reclaims.
+ * The Dekker pair: a joining writer CASes its claim (seq_cst) and then
+ * reads the state (seq_cst); whoever dooms or evicts CASes the state
+ * (seq_cst) and then reads every claim (seq_cst).  At least one sees the
+ * other: either the writer sees DOOMED/EVICTING and backs out, or the
+ * reclaimer sees the claim and leaves the reclaim to that writer, who
+ * finds DOOMED/EVICTING when it drops its claim and, being last out,
+ * reclaims.  Two last-out writers may both try; the CASes decide.
  *
- * Process death: a dead writer's bits are cleared by the reaper (which
- * dooms the slot); a death during an allocation's setup (between the
- * FREE -> FILLING CAS, which writes the allocator into the state word, and
- * the end of kvt_write_begin, which clears it) is found by the reaper
- * through that field; a slot whose writers all left without completing the
- * mask is doomed by the CLOCK sweep after fill_timeout_ms.
+ * Orderings: R3 (EVICTING -> FREE, release) pairs with A4 (the allocator's
+ * FREE -> FILLING, acquire).  The allocator then issues a release fence
+ * (F1) before it writes the fields of the new life: a reader that sees one
+ * of those fields and then, after its acquire fence (index.c F2), re-reads
+ * the state, sees the new life and rejects what it read (the seqlock rule
+ * C11 requires: an acquire load alone does not order the relaxed loads
+ * before it).  R5/R6: the ready bits and the READY CAS publish the payload
+ * to lookups (A2 in index.c).
+ *
+ * Process death: a dead writer's claims are dropped by the reaper (which
+ * dooms a FILLING slot it held, and reclaims a DOOMED/EVICTING one); a
+ * death during an allocation's setup (between the FREE -> FILLING CAS,
+ * which writes the allocator into the state word, and the end of
+ * kvt_write_begin, which clears it) is found by the reaper through that
+ * field; a slot whose writers all left without completing the mask is
+ * doomed by the CLOCK sweep after fill_timeout_ms.  Whether a writer is
+ * dead is its entry's liveness lock (ranks.c), never a pid.
  */
 #include <errno.h>
 #include <sched.h>
@@ -46,60 +75,109 @@
 
 #include "kvt_format.h"
 
-
-static kvt_a64 *my_journal(kvt_seg *s)
+static int claim_live(uint64_t c, uint64_t gen)
 {
-	return &s->ents[s->entry].journal;
+	return KVT_CLAIM_ENT(c) != 0 && KVT_CLAIM_GEN(c) == (gen & KVT_GEN_MASK);
 }
 
-/* Completes an eviction (S3) or reclaims a drained DOOMED slot. */
-void kvt__slot_reclaim(kvt_seg *s, uint32_t x)
+int kvt__claims_drained(const kvt_seg *s, struct kvt_slot *sl, uint64_t gen)
+{
+	/* Seq_cst: the reclaimer's half of the Dekker pair. */
+	for (uint32_t sh = 0; sh < s->d.n_shards; sh++)
+		if (claim_live(kat_load(&sl->claim[sh], KVT_SC), gen))
+			return 0;
+	return 1;
+}
+
+/* Whether claim c belongs to a life after gen (modulo 2^40): the slot has
+ * moved on, and a writer of life gen must not touch the word. */
+static int claim_newer(uint64_t c, uint64_t gen)
+{
+	uint64_t d = (KVT_CLAIM_GEN(c) - gen) & KVT_GEN_MASK;
+
+	return c != 0 && d != 0 && d < (KVT_GEN_MASK >> 1);
+}
+
+/* Claims shard sh of sl in life gen for our entry: 0; KVT_SKIP when a live
+ * claim of that life holds it; -EAGAIN when the word belongs to a later
+ * life (we are a stale writer: the slot moved on).  Only free words and
+ * older lives' garbage are overwritten, so a stale writer can never take
+ * over -- and later drop -- the claim of a newer life's writer. */
+static int claim_take(kvt_seg *s, struct kvt_slot *sl, uint32_t sh, uint64_t gen)
+{
+	uint64_t c = kat_load(&sl->claim[sh], KVT_RLX);
+	uint64_t mine = KVT_CLAIM(gen, s->entry);
+
+	for (;;) {
+		if (claim_live(c, gen))
+			return KVT_SKIP;
+		if (claim_newer(c, gen))
+			return -EAGAIN;
+		/* Seq_cst: the writer's half of the Dekker pair. */
+		if (kat_cas(&sl->claim[sh], &c, mine, KVT_SC))
+			return 0;
+	}
+}
+
+/* Gives back our claim of life gen.  Seq_cst (release included): our
+ * payload writes come before the claim disappears, and a reclaimer's
+ * seq_cst scan that sees it gone sees them. */
+static int claim_drop(kvt_seg *s, struct kvt_slot *sl, uint32_t sh, uint64_t gen)
+{
+	uint64_t c = KVT_CLAIM(gen, s->entry);
+
+	return kat_cas(&sl->claim[sh], &c, 0, KVT_SC);
+}
+
+/* Moves DOOMED|gen on to EVICTING and completes EVICTING|gen (S3), each
+ * step only once no claim of life gen is left (S2). */
+void kvt__slot_reclaim(kvt_seg *s, uint32_t x, uint64_t gen)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w = kat_load(&sl->state, KVT_SC);
 
+	if (KVT_GEN(w) != (gen & KVT_GEN_MASK))
+		return;
 	if (KVT_ST(w) == KVT_S_DOOMED) {
-		/* Seq_cst read of the mask: the Dekker partner of a joining
-		 * writer's fetch_or (see the essay). */
-		if (kat_load(&sl->writing, KVT_SC) != 0)
-			return;
+		if (!kvt__claims_drained(s, sl, gen))
+			return; /* the last writer out reclaims */
+		KVT_SP(RECLAIM_DRAINED, s);
 		if (!kat_cas(&sl->state, &w, KVT_SW(KVT_S_EVICTING, KVT_GEN(w), 0), KVT_SC))
 			return; /* someone else moved it on */
 		w = KVT_SW(KVT_S_EVICTING, KVT_GEN(w), 0);
 	}
 	if (KVT_ST(w) != KVT_S_EVICTING)
 		return;
+	/* An evicted READY chunk may still have the writer that completed it
+	 * between its READY CAS and its claim drop. */
+	if (!kvt__claims_drained(s, sl, gen))
+		return;
+	KVT_SP(RECLAIM_DRAINED, s);
 	kvt__index_remove(s, x, KVT_GEN(w));
+	KVT_SP(RECLAIM_UNINDEXED, s);
 	/* R3: release pairs with the allocator's acquire CAS on FREE (A4):
 	 * the index removal is done before the slot can be reused. */
 	kat_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (KVT_GEN(w) + 1) & KVT_GEN_MASK, 0), KVT_AR);
 }
 
-/* Moves FILLING|gen to DOOMED and reclaims it if no writer is left. */
+/* Moves FILLING|gen to DOOMED and reclaims it if no claim is left. */
 void kvt__slot_doom(kvt_seg *s, uint32_t x, uint64_t gen)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w = kat_load(&sl->state, KVT_SC);
 
 	while (KVT_ST(w) == KVT_S_FILLING && KVT_GEN(w) == gen) {
-		if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_DOOMED, gen, 0), KVT_SC))
+		/* Seq_cst: the doomer's half of the Dekker pair. */
+		if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_DOOMED, gen, 0), KVT_SC)) {
+			KVT_SP(DOOMED, s);
 			break;
+		}
 	}
-	kvt__slot_reclaim(s, x);
+	kvt__slot_reclaim(s, x, gen);
 }
 
-/* Releases shard `shard` of slot x held by entry e (S4 order). */
-static void shard_release(kvt_seg *s, uint32_t x, uint32_t shard, uint32_t e)
-{
-	struct kvt_slot *sl = kvt__slot(s, x);
-	uint16_t me = (uint16_t)(e + 1);
-
-	kat_cas(&sl->writer[shard], &me, 0, KVT_AR);
-	/* Release: our payload writes (on commit) or nothing (abort) come
-	 * before the bit disappears; seq_cst for the Dekker pair. */
-	kat_and(&sl->writing, ~(1ULL << shard), KVT_SC);
-}
-
+/* Drops every claim entry e holds on slot x (the reaper, for a dead e; a
+ * detaching handle, for itself) and moves the slot on. */
 void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
@@ -107,14 +185,21 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 	int had = 0;
 
 	for (uint32_t sh = 0; sh < s->d.n_shards; sh++) {
-		if (kat_load(&sl->writer[sh], KVT_ACQ) == (uint16_t)(e + 1)) {
-			shard_release(s, x, sh, e);
+		uint64_t c = kat_load(&sl->claim[sh], KVT_ACQ);
+		if (KVT_CLAIM_ENT(c) != e + 1)
+			continue;
+		/* An exact-word CAS: a claim of any life that e holds (an older
+		 * life's is garbage, collected here). */
+		if (kat_cas(&sl->claim[sh], &c, 0, KVT_SC) && KVT_CLAIM_GEN(c) == KVT_GEN(w))
 			had = 1;
-		}
 	}
-	if (had && (KVT_ST(w) == KVT_S_FILLING || KVT_ST(w) == KVT_S_DOOMED)) {
+	if (!had)
+		return;
+	if (KVT_ST(w) == KVT_S_FILLING) {
 		kvt__count(s, KVT_C_FILL_ABORTS, 1);
 		kvt__slot_doom(s, x, KVT_GEN(w));
+	} else if (KVT_ST(w) == KVT_S_DOOMED || KVT_ST(w) == KVT_S_EVICTING) {
+		kvt__slot_reclaim(s, x, KVT_GEN(w));
 	}
 }
 
@@ -122,23 +207,38 @@ int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w = kat_load(&sl->state, KVT_RLX);
-	int spins = 0;
+	unsigned spins = 0;
+	int blocked = 0;
 
 	for (;;) {
 		if ((KVT_GEN(w) & 0xffffffffULL) != gen32 || KVT_ST(w) != KVT_S_READY)
 			return -ESTALE;
 		if (w & KVT_ST_FROZEN) {
-			/* A reaper is recounting this slot's pins: tell it we have
-			 * not unpinned yet, and wait (see leases.c). */
-			if (s->entry != UINT32_MAX)
-				kat_or(my_journal(s), KVT_J_BLOCKED, KVT_SC);
-			if (++spins > 64)
+			/* A pin repair recounts this slot's pins: tell it we have
+			 * not unpinned yet (so it does not wait for us), then
+			 * wait for a live freezer or finish a dead one's repair
+			 * ourselves (leases.c). */
+			if (!blocked) {
+				kat_or(kvt__journal(s), KVT_J_BLOCKED, KVT_SC);
+				blocked = 1;
+				KVT_SP(UNPIN_FROZEN, s);
+			}
+			uint32_t f = KVT_FREEZER(w);
+			if ((spins++ & 63) == 0 &&
+			    (f == 0 || f - 1 == s->entry || !kvt__entry_alive(s, f - 1))) {
+				kvt__pins_adopt(s, x, w);
+			} else if (spins > 64) {
 				sched_yield();
+			} else {
+				kat_relax();
+			}
 			w = kat_load(&sl->state, KVT_ACQ);
 			continue;
 		}
-		if (s->entry != UINT32_MAX && spins)
-			kat_and(my_journal(s), ~KVT_J_BLOCKED, KVT_SC);
+		if (blocked) {
+			kat_and(kvt__journal(s), ~KVT_J_BLOCKED, KVT_SC);
+			blocked = 0;
+		}
 		if (KVT_PINS(w) == 0)
 			return -EUCLEAN;
 		/* R4: release orders our reads of the payload (a load) before
@@ -165,6 +265,10 @@ static int slot_take(kvt_seg *s, uint32_t x, uint64_t w, uint32_t *xo, uint64_t 
 	if (KVT_ST(w) != KVT_S_FREE ||
 	    !kat_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w), s->entry + 1), KVT_AR))
 		return 0;
+	/* F1: the fields we write next are ordered after the new life's state
+	 * word, for readers that validate with an acquire fence (F2). */
+	atomic_thread_fence(KVT_REL);
+	KVT_SP(ALLOC_TAKEN, s);
 	*xo = x;
 	*geno = KVT_GEN(w);
 	return 1;
@@ -203,7 +307,7 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 		switch (KVT_ST(w)) {
 		case KVT_S_EVICTING:
 		case KVT_S_DOOMED:
-			kvt__slot_reclaim(s, x);
+			kvt__slot_reclaim(s, x, KVT_GEN(w));
 			w = kat_load(&sl->state, KVT_ACQ);
 			if (slot_take(s, x, w, xo, geno))
 				return 0;
@@ -213,8 +317,8 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 				return 0;
 			break;
 		case KVT_S_FILLING:
-			if (KVT_FILL_OWNER(w) || kat_load(&sl->writing, KVT_SC) != 0 ||
-			    (w & KVT_ST_FROZEN))
+			if (KVT_FILL_OWNER(w) || (w & KVT_ST_FROZEN) ||
+			    !kvt__claims_drained(s, sl, KVT_GEN(w)))
 				break; /* being set up, or being written */
 			if (!now)
 				now = kvt__now_ns();
@@ -248,11 +352,13 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 				}
 			}
 			struct kvt_slot *sb = kvt__slot(s, best);
-			/* A5: acquire pairs with the unpinners' R4. */
+			/* A5: acquire pairs with the unpinners' R4; seq_cst for
+			 * the Dekker pair with a writer still holding a claim. */
 			if (kat_cas(&sb->state, &best_w, KVT_SW(KVT_S_EVICTING, KVT_GEN(best_w), 0),
-				    KVT_AR)) {
+				    KVT_SC)) {
 				kvt__count(s, KVT_C_EVICTIONS, 1);
-				kvt__slot_reclaim(s, best);
+				KVT_SP(EVICT_CLAIMED, s);
+				kvt__slot_reclaim(s, best, KVT_GEN(best_w));
 				if (slot_take(s, best, kat_load(&sb->state, KVT_ACQ), xo, geno))
 					return 0;
 			}
@@ -265,27 +371,29 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 	return -ENOSPC;
 }
 
-/* Claims shard `shard` of a live slot found in the index.  0: claimed;
- * KVT_SKIP: ready or being written; -EAGAIN: the slot moved on. */
+/* Claims shard `shard` of a FILLING slot found in the index in life gen.
+ * 0: claimed; KVT_SKIP: ready or being written; -EAGAIN: the slot moved
+ * on. */
 static int shard_join(kvt_seg *s, uint32_t x, uint64_t gen, uint32_t shard)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
-	uint64_t bit = 1ULL << shard, w;
-	uint16_t zero = 0;
+	uint64_t w;
 
-	if (kat_load(&sl->ready, KVT_ACQ) & bit)
-		return KVT_SKIP;
-	if (!kat_cas(&sl->writer[shard], &zero, (uint16_t)(s->entry + 1), KVT_AR))
-		return KVT_SKIP; /* someone is writing this shard */
-	kat_or(&sl->writing, bit, KVT_SC);
-	w = kat_load(&sl->state, KVT_SC); /* Dekker partner of slot_doom */
+	int r = claim_take(s, sl, shard, gen);
+
+	if (r)
+		return r; /* someone is writing this shard, or the slot moved on */
+	KVT_SP(JOIN_CLAIMED, s);
+	w = kat_load(&sl->state, KVT_SC); /* Dekker partner of doom / evict */
 	if (KVT_ST(w) != KVT_S_FILLING || KVT_GEN(w) != gen) {
-		shard_release(s, x, shard, s->entry);
-		kvt__slot_reclaim(s, x);
+		KVT_SP(JOIN_BACKOUT, s);
+		claim_drop(s, sl, shard, gen);
+		kvt__slot_reclaim(s, x, gen); /* we may be the last one out */
 		return KVT_ST(w) == KVT_S_READY && KVT_GEN(w) == gen ? KVT_SKIP : -EAGAIN;
 	}
-	if (kat_load(&sl->ready, KVT_ACQ) & bit) {
-		shard_release(s, x, shard, s->entry);
+	/* Our claim holds the life: this ready mask is life gen's. */
+	if (kat_load(&sl->ready, KVT_ACQ) & (1ULL << shard)) {
+		claim_drop(s, sl, shard, gen);
 		return KVT_SKIP;
 	}
 	return 0;
@@ -295,18 +403,20 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 		    uint32_t shard, struct kvt_wref *wr)
 {
 	uint32_t b1, b2, tag, x;
-	uint64_t gen;
+	uint64_t gen, st;
 	int r;
 
-	if (s->entry == UINT32_MAX)
-		return kvt__err(-EPERM, "write: an observer handle cannot write");
+	if ((r = kvt__need_entry(s, "write")))
+		return r;
+	if (!key || !wr)
+		return kvt__err(-EINVAL, "write: NULL argument");
 	if (shard >= s->d.n_shards)
 		return kvt__err(-EINVAL, "write: shard %u out of range (%u shards)",
 				shard, s->d.n_shards);
 	kvt__key_hash(s, key, &b1, &b2, &tag);
 	for (int tries = 0; tries < 1000; tries++) {
-		if (kvt__index_find(s, key, &gen, &x, 1)) {
-			r = shard_join(s, x, gen, shard);
+		if (kvt__index_find(s, key, &gen, &x, 1, &st)) {
+			r = KVT_ST(st) == KVT_S_READY ? KVT_SKIP : shard_join(s, x, gen, shard);
 			if (r == -EAGAIN)
 				continue;
 			if (r == KVT_SKIP) {
@@ -322,7 +432,8 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 					"being written)");
 		}
 		struct kvt_slot *sl = kvt__slot(s, x);
-		/* Fields of the new life (S3: only the allocator resets them). */
+		/* Fields of the new life (S3: only the allocator resets them;
+		 * F1 orders them after the state word). */
 		kat_store(&sl->key_lo, key->lo, KVT_RLX);
 		kat_store(&sl->key_hi, key->hi, KVT_RLX);
 		kat_store(&sl->depth, depth, KVT_RLX);
@@ -331,10 +442,14 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 		kat_store(&sl->fill_ns, kvt__now_ns(), KVT_RLX);
 		kat_store(&sl->ref, 1, KVT_RLX);
 		kat_store(&sl->ready, 0, KVT_RLX);
-		for (uint32_t i = 0; i < s->d.n_shards; i++)
-			kat_store(&sl->writer[i], 0, KVT_RLX);
-		kat_store(&sl->writer[shard], (uint16_t)(s->entry + 1), KVT_RLX);
-		kat_store(&sl->writing, 1ULL << shard, KVT_SC);
+		/* No writer of this life can claim before the index entry
+		 * exists.  A stale writer of an older life may CAS this word
+		 * (an older life's garbage) just before our store, which then
+		 * overwrites it: its re-check sees our life and it backs out;
+		 * after our store it sees a newer life's claim and leaves it.
+		 * The other shards' words may hold older lives' garbage. */
+		kat_store(&sl->claim[shard], KVT_CLAIM(gen, s->entry), KVT_SC);
+		KVT_SP(ALLOC_SETUP, s);
 
 		uint32_t ex;
 		uint64_t exgen;
@@ -342,16 +457,16 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 		 * visible to whoever finds the entry (A1). */
 		r = kvt__index_insert(s, key, x, gen, &ex, &exgen);
 		if (r == 0) {
-			/* Setup done: from here the reaper finds us through
-			 * writer[], like any writer. */
+			KVT_SP(ALLOC_INSERTED, s);
+			/* Setup done: from here the reaper finds us through our
+			 * claim, like any writer. */
 			uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
 			kat_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, gen, 0), KVT_AR);
 			goto claimed;
 		}
 		/* Lost the race for the key (r == 1) or the index is full:
 		 * the slot was never visible, so it goes straight back. */
-		kat_store(&sl->writer[shard], 0, KVT_RLX);
-		kat_store(&sl->writing, 0, KVT_SC);
+		kat_store(&sl->claim[shard], 0, KVT_RLX);
 		uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
 		kat_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (gen + 1) & KVT_GEN_MASK, 0), KVT_AR);
 		if (r < 0) {
@@ -372,15 +487,21 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 {
 	struct kvt_slot *sl;
 	uint64_t bit, full, prev, w;
-	int ret = 0;
+	int r, ret = 0;
 
-	if (s->entry == UINT32_MAX || wr->slot >= s->geo.n_slots ||
-	    wr->shard >= s->d.n_shards)
+	if ((r = kvt__need_entry(s, "write_end")))
+		return r;
+	if (!wr || wr->slot >= s->geo.n_slots || wr->shard >= s->d.n_shards)
 		return kvt__err(-EINVAL, "write_end: bad write reference");
 	sl = kvt__slot(s, wr->slot);
-	if (kat_load(&sl->writer[wr->shard], KVT_ACQ) != (uint16_t)(s->entry + 1))
+	if (kat_load(&sl->claim[wr->shard], KVT_ACQ) != KVT_CLAIM(wr->gen, s->entry)) {
+		/* Our claim holds until we drop it; only a reaper that took us
+		 * for dead, or a reference we never got, ends here. */
+		kvt__count(s, KVT_C_LOST_CLAIMS, 1);
 		return kvt__err(-EINVAL, "write_end: slot %u shard %u is not claimed by "
-				"this handle", wr->slot, wr->shard);
+				"this handle in generation %llu", wr->slot, wr->shard,
+				(unsigned long long)wr->gen);
+	}
 	bit = 1ULL << wr->shard;
 	full = kvt__full_mask(s->d.n_shards);
 	w = kat_load(&sl->state, KVT_ACQ);
@@ -389,12 +510,18 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 		 * other writers' (their R5), so whoever completes the mask
 		 * publishes all shards with the READY CAS below. */
 		prev = kat_or(&sl->ready, bit, KVT_AR);
+		KVT_SP(WEND_READY_BIT, s);
 		if ((prev | bit) == full && !(prev & bit)) {
-			/* R6: pairs with A2 in the index lookup. */
-			if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_READY, wr->gen, 0), KVT_AR))
-				ret = 1;
-			else
-				ret = -ESTALE;
+			ret = -ESTALE;
+			while (KVT_ST(w) == KVT_S_FILLING && KVT_GEN(w) == wr->gen) {
+				/* R6: pairs with A2 in the index lookup. */
+				if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_READY, wr->gen, 0),
+					    KVT_AR)) {
+					ret = 1;
+					KVT_SP(WEND_READY, s);
+					break;
+				}
+			}
 		}
 		if (ret >= 0) {
 			kvt__count(s, KVT_C_SAVED_CHUNKS, 1);
@@ -405,17 +532,18 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 	} else {
 		kvt__count(s, KVT_C_FILL_ABORTS, 1);
 	}
-	shard_release(s, wr->slot, wr->shard, s->entry);
+	claim_drop(s, sl, wr->shard, wr->gen);
+	KVT_SP(WEND_DROPPED, s);
 	w = kat_load(&sl->state, KVT_SC);
 	if (KVT_GEN(w) == wr->gen) {
 		if (KVT_ST(w) == KVT_S_FILLING && (!ok || ret < 0) &&
-		    kat_load(&sl->ready, KVT_ACQ) == 0 && kat_load(&sl->writing, KVT_SC) == 0)
+		    kat_load(&sl->ready, KVT_ACQ) == 0 && kvt__claims_drained(s, sl, wr->gen))
 			kvt__slot_doom(s, wr->slot, wr->gen); /* nothing of it was written */
-		else if (KVT_ST(w) == KVT_S_DOOMED)
-			kvt__slot_reclaim(s, wr->slot);  /* last one out */
+		else if (KVT_ST(w) == KVT_S_DOOMED || KVT_ST(w) == KVT_S_EVICTING)
+			kvt__slot_reclaim(s, wr->slot, wr->gen); /* last one out */
 	}
 	if (ret == -ESTALE)
-		return kvt__err(-ESTALE, "write_end: slot %u was reclaimed while being "
-				"written (a writer died or it timed out)", wr->slot);
+		return kvt__err(-ESTALE, "write_end: slot %u was doomed while being written "
+				"(a co-writer died or it timed out)", wr->slot);
 	return ret;
 }

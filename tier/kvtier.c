@@ -151,6 +151,26 @@ static void tier_log(void *arg, int level, const char *msg)
 }
 
 #ifdef TIER_PLACEMENT
+struct place_arg {
+	const struct kvt_numa_plan *plan;
+	struct kvt_numa_bind_opts bo;
+	char msg[200];
+};
+
+/* kvt_seg_create's prepare step: binds each shard's part of the arena and
+ * pre-faults it through the bound mapping, before core reserves the arena
+ * and before anyone else can attach. */
+static int place_arena(kvt_seg *seg, void *arg)
+{
+	struct place_arg *pa = arg;
+	struct kvt_numa_bind_report rep;
+	int r = kvt_numa_bind_segment(seg, pa->plan, &pa->bo, &rep);
+
+	if (r)
+		snprintf(pa->msg, sizeof(pa->msg), "%s", kvt_numa_last_error());
+	return r;
+}
+
 static int create_placed(kvt_tier *t, const struct kvt_config *cfg,
 			 struct kvt_seg_create_opts *c, const struct kvt_seg_attach_opts *a)
 {
@@ -159,8 +179,7 @@ static int create_placed(kvt_tier *t, const struct kvt_config *cfg,
 	struct kvt_numa_plan plan;
 	struct kvt_hp_request hr;
 	struct kvt_hp_choice hc;
-	struct kvt_numa_bind_opts bo;
-	struct kvt_numa_bind_report rep;
+	struct place_arg pa;
 	struct kvt_seg_attach_opts at = *a;
 	uint32_t nf = (cfg->flags & KVT_F_NO_ENV) ? KVT_NUMA_F_NO_ENV : 0;
 	int r;
@@ -202,23 +221,21 @@ static int create_placed(kvt_tier *t, const struct kvt_config *cfg,
 			at.dir = c->dir;
 		}
 	}
+	memset(&pa, 0, sizeof(pa));
+	pa.plan = &plan;
+	pa.bo.size = sizeof(pa.bo);
+	pa.bo.flags = nf & KVT_NUMA_F_FALLBACK;
+	pa.bo.log = tier_log;
+	pa.bo.log_arg = &t->env;
 	c->flags &= ~KVT_SEG_F_PREFAULT; /* binding pre-faults, after mbind */
+	c->prepare = place_arena;
+	c->prepare_arg = &pa;
 	r = kvt_seg_create(c, &at, &t->seg);
 	if (r) {
-		terr_core(r, "create");
-		goto out_topo;
-	}
-	memset(&bo, 0, sizeof(bo));
-	bo.size = sizeof(bo);
-	bo.flags = nf & KVT_NUMA_F_FALLBACK;
-	bo.log = tier_log;
-	bo.log_arg = &t->env;
-	r = kvt_numa_bind_segment(t->seg, &plan, &bo, &rep);
-	if (r) {
-		terr(r, "create: binding the arena: %.200s", kvt_numa_last_error());
-		kvt_seg_detach(t->seg);
-		t->seg = NULL;
-		kvt_seg_unlink(c->name, c->dir);
+		if (pa.msg[0])
+			terr(r, "create: binding the arena: %.250s", pa.msg);
+		else
+			terr_core(r, "create");
 	}
 out_topo:
 	kvt_numa_topo_free(topo);
@@ -286,7 +303,15 @@ static int geometry_from(kvt_tier *t, uint32_t world, uint32_t n_instances,
 		if (n < 1)
 			return terr(-EINVAL, "tier_bytes: %llu bytes hold no chunk of %llu bytes",
 				    (unsigned long long)tier_bytes, (unsigned long long)per);
-		n_slots = n > (1u << 30) ? (1u << 30) : (uint32_t)n;
+		/* Refused, never clamped: a silently smaller (or 35 TB) tier
+		 * is not what the operator asked for. */
+		if (n > (1u << 30))
+			return terr(-EINVAL, "tier_bytes: %llu bytes are %llu chunks of %llu "
+				    "bytes; a segment holds at most 2^30 chunks (raise "
+				    "chunk_tokens or lower the tier size)",
+				    (unsigned long long)tier_bytes, (unsigned long long)n,
+				    (unsigned long long)per);
+		n_slots = (uint32_t)n;
 	}
 	g->n_slots = n_slots;
 	return 0;
@@ -556,6 +581,8 @@ static int op_progress(kvt_tier *t, struct op *o)
 
 static int need_kv(kvt_tier *t, const char *what)
 {
+	if (!t)
+		return terr(-EINVAL, "%s: NULL handle", what);
 	if (!t->dma)
 		return terr(-EPERM, "%s: no KV cache registered (kvt_register_kv)", what);
 	return 0;
@@ -568,6 +595,8 @@ int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 	uint32_t claimed = 0;
 	int r;
 
+	if (!opid)
+		return terr(-EINVAL, "save: op is NULL (kvt_poll/kvt_wait need the op)");
 	*opid = 0;
 	if ((r = need_kv(t, "save")))
 		return r;
@@ -615,6 +644,8 @@ int kvt_load(kvt_tier *t, kvt_lease_id lease, uint32_t n,
 	uint32_t *slots;
 	int r, hits;
 
+	if (!opid)
+		return terr(-EINVAL, "load: op is NULL (kvt_poll/kvt_wait need the op)");
 	*opid = 0;
 	if ((r = need_kv(t, "load")))
 		return r;
@@ -660,9 +691,12 @@ int kvt_load(kvt_tier *t, kvt_lease_id lease, uint32_t n,
 
 int kvt_poll(kvt_tier *t, kvt_op id)
 {
-	struct op *o = op_get(t, id);
+	struct op *o;
 	int r;
 
+	if (!t)
+		return terr(-EINVAL, "poll: NULL handle");
+	o = op_get(t, id);
 	if (!o)
 		return terr(-ESTALE, "poll: op %#llx is not live", (unsigned long long)id);
 	r = op_progress(t, o);
@@ -686,6 +720,8 @@ int kvt_wait(kvt_tier *t, kvt_op id, int64_t timeout_ns)
 {
 	uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : now_ns() + (uint64_t)timeout_ns;
 
+	if (!t)
+		return terr(-EINVAL, "wait: NULL handle");
 	for (;;) {
 		struct op *o = op_get(t, id);
 		if (!o)
@@ -719,6 +755,8 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	char msg[200];
 	int r;
 
+	if (!t)
+		return terr(-EINVAL, "register_kv: NULL handle");
 	if (t->role == KVT_TIER_SCHEDULER)
 		return terr(-EPERM, "register_kv: a scheduler has no KV cache");
 	if (t->dma)
@@ -800,10 +838,14 @@ out_close:
 int kvt_hash_tokens(const kvt_tier *t, const uint32_t *tokens, size_t n_tokens,
 		    const kvt_key *parent, kvt_key *keys, size_t max_keys)
 {
-	size_t chunks = n_tokens / t->chunk_tokens, tb = (size_t)t->chunk_tokens * 4;
+	size_t chunks, tb;
 	uint8_t *buf;
 	kvt_key prev;
 
+	if (!t)
+		return terr(-EINVAL, "hash_tokens: NULL handle");
+	chunks = n_tokens / t->chunk_tokens;
+	tb = (size_t)t->chunk_tokens * 4;
 	if (chunks > max_keys)
 		chunks = max_keys;
 	if (chunks > INT_MAX)
@@ -848,7 +890,7 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
 {
 	int r;
 
-	if (!lease || (n && !keys))
+	if (!t || !lease || (n && !keys))
 		return terr(-EINVAL, "lookup: NULL argument");
 	r = kvt_seg_lookup(t->seg, keys, n, lease);
 	return r < 0 ? terr_core(r, "lookup") : r;
@@ -856,22 +898,31 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
 
 int kvt_release(kvt_tier *t, kvt_lease_id lease)
 {
-	int r = kvt_lease_release(t->seg, lease);
+	int r;
 
+	if (!t)
+		return terr(-EINVAL, "release: NULL handle");
+	r = kvt_lease_release(t->seg, lease);
 	return r < 0 ? terr_core(r, "release") : r;
 }
 
 int kvt_step(kvt_tier *t, const kvt_lease_id *live, uint32_t n)
 {
-	int r = kvt_seg_step(t->seg, live, n);
+	int r;
 
+	if (!t)
+		return terr(-EINVAL, "step: NULL handle");
+	r = kvt_seg_step(t->seg, live, n);
 	return r < 0 ? terr_core(r, "step") : r;
 }
 
 int kvt_reap(kvt_tier *t)
 {
-	int r = kvt_seg_reap(t->seg);
+	int r;
 
+	if (!t)
+		return terr(-EINVAL, "reap: NULL handle");
+	r = kvt_seg_reap(t->seg);
 	return r < 0 ? terr_core(r, "reap") : r;
 }
 
@@ -879,8 +930,11 @@ int kvt_stats(kvt_tier *t, struct kvt_stats *o)
 {
 	uint64_t c[KVT_C__COUNT];
 	struct kvt_occupancy occ;
-	const struct kvt_geometry *g = kvt_seg_geometry(t->seg);
+	const struct kvt_geometry *g;
 
+	if (!t)
+		return terr(-EINVAL, "stats: NULL handle");
+	g = kvt_seg_geometry(t->seg);
 	if (!o || o->size < sizeof(*o))
 		return terr(-EINVAL, "stats: size must be sizeof(struct kvt_stats)");
 	kvt_counters_read(t->seg, c);
@@ -915,7 +969,8 @@ int kvt_stats(kvt_tier *t, struct kvt_stats *o)
 
 void kvt_fingerprint(const kvt_tier *t, kvt_key *out)
 {
-	*out = t->fingerprint;
+	if (t && out)
+		*out = t->fingerprint;
 }
 
 void kvt_close(kvt_tier *t)

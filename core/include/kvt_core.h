@@ -105,6 +105,15 @@ struct kvt_seg_create_opts {
 	const struct kvt_geometry *geo;
 	uint32_t flags;         /* KVT_SEG_F_GROUP | _REPLACE | _PREFAULT */
 	uint32_t reserved;      /* must be 0 */
+	/* Optional: called once the object is sized and mapped, before its
+	 * arena is reserved and before any other process can attach.  The
+	 * handle has no table entry yet; kvt_seg_arena() and the accessors
+	 * work.  NUMA binding goes here, so that the pages are placed where
+	 * the binding says when they are reserved (and may be pre-faulted
+	 * here, through the bound mapping).  A negative return fails the
+	 * creation with that code; nothing is left behind. */
+	int (*prepare)(kvt_seg *s, void *arg);
+	void *prepare_arg;
 };
 
 /* Bytes of the whole segment a geometry makes (defaults applied); 0 when
@@ -120,11 +129,16 @@ void kvt_geometry_fingerprint(const struct kvt_geometry *g, kvt_key *out);
 int kvt_seg_name_valid(const char *name);
 
 /* Creates the segment and attaches to it as described by *a (NULL: as a
- * client).  -EEXIST when it exists (unless KVT_SEG_F_REPLACE), -EINVAL for a
- * bad name or geometry, -ENOMEM/-ENOSPC when it cannot be sized, -errno of
- * shm_open/ftruncate/mmap otherwise.  Touches only the header (and the arena
- * with KVT_SEG_F_PREFAULT), so the caller may bind the arena to NUMA nodes
- * before first touch.  Blocks (system calls). */
+ * client).  Its memory is reserved before anyone can attach: on tmpfs (and
+ * other filesystems) with fallocate, the arena after `prepare`; on
+ * hugetlbfs by the creator's mapping, which reserves the huge pages.  So a
+ * segment that does not fit fails here with -ENOSPC and a message with
+ * both sizes, and no process ever faults on an unbacked page of it.
+ * -EEXIST when it exists (unless KVT_SEG_F_REPLACE), -EINVAL for a bad name
+ * or geometry, -EFBIG when it exceeds what the filesystem could ever hold,
+ * -ENOSPC when its free space or free huge pages are short, -errno of
+ * shm_open/ftruncate/mmap/fallocate otherwise.  On failure nothing is left
+ * behind.  Blocks (system calls; reserving zero-fills the memory). */
 int kvt_seg_create(const struct kvt_seg_create_opts *c,
 		   const struct kvt_seg_attach_opts *a, kvt_seg **out);
 
@@ -136,8 +150,11 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
  * previous holder of the same entry is reaped first. */
 int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out);
 
-/* Releases the table entry (its leases stay; its writing bits are
- * aborted) and unmaps.  Always succeeds for a valid handle. */
+/* Releases the table entry (its leases stay; its shard claims are
+ * aborted), drops its liveness lock and unmaps.  Always succeeds for a
+ * valid handle.  A handle inherited across fork() is inert in the child:
+ * every call that needs the table entry fails with -EPERM there, and its
+ * detach only unmaps (the entry stays the parent's). */
 int kvt_seg_detach(kvt_seg *s);
 
 /* Removes the name (mappings stay valid).  0, -ENOENT, -EINVAL. */
@@ -195,6 +212,10 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *w, int ok);
  * are taken.  Lock-free, never blocks. */
 int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease);
 
+/* Lease ids carry a tag of their segment (from its random id), the lease
+ * index and the low bits of the lease's generation: every function below
+ * returns -EINVAL for an id that is not a lease of this segment. */
+
 /* The slots (and generations) a lease pinned, in key order.  Returns the
  * count, -ESTALE if the lease id is not live. */
 int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots,
@@ -206,22 +227,27 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots,
 int kvt_lease_loaded(kvt_seg *s, uint64_t lease, uint32_t rank);
 
 /* Releases explicitly (abort).  Returns 0; a lease that is no longer live
- * is counted as a double unpin and returns -EALREADY, changing nothing. */
+ * is counted as a double unpin and returns -EALREADY, changing nothing.
+ * Waits only while a live process repairs one of its slots' pins (a dead
+ * repairer's repair it finishes itself). */
 int kvt_lease_release(kvt_seg *s, uint64_t lease);
 
 /* One scheduler step for the handle's instance: leases of the instance
  * absent from `live` for two consecutive steps are released and counted as
- * stale unpins.  Returns how many were released. */
+ * stale unpins.  Returns how many were released, -EINVAL when live is NULL
+ * with n > 0. */
 int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n);
 
 /* ---- liveness and repair ------------------------------------------------ */
 
-/* Reaps every table entry whose process is dead: fixes pins left ambiguous
- * by an interrupted pin/unpin, clears its writing bits and reclaims slots it
- * left FILLING, releases its leases (and those of its instance still waiting
- * for its load).  Returns the number of entries reaped.  Callable by any
- * attached process; may wait briefly (yield) for live processes to finish an
- * operation on a slot being repaired. */
+/* Reaps every table entry whose holder is dead (its liveness lock is free:
+ * the kernel's word, not a guess from /proc, in any PID namespace): fixes
+ * pins left ambiguous by an interrupted pin/unpin or pin repair, drops its
+ * shard claims and reclaims slots it left FILLING, releases its leases
+ * (and those of its instance still waiting for its load).  Returns the
+ * number of entries reaped.  Callable by any attached process; may wait
+ * briefly (yield) for a live process to finish the one two-store step it
+ * is in on a slot being repaired, never for a dead one. */
 int kvt_seg_reap(kvt_seg *s);
 
 /* Checks the invariants (slots conserved, index <-> slot agreement, at most
@@ -240,6 +266,9 @@ enum kvt_counter {
 	KVT_C_REAPED_RANKS, KVT_C_FILL_ABORTS, KVT_C_FILL_TIMEOUTS,
 	KVT_C_LEASES_FULL, KVT_C_INDEX_FULL, KVT_C_DISK_WRITES, KVT_C_DISK_READS,
 	KVT_C_DMA_ERRORS,
+	KVT_C_LOST_CLAIMS,  /* write_end found its claim gone: must stay 0 */
+	KVT_C_PIN_REPAIRS,  /* pin counts recounted after a death */
+	KVT_C_ADOPTED,      /* half-done steps of dead processes finished by a waiter */
 	KVT_C__COUNT
 };
 const char *kvt_counter_name(enum kvt_counter c);
@@ -255,8 +284,9 @@ struct kvt_occupancy {
 };
 void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o);
 
-/* Per-process liveness helpers. */
-uint64_t kvt_proc_start_time(int pid); /* 0 when the process does not exist */
+/* A process's start time (clock ticks since boot), 0 when /proc does not
+ * show it.  Diagnostics only: liveness never depends on it. */
+uint64_t kvt_proc_start_time(int pid);
 
 #ifdef __cplusplus
 }

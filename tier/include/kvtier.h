@@ -111,8 +111,13 @@ struct kvt_config {
  * variable: the message names it), -EPROTO (a corrupt or foreign
  * segment), -ESTALE (the segment holds another model or KV layout),
  * -EBUSY (this rank is attached by a live process), -ENOENT (no segment),
- * -ENODEV/-ENOENT from the DMA backend (a rank with no usable runtime),
- * -ENOTSUP (header and library disagree on KVT_API_VERSION).  Blocks. */
+ * -ENOSPC (creating: the segment's memory could not be reserved -- the
+ * filesystem's free space or the free huge pages are short; the message
+ * gives both sizes), -EFBIG (creating: more than the filesystem or the
+ * host could ever hold), -ENODEV/-ENOENT from the DMA backend (a rank with
+ * no usable runtime), -ENOTSUP (header and library disagree on
+ * KVT_API_VERSION).  Blocks (creating reserves and zero-fills the whole
+ * segment). */
 int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **out);
 static inline int kvt_open(const struct kvt_config *cfg, kvt_tier **out)
 {
@@ -155,17 +160,19 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
  * bpc(g) = chunk_tokens / tokens_per_block(g) (tables[g] may be NULL for
  * g > 0: table 0 is used).  Chunks already saved or being saved are
  * skipped; chunks that find no space are dropped and counted.  Returns
- * the number of chunks it will write and *op (0 when none), -EINVAL,
- * -EPERM (no KV registered).  Never blocks: what does not fit in the
- * in-flight window is queued and submitted by kvt_poll/kvt_wait. */
+ * the number of chunks it will write and *op (0 when none), -EINVAL (a
+ * NULL op, keys or table), -EPERM (no KV registered).  Never blocks: what
+ * does not fit in the in-flight window is queued and submitted by
+ * kvt_poll/kvt_wait. */
 int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 	     const uint32_t *const *tables, kvt_op *op);
 
 /* Loads the first n chunks of a lease into the blocks of tables (as in
  * kvt_save).  When every rank of the instance has loaded, the lease is
  * released.  Returns 0 and *op, -ESTALE (the lease is not live), -EINVAL
- * (n above the lease's hits, or not a lease id of this segment).  Never
- * blocks (see kvt_save). */
+ * (n above the lease's hits, a NULL op or table, or not a lease id of this
+ * segment: lease ids carry their segment's tag).  Never blocks (see
+ * kvt_save). */
 int kvt_load(kvt_tier *t, kvt_lease_id lease, uint32_t n,
 	     const uint32_t *const *tables, kvt_op *op);
 
@@ -178,16 +185,22 @@ int kvt_poll(kvt_tier *t, kvt_op op);
 int kvt_wait(kvt_tier *t, kvt_op op, int64_t timeout_ns);
 
 /* Releases a lease (request aborted).  0; -EALREADY when it was released
- * already (counted as a double unpin, nothing else changes). */
+ * already (counted as a double unpin, nothing else changes); -EINVAL for
+ * an id that is not a lease of this segment.  Never blocks: if a pin
+ * repair froze one of its chunks, it waits only while the repairing
+ * process lives, and finishes a dead one's repair itself. */
 int kvt_release(kvt_tier *t, kvt_lease_id lease);
 
 /* One scheduler iteration: `live` are the leases in this step's load set.
  * A lease of this instance absent for two consecutive steps is released
- * (counted as a stale unpin).  Returns how many were released. */
+ * (counted as a stale unpin).  Returns how many were released; -EINVAL
+ * when live is NULL and n is not 0.  Never blocks (see kvt_release). */
 int kvt_step(kvt_tier *t, const kvt_lease_id *live, uint32_t n);
 
-/* Reaps dead processes' state (their claims, pins, leases).  Returns the
- * number reaped.  May wait briefly for live processes. */
+/* Reaps dead processes' state (their claims, pins, leases).  A process is
+ * dead when the kernel dropped its entry's lock on the segment file: in
+ * any PID namespace, whatever /proc shows.  Returns the number reaped.
+ * May wait briefly for a live process to finish the step it is in. */
 int kvt_reap(kvt_tier *t);
 
 /* Counters (summed over every process of the segment) and occupancy. */
