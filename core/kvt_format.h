@@ -404,7 +404,9 @@ uint64_t kvt__hdr_checksum(const struct kvt_hdr *h);
 int kvt__geometry_check(const struct kvt_geometry *g);
 
 /* ranks.c */
-int kvt__entry_claim(kvt_seg *s, uint32_t e, int wait);
+#define KVT_CLAIM_WAIT       1u /* wait (briefly) for a live reaper or detach */
+#define KVT_CLAIM_EMPTY_ONLY 2u /* only an EMPTY entry (no reaping on the way) */
+int kvt__entry_claim(kvt_seg *s, uint32_t e, unsigned flags);
 void kvt__entry_release(kvt_seg *s);
 int kvt__entry_alive(const kvt_seg *s, uint32_t e);
 int kvt__entry_held(const kvt_seg *s, uint32_t e);

@@ -21,6 +21,7 @@
 	X(INDEX_TENTATIVE,  "index insert: tentative entry claimed, before the commit") \
 	X(INDEX_COMMITTED,  "index insert: committed (ctl pending), before finalize") \
 	X(FIND_KEYREAD,     "index find: key compared, before the generation re-check") \
+	X(JOIN_FOUND,       "join: slot found FILLING in the index, before the claim") \
 	X(JOIN_CLAIMED,     "join: shard claim taken, before the state re-check") \
 	X(JOIN_BACKOUT,     "join: the slot moved on, before the claim is given back") \
 	X(WEND_READY_BIT,   "write_end: ready bit set, before the READY CAS") \

@@ -140,8 +140,9 @@ static void pause_briefly(unsigned tries)
 	}
 }
 
-int kvt__entry_claim(kvt_seg *s, uint32_t e, int wait)
+int kvt__entry_claim(kvt_seg *s, uint32_t e, unsigned flags)
 {
+	int wait = !!(flags & KVT_CLAIM_WAIT);
 	struct kvt_ent *ent = &s->ents[e];
 	uint64_t deadline = 0;
 	int r;
@@ -175,6 +176,10 @@ int kvt__entry_claim(kvt_seg *s, uint32_t e, int wait)
 		ent_unlock(s, e);
 		return kvt__err(-EUCLEAN, "rank table: entry %u has state %u", e,
 				KVT_OWNER_ST(w));
+	}
+	if (KVT_OWNER_ST(w) != KVT_ENT_EMPTY && (flags & KVT_CLAIM_EMPTY_ONLY)) {
+		ent_unlock(s, e);
+		return -EBUSY;
 	}
 	if (KVT_OWNER_ST(w) != KVT_ENT_EMPTY) {
 		/* Left by a dead holder or a dead reaper: reap it as its

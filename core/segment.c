@@ -571,9 +571,11 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 		return kvt__err(-EINVAL, "rank: %u out of range for world=%u",
 				a->rank, s->geo.world);
 	if (a->role == KVT_ROLE_CLIENT) {
-		for (uint32_t k = 0; k < KVT_MAX_CLIENTS; k++) {
-			e = s->geo.n_instances * (s->geo.world + 1) + k;
-			r = kvt__entry_claim(s, e, 0);
+		/* An empty entry first; else one left by a dead client (reaped
+		 * on the way). */
+		for (uint32_t k = 0; k < 2 * KVT_MAX_CLIENTS; k++) {
+			e = s->geo.n_instances * (s->geo.world + 1) + k % KVT_MAX_CLIENTS;
+			r = kvt__entry_claim(s, e, k < KVT_MAX_CLIENTS ? KVT_CLAIM_EMPTY_ONLY : 0);
 			if (r == 0)
 				return 0;
 			if (r != -EBUSY)
@@ -583,7 +585,7 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 				KVT_MAX_CLIENTS);
 	}
 	e = kvt__entry_index(s, a->role, a->instance, a->rank);
-	r = kvt__entry_claim(s, e, 1);
+	r = kvt__entry_claim(s, e, KVT_CLAIM_WAIT);
 	if (r == -EBUSY)
 		return kvt__err(-EBUSY, "%s (instance %u%s%u) is attached by a live process",
 				a->role == KVT_ROLE_RANK ? "rank" : "scheduler", a->instance,

@@ -378,9 +378,10 @@ static int shard_join(kvt_seg *s, uint32_t x, uint64_t gen, uint32_t shard)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w;
+	int r;
 
-	int r = claim_take(s, sl, shard, gen);
-
+	KVT_SP(JOIN_FOUND, s);
+	r = claim_take(s, sl, shard, gen);
 	if (r)
 		return r; /* someone is writing this shard, or the slot moved on */
 	KVT_SP(JOIN_CLAIMED, s);
