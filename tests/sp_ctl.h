@@ -4,7 +4,8 @@
  *
  * The control block lives in a MAP_SHARED anonymous mapping made before
  * fork, so every process of a test sees it.  Workers are numbered
- * 0..SP_WORKERS-1: a process sets sp_me after fork; a thread sets sp_tme.
+ * 0..SP_WORKERS-1: a process sets sp_me after fork (and may answer to a
+ * second id, sp_alias, to carry two arms at once); a thread sets sp_tme.
  * Each worker has its own arm (point, action, hits to let pass), so
  * several can be paused at once at different points.
  *
@@ -14,6 +15,7 @@
 #define SP_CTL_H
 
 #include <errno.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -51,6 +53,7 @@ struct sp_ctl {
 
 static struct sp_ctl *sp_ctl;
 static int sp_me = 0;                 /* this process's worker id */
+static int sp_alias = -1;             /* a second id the process answers to */
 static _Thread_local int sp_tme = -1; /* a thread's id, -1: use sp_me */
 static _Thread_local uint64_t sp_rng;
 
@@ -72,27 +75,11 @@ static inline void sp_sleep_us(uint64_t us)
 	nanosleep(&ts, NULL);
 }
 
-static void sp_hook(enum kvt_sp sp, const struct kvt_seg *s, void *arg)
+/* Acts on worker arm `a` if it is armed at `sp`. */
+static void sp_act(struct sp_arm *a, enum kvt_sp sp)
 {
-	struct sp_ctl *c = arg;
-	int me = sp_tme >= 0 ? sp_tme : sp_me;
-	(void)s;
-
-	atomic_fetch_add_explicit(&c->hits[sp], 1, memory_order_relaxed);
-	uint32_t pm = atomic_load_explicit(&c->delay_permille, memory_order_relaxed);
-	if (pm && sp_rand() % 1000 < pm) {
-		uint32_t max = atomic_load_explicit(&c->delay_max_us, memory_order_relaxed);
-		uint64_t r = sp_rand();
-		atomic_fetch_add_explicit(&c->delays, 1, memory_order_relaxed);
-		if (r % 4 == 0 || !max)
-			sched_yield();
-		else
-			sp_sleep_us(r % (max + 1));
-	}
-	if (me < 0 || me >= SP_WORKERS)
-		return;
-	struct sp_arm *a = &c->arm[me];
 	int p = (int)sp;
+
 	if (atomic_load(&a->point) != p)
 		return;
 	if (atomic_load(&a->skip) > 0) {
@@ -110,6 +97,29 @@ static void sp_hook(enum kvt_sp sp, const struct kvt_seg *s, void *arg)
 	atomic_store(&a->arrived, 0);
 }
 
+static void sp_hook(enum kvt_sp sp, const struct kvt_seg *s, void *arg)
+{
+	struct sp_ctl *c = arg;
+	int me = sp_tme >= 0 ? sp_tme : sp_me;
+	(void)s;
+
+	atomic_fetch_add_explicit(&c->hits[sp], 1, memory_order_relaxed);
+	uint32_t pm = atomic_load_explicit(&c->delay_permille, memory_order_relaxed);
+	if (pm && sp_rand() % 1000 < pm) {
+		uint32_t max = atomic_load_explicit(&c->delay_max_us, memory_order_relaxed);
+		uint64_t r = sp_rand();
+		atomic_fetch_add_explicit(&c->delays, 1, memory_order_relaxed);
+		if (r % 4 == 0 || !max)
+			sched_yield();
+		else
+			sp_sleep_us(r % (max + 1));
+	}
+	if (me >= 0 && me < SP_WORKERS)
+		sp_act(&c->arm[me], sp);
+	if (sp_tme < 0 && sp_alias >= 0 && sp_alias < SP_WORKERS)
+		sp_act(&c->arm[sp_alias], sp);
+}
+
 /* Maps the control block and installs the hook (before any fork). */
 static inline struct sp_ctl *sp_init(void)
 {
@@ -123,6 +133,15 @@ static inline struct sp_ctl *sp_init(void)
 		atomic_store(&sp_ctl->arm[i].point, -1);
 	kvt_sp_set_hook(sp_hook, sp_ctl);
 	return sp_ctl;
+}
+
+/* Disarms every worker (no worker may be paused). */
+static inline void sp_reset(void)
+{
+	for (int i = 0; i < SP_WORKERS; i++) {
+		atomic_store(&sp_ctl->arm[i].point, -1);
+		atomic_store(&sp_ctl->arm[i].arrived, 0);
+	}
 }
 
 static inline void sp_fini(void)
