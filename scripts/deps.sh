@@ -13,6 +13,7 @@ pkgs=(
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   python3-pytest python3-numpy          # Python binding tests (/usr/bin/python3)
   python3-torch                         # CPU tensors as a fake KV cache (binding tests)
+  spin                                  # model checker of core's protocols (tests/model)
 )
 
 missing=()
