@@ -3,6 +3,7 @@
  *   kvtier-bench ops [options]        metadata operations (bench/ops.c)
  *   kvtier-bench bandwidth [options]  save/load GB/s (bench/bandwidth.c)
  *   kvtier-bench replay [options]     a trace through the real API (bench/replay.c)
+ *   kvtier-bench preempt [options]    the long preemption stress (bench/preempt.c)
  */
 #include <stdio.h>
 #include <string.h>
@@ -10,6 +11,7 @@
 int kvt_bench_ops(int argc, char **argv);
 int kvt_bench_bandwidth(int argc, char **argv);
 int kvt_bench_replay(int argc, char **argv);
+int kvt_bench_preempt(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -20,6 +22,7 @@ static void usage(FILE *f)
 		"  ops        lookup+pin+release and save cost per chunk, 1 and 2 processes\n"
 		"  bandwidth  save/load bandwidth against the platform's copy ceiling\n"
 		"  replay     eviction policy hit rates on a trace\n"
+		"  preempt    core's protocols under preemption: delays, slow writers, checks\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -36,6 +39,8 @@ int main(int argc, char **argv)
 		return kvt_bench_bandwidth(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "replay"))
 		return kvt_bench_replay(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "preempt"))
+		return kvt_bench_preempt(argc - 1, argv + 1);
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;

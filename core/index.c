@@ -15,12 +15,12 @@
  *   reachable through a final entry.
  * Invariant I2: a lookup never returns a slot whose key or generation
  *   differs from what it matched (find re-reads the state word after the
- *   key compare, behind an acquire fence F2 that pairs with the
- *   allocator's release fence F1 in slots.c -- the seqlock rule: the
- *   relaxed key loads must not be satisfied from a newer life than the
- *   re-read state shows, which an acquire *load* alone does not forbid in
- *   C11 or on aarch64; pins CAS on the full state word, generation
- *   included).
+ *   key compare; the key loads are acquire (A12), paired with the
+ *   allocator's release stores of the key (R12, slots.c) -- the seqlock
+ *   rule: a key load must not be satisfied from a newer life than the
+ *   re-read state shows, which relaxed key loads before an acquire re-read
+ *   do not forbid in C11 or on aarch64; pins CAS on the full state word,
+ *   generation included).
  *
  * Inserts of a key are serialized through its primary bucket's control
  * word, without a lock:
@@ -110,9 +110,10 @@ static kvt_a64 *entry_at(kvt_seg *s, uint32_t b1, uint32_t b2, uint32_t pos)
 
 static int key_eq(const struct kvt_slot *sl, const kvt_key *k)
 {
-	/* Relaxed: the caller validates the generation around this read. */
-	return kat_load(&sl->key_lo, KVT_RLX) == k->lo &&
-	       kat_load(&sl->key_hi, KVT_RLX) == k->hi;
+	/* A12: acquire, pairs with the allocator's R12 (slots.c); the caller
+	 * re-reads the state after this (the seqlock rule). */
+	return kat_load(&sl->key_lo, KVT_ACQ) == k->lo &&
+	       kat_load(&sl->key_hi, KVT_ACQ) == k->hi;
 }
 
 int kvt__slot_state_live(uint64_t w)
@@ -152,10 +153,9 @@ int kvt__index_find(kvt_seg *s, const kvt_key *k, uint64_t *gen_out,
 			continue;
 		KVT_SP(FIND_KEYREAD, s);
 		/* The key we compared belongs to generation KVT_GEN(w) only
-		 * if the generation did not move meanwhile.  F2: pairs with F1
-		 * (slots.c): if the key loads saw a newer life's stores, this
-		 * load sees that life's state word. */
-		atomic_thread_fence(KVT_ACQ);
+		 * if the generation did not move meanwhile: if key_eq's
+		 * acquire loads (A12) saw a newer life's key, this load sees
+		 * that life's state word. */
 		w2 = kat_load(&sl->state, KVT_RLX);
 		if (KVT_GEN(w2) != KVT_GEN(w))
 			continue;

@@ -192,23 +192,29 @@ _Static_assert(sizeof(struct kvt_ent) == KVT_CACHELINE, "entry is one line");
 
 /* ---- slot meta ----
  * state word: [63..24 gen (40)][23..4 pins (20)][3 frozen][2..0 state].
- * In FILLING the pins field holds the allocator (entry + 1) until its setup
- * (fields, shard claim, index entry) is done, then 0: written in the
- * FREE -> FILLING CAS itself, so the reaper knows a slot whose allocator
- * died during setup.  In READY|FROZEN it holds the freezer (entry + 1): a
+ * In FILLING the pins field is [join version 9][allocator 11]: the
+ * allocator (entry + 1) until its setup (fields, shard claim, index entry)
+ * is done, then 0 -- written in the FREE -> FILLING CAS itself, so the
+ * reaper knows a slot whose allocator died during setup -- and a version
+ * that every joining writer bumps after its claim, so that a doom decided
+ * before the join fails its CAS (slots.c).  In READY|FROZEN it holds the
+ * freezer (entry + 1): a
  * pin repair recounts the pins anyway, and whoever meets a frozen slot
  * can tell whether its freezer still lives (leases.c). */
 enum kvt_slot_state {
 	KVT_S_FREE = 0, KVT_S_FILLING = 1, KVT_S_READY = 2, KVT_S_EVICTING = 3,
 	KVT_S_DOOMED = 4, /* FILLING that will never be READY; reclaimed when
-			   * its writing mask drains */
+			   * no claim of its life is left */
 };
 #define KVT_ST(w)        ((uint32_t)(w) & 7u)
 #define KVT_ST_FROZEN    (1ULL << 3)
 #define KVT_PIN_ONE      (1ULL << 4)
 #define KVT_PINS(w)      ((uint32_t)(((w) >> 4) & 0xfffffu))
 #define KVT_PINS_MAX     0xfffffu
-#define KVT_FILL_OWNER(w) KVT_PINS(w)  /* in FILLING: allocator entry + 1, or 0 */
+#define KVT_FILL_OWNER(w) (KVT_PINS(w) & 0x7ffu) /* in FILLING: allocator entry + 1, or 0 */
+#define KVT_FILL_OWNER_MASK (0x7ffULL << 4)
+#define KVT_JOIN_MASK    (0x1ffULL << 15)   /* in FILLING: the join version */
+#define KVT_JOIN_ONE     (1ULL << 15)
 #define KVT_FREEZER(w)   KVT_PINS(w)   /* in READY|FROZEN: freezer entry + 1 */
 #define KVT_GEN(w)       ((w) >> 24)
 #define KVT_GEN_MASK     0xffffffffffULL
@@ -431,7 +437,7 @@ void kvt__index_prefetch(const kvt_seg *s, const kvt_key *k);
 void kvt__slot_reclaim(kvt_seg *s, uint32_t slot, uint64_t gen);
 int kvt__slot_unpin(kvt_seg *s, uint32_t slot, uint64_t gen32);
 void kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
-void kvt__slot_doom(kvt_seg *s, uint32_t slot, uint64_t gen);
+int kvt__slot_abandon(kvt_seg *s, uint32_t slot, uint64_t gen, uint32_t dead_owner);
 int kvt__slot_state_live(uint64_t w);
 int kvt__claims_drained(const kvt_seg *s, struct kvt_slot *sl, uint64_t gen);
 

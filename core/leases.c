@@ -68,8 +68,11 @@
  *
  * Orderings: the BUILDING -> ACTIVE CAS is a release (R7) that publishes
  * the refs to ranks, which read the state with acquire (A7) before reading
- * refs; kvt_lease_slots re-reads the state behind an acquire fence (F2),
- * paired with the builder's release fence (F1) after FREE -> BUILDING.
+ * refs; kvt_lease_slots reads n_refs and the refs with acquire (A13),
+ * paired with the builder's release stores of them (R13), before it
+ * re-reads the state: a reader that saw a newer life's refs sees that
+ * life's state word and rejects them (the seqlock rule; see slots.c on
+ * why acquire/release rather than fences).
  * Journal stores are releases read with acquire by the repairer (A8); for
  * a pin or unpin whose CAS came before the freeze, the freeze CAS reads
  * (through the slot word's modification order) a value that its CAS
@@ -122,9 +125,6 @@ static int lease_alloc(kvt_seg *s, uint32_t *idx, uint64_t *gen)
 		if (!kat_cas(&l->state, &w, KVT_LW(KVT_L_BUILDING, KVT_LGEN(w), s->entry + 1),
 			     KVT_AR))
 			continue;
-		/* F1: the fields below come after the new life's state word
-		 * for readers that validate behind F2. */
-		atomic_thread_fence(KVT_REL);
 		KVT_SP(LEASE_BUILDING, s);
 		kat_store(&l->instance, s->instance, KVT_RLX);
 		kat_store(&l->n_refs, 0, KVT_RLX);
@@ -190,7 +190,7 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 		if (hits == s->geo.lease_max_chunks)
 			break;
 		struct kvt_slot *sl = kvt__slot(s, x);
-		kat_store(&l->n_refs, hits + 1, KVT_RLX);
+		kat_store(&l->n_refs, hits + 1, KVT_REL); /* R13 */
 		kat_store(kvt__journal(s), KVT_J(KVT_J_PIN, x, gen), KVT_REL);
 		KVT_SP(PIN_JOURNALED, s);
 		if (slot_pin(sl, gen)) {
@@ -199,7 +199,7 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 			break;
 		}
 		KVT_SP(PIN_DONE, s);
-		kat_store(&refs[hits], KVT_REF(x, gen), KVT_RLX);
+		kat_store(&refs[hits], KVT_REF(x, gen), KVT_REL); /* R13 */
 		kat_store(kvt__journal(s), 0, KVT_REL);
 		/* A hit protects the chunk for one more sweep (relaxed: heuristic). */
 		kat_store(&sl->ref, 2, KVT_RLX);
@@ -240,12 +240,12 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 	w = kat_load(&l->state, KVT_ACQ); /* A7 */
 	if (!lease_live(s, w, gen_lo))
 		return kvt__err(-ESTALE, "lease %#llx is not live", (unsigned long long)lease);
-	n = kat_load(&l->n_refs, KVT_RLX);
+	n = kat_load(&l->n_refs, KVT_ACQ); /* A13 */
 	if (n > s->geo.lease_max_chunks)
 		return kvt__err(-EUCLEAN, "lease %#llx: n_refs %u out of range",
 				(unsigned long long)lease, n);
 	for (uint32_t i = 0; i < n && i < max; i++) {
-		uint64_t ref = kat_load(&refs[i], KVT_RLX);
+		uint64_t ref = kat_load(&refs[i], KVT_ACQ); /* A13 */
 		uint32_t x = KVT_REF_SLOT(ref);
 		if (!ref || x >= s->geo.n_slots)
 			return kvt__err(-EUCLEAN, "lease %#llx: ref %u is corrupt",
@@ -255,9 +255,8 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 		if (gens)
 			gens[i] = KVT_REF_GEN(ref);
 	}
-	/* The refs we copied belong to this lease only if it is still live.
-	 * F2: pairs with F1 in lease_alloc (the seqlock rule). */
-	atomic_thread_fence(KVT_ACQ);
+	/* The refs we copied belong to this lease only if it is still live
+	 * (after A13, this load sees the life of any ref we read). */
 	if (kat_load(&l->state, KVT_RLX) != w)
 		return kvt__err(-ESTALE, "lease %#llx was released meanwhile",
 				(unsigned long long)lease);

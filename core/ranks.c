@@ -262,8 +262,8 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 		switch (KVT_ST(w)) {
 		case KVT_S_FILLING:
 			kvt__slot_writer_gone(s, x, e);
-			if (KVT_FILL_OWNER(w) == e + 1)
-				kvt__slot_doom(s, x, KVT_GEN(w)); /* died setting it up */
+			if (KVT_FILL_OWNER(w) == e + 1) /* died setting it up */
+				kvt__slot_abandon(s, x, KVT_GEN(w), e + 1);
 			break;
 		case KVT_S_DOOMED:
 		case KVT_S_EVICTING:

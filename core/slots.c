@@ -42,31 +42,47 @@
  *  S4  the ready mask is written only by holders of a live claim (their
  *      own bit) and reset by the allocator before the slot is published; a
  *      chunk is READY exactly when every shard's bit is set in its life.
+ *  S5  no slot is doomed while a writer's copy into it is in flight (a
+ *      claim made after the abandon decision backs out; see (b)).
  *
- * The Dekker pair: a joining writer CASes its claim (seq_cst) and then
- * reads the state (seq_cst); whoever dooms or evicts CASes the state
- * (seq_cst) and then reads every claim (seq_cst).  At least one sees the
- * other: either the writer sees DOOMED/EVICTING and backs out, or the
- * reclaimer sees the claim and leaves the reclaim to that writer, who
- * finds DOOMED/EVICTING when it drops its claim and, being last out,
- * reclaims.  Two last-out writers may both try; the CASes decide.
+ * The Dekker pairs.  (a) Reclaim: a joining writer CASes its claim
+ * (seq_cst) and then CASes the state (seq_cst, below); whoever evicts or
+ * reclaims CASes the state (seq_cst) and then reads every claim (seq_cst).
+ * At least one sees the other: either the writer finds DOOMED/EVICTING and
+ * backs out, or the reclaimer sees the claim and leaves the reclaim to
+ * that writer, who finds DOOMED/EVICTING when it drops its claim and,
+ * being last out, reclaims.  Two last-out writers may both try; the CASes
+ * decide.  (b) Doom (S5): a FILLING slot is doomed -- abandoned: a writer
+ * aborted with nothing written, the fill timeout, a dead writer -- only by
+ * kvt__slot_abandon, which reads the state word, scans the claims, and
+ * CASes the word it read to DOOMED; a joiner, after its claim, bumps the
+ * join version in that word (its CAS doubles as its re-check of the
+ * state).  Whichever CAS comes second fails: a join after the scan makes
+ * the doom fail, a doom first makes the join back out before any copy.
+ * So a slot is never doomed under a live writer's copy, and write_end
+ * never returns -ESTALE unless the segment is damaged (layout 1 dooms
+ * could race a joiner: its copy was thrown away, safely, but for
+ * nothing).
  *
  * Orderings: R3 (EVICTING -> FREE, release) pairs with A4 (the allocator's
- * FREE -> FILLING, acquire).  The allocator then issues a release fence
- * (F1) before it writes the fields of the new life: a reader that sees one
- * of those fields and then, after its acquire fence (index.c F2), re-reads
- * the state, sees the new life and rejects what it read (the seqlock rule
- * C11 requires: an acquire load alone does not order the relaxed loads
- * before it).  R5/R6: the ready bits and the READY CAS publish the payload
- * to lookups (A2 in index.c).
+ * FREE -> FILLING, acquire).  The allocator then writes the key of the new
+ * life with release stores (R12), read with acquire loads by the index's
+ * finders (A12, index.c) before they re-read the state: a finder that saw
+ * the new life's key then sees the new life's state word, and rejects what
+ * it read.  That is the seqlock rule of C11 (layout 1 used relaxed key
+ * loads before an acquire re-read, which C11 and aarch64 allow to be
+ * satisfied from a newer life); acquire/release on the two key words
+ * rather than fences because ThreadSanitizer models them (it refuses
+ * atomic_thread_fence) and x86 pays nothing for either.  R5/R6: the ready
+ * bits and the READY CAS publish the payload to lookups (A2 in index.c).
  *
  * Process death: a dead writer's claims are dropped by the reaper (which
- * dooms a FILLING slot it held, and reclaims a DOOMED/EVICTING one); a
- * death during an allocation's setup (between the FREE -> FILLING CAS,
- * which writes the allocator into the state word, and the end of
- * kvt_write_begin, which clears it) is found by the reaper through that
- * field; a slot whose writers all left without completing the mask is
- * doomed by the CLOCK sweep after fill_timeout_ms.  Whether a writer is
+ * abandons a FILLING slot it held if no live writer is left on it, and
+ * reclaims a DOOMED/EVICTING one); a death during an allocation's setup
+ * (between the FREE -> FILLING CAS, which writes the allocator into the
+ * state word, and the end of kvt_write_begin, which clears it) is found by
+ * the reaper through that field; a slot whose writers all left without
+ * completing the mask is doomed by the CLOCK sweep after fill_timeout_ms.  Whether a writer is
  * dead is its entry's liveness lock (ranks.c), never a pid.
  */
 #include <errno.h>
@@ -160,20 +176,33 @@ void kvt__slot_reclaim(kvt_seg *s, uint32_t x, uint64_t gen)
 	kat_cas(&sl->state, &w, KVT_SW(KVT_S_FREE, (KVT_GEN(w) + 1) & KVT_GEN_MASK, 0), KVT_AR);
 }
 
-/* Moves FILLING|gen to DOOMED and reclaims it if no claim is left. */
-void kvt__slot_doom(kvt_seg *s, uint32_t x, uint64_t gen)
+/* Dooms FILLING|gen when no claim of that life is left (S5, Dekker pair
+ * (b)) and reclaims it.  `dead_owner` (entry + 1, or 0): the allocator
+ * that died during setup; its mark is cleared first, so that the sweeper
+ * can take the slot later if writers remain.  A slot still being set up
+ * by a live allocator, or still claimed, is left alone.  Returns 1 when
+ * it doomed the slot. */
+int kvt__slot_abandon(kvt_seg *s, uint32_t x, uint64_t gen, uint32_t dead_owner)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w = kat_load(&sl->state, KVT_SC);
 
 	while (KVT_ST(w) == KVT_S_FILLING && KVT_GEN(w) == gen) {
-		/* Seq_cst: the doomer's half of the Dekker pair. */
+		if (dead_owner && KVT_FILL_OWNER(w) == dead_owner) {
+			kat_cas(&sl->state, &w, w & ~KVT_FILL_OWNER_MASK, KVT_SC);
+			continue;
+		}
+		if (KVT_FILL_OWNER(w) || !kvt__claims_drained(s, sl, gen))
+			return 0;
+		/* Seq_cst: the doomer's half of the pair; fails if a writer
+		 * joined since we read w. */
 		if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_DOOMED, gen, 0), KVT_SC)) {
 			KVT_SP(DOOMED, s);
-			break;
+			kvt__slot_reclaim(s, x, gen);
+			return 1;
 		}
 	}
-	kvt__slot_reclaim(s, x, gen);
+	return 0;
 }
 
 /* Drops every claim entry e holds on slot x (the reaper, for a dead e; a
@@ -196,8 +225,11 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 	if (!had)
 		return;
 	if (KVT_ST(w) == KVT_S_FILLING) {
+		/* Its shard will not come from it; live co-writers keep the
+		 * slot (it completes if the shard is written again, else the
+		 * fill timeout takes it). */
 		kvt__count(s, KVT_C_FILL_ABORTS, 1);
-		kvt__slot_doom(s, x, KVT_GEN(w));
+		kvt__slot_abandon(s, x, KVT_GEN(w), 0);
 	} else if (KVT_ST(w) == KVT_S_DOOMED || KVT_ST(w) == KVT_S_EVICTING) {
 		kvt__slot_reclaim(s, x, KVT_GEN(w));
 	}
@@ -265,9 +297,6 @@ static int slot_take(kvt_seg *s, uint32_t x, uint64_t w, uint32_t *xo, uint64_t 
 	if (KVT_ST(w) != KVT_S_FREE ||
 	    !kat_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, KVT_GEN(w), s->entry + 1), KVT_AR))
 		return 0;
-	/* F1: the fields we write next are ordered after the new life's state
-	 * word, for readers that validate with an acquire fence (F2). */
-	atomic_thread_fence(KVT_REL);
 	KVT_SP(ALLOC_TAKEN, s);
 	*xo = x;
 	*geno = KVT_GEN(w);
@@ -323,10 +352,9 @@ static int slot_alloc(kvt_seg *s, uint32_t *xo, uint64_t *geno)
 			if (!now)
 				now = kvt__now_ns();
 			if (now - kat_load(&sl->fill_ns, KVT_RLX) > timeout_ns &&
-			    kat_load(&sl->fill_ns, KVT_RLX) < now) {
+			    kat_load(&sl->fill_ns, KVT_RLX) < now &&
+			    kvt__slot_abandon(s, x, KVT_GEN(w), 0))
 				kvt__count(s, KVT_C_FILL_TIMEOUTS, 1);
-				kvt__slot_doom(s, x, KVT_GEN(w));
-			}
 			break;
 		case KVT_S_READY: {
 			if (KVT_PINS(w) || (w & KVT_ST_FROZEN))
@@ -385,16 +413,26 @@ static int shard_join(kvt_seg *s, uint32_t x, uint64_t gen, uint32_t shard)
 	if (r)
 		return r; /* someone is writing this shard, or the slot moved on */
 	KVT_SP(JOIN_CLAIMED, s);
-	w = kat_load(&sl->state, KVT_SC); /* Dekker partner of doom / evict */
-	if (KVT_ST(w) != KVT_S_FILLING || KVT_GEN(w) != gen) {
-		KVT_SP(JOIN_BACKOUT, s);
-		claim_drop(s, sl, shard, gen);
-		kvt__slot_reclaim(s, x, gen); /* we may be the last one out */
-		return KVT_ST(w) == KVT_S_READY && KVT_GEN(w) == gen ? KVT_SKIP : -EAGAIN;
+	/* The re-check is a CAS that bumps the join version: the Dekker
+	 * partner of reclaim (a) and of abandon (b), see the essay. */
+	w = kat_load(&sl->state, KVT_SC);
+	for (;;) {
+		if (KVT_ST(w) != KVT_S_FILLING || KVT_GEN(w) != gen) {
+			KVT_SP(JOIN_BACKOUT, s);
+			claim_drop(s, sl, shard, gen);
+			kvt__slot_reclaim(s, x, gen); /* we may be the last one out */
+			return KVT_ST(w) == KVT_S_READY && KVT_GEN(w) == gen ? KVT_SKIP : -EAGAIN;
+		}
+		uint64_t nw = (w & ~KVT_JOIN_MASK) | ((w + KVT_JOIN_ONE) & KVT_JOIN_MASK);
+		if (kat_cas(&sl->state, &w, nw, KVT_SC))
+			break;
 	}
 	/* Our claim holds the life: this ready mask is life gen's. */
 	if (kat_load(&sl->ready, KVT_ACQ) & (1ULL << shard)) {
 		claim_drop(s, sl, shard, gen);
+		/* The chunk may have become READY and been evicted while we
+		 * held the claim: then we are the last one out. */
+		kvt__slot_reclaim(s, x, gen);
 		return KVT_SKIP;
 	}
 	return 0;
@@ -433,10 +471,11 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 					"being written)");
 		}
 		struct kvt_slot *sl = kvt__slot(s, x);
-		/* Fields of the new life (S3: only the allocator resets them;
-		 * F1 orders them after the state word). */
-		kat_store(&sl->key_lo, key->lo, KVT_RLX);
-		kat_store(&sl->key_hi, key->hi, KVT_RLX);
+		/* Fields of the new life (S3: only the allocator resets them).
+		 * R12: release, so that a finder that reads this key (A12) then
+		 * sees our state word (the seqlock rule, see the essay). */
+		kat_store(&sl->key_lo, key->lo, KVT_REL);
+		kat_store(&sl->key_hi, key->hi, KVT_REL);
 		kat_store(&sl->depth, depth, KVT_RLX);
 		kat_store(&sl->tag, tag, KVT_RLX);
 		kat_store(&sl->owner, s->entry + 1, KVT_RLX);
@@ -460,9 +499,13 @@ int kvt_write_begin(kvt_seg *s, const kvt_key *key, uint32_t depth,
 		if (r == 0) {
 			KVT_SP(ALLOC_INSERTED, s);
 			/* Setup done: from here the reaper finds us through our
-			 * claim, like any writer. */
-			uint64_t w = KVT_SW(KVT_S_FILLING, gen, s->entry + 1);
-			kat_cas(&sl->state, &w, KVT_SW(KVT_S_FILLING, gen, 0), KVT_AR);
+			 * claim, like any writer.  Joiners may have bumped the
+			 * join version already: clear our mark only. */
+			uint64_t w = kat_load(&sl->state, KVT_ACQ);
+			while (KVT_ST(w) == KVT_S_FILLING && KVT_GEN(w) == gen &&
+			       KVT_FILL_OWNER(w) == s->entry + 1 &&
+			       !kat_cas(&sl->state, &w, w & ~KVT_FILL_OWNER_MASK, KVT_AR))
+				;
 			goto claimed;
 		}
 		/* Lost the race for the key (r == 1) or the index is full:
@@ -538,13 +581,13 @@ int kvt_write_end(kvt_seg *s, const struct kvt_wref *wr, int ok)
 	w = kat_load(&sl->state, KVT_SC);
 	if (KVT_GEN(w) == wr->gen) {
 		if (KVT_ST(w) == KVT_S_FILLING && (!ok || ret < 0) &&
-		    kat_load(&sl->ready, KVT_ACQ) == 0 && kvt__claims_drained(s, sl, wr->gen))
-			kvt__slot_doom(s, wr->slot, wr->gen); /* nothing of it was written */
+		    kat_load(&sl->ready, KVT_ACQ) == 0)
+			kvt__slot_abandon(s, wr->slot, wr->gen, 0); /* nothing of it was written */
 		else if (KVT_ST(w) == KVT_S_DOOMED || KVT_ST(w) == KVT_S_EVICTING)
 			kvt__slot_reclaim(s, wr->slot, wr->gen); /* last one out */
 	}
 	if (ret == -ESTALE)
 		return kvt__err(-ESTALE, "write_end: slot %u was doomed while being written "
-				"(a co-writer died or it timed out)", wr->slot);
+				"(the segment was changed behind the protocol)", wr->slot);
 	return ret;
 }

@@ -52,6 +52,12 @@ static int setup(void **st)
 static int teardown(void **st)
 {
 	(void)st;
+	/* a holder left by a failed test */
+	if (atomic_load(&T->host_pid) > 0)
+		kill(atomic_load(&T->host_pid), SIGKILL);
+	atomic_store(&T->host_pid, 0);
+	while (waitpid(-1, NULL, WNOHANG) > 0)
+		;
 	kvt_seg_unlink(NAME, NULL);
 	munmap(T, sizeof(*T));
 	sp_fini();
@@ -183,12 +189,13 @@ static void expect_pause(int who, enum kvt_sp sp)
 
 static uint32_t pins_total(kvt_seg *s)
 {
-	struct kvt_occupancy o;
 	uint32_t n = 0;
 
-	kvt_occupancy_read(s, &o);
-	for (uint32_t x = 0; x < kvt_seg_geometry(s)->n_slots; x++)
-		n += KVT_PINS(kat_load(&kvt__slot(s, x)->state, KVT_RLX));
+	for (uint32_t x = 0; x < kvt_seg_geometry(s)->n_slots; x++) {
+		uint64_t w = kat_load(&kvt__slot(s, x)->state, KVT_RLX);
+		if (KVT_ST(w) == KVT_S_READY)
+			n += KVT_PINS(w);
+	}
 	return n;
 }
 
@@ -393,7 +400,7 @@ static int ch_holder(void *arg)
 
 static void wait_ready(pid_t child)
 {
-	for (int i = 0; i < 200000 && !atomic_load(&T->ready); i++) {
+	for (uint64_t end = sp_now_ms() + 30000; sp_now_ms() < end && !atomic_load(&T->ready);) {
 		int status;
 		if (waitpid(child, &status, WNOHANG) == child) {
 			if (sp_exit_code(status) == 77)
@@ -416,6 +423,7 @@ static void holder_checks(kvt_seg *p, pid_t child)
 	assert_int_equal(pins_total(p), 1);
 	assert_int_equal(att(KVT_ROLE_RANK, 0, 1, &o), -EBUSY);
 	kill(atomic_load(&T->host_pid), SIGKILL);
+	atomic_store(&T->host_pid, 0);
 	(void)sp_waitpid(child, 30000);
 }
 
@@ -461,35 +469,60 @@ static void close_fds(int *fds, int n)
 		close(fds[--n]);
 }
 
+/* Restored by the teardown even when an assertion fails mid-test: a lowered
+ * limit and a full table would fail every later test's setup. */
+static struct rlimit emfile_old;
+static int emfile_fds[256], emfile_n, emfile_set;
+
+static int teardown_emfile(void **st)
+{
+	while (emfile_n > 0)
+		close(emfile_fds[--emfile_n]);
+	if (emfile_set)
+		setrlimit(RLIMIT_NOFILE, &emfile_old);
+	emfile_set = 0;
+	return teardown(st);
+}
+
 static void test_emfile_reaper(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0), *o;
-	struct rlimit old, low;
-	int fds[256], n;
+	struct rlimit low;
+	int *fds = emfile_fds;
 
 	assert_int_equal(save_shard(p, 0, 0), 1);
 	atomic_store(&T->ready, 0);
 	pid_t c = spawn(1, ch_holder, NULL);
 	wait_ready(c);
-	assert_int_equal(getrlimit(RLIMIT_NOFILE, &old), 0);
-	low = old;
+	assert_int_equal(getrlimit(RLIMIT_NOFILE, &emfile_old), 0);
+	low = emfile_old;
 	low.rlim_cur = 128;
 	assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
-	n = fill_fds(fds, 256);
-	assert_true(n > 0);
+	emfile_set = 1;
+	emfile_n = fill_fds(fds, 256);
+	assert_true(emfile_n > 0);
 	assert_int_equal(open("/dev/null", O_RDONLY), -1); /* at the limit */
-	assert_int_equal(kvt_seg_reap(p), 0);              /* nobody alive reaped */
-	kvt_test_assert_check(p);
+	int reaped = kvt_seg_reap(p);                      /* nobody alive reaped */
+	char msg[256];
+	int chk = kvt_check(p, msg, sizeof(msg));
+	close_fds(fds, emfile_n);
+	emfile_n = 0;
+	assert_int_equal(reaped, 0);
+	if (chk)
+		fail_msg("kvt_check at the descriptor limit: %s", msg);
 	assert_int_equal(pins_total(p), 1);
-	close_fds(fds, n);
 	assert_int_equal(att(KVT_ROLE_RANK, 0, 1, &o), -EBUSY);
 	kill(atomic_load(&T->host_pid), SIGKILL);
+	atomic_store(&T->host_pid, 0);
 	(void)sp_waitpid(c, 30000);
-	n = fill_fds(fds, 256);
-	assert_int_equal(kvt_seg_reap(p), 1);              /* the dead one is */
-	close_fds(fds, n);
-	assert_int_equal(setrlimit(RLIMIT_NOFILE, &old), 0);
+	emfile_n = fill_fds(fds, 256);
+	reaped = kvt_seg_reap(p);                          /* the dead one is */
+	close_fds(fds, emfile_n);
+	emfile_n = 0;
+	assert_int_equal(reaped, 1);
+	assert_int_equal(setrlimit(RLIMIT_NOFILE, &emfile_old), 0);
+	emfile_set = 0;
 	kvt_test_assert_check(p);
 	assert_int_equal(pins_total(p), 0);
 	assert_int_equal(att(KVT_ROLE_RANK, 0, 1, &o), 0);
@@ -621,6 +654,7 @@ static void test_frozen_by_dead_reap(void **st)
 	wait_ready(e);
 	freeze_by_dead(1);
 	kill(e, SIGKILL);
+	atomic_store(&T->host_pid, 0);
 	(void)sp_waitpid(e, 30000);
 	/* The reaper meets E's lease (on the frozen slot) before the dead
 	 * freezer's entry: it must finish that repair, not spin on it. */
@@ -773,8 +807,8 @@ static void test_step_miss_reused_lease(void **st)
  * A finder paused between its key compare and its re-check, while the
  * slot is evicted and reused for another key, must not return it.  This
  * tests the re-check's logic; the memory-order half of the finding (the
- * acquire fence before the re-check, index.c F2 / slots.c F1) cannot fail
- * on x86, whose loads are not reordered with loads. */
+ * acquire key loads before the re-check, index.c A12 / slots.c R12)
+ * cannot fail on x86, whose loads are not reordered with loads. */
 static int ch_find(void *arg)
 {
 	kvt_seg *c;
@@ -909,7 +943,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_claim_commit_window, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_claim_join_backout, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_pidns_holder, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_emfile_reaper, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_emfile_reaper, setup, teardown_emfile),
 		cmocka_unit_test_setup_teardown(test_dead_reaper_pid_reuse, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_frozen_by_dead_release, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_frozen_by_dead_reap, setup, teardown),

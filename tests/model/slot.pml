@@ -13,6 +13,10 @@
  *       copy into life g is in flight (ghost inflight[]);
  *   S4  a slot becomes READY only when every shard was written in that
  *       life by the holder of its claim (ghost written[]);
+ *   S5  no slot is doomed while a writer's copy into it is in flight (a
+ *       doom decided before a join fails its CAS on the join version);
+ *   end when everybody is done, no life is left half ended (DOOMED or
+ *       EVICTING: the last writer out reclaims);
  *   S3  (by construction) only EVICTING -> FREE ends a life, and DOOMED
  *       and EVICTING never go back.
  *
@@ -46,6 +50,8 @@
 byte st = FREE;
 byte gen = 0;
 byte owner = 0;          /* allocator + 1 while it sets the slot up */
+byte jv = 0;             /* the join version (in FILLING; the same word) */
+byte finished = 0;
 bool indexed = false;    /* the index finds the slot in life gen */
 byte ready = 0;          /* shard bits written in this life */
 byte inflight[NW];       /* ghost: life + 1 of a copy in progress */
@@ -127,16 +133,42 @@ inline reclaim(g)
 }
 #endif
 
-inline doom(g)
+#ifdef LAYOUT1
+inline abandon(g)
 {
 	atomic { if :: st == FILLING && gen == g -> st = DOOMED; owner = 0 :: else fi };
 	reclaim(g)
 }
+#else
+/* kvt__slot_abandon: read the word, scan the claims, CAS the word read */
+inline abandon(g)
+{
+	v = 255;
+	atomic { if :: st == FILLING && gen == g && owner == 0 -> v = jv :: else fi };
+	if
+	:: v != 255 ->
+		drained(g, dr);
+		if
+		:: dr -> atomic {
+				if
+				:: st == FILLING && gen == g && owner == 0 && jv == v ->
+					assert(NOT_INFLIGHT(g));   /* S5 */
+					st = DOOMED
+				:: else
+				fi
+			};
+			reclaim(g)
+		:: else
+		fi
+	:: else
+	fi
+}
+#endif
 
 /* ---- a writer of shard id % NSH ---- */
 proctype writer_p(byte id)
 {
-	byte sh = id % NSH, g, it = 0;
+	byte sh = id % NSH, g, it = 0, v;
 	bool ok, isfull, dr;
 
 	do
@@ -182,8 +214,11 @@ proctype writer_p(byte id)
 				:: else -> cgen[sh] = g; cent[sh] = id + 1
 				fi
 			};
+			/* the re-check: a CAS that bumps the join version */
+			ok = false;
+			atomic { if :: st == FILLING && gen == g -> jv++; ok = true :: else fi };
 			if
-			:: atomic { !(st == FILLING && gen == g) } ->
+			:: !ok ->
 				atomic { if :: cent[sh] == id + 1 && cgen[sh] == g -> cent[sh] = 0
 					    :: else fi };
 				reclaim(g);
@@ -193,6 +228,7 @@ proctype writer_p(byte id)
 			if :: (ready & BIT(sh)) ->
 				atomic { if :: cent[sh] == id + 1 && cgen[sh] == g -> cent[sh] = 0
 					    :: else fi };
+				reclaim(g);
 				goto next
 			   :: else fi
 #endif
@@ -221,7 +257,7 @@ proctype writer_p(byte id)
 		atomic { inflight[id] = 0; if :: writer[sh] == id + 1 -> writer[sh] = 0 :: else fi };
 		writing = writing & ~BIT(sh);
 		if
-		:: atomic { gen == g && st == FILLING && !ok && ready == 0 && writing == 0 } -> doom(g)
+		:: atomic { gen == g && st == FILLING && !ok && ready == 0 && writing == 0 } -> abandon(g)
 		:: atomic { gen == g && (st == DOOMED || st == EVICTING) } -> reclaim(g)
 		:: else
 		fi;
@@ -229,17 +265,16 @@ proctype writer_p(byte id)
 		atomic { inflight[id] = 0;
 			 if :: cent[sh] == id + 1 && cgen[sh] == g -> cent[sh] = 0 :: else fi };
 		if
-		:: atomic { gen == g && st == FILLING && !ok && ready == 0 } ->
-			drained(g, dr);
-			if :: dr -> doom(g) :: else fi
+		:: atomic { gen == g && st == FILLING && !ok && ready == 0 } -> abandon(g)
 		:: atomic { gen == g && (st == DOOMED || st == EVICTING) } -> reclaim(g)
 		:: else
 		fi;
 #endif
 next:		skip;
-		d_step { g = 0; ok = false; isfull = false; dr = false }
+		d_step { g = 0; ok = false; isfull = false; dr = false; v = 0 }
 	:: else -> break
-	od
+	od;
+	finished++
 }
 
 proctype evictor()
@@ -256,13 +291,14 @@ proctype evictor()
 		fi;
 		d_step { g = 0; dr = false }
 	:: else -> break
-	od
+	od;
+	finished++
 }
 
 /* The CLOCK sweep's fill timeout: a FILLING slot set up and not written */
 proctype sweeper()
 {
-	byte g, it = 0;
+	byte g, it = 0, v;
 	bool dr;
 
 	do
@@ -271,17 +307,17 @@ proctype sweeper()
 		if
 		:: atomic { st == FILLING && owner == 0 -> g = gen };
 #ifdef LAYOUT1
-			if :: atomic { writing == 0 } -> doom(g) :: else fi
+			if :: atomic { writing == 0 } -> abandon(g) :: else fi
 #else
-			drained(g, dr);
-			if :: dr -> doom(g) :: else fi
+			abandon(g)
 #endif
 		:: atomic { st == DOOMED -> g = gen }; reclaim(g)
 		:: else
 		fi;
-		d_step { g = 0; dr = false }
+		d_step { g = 0; dr = false; v = 0 }
 	:: else -> break
-	od
+	od;
+	finished++
 }
 
 init {
@@ -292,5 +328,7 @@ init {
 		:: else -> break
 		od;
 		run evictor(); run sweeper()
-	}
+	};
+	(finished == NW + 2);
+	assert(st != DOOMED && st != EVICTING)
 }
