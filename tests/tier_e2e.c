@@ -532,6 +532,79 @@ static void test_misconfigured(void **st)
 	kvt_close(owner);
 }
 
+/* Bad arguments get a clear error, never a crash: NULL ops and live sets
+ * (issue 9, finding 10), a lease id of another segment (finding 9), tier
+ * sizes no segment can hold (finding 8). */
+static void test_bad_arguments(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c.groups = groups_mla; /* one rank's save makes a chunk */
+	kvt_tier *t = open_ok(&c), *u;
+	struct kv kv = kv_alloc();
+	struct kvt_group_buffers gb = { kv.base, PAGE, NBLOCKS };
+	uint32_t table[CHUNK / BLOCK];
+	const uint32_t *tabs[1] = { table };
+	kvt_key keys[2];
+	uint32_t tokens[2 * CHUNK];
+	kvt_lease_id lease, other;
+	kvt_op op;
+
+	for (uint32_t i = 0; i < 2 * CHUNK; i++)
+		tokens[i] = i * 7 + 1;
+	for (uint32_t i = 0; i < CHUNK / BLOCK; i++)
+		table[i] = i;
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	assert_int_equal(kvt_hash_tokens(t, tokens, 2 * CHUNK, NULL, keys, 2), 2);
+	/* NULL op: refused, nothing claimed or leaked */
+	assert_int_equal(kvt_save(t, keys, 1, 0, tabs, NULL), -EINVAL);
+	assert_non_null(strstr(kvt_last_error(), "op is NULL"));
+	assert_int_equal(kvt_save(t, keys, 1, 0, tabs, &op), 1);
+	assert_int_equal(kvt_wait(t, op, -1), 0);
+	assert_int_equal(kvt_lookup(t, keys, 1, &lease), 1);
+	assert_int_equal(kvt_load(t, lease, 1, tabs, NULL), -EINVAL);
+	assert_int_equal(kvt_step(t, NULL, 3), -EINVAL);
+	assert_non_null(strstr(kvt_last_error(), "live is NULL"));
+	assert_int_equal(kvt_step(t, NULL, 0), 0);
+	assert_int_equal(kvt_lookup(t, NULL, 1, &lease), -EINVAL);
+	assert_int_equal(kvt_lookup(NULL, keys, 1, &lease), -EINVAL);
+	assert_int_equal(kvt_save(NULL, keys, 1, 0, tabs, &op), -EINVAL);
+	assert_int_equal(kvt_release(NULL, lease), -EINVAL);
+	assert_int_equal(kvt_step(NULL, NULL, 0), -EINVAL);
+	assert_int_equal(kvt_poll(NULL, op), -EINVAL);
+	assert_int_equal(kvt_stats(NULL, NULL), -EINVAL);
+	assert_int_equal(kvt_hash_tokens(NULL, tokens, CHUNK, NULL, keys, 1), -EINVAL);
+	/* a lease of another segment: refused, this one's untouched */
+	char other_name[80];
+	snprintf(other_name, sizeof(other_name), "%s-b", NAME);
+	struct kvt_config c2 = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c2.segment = other_name;
+	c2.groups = groups_mla;
+	u = open_ok(&c2);
+	assert_int_equal(kvt_register_kv(u, 1, &gb), 0);
+	assert_int_equal(kvt_save(u, keys, 1, 0, tabs, &op), 1);
+	assert_int_equal(kvt_wait(u, op, -1), 0);
+	assert_int_equal(kvt_lookup(u, keys, 1, &other), 1);
+	assert_int_equal(kvt_release(t, other), -EINVAL);
+	assert_int_equal(kvt_load(t, other, 1, tabs, &op), -EINVAL);
+	assert_int_equal(kvt_release(u, other), 0);
+	assert_int_equal(kvt_release(t, lease), 0);
+	kvt_close(u);
+	kvt_close(t);
+	/* sizes no segment can hold: refused with the reason, not clamped */
+	c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c.n_slots = 0;
+	c.tier_bytes = UINT64_MAX;
+	expect_open_error(&c, -EINVAL, "2^30 chunks");
+	c.tier_bytes = 1ULL << 46; /* 64 TiB: 2^30 chunks of 64 KiB; no host holds it */
+	kvt_tier *big = NULL;
+	int r = kvt_open(&c, &big);
+	assert_int_equal(r, -EFBIG);
+	assert_non_null(strstr(kvt_last_error(), "more than"));
+	for (int l = 0; l < 2 * LAYERS; l++)
+		free(kv.layer[l]);
+}
+
 static void test_glm_layout(void **st)
 {
 	(void)st;
@@ -638,6 +711,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_rank_killed_mid_save, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_misconfigured, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_glm_layout, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
