@@ -122,7 +122,7 @@ int kvt_model_check(const struct kvt_model *m)
 	return 0;
 }
 
-/* The segment's metadata as core's layout v1 computes it (core/kvt_format.h):
+/* The segment's metadata as core's layout v2 computes it (core/kvt_format.h):
  * header page, rank table, counters, leases, index, slot meta, each region
  * page aligned, the arena 2 MiB aligned.  An estimate until core exports
  * the computation; it is a few MiB against GiBs of arena. */
@@ -130,8 +130,8 @@ static uint64_t meta_estimate(uint32_t world, uint32_t n_shards, uint64_t slots)
 {
 	const uint64_t page = 4096, line = 64;
 	uint64_t entries = 1 * (world + 1) + 32;          /* one instance + clients */
-	uint64_t counters = (entries + 1) * round_up(21 * 8, line);
-	uint64_t leases = 1024 * (64 + 512 * 8);          /* defaults */
+	uint64_t counters = (entries + 1) * round_up(24 * 8, line);
+	uint64_t leases = 1024 * (64 + 8ull * world + 512 * 8); /* defaults */
 	uint64_t buckets = 2, want = (slots * 4 + 6) / 7;
 	uint64_t off = page;
 
@@ -141,7 +141,7 @@ static uint64_t meta_estimate(uint32_t world, uint32_t n_shards, uint64_t slots)
 	off += round_up(counters, page);
 	off += round_up(leases, page);
 	off += round_up(buckets * 64, page);
-	off += round_up(slots * round_up(64 + 2ull * n_shards, line), page);
+	off += round_up(slots * round_up(64 + 8ull * n_shards, line), page);
 	return round_up(off, MiB2);
 }
 
