@@ -35,6 +35,8 @@ static void usage(FILE *f)
 		"  --slow-us US        a slow writer's longest pause before its copy (2000)\n"
 		"  --delay-permille P  schedule-point hits delayed (default 30)\n"
 		"  --delay-us US       longest such delay (default 300)\n"
+		"  --fill-ms MS        the segment's fill timeout (default 2: a chunk\n"
+		"                      nobody writes is abandoned soon)\n"
 		"  --seed X\n");
 }
 
@@ -45,11 +47,12 @@ int kvt_bench_preempt(int argc, char **argv)
 		{ "world", 1, NULL, 'W' }, { "workers", 1, NULL, 'w' }, { "slots", 1, NULL, 'S' },
 		{ "keys", 1, NULL, 'K' }, { "slow-us", 1, NULL, 'u' },
 		{ "delay-permille", 1, NULL, 'p' }, { "delay-us", 1, NULL, 'd' },
-		{ "seed", 1, NULL, 'x' }, { "help", 0, NULL, 'h' }, { NULL, 0, NULL, 0 } };
+		{ "seed", 1, NULL, 'x' }, { "fill-ms", 1, NULL, 'f' },
+		{ "help", 0, NULL, 'h' }, { NULL, 0, NULL, 0 } };
 	double seconds = 60;
 	const char *layout = "both", *kind = "both";
 	unsigned world = 2, workers = 8, slots = 4, keys = 16, slow_us = 2000;
-	unsigned permille = 30, delay_us = 300;
+	unsigned permille = 30, delay_us = 300, fill_ms = 2;
 	uint64_t seed = now_ns() ^ (uint64_t)getpid();
 	char name[64];
 	int c, bad = 0;
@@ -68,12 +71,13 @@ int kvt_bench_preempt(int argc, char **argv)
 		case 'p': permille = (unsigned)atoi(optarg); break;
 		case 'd': delay_us = (unsigned)atoi(optarg); break;
 		case 'x': seed = strtoull(optarg, NULL, 0); break;
+		case 'f': fill_ms = (unsigned)atoi(optarg); break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
 	}
 	if (seconds <= 0 || world < 1 || world > 6 || workers < 1 || workers > PE_MAX_WORKERS ||
-	    slots < 1 || keys < 1 || permille > 1000 ||
+	    slots < 1 || keys < 1 || permille > 1000 || fill_ms < 1 ||
 	    (strcmp(layout, "both") && strcmp(layout, "sharded") && strcmp(layout, "replicated")) ||
 	    (strcmp(kind, "both") && strcmp(kind, "processes") && strcmp(kind, "threads"))) {
 		usage(stderr);
@@ -96,9 +100,9 @@ int kvt_bench_preempt(int argc, char **argv)
 	printf("schedule points: not in this build (configure with -DKVTIER_SCHEDULE_POINTS=ON"
 	       " for delays at every protocol step); slow writers and the scheduler only\n");
 #endif
-	printf("seed %#llx, %u workers (%u slow, <= %u us), %u slots, %u keys, world %u, "
-	       "%.0f s per run\n", (unsigned long long)seed, workers, workers / 2, slow_us, slots,
-	       keys, world, seconds);
+	printf("seed %#llx, %u workers (%u slow, %u us +-50%%), %u slots, %u keys, world %u, "
+	       "fill timeout %u ms, %.0f s per run\n", (unsigned long long)seed, workers,
+	       workers / 2, slow_us, slots, keys, world, fill_ms, seconds);
 	for (int rep = 0; rep < 2; rep++) {
 		if (strcmp(layout, "both") && strcmp(layout, rep ? "replicated" : "sharded"))
 			continue;
@@ -108,7 +112,7 @@ int kvt_bench_preempt(int argc, char **argv)
 			struct pe_cfg cfg = {
 				.name = name, .world = world, .replicated = rep, .slots = slots,
 				.keys = keys, .workers = workers, .slow = workers / 2,
-				.slow_us = slow_us, .seconds = seconds, .fill_ms = 20,
+				.slow_us = slow_us, .seconds = seconds, .fill_ms = fill_ms,
 				.threads = th, .seed = seed + (uint64_t)(2 * rep + th) };
 			struct pe_result res;
 			char what[96];

@@ -8,8 +8,8 @@
  *                         +---- holder found dead -----+--> REAPING --> EMPTY
  *
  * Liveness is what the kernel vouches for.  Entry e's token is an OFD
- * write lock (F_OFD_SETLK) on byte e of the rank table in the segment
- * file: whoever holds the entry -- its attached process, a process
+ * write lock (F_OFD_SETLK) on the first byte of entry e's line of the rank
+ * table, in the segment file: whoever holds the entry -- its attached process, a process
  * attaching to it, or a reaper reaping it -- holds that lock, taken
  * without waiting.  The kernel drops it when the holder's last descriptor
  * of that open file goes, i.e. when the process dies, whatever its PID
@@ -37,8 +37,9 @@
  * reaper that dies mid-reap releases it to the next, who redoes every
  * step (each is idempotent): repair the pins named by the dead entry's
  * journal (first turned into a REPAIR that nobody waits on, see leases.c),
- * drop its shard claims (dooming the FILLING slots they held), doom the
- * slots it was setting up, repair the slots it left frozen, finish
+ * drop its shard claims (abandoning the FILLING slots no live writer is
+ * left on), abandon the slots it was setting up, repair the slots it left
+ * frozen, finish
  * evictions left half done, release the leases it built, was releasing,
  * or that wait for its load, and finish index inserts left pending.
  */

@@ -42,7 +42,7 @@ static void run(uint32_t world, int replicated, int threads, uint32_t workers)
 	struct pe_cfg cfg = {
 		.name = NAME, .world = world, .replicated = replicated, .slots = 4,
 		.keys = 16, .workers = workers, .slow = workers / 2, .slow_us = 2000,
-		.ops = se_env_u64("KVTIER_PREEMPT_OPS", DEF_OPS), .fill_ms = 20,
+		.ops = se_env_u64("KVTIER_PREEMPT_OPS", DEF_OPS), .fill_ms = 2,
 		.threads = threads,
 		.seed = se_env_u64("KVTIER_PREEMPT_SEED", se_now_ns() ^ (uint64_t)getpid()),
 	};

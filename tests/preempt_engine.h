@@ -139,8 +139,8 @@ static inline void pe_write(struct pe_worker *w, uint64_t key, uint32_t shard)
 		return;
 	}
 	void *p = kvt_slot_shard_ptr(w->h, wr.slot, shard);
-	if (w->id < w->cfg->slow && w->cfg->slow_us)
-		pe_usleep(se_rand(&w->rng) % (w->cfg->slow_us + 1)); /* a slow copy */
+	if (w->id < w->cfg->slow && w->cfg->slow_us) /* a slow copy: slow_us +-50% */
+		pe_usleep(w->cfg->slow_us / 2 + se_rand(&w->rng) % (w->cfg->slow_us + 1));
 	ok = se_rand(&w->rng) % 64 != 0;
 	if (ok)
 		se_stamp(p, w->sbytes, &k, w->id, shard, wr.gen);
