@@ -66,49 +66,6 @@ static int teardown(void **st)
 
 /* ---- helpers ---- */
 
-static kvt_key K(uint64_t i)
-{
-	return kvt_test_key(i);
-}
-
-static uint64_t word_of(const kvt_key *k, uint32_t shard, uint64_t i)
-{
-	uint64_t z = k->lo * 0x9e3779b97f4a7c15ULL ^ k->hi ^ ((uint64_t)shard << 56) ^ (i << 8);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	return z ^ (z >> 31);
-}
-
-static void stamp(kvt_seg *s, uint32_t slot, uint32_t shard, const kvt_key *k)
-{
-	uint64_t *q = kvt_slot_shard_ptr(s, slot, shard);
-
-	for (uint64_t i = 0; i < kvt_seg_shard_bytes(s) / 8; i++)
-		q[i] = word_of(k, shard, i);
-}
-
-static int stamped(kvt_seg *s, uint32_t slot, uint32_t shard, const kvt_key *k)
-{
-	const uint64_t *q = kvt_slot_shard_ptr(s, slot, shard);
-
-	for (uint64_t i = 0; i < kvt_seg_shard_bytes(s) / 8; i++)
-		if (q[i] != word_of(k, shard, i))
-			return 0;
-	return 1;
-}
-
-/* write_begin + stamp + write_end of one shard: write_end's result, or
- * write_begin's when nonzero. */
-static int save_shard(kvt_seg *s, uint64_t key, uint32_t shard)
-{
-	kvt_key k = K(key);
-	struct kvt_wref w;
-	int r = kvt_write_begin(s, &k, 0, shard, &w);
-
-	if (r)
-		return r;
-	stamp(s, w.slot, shard, &k);
-	return kvt_write_end(s, &w, 1);
-}
 
 /* Looks each key of [lo, hi) up alone; every hit must hold its own bytes
  * in every shard.  Returns the number of wrong chunks (and prints them). */
@@ -118,7 +75,7 @@ static int wrong_chunks(kvt_seg *s, uint64_t lo, uint64_t hi, int *hits)
 
 	*hits = 0;
 	for (uint64_t i = lo; i < hi; i++) {
-		kvt_key k = K(i);
+		kvt_key k = kvt_test_key(i);
 		uint64_t l;
 		uint32_t slot;
 		int h = kvt_seg_lookup(s, &k, 1, &l);
@@ -128,7 +85,7 @@ static int wrong_chunks(kvt_seg *s, uint64_t lo, uint64_t hi, int *hits)
 		(*hits)++;
 		assert_int_equal(kvt_lease_slots(s, l, &slot, NULL, 1), 1);
 		for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++)
-			if (!stamped(s, slot, sh, &k)) {
+			if (!kvt_test_stamped(s, slot, sh, &k)) {
 				fprintf(stderr, "key %llu (slot %u) shard %u holds other bytes\n",
 					(unsigned long long)i, slot, sh);
 				bad++;
@@ -221,7 +178,7 @@ static int ch_save(void *arg) /* saves key (uintptr) shard 0; 0 if READY or save
 
 	if (att(KVT_ROLE_CLIENT, 0, 0, &c))
 		return 10;
-	int r = save_shard(c, (uint64_t)(uintptr_t)arg, 0);
+	int r = kvt_test_save_shard(c, (uint64_t)(uintptr_t)arg, 0);
 	kvt_seg_detach(c);
 	return r == 0 || r == 1 ? 0 : 11;
 }
@@ -229,7 +186,7 @@ static int ch_save(void *arg) /* saves key (uintptr) shard 0; 0 if READY or save
 static int ch_lookup(void *arg) /* looks key (uintptr) up; 0 on one hit */
 {
 	kvt_seg *c;
-	kvt_key k = K((uint64_t)(uintptr_t)arg);
+	kvt_key k = kvt_test_key((uint64_t)(uintptr_t)arg);
 	uint64_t l;
 
 	if (att(KVT_ROLE_CLIENT, 0, 0, &c))
@@ -265,7 +222,7 @@ static void test_claim_commit_window(void **st)
 	(void)st;
 	kvt_seg *p = create(1, 1, 1, 0), *q;
 	struct kvt_wref wp;
-	kvt_key k2 = K(2);
+	kvt_key k2 = kvt_test_key(2);
 	int hits;
 
 	sp_arm(1, KVT_SP_WEND_READY, SP_PAUSE, 0);
@@ -276,9 +233,9 @@ static void test_claim_commit_window(void **st)
 	expect_exit(a, 0);
 	sleep_ms(5); /* past the fill timeout */
 	q = att_client();
-	assert_int_equal(save_shard(q, 3, 0), 1);
+	assert_int_equal(kvt_test_save_shard(q, 3, 0), 1);
 	if (rp == 0) { /* P's slow copy lands now */
-		stamp(p, wp.slot, 0, &k2);
+		kvt_test_stamp(p, wp.slot, 0, &k2);
 		(void)kvt_write_end(p, &wp, 1);
 	}
 	assert_int_equal(wrong_chunks(p, 1, 4, &hits), 0);
@@ -297,7 +254,7 @@ static void test_claim_commit_window(void **st)
 static int ch_join(void *arg)
 {
 	kvt_seg *c;
-	kvt_key k1 = K(1);
+	kvt_key k1 = kvt_test_key(1);
 	struct kvt_wref w;
 	(void)arg;
 
@@ -315,7 +272,7 @@ static void test_claim_join_backout(void **st)
 	(void)st;
 	kvt_seg *p = create(2, 1, 1, 0), *q = att_client(), *r = att_client(), *s3;
 	struct kvt_wref w1, wq, wr;
-	kvt_key k1 = K(1), k2 = K(2), k3 = K(3);
+	kvt_key k1 = kvt_test_key(1), k2 = kvt_test_key(2), k3 = kvt_test_key(3);
 	int hits;
 
 	assert_int_equal(kvt_write_begin(p, &k1, 0, 1, &w1), 0); /* key 1, life g */
@@ -330,18 +287,18 @@ static void test_claim_join_backout(void **st)
 	int rr = kvt_write_begin(r, &k2, 0, 0, &wr);               /* shard 0 of key 2 */
 	sp_resume(1);
 	expect_exit(j, 0);
-	stamp(q, wq.slot, 1, &k2);
+	kvt_test_stamp(q, wq.slot, 1, &k2);
 	assert_true(kvt_write_end(q, &wq, 1) >= 0);
 	sleep_ms(5);
 	s3 = att_client();
 	struct kvt_wref w3;
 	if (kvt_write_begin(s3, &k3, 0, 0, &w3) == 0) { /* only if the slot was lost */
-		stamp(s3, w3.slot, 0, &k3);
+		kvt_test_stamp(s3, w3.slot, 0, &k3);
 		(void)kvt_write_end(s3, &w3, 1);
-		(void)save_shard(s3, 3, 1);
+		(void)kvt_test_save_shard(s3, 3, 1);
 	}
 	if (rr == 0) { /* R's slow copy lands now */
-		stamp(r, wr.slot, 0, &k2);
+		kvt_test_stamp(r, wr.slot, 0, &k2);
 		assert_int_equal(kvt_write_end(r, &wr, 1), 1); /* key 2 complete */
 	}
 	assert_int_equal(wrong_chunks(p, 1, 4, &hits), 0);
@@ -359,7 +316,7 @@ static void test_claim_join_backout(void **st)
 static int holder_body(void)
 {
 	kvt_seg *h;
-	kvt_key k9 = K(9), k0 = K(0);
+	kvt_key k9 = kvt_test_key(9), k0 = kvt_test_key(0);
 	struct kvt_wref w;
 	uint64_t l;
 
@@ -432,7 +389,7 @@ static void test_pidns_holder(void **st)
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0), *o;
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
 	atomic_store(&T->ready, 0);
 	pid_t c = spawn(1, ch_pidns, NULL);
 	wait_ready(c);
@@ -491,7 +448,7 @@ static void test_emfile_reaper(void **st)
 	struct rlimit low;
 	int *fds = emfile_fds;
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
 	atomic_store(&T->ready, 0);
 	pid_t c = spawn(1, ch_holder, NULL);
 	wait_ready(c);
@@ -535,7 +492,7 @@ static void test_emfile_reaper(void **st)
 static int ch_dead_rank(void *arg) /* rank 0: claims key 9, pins key 0, dies */
 {
 	kvt_seg *h;
-	kvt_key k9 = K(9), k0 = K(0);
+	kvt_key k9 = kvt_test_key(9), k0 = kvt_test_key(0);
 	struct kvt_wref w;
 	uint64_t l;
 	(void)arg;
@@ -553,7 +510,7 @@ static void test_dead_reaper_pid_reuse(void **st)
 	kvt_seg *p = create(1, 8, 0, 0), *o;
 	char msg[256];
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
 	expect_exit(spawn(1, ch_dead_rank, NULL), 0);
 	sp_arm(2, KVT_SP_REAP_SLOTS, SP_KILL, 0);
 	expect_killed(spawn(2, ch_reap, (void *)1));
@@ -568,7 +525,7 @@ static void test_dead_reaper_pid_reuse(void **st)
 	kvt_test_assert_check(p);
 	assert_int_equal(pins_total(p), 0);
 	assert_int_equal(att(KVT_ROLE_RANK, 0, 1, &o), 0);
-	assert_int_equal(save_shard(o, 9, 0), 1); /* key 9's slot was freed */
+	assert_int_equal(kvt_test_save_shard(o, 9, 0), 1); /* key 9's slot was freed */
 	kvt_seg_detach(o);
 	kvt_seg_detach(p);
 }
@@ -604,11 +561,11 @@ static void test_frozen_by_dead_release(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0);
-	kvt_key k0 = K(0);
+	kvt_key k0 = kvt_test_key(0);
 	char msg[256];
 	uint64_t l;
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
 	assert_int_equal(kvt_seg_lookup(p, &k0, 1, &l), 1);
 	atomic_store(&T->ready, 0);
 	atomic_store(&T->go, 0);
@@ -629,7 +586,7 @@ static void test_frozen_by_dead_release(void **st)
 static int ch_lease_holder(void *arg) /* pins key (uintptr), then waits */
 {
 	kvt_seg *c;
-	kvt_key k = K((uint64_t)(uintptr_t)arg);
+	kvt_key k = kvt_test_key((uint64_t)(uintptr_t)arg);
 	uint64_t l;
 
 	if (att(KVT_ROLE_CLIENT, 0, 0, &c))
@@ -647,7 +604,7 @@ static void test_frozen_by_dead_reap(void **st)
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0);
 
-	assert_int_equal(save_shard(p, 1, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 1, 0), 1);
 	atomic_store(&T->ready, 0);
 	/* E holds a lease on key 1, in an entry before the reaper's */
 	pid_t e = spawn(1, ch_lease_holder, (void *)1);
@@ -689,8 +646,8 @@ static void test_reattach_vs_repair(void **st)
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0);
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
-	assert_int_equal(save_shard(p, 1, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 1, 0), 1);
 	expect_exit(spawn(1, ch_dead_rank, NULL), 0); /* D: lease on key 0 */
 	sp_arm(2, KVT_SP_PIN_DONE, SP_KILL, 0);
 	expect_killed(spawn(2, ch_lookup, (void *)0)); /* F */
@@ -740,12 +697,12 @@ static void test_loaded_mark_reused_lease(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(2, 8, 0, 1); /* one lease: reuse is certain */
-	kvt_key k0 = K(0);
+	kvt_key k0 = kvt_test_key(0);
 	struct loaded_arg la;
 	uint32_t slot;
 
-	assert_int_equal(save_shard(p, 0, 0), 0);
-	assert_int_equal(save_shard(p, 0, 1), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 0);
+	assert_int_equal(kvt_test_save_shard(p, 0, 1), 1);
 	assert_int_equal(kvt_seg_lookup(p, &k0, 1, &la.lease), 1);
 	la.rank = 1;
 	sp_arm(1, KVT_SP_LOADED_CHECKED, SP_PAUSE, 0);
@@ -782,10 +739,10 @@ static void test_step_miss_reused_lease(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 1);
-	kvt_key k0 = K(0);
+	kvt_key k0 = kvt_test_key(0);
 	uint64_t l1, l2;
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
 	assert_int_equal(kvt_seg_lookup(p, &k0, 1, &l1), 1);
 	sp_arm(1, KVT_SP_STEP_CHECKED, SP_PAUSE, 0);
 	pid_t h = spawn(1, ch_step, NULL);
@@ -812,7 +769,7 @@ static void test_step_miss_reused_lease(void **st)
 static int ch_find(void *arg)
 {
 	kvt_seg *c;
-	kvt_key k = K(1);
+	kvt_key k = kvt_test_key(1);
 	uint64_t l;
 	uint32_t slot;
 	(void)arg;
@@ -822,7 +779,7 @@ static int ch_find(void *arg)
 	int h = kvt_seg_lookup(c, &k, 1, &l), r = 0;
 	if (h < 0 || h > 1 || (h && kvt_lease_slots(c, l, &slot, NULL, 1) != 1))
 		r = 11;
-	else if (h && !stamped(c, slot, 0, &k))
+	else if (h && !kvt_test_stamped(c, slot, 0, &k))
 		r = 12;
 	if (h == 1)
 		kvt_lease_release(c, l);
@@ -836,11 +793,11 @@ static void test_find_recheck(void **st)
 	kvt_seg *p = create(1, 1, 0, 0);
 	int hits;
 
-	assert_int_equal(save_shard(p, 1, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 1, 0), 1);
 	sp_arm(1, KVT_SP_FIND_KEYREAD, SP_PAUSE, 0);
 	pid_t f = spawn(1, ch_find, NULL);
 	expect_pause(1, KVT_SP_FIND_KEYREAD);
-	assert_int_equal(save_shard(p, 2, 0), 1); /* evicts key 1, same slot */
+	assert_int_equal(kvt_test_save_shard(p, 2, 0), 1); /* evicts key 1, same slot */
 	sp_resume(1);
 	expect_exit(f, 0);
 	assert_int_equal(wrong_chunks(p, 1, 3, &hits), 0);
@@ -857,7 +814,7 @@ static void test_foreign_lease_id(void **st)
 	struct kvt_geometry g = kvt_test_geo(1, 8);
 	struct kvt_seg_create_opts c = {
 		.size = sizeof(c), .name = "t-sp-b", .geo = &g, .flags = KVT_SEG_F_REPLACE };
-	kvt_key k0 = K(0);
+	kvt_key k0 = kvt_test_key(0);
 	uint64_t la, lb;
 	uint32_t slot;
 
@@ -866,8 +823,8 @@ static void test_foreign_lease_id(void **st)
 		kvt_seg_detach(b);
 		assert_int_equal(kvt_seg_create(&c, NULL, &b), 0);
 	}
-	assert_int_equal(save_shard(a, 0, 0), 1);
-	assert_int_equal(save_shard(b, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(a, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(b, 0, 0), 1);
 	assert_int_equal(kvt_seg_lookup(a, &k0, 1, &la), 1);
 	assert_int_equal(kvt_seg_lookup(b, &k0, 1, &lb), 1);
 	assert_int_equal(kvt_lease_release(b, la), -EINVAL);
@@ -903,10 +860,10 @@ static void test_check_sees(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0);
-	kvt_key k5 = K(5);
+	kvt_key k5 = kvt_test_key(5);
 	struct kvt_wref w;
 
-	assert_int_equal(save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
 	uint32_t x0 = 0;
 	while (KVT_ST(kat_load(&kvt__slot(p, x0)->state, KVT_RLX)) != KVT_S_READY)
 		x0++;

@@ -35,54 +35,13 @@ struct kshared {
 };
 static struct kshared *S;
 
-static kvt_key K(uint64_t i)
-{
-	return kvt_test_key(i);
-}
-
-static uint64_t word_of(const kvt_key *k, uint32_t shard, uint64_t i)
-{
-	uint64_t z = k->lo * 0x9e3779b97f4a7c15ULL ^ k->hi ^ ((uint64_t)shard << 56) ^ (i << 8);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	return z ^ (z >> 31);
-}
-
-static void stamp(kvt_seg *s, uint32_t slot, uint32_t shard, const kvt_key *k)
-{
-	uint64_t *q = kvt_slot_shard_ptr(s, slot, shard);
-
-	for (uint64_t i = 0; i < kvt_seg_shard_bytes(s) / 8; i++)
-		q[i] = word_of(k, shard, i);
-}
-
-static int stamped(kvt_seg *s, uint32_t slot, uint32_t shard, const kvt_key *k)
-{
-	const uint64_t *q = kvt_slot_shard_ptr(s, slot, shard);
-
-	for (uint64_t i = 0; i < kvt_seg_shard_bytes(s) / 8; i++)
-		if (q[i] != word_of(k, shard, i))
-			return 0;
-	return 1;
-}
-
-static int save_shard(kvt_seg *s, uint64_t key, uint32_t shard)
-{
-	kvt_key k = K(key);
-	struct kvt_wref w;
-	int r = kvt_write_begin(s, &k, 0, shard, &w);
-
-	if (r)
-		return r;
-	stamp(s, w.slot, shard, &k);
-	return kvt_write_end(s, &w, 1);
-}
 
 static int save_all(kvt_seg *s, uint64_t key)
 {
 	int r = 0;
 
 	for (uint32_t sh = 0; sh < WORLD && r >= 0; sh++)
-		r = save_shard(s, key, sh);
+		r = kvt_test_save_shard(s, key, sh);
 	return r;
 }
 
@@ -118,7 +77,7 @@ static int gwait(pid_t p)
 static int g_lookup(void *arg) /* dies at PIN_DONE (armed by the scenario) */
 {
 	kvt_seg *c;
-	kvt_key k = K((uint64_t)(uintptr_t)arg);
+	kvt_key k = kvt_test_key((uint64_t)(uintptr_t)arg);
 	uint64_t l;
 
 	if (att(KVT_ROLE_CLIENT, 0, &c))
@@ -139,7 +98,7 @@ static int g_reap(void *arg) /* dies at REPAIR_FROZEN (armed) */
 static int g_claim_and_die(void *arg) /* as rank (uintptr): a claim, then death */
 {
 	kvt_seg *c;
-	kvt_key k = K(50 + (uint64_t)(uintptr_t)arg);
+	kvt_key k = kvt_test_key(50 + (uint64_t)(uintptr_t)arg);
 	struct kvt_wref w;
 
 	if (att(KVT_ROLE_RANK, (uint32_t)(uintptr_t)arg, &c))
@@ -154,7 +113,7 @@ static int g_claim_and_die(void *arg) /* as rank (uintptr): a claim, then death 
 static int g_mover(void *arg)
 {
 	kvt_seg *c;
-	kvt_key k = K(8);
+	kvt_key k = kvt_test_key(8);
 	struct kvt_wref w;
 	(void)arg;
 
@@ -178,7 +137,7 @@ static int g_mover(void *arg)
 static int scenario(void *arg)
 {
 	kvt_seg *c, *r0;
-	kvt_key k1 = K(1);
+	kvt_key k1 = kvt_test_key(1);
 	struct kvt_wref w;
 	uint64_t l;
 	pid_t g;
@@ -187,8 +146,8 @@ static int scenario(void *arg)
 	setpgid(0, 0);
 	CHECK(att(KVT_ROLE_CLIENT, 0, &c) == 0, 20);
 	/* a chunk shard by shard: allocation, insert, join, commit */
-	CHECK(save_shard(c, 1, 0) == 0, 21);
-	CHECK(save_shard(c, 1, 1) == 1, 22);
+	CHECK(kvt_test_save_shard(c, 1, 0) == 0, 21);
+	CHECK(kvt_test_save_shard(c, 1, 1) == 1, 22);
 	/* lookup, loads on both ranks (the last releases) */
 	CHECK(kvt_seg_lookup(c, &k1, 1, &l) == 1, 23);
 	CHECK(kvt_lease_loaded(c, l, 0) == 0 && kvt_lease_loaded(c, l, 1) == 1, 24);
@@ -200,7 +159,7 @@ static int scenario(void *arg)
 	for (uint64_t i = 2; i < 2 + SLOTS + 1; i++)
 		CHECK(save_all(c, i) == 1, 28);
 	/* a fresh write aborted: doom and reclaim */
-	kvt_key k7 = K(7);
+	kvt_key k7 = kvt_test_key(7);
 	CHECK(kvt_write_begin(c, &k7, 0, 0, &w) == 0 && kvt_write_end(c, &w, 0) == 0, 29);
 	/* a join whose slot moves on under it (g_mover) */
 	atomic_store(&S->g_ready, 0);
@@ -209,7 +168,7 @@ static int scenario(void *arg)
 		sp_sleep_us(100);
 	sp_alias = 6;
 	sp_arm(6, KVT_SP_JOIN_FOUND, SP_PAUSE, 0);
-	kvt_key k8 = K(8);
+	kvt_key k8 = kvt_test_key(8);
 	int jr = kvt_write_begin(c, &k8, 0, 1, &w);
 	sp_alias = -1;
 	CHECK(sp_exit_code(gwait(g)) == 0, 30);
@@ -224,7 +183,7 @@ static int scenario(void *arg)
 	CHECK(kvt_seg_reap(c) == 2, 34);
 	/* a lease on a slot frozen by a repairer that died: its release
 	 * adopts the repair */
-	kvt_key k9 = K(9);
+	kvt_key k9 = kvt_test_key(9);
 	CHECK(kvt_seg_lookup(c, &k9, 1, &l) == 1, 35);
 	sp_arm(2, KVT_SP_PIN_DONE, SP_KILL, 0);
 	CHECK(sp_killed(gwait(gspawn(2, g_lookup, (void *)9))), 36);
@@ -235,10 +194,10 @@ static int scenario(void *arg)
 	/* a rank entry left by a dead holder: attach reaps it */
 	CHECK(sp_exit_code(gwait(gspawn(4, g_claim_and_die, (void *)0))) == 0, 40);
 	CHECK(att(KVT_ROLE_RANK, 0, &r0) == 0, 41);
-	CHECK(save_shard(r0, 20, 0) == 0, 42);
+	CHECK(kvt_test_save_shard(r0, 20, 0) == 0, 42);
 	kvt_seg_detach(r0);
 	/* detach with a claim held */
-	kvt_key k10 = K(10);
+	kvt_key k10 = kvt_test_key(10);
 	CHECK(kvt_write_begin(c, &k10, 0, 0, &w) == 0, 43);
 	kvt_seg_detach(c);
 	atomic_store(&S->done, 1);
@@ -261,7 +220,7 @@ static void reap_orphans(pid_t group)
 static void e2e(kvt_seg *p, const char *after)
 {
 	for (uint64_t i = 100; i < 100 + 2 * SLOTS; i++) {
-		kvt_key k = K(i);
+		kvt_key k = kvt_test_key(i);
 		uint64_t l;
 		uint32_t slot;
 		if (save_all(p, i) != 1)
@@ -272,7 +231,7 @@ static void e2e(kvt_seg *p, const char *after)
 				 (unsigned long long)i);
 		assert_int_equal(kvt_lease_slots(p, l, &slot, NULL, 1), 1);
 		for (uint32_t sh = 0; sh < WORLD; sh++)
-			if (!stamped(p, slot, sh, &k))
+			if (!kvt_test_stamped(p, slot, sh, &k))
 				fail_msg("after a kill at %s: key %llu shard %u holds other bytes",
 					 after, (unsigned long long)i, sh);
 		assert_int_equal(kvt_lease_loaded(p, l, 0), 0);

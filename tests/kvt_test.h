@@ -91,6 +91,48 @@ static inline int kvt_test_save_all(kvt_seg *s, uint64_t i, uint32_t depth)
 	return r;
 }
 
+/* A shard's stamp: every word a function of (key, shard, word index). */
+static inline uint64_t kvt_test_word(const kvt_key *k, uint32_t shard, uint64_t i)
+{
+	uint64_t z = k->lo * 0x9e3779b97f4a7c15ULL ^ k->hi ^ ((uint64_t)shard << 56) ^ (i << 8);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	return z ^ (z >> 31);
+}
+
+static inline void kvt_test_stamp(kvt_seg *s, uint32_t slot, uint32_t shard, const kvt_key *k)
+{
+	uint64_t *q = kvt_slot_shard_ptr(s, slot, shard);
+
+	for (uint64_t i = 0; i < kvt_seg_shard_bytes(s) / 8; i++)
+		q[i] = kvt_test_word(k, shard, i);
+}
+
+/* 1 when sub-slot (slot, shard) holds the stamp of key k, every word. */
+static inline int kvt_test_stamped(kvt_seg *s, uint32_t slot, uint32_t shard, const kvt_key *k)
+{
+	const uint64_t *q = kvt_slot_shard_ptr(s, slot, shard);
+
+	for (uint64_t i = 0; i < kvt_seg_shard_bytes(s) / 8; i++)
+		if (q[i] != kvt_test_word(k, shard, i))
+			return 0;
+	return 1;
+}
+
+/* write_begin + stamp + write_end of one shard of key i: write_end's
+ * result, or write_begin's when nonzero. */
+static inline int kvt_test_save_shard(kvt_seg *s, uint64_t i, uint32_t shard)
+{
+	kvt_key k = kvt_test_key(i);
+	struct kvt_wref w;
+	int r = kvt_write_begin(s, &k, 0, shard, &w);
+
+	if (r)
+		return r;
+	kvt_test_stamp(s, w.slot, shard, &k);
+	return kvt_write_end(s, &w, 1);
+}
+
 static inline void kvt_test_assert_check(kvt_seg *s)
 {
 	char msg[256];
