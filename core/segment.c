@@ -710,7 +710,21 @@ out_unmap:
 /* ---- creation: capacity, reservation ---- */
 
 #define KVT_HUGETLBFS_MAGIC 0x958458f6
-#define GIB(x) ((double)(x) / (double)(1ULL << 30))
+/* A size for messages: "1.5 GiB", "24.0 MiB", "512 KiB". */
+struct hsz { char s[24]; };
+static struct hsz hsize(uint64_t b)
+{
+	struct hsz h;
+
+	if (b >= (1ULL << 30))
+		snprintf(h.s, sizeof(h.s), "%.1f GiB", (double)b / (double)(1ULL << 30));
+	else if (b >= (1ULL << 20))
+		snprintf(h.s, sizeof(h.s), "%.1f MiB", (double)b / (double)(1ULL << 20));
+	else
+		snprintf(h.s, sizeof(h.s), "%llu KiB", (unsigned long long)(b >> 10));
+	return h;
+}
+#define GIB(x) hsize(x).s
 
 /* Free huge pages of size `page` in the pool (free minus reserved), or -1
  * when the pool does not say. */
@@ -753,27 +767,27 @@ static int capacity_check(int fd, const char *name, uint64_t total, int *is_huge
 		uint64_t host = ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
 		if (total > host)
 			return kvt__err(-EFBIG, "create '%s': the segment needs %llu bytes "
-					"(%.1f GiB), more than this host's memory and swap "
-					"(%llu bytes, %.1f GiB)", name, (unsigned long long)total,
+					"(%s), more than this host's memory and swap "
+					"(%llu bytes, %s)", name, (unsigned long long)total,
 					GIB(total), (unsigned long long)host, GIB(host));
 	}
 	if (sf.f_blocks > 0 && sf.f_blocks != (fsblkcnt_t)-1) {
 		uint64_t cap = (uint64_t)sf.f_blocks * bs, avail = (uint64_t)sf.f_bavail * bs;
 		if (total > cap)
 			return kvt__err(-EFBIG, "create '%s': the segment needs %llu bytes "
-					"(%.1f GiB), more than its filesystem holds at all "
-					"(%llu bytes, %.1f GiB)", name, (unsigned long long)total,
+					"(%s), more than its filesystem holds at all "
+					"(%llu bytes, %s)", name, (unsigned long long)total,
 					GIB(total), (unsigned long long)cap, GIB(cap));
 		if (total > avail)
 			return kvt__err(-ENOSPC, "create '%s': the segment needs %llu bytes "
-					"(%.1f GiB), its filesystem has %llu bytes free (%.1f GiB)",
+					"(%s), its filesystem has %llu bytes free (%s)",
 					name, (unsigned long long)total, GIB(total),
 					(unsigned long long)avail, GIB(avail));
 	} else if (*is_huge) {
 		int64_t fr = hugepages_free(bs);
 		if (fr >= 0 && total > (uint64_t)fr * bs)
 			return kvt__err(-ENOSPC, "create '%s': the segment needs %llu huge pages "
-					"of %llu KiB (%.1f GiB), the pool has %lld free (%.1f GiB)",
+					"of %llu KiB (%s), the pool has %lld free (%s)",
 					name, (unsigned long long)((total + bs - 1) / bs),
 					(unsigned long long)(bs >> 10), GIB(total), (long long)fr,
 					GIB((uint64_t)fr * bs));
@@ -794,7 +808,7 @@ static int reserve(int fd, const char *name, uint64_t off, uint64_t len, int is_
 	if (errno == EOPNOTSUPP || errno == ENOSYS)
 		return 0; /* the capacity check is all this filesystem allows */
 	if (errno == ENOSPC)
-		return kvt__err(-ENOSPC, "create '%s': reserving %llu bytes (%.1f GiB) of "
+		return kvt__err(-ENOSPC, "create '%s': reserving %llu bytes (%s) of "
 				"memory failed: its filesystem is full", name,
 				(unsigned long long)len, GIB(len));
 	return kvt__err(-errno, "create '%s': fallocate of %llu bytes: %s", name,
@@ -808,7 +822,7 @@ static int prefault(const char *name, uint8_t *p, uint64_t len, int is_huge)
 		return 0;
 	if (errno != EINVAL)
 		return kvt__err(errno == EFAULT || errno == ENOMEM ? -ENOSPC : -errno,
-				"create '%s': pre-faulting the arena (%.1f GiB): %s", name,
+				"create '%s': pre-faulting the arena (%s): %s", name,
 				GIB(len), strerror(errno));
 #endif
 	/* A kernel without MADV_POPULATE_WRITE: touching is safe because the
@@ -902,7 +916,7 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	r = fstat(fd, &st) < 0 ? -errno : map_fd(fd, total, map_align(&st), &base);
 	if (r) {
 		if (is_huge && r == -ENOMEM)
-			r = kvt__err(-ENOSPC, "create '%s': reserving %.1f GiB of huge pages "
+			r = kvt__err(-ENOSPC, "create '%s': reserving %s of huge pages "
 				     "failed: the pool has too few free", c->name, GIB(total));
 		else
 			kvt__err(r, "create '%s': mmap of %llu bytes: %s", c->name,
