@@ -211,7 +211,7 @@ static void test_small_tmpfs(void **st)
 	int r = run_child(tmpfs_cases, "tmpfs", "size=16m");
 
 	if (r == 77)
-		skip();
+		KVT_TEST_SKIP();
 	assert_int_equal(r, 0);
 }
 
@@ -221,7 +221,7 @@ static void test_hugetlbfs_pool(void **st)
 	int r = run_child(hugetlbfs_cases, "hugetlbfs", "pagesize=2M");
 
 	if (r == 77)
-		skip();
+		KVT_TEST_SKIP();
 	assert_int_equal(r, 0);
 }
 
@@ -241,12 +241,15 @@ static void test_beyond_host(void **st)
 	assert_int_equal(kvt_seg_unlink(name, NULL), -ENOENT);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_small_tmpfs),
 		cmocka_unit_test(test_hugetlbfs_pool),
 		cmocka_unit_test(test_beyond_host),
 	};
-	return cmocka_run_group_tests(tests, NULL, NULL);
+	/* the mount tests have their CTest entries (test_core_create_tmpfs,
+	 * test_core_create_hugetlbfs): they need a private mount namespace */
+	kvt_test_select(argc, argv, "*fs*");
+	return kvt_test_result(cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -361,7 +361,7 @@ static void wait_ready(pid_t child)
 		int status;
 		if (waitpid(child, &status, WNOHANG) == child) {
 			if (sp_exit_code(status) == 77)
-				skip();
+				KVT_TEST_SKIP();
 			fail_msg("holder exited early: status %d", status);
 		}
 		sp_sleep_us(100);
@@ -894,7 +894,7 @@ static void test_check_sees(void **st)
 	kvt_seg_detach(p);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_claim_commit_window, setup, teardown),
@@ -911,5 +911,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_foreign_lease_id, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_check_sees, setup, teardown),
 	};
-	return cmocka_run_group_tests(tests, NULL, NULL);
+	/* the PID namespace test has its CTest entry (test_core_sp_pidns) */
+	kvt_test_select(argc, argv, "test_pidns_holder");
+	return kvt_test_result(cmocka_run_group_tests(tests, NULL, NULL));
 }
