@@ -20,12 +20,23 @@
  *
  *   ceil  host: the run's own copies again -- same plans, device blocks and
  *         sub-slots -- by memcpy in one thread per rank (the platform's
- *         memcpy on exactly these pages); hsa/cuda: the runtime's own
- *         pinned copy (kvt_dma_ceiling), C-byte copies over the same
- *         device memory;
+ *         memcpy on exactly these pages); cuda: the driver's own pinned
+ *         copy (kvt_dma_ceiling: cudaMemcpyAsync from cudaMallocHost
+ *         memory), C-byte copies over the same device memory; hsa with HIP
+ *         device memory: HIP's own pinned copy (hipMemcpyAsync from
+ *         hipHostMalloc'ed memory, or hipHostRegister'ed with
+ *         --hip-pinned register), the same copies -- what an AMD engine's
+ *         own offload would do;
  *   peak  kvt_dma_ceiling(): host: memcpy of whole C-byte chunks over the
  *         same device memory (what memcpy does without the engine's page
- *         scatter); hsa/cuda: the same as ceil.
+ *         scatter); cuda: the same as ceil; hsa: the backend's own copy
+ *         (hsa_amd_memory_async_copy from runtime-pinned pool memory).
+ *
+ * Device memory on AMD (hsa): hipMalloc through the HIP runtime, loaded at
+ * run time (bench/hip.c), when it loads and finds the GPU (--device-memory
+ * auto, the default; hip: required; backend: the hsa backend's own pool
+ * allocation).  hipMalloc'ed memory is what a ROCm engine's KV cache is; the
+ * hsa backend copies it directly (it is HSA pool memory).
  *
  * Medians of `repeat` runs (and of the per-run ratios) are printed.
  * Before timing, each configuration is verified once: a saved sub-slot must
@@ -56,6 +67,7 @@
 #include "bench_util.h"
 #include "kvt_dma.h"
 #include "kvt_numa.h"
+#include "hip.h"
 
 #ifndef MFD_HUGE_2MB
 #define MFD_HUGE_2MB (21u << 26)
@@ -89,6 +101,8 @@ struct opts {
 	const char *hugetlbfs;         /* "auto" (default), "none" or a directory */
 	uint64_t reg_bytes;            /* registration probe size */
 	uint32_t workers;              /* host: copy threads, cuda: streams (0: default) */
+	const char *dev_mem;           /* auto | backend | hip */
+	int hip_register;              /* --hip-pinned register */
 };
 
 /* One configuration: a layout and a rank count. */
@@ -115,6 +129,8 @@ struct rank_res {
 	uint64_t reg_ns, reg_bytes;
 	uint32_t copies;               /* copies in a save plan */
 	int failed;
+	int hip;                       /* device memory from hipMalloc, HIP ceiling */
+	int devptr_differs;            /* hipHostRegister: device address != host */
 	char msg[512];
 	char describe[512];
 };
@@ -230,6 +246,11 @@ static void usage(FILE *f)
 "  --no-2d              plans without 2-D copies\n"
 "  --workers N          host: copy threads per rank (default CPUs - 1, 1 to 4);\n"
 "                       cuda: streams per rank (default 4)\n"
+"  --device-memory M    auto (default): hipMalloc when the backend is hsa and the\n"
+"                       HIP runtime finds the GPU, else the backend's own; hip:\n"
+"                       hipMalloc, required; backend: the backend's allocation\n"
+"  --hip-pinned P       the HIP ceiling's host memory: malloc (hipHostMalloc,\n"
+"                       default) or register (malloc + hipHostRegister)\n"
 "  --warm               before each phase, write twice (untimed) the memory it\n"
 "                       writes: the arena, and the host backend's device memory\n"
 "  --json               one JSON object instead of the table\n"
@@ -245,7 +266,7 @@ static int parse(int argc, char **argv, struct opts *o)
 		{ "blocks", 1, 0, 'B' }, { "depths", 1, 0, 'D' }, { "ranks", 1, 0, 'r' },
 		{ "run-bytes", 1, 0, 'R' }, { "dev-bytes", 1, 0, 'V' }, { "repeat", 1, 0, 'n' },
 		{ "reg-bytes", 1, 0, 'G' }, { "hugetlbfs", 1, 0, 'H' }, { "no-2d", 0, 0, '2' },
-		{ "workers", 1, 0, 'w' },
+		{ "workers", 1, 0, 'w' }, { "device-memory", 1, 0, 'M' }, { "hip-pinned", 1, 0, 'P' },
 		{ "stat", 1, 0, 's' }, { "json", 0, 0, 'j' }, { "warm", 0, 0, 'W' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
 		{ 0, 0, 0, 0 },
 	};
@@ -266,6 +287,7 @@ static int parse(int argc, char **argv, struct opts *o)
 	o->repeat = 3;
 	o->reg_bytes = 1ULL << 30;
 	o->hugetlbfs = "auto";
+	o->dev_mem = "auto";
 	optind = 1;
 	while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
 		int bad = 0;
@@ -303,6 +325,14 @@ static int parse(int argc, char **argv, struct opts *o)
 		case 'w':
 			o->workers = (uint32_t)atoi(optarg);
 			bad = !o->workers || o->workers > 64;
+			break;
+		case 'M':
+			o->dev_mem = optarg;
+			bad = strcmp(optarg, "auto") && strcmp(optarg, "backend") && strcmp(optarg, "hip");
+			break;
+		case 'P':
+			bad = strcmp(optarg, "malloc") && strcmp(optarg, "register");
+			o->hip_register = !strcmp(optarg, "register");
 			break;
 		case 's':
 			bad = strcmp(optarg, "median") && strcmp(optarg, "best");
@@ -408,6 +438,7 @@ struct rank {
 	uint32_t rank;
 	kvt_seg *seg;
 	kvt_dma *d;
+	kvt_hip *hip;                 /* device memory and ceiling through HIP */
 	kvt_dma_mr *mr;
 	struct kvt_kv_layout layout;
 	uint64_t *bases;
@@ -595,6 +626,27 @@ static int64_t load_run(struct rank *k, uint32_t run)
 	return loaded;
 }
 
+/* Device memory: HIP's when the rank uses it, else the backend's. */
+static int dev_alloc(struct rank *k, uint64_t bytes, uint64_t *dev)
+{
+	return k->hip ? kvt_hip_malloc(k->hip, bytes, dev) : kvt_dma_dev_alloc(k->d, bytes, dev);
+}
+
+static int dev_write(struct rank *k, uint64_t dev, const void *src, uint64_t len)
+{
+	return k->hip ? kvt_hip_write(k->hip, dev, src, len) : kvt_dma_dev_write(k->d, dev, src, len);
+}
+
+static int dev_read(struct rank *k, void *dst, uint64_t dev, uint64_t len)
+{
+	return k->hip ? kvt_hip_read(k->hip, dst, dev, len) : kvt_dma_dev_read(k->d, dst, dev, len);
+}
+
+static const char *dev_error(const struct rank *k)
+{
+	return k->hip ? kvt_hip_last_error() : kvt_dma_last_error();
+}
+
 /* Saves one chunk and loads it back into other blocks, checking both. */
 static int verify(struct rank *k)
 {
@@ -637,11 +689,11 @@ static int verify(struct rank *k)
 				uint64_t so = off + (uint64_t)ly * l->chunk_tokens * gr->bytes_per_token +
 					      i * pg;
 
-				if ((rc = kvt_dma_dev_read(k->d, page, gr->layer_base[ly] +
-							   (uint64_t)save_b[g][i] * gr->block_stride, pg)) ||
-				    (rc = kvt_dma_dev_read(k->d, page2, gr->layer_base[ly] +
-							   (uint64_t)load_b[g][i] * gr->block_stride, pg)))
-					fail(k, "verify: dev_read", rc, kvt_dma_last_error());
+				if ((rc = dev_read(k, page, gr->layer_base[ly] +
+						   (uint64_t)save_b[g][i] * gr->block_stride, pg)) ||
+				    (rc = dev_read(k, page2, gr->layer_base[ly] +
+						   (uint64_t)load_b[g][i] * gr->block_stride, pg)))
+					fail(k, "verify: device read", rc, dev_error(k));
 				else if (memcmp(sub + so, page, pg))
 					fail(k, "verify: saved sub-slot differs from the device pages", -EIO,
 					     "save path broken");
@@ -683,6 +735,21 @@ static int rank_setup(struct rank *k)
 	if ((rc = kvt_dma_open(&dc, &k->d)))
 		return fail(k, "kvt_dma_open", rc, kvt_dma_last_error());
 	snprintf(k->res->describe, sizeof(k->res->describe), "%s", kvt_dma_describe(k->d));
+	/* AMD: the KV cache in hipMalloc'ed memory, as a ROCm engine has it */
+	if (!strcmp(k->o->dev_mem, "hip") ||
+	    (!strcmp(k->o->dev_mem, "auto") && !strcmp(kvt_dma_backend(k->d), "hsa"))) {
+		rc = kvt_hip_open(k->o->device, &k->hip);
+		size_t l = strlen(k->res->describe);
+		if (rc && !strcmp(k->o->dev_mem, "hip"))
+			return fail(k, "HIP runtime", rc, kvt_hip_last_error());
+		if (rc)
+			snprintf(k->res->describe + l, sizeof(k->res->describe) - l,
+				 "; device memory from the backend (HIP: %s)", kvt_hip_last_error());
+		else
+			snprintf(k->res->describe + l, sizeof(k->res->describe) - l,
+				 "; device memory: hipMalloc (%s)", kvt_hip_describe(k->hip));
+		k->res->hip = !rc;
+	}
 
 	/* The KV cache: one allocation per group, layers one after another. */
 	for (uint32_t g = 0; g < cf->geo.n_groups; g++)
@@ -712,8 +779,8 @@ static int rank_setup(struct rank *k)
 		if (k->nb[g] > 64)
 			return fail(k, "setup", -EINVAL, "more than 64 blocks per chunk");
 		k->dev_len[g] = per_layer * gr->n_layers;
-		if ((rc = kvt_dma_dev_alloc(k->d, k->dev_len[g], &k->dev[g])))
-			return fail(k, "device allocation", rc, kvt_dma_last_error());
+		if ((rc = dev_alloc(k, k->dev_len[g], &k->dev[g])))
+			return fail(k, "device allocation", rc, dev_error(k));
 		for (uint32_t l = 0; l < gr->n_layers; l++)
 			k->bases[li + l] = k->dev[g] + l * per_layer;
 		li += gr->n_layers;
@@ -728,12 +795,12 @@ static int rank_setup(struct rank *k)
 		}
 		for (int pass = 0; pass < 2; pass++) /* twice: see the arena below */
 			for (uint64_t o = 0; o < k->dev_len[g] && !rc; o += 64u << 20)
-				rc = kvt_dma_dev_write(k->d, k->dev[g] + o, fill,
-						       k->dev_len[g] - o < (64u << 20)
-						       ? k->dev_len[g] - o : 64u << 20);
+				rc = dev_write(k, k->dev[g] + o, fill,
+					       k->dev_len[g] - o < (64u << 20)
+					       ? k->dev_len[g] - o : 64u << 20);
 		free(fill);
 		if (rc)
-			return fail(k, "device fill", rc, kvt_dma_last_error());
+			return fail(k, "device fill", rc, dev_error(k));
 	}
 	if ((rc = kvt_dma_kv_register(k->d, &k->layout)))
 		return fail(k, "kvt_dma_kv_register", rc, kvt_dma_last_error());
@@ -768,10 +835,13 @@ static void rank_teardown(struct rank *k)
 		if (k->mr)
 			kvt_dma_mem_unregister(k->d, k->mr);
 		for (uint32_t g = 0; g < KVT_MAX_GROUPS; g++)
-			if (k->dev[g])
+			if (k->dev[g] && k->hip)
+				kvt_hip_free(k->hip, k->dev[g]);
+			else if (k->dev[g])
 				kvt_dma_dev_free(k->d, k->dev[g]);
 		kvt_dma_close(k->d);
 	}
+	kvt_hip_close(k->hip);
 	kvt_plan_fini(&k->plan);
 	if (k->seg)
 		kvt_seg_detach(k->seg);
@@ -852,8 +922,9 @@ static void replay(struct rank *k, int load, double *seconds, uint64_t *bytes)
 
 /* The ceilings next to run (di, rep) in direction dir: for the host
  * backend, memcpy of the same copies (ceil) and contiguous chunk-sized
- * memcpy over the same device memory (peak); for a GPU backend, the
- * runtime's pinned copy (both). */
+ * memcpy over the same device memory (peak); with HIP device memory, HIP's
+ * pinned copy (ceil) and the backend's own (peak); for a GPU backend
+ * otherwise, the runtime's pinned copy (both). */
 static void ceiling(struct rank *k, uint32_t di, uint32_t rep, enum kvt_dma_dir dir)
 {
 	const struct conf *cf = k->cf;
@@ -870,6 +941,16 @@ static void ceiling(struct rank *k, uint32_t di, uint32_t rep, enum kvt_dma_dir 
 	}
 	if (!strcmp(kvt_dma_backend(k->d), "host")) {
 		replay(k, dir == KVT_DMA_H2D, &x->ceil_s[di][rep][dir], &x->ceil_b[di][rep][dir]);
+	} else if (k->hip) {
+		rc = kvt_hip_ceiling(k->hip, dir == KVT_DMA_D2H, k->dev[0], x->ceil_bytes,
+				     cf->chunk_bytes, (uint32_t)x->ceil_iters,
+				     k->o->hip_register ? KVT_HIP_HOST_REGISTER : KVT_HIP_HOST_MALLOC,
+				     &x->ceil_s[di][rep][dir], &x->devptr_differs);
+		if (rc) {
+			fail(k, "HIP ceiling", rc, kvt_hip_last_error());
+			return;
+		}
+		x->ceil_b[di][rep][dir] = x->ceil_bytes * x->ceil_iters;
 	} else {
 		x->ceil_s[di][rep][dir] = x->peak_s[di][rep][dir];
 		x->ceil_b[di][rep][dir] = x->ceil_bytes * x->ceil_iters;
@@ -1145,6 +1226,9 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 	if (failed)
 		return -1;
 	snprintf(describe, dlen, "%s", sh->r[0].describe);
+	if (sh->r[0].devptr_differs && strlen(describe) + 96 < dlen)
+		strcat(describe, "; hipHostGetDevicePointer: the device address of the pinned "
+		       "buffer differs from its host address");
 
 	for (uint32_t di = 0; di < o->n_depths; di++) {
 		struct row *w = &rows[(*n_rows)++];
@@ -1220,6 +1304,12 @@ static void print_table(const struct opts *o, const struct row *rows, uint32_t n
 	if (host)
 		printf("ceil: memcpy of the same copies (same plans, pages and sub-slots), one thread\n"
 		       "      per rank process; peak: memcpy of whole chunks over the same memory\n\n");
+	else if (strstr(describe, "device memory: hipMalloc"))
+		printf("ceil: HIP's own pinned copy -- hipMemcpyAsync from %s memory, chunk-sized\n"
+		       "      copies over the same device memory, one stream per rank process (what an\n"
+		       "      AMD engine's own offload does); peak: the hsa backend's own copy\n"
+		       "      (hsa_amd_memory_async_copy from runtime-pinned pool memory)\n\n",
+		       o->hip_register ? "hipHostRegister'ed" : "hipHostMalloc'ed");
 	else
 		printf("ceil = peak: the runtime's own copy from memory it pinned itself, in\n"
 		       "      chunk-sized copies, one stream per rank process\n\n");

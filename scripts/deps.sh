@@ -11,6 +11,8 @@ pkgs=(
   libxxhash-dev                         # key hashing (XXH3-128)
   liburing-dev                          # optional disk tier
   libhsa-runtime-dev                    # hsa backend headers + real runtime
+  libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV
+                                        # and HIP ceiling on AMD, the fake HIP of the tests
   python3-pytest python3-numpy          # Python binding tests (/usr/bin/python3)
   python3-torch                         # CPU tensors as a fake KV cache (binding tests)
   spin                                  # model checker of core's protocols (tests/model)

@@ -21,6 +21,8 @@
 # Dry run without a GPU (checks the script, not the hardware):
 #   KVTIER_CUDA_LIBRARY=<build>/tests/dma/fakes/cuda/libcuda.so.1 \
 #   KVT_BW_ARGS="--run-bytes 32M --dev-bytes 64M --reg-bytes 64M" bench/gpu/run.sh OUT --quick
+# KVT_GPU_BUILD_DIR=<build> uses that build instead of making one (the test
+# suite's dry run, bench_gpu_nvidia_dryrun).
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,16 +31,8 @@ out=${1:-$PWD/bench-gpu-out}
 quick=${2:-}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-summary=$out/SUMMARY.txt
-: >"$summary"
-exec > >(tee "$out/run.log") 2>&1
-
-status=0
-step() { echo; echo "== $*"; }
-rec() { echo "$1: $2"; echo "$1: $2" >>"$summary"; }
-fail() { rec FAIL "$1"; status=1; }
-die() { rec FAIL "$1"; exit 1; }
-jobs=$(nproc 2>/dev/null || echo 4)
+# shellcheck source=common.sh
+. "$here/common.sh"
 
 # ---- 1. the machine ------------------------------------------------------------
 step machine
@@ -75,7 +69,13 @@ rec NOTE "CUDA headers from $cuda"
 step build
 bdir=$out/build
 bench=
-if cmake -S "$root" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_CUDA=ON \
+if [ -n "${KVT_GPU_BUILD_DIR:-}" ]; then
+	# the dry run in the test suite: the build that is already there
+	bdir=$(cd "$KVT_GPU_BUILD_DIR" && pwd)
+	bench=$bdir/bench/kvtier-bench
+	[ -x "$bench" ] || die "$bench: not built"
+	rec NOTE "using the build in $bdir (KVT_GPU_BUILD_DIR)"
+elif cmake -S "$root" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_CUDA=ON \
 	-DKVTIER_CUDA_INCLUDE="$cuda/include" >"$out/build.log" 2>&1 &&
    cmake --build "$bdir" -j "$jobs" --target kvtier-bench >>"$out/build.log" 2>&1; then
 	bench=$bdir/bench/kvtier-bench
@@ -180,15 +180,7 @@ else
 fi
 # Target: >= 0.95 x the driver's pinned copy for pages >= 64 KiB (depth > 1).
 for f in bandwidth bandwidth-adjacent bandwidth-glm5 bandwidth-llama70b-tp8; do
-	[ -f "$out/$f.txt" ] || continue
-	awk -v f="$f" '
-	function bytes(s,   n) { n = s + 0; if (s ~ /K$/) n *= 1024; else if (s ~ /M$/) n *= 1048576;
-		else if (s ~ /G$/) n *= 1073741824; return n }
-	$7 == "|" && $1 != "layout" && bytes($4) >= 65536 && $5 > 1 {
-		save = $10; load = $16
-		printf "%s %s ranks=%s chunk=%s page=%s depth=%s save/ceil=%.2f load/ceil=%.2f\n",
-			(save >= 0.95 && load >= 0.95) ? "PASS" : "MISS", f, $2, $3, $4, $5, save, load
-	}' "$out/$f.txt" | while read -r verdict rest; do rec "$verdict" "target 0.95: $rest"; done
+	check_ratios "$f" "$out/$f.txt" MISS
 done
 if [ -f "$out/pinned_copy.txt" ] && grep -q 'GB/s' "$out/pinned_copy.txt"; then
 	rec NOTE "compare the bench's ceiling columns with pinned_copy.txt (cudaMemcpyAsync)"

@@ -1,0 +1,41 @@
+# bench/gpu/common.sh - what the GPU run scripts share (sourced by run.sh,
+# the NVIDIA one, and amd.sh): the output directory and its SUMMARY.txt,
+# the step/record helpers, and the check of a bandwidth table's ratios.
+#
+# A script sets $out (the output directory, created) before sourcing, and
+# uses $status (0 unless a check FAILed) as its exit status.
+
+summary=$out/SUMMARY.txt
+: >"$summary"
+exec > >(tee "$out/run.log") 2>&1
+status=0
+jobs=$(nproc 2>/dev/null || echo 4)
+
+step() { echo; echo "== $*"; }
+rec() { echo "$1: $2"; echo "$1: $2" >>"$summary"; }
+fail() { rec FAIL "$1"; status=1; }
+die() { rec FAIL "$1"; exit 1; }
+
+# check_ratios NAME TABLE VERDICT_BELOW
+#   For every row of a kvtier-bench bandwidth table with pages >= 64 KiB and
+#   depth > 1: PASS when save and load are both >= 0.95 x the ceiling, else
+#   VERDICT_BELOW (MISS: recorded; FAIL: recorded and fails the run).
+check_ratios() {
+	local name=$1 table=$2 below=$3
+	[ -f "$table" ] || return 0
+	awk -v f="$name" -v below="$below" '
+	function bytes(s,   n) { n = s + 0; if (s ~ /K$/) n *= 1024; else if (s ~ /M$/) n *= 1048576;
+		else if (s ~ /G$/) n *= 1073741824; return n }
+	$7 == "|" && $1 != "layout" && bytes($4) >= 65536 && $5 > 1 {
+		save = $10; load = $16
+		printf "%s %s ranks=%s chunk=%s page=%s depth=%s save/ceil=%.2f load/ceil=%.2f\n",
+			(save >= 0.95 && load >= 0.95) ? "PASS" : below, f, $2, $3, $4, $5, save, load
+	}' "$table" | while read -r verdict rest; do
+		rec "$verdict" "target 0.95: $rest"
+		[ "$verdict" = FAIL ] && echo 1 >"$out/.ratio_failed"
+	done
+	if [ -f "$out/.ratio_failed" ]; then
+		rm -f "$out/.ratio_failed"
+		status=1
+	fi
+}

@@ -1,0 +1,415 @@
+/* fake_hip.c - a fake libamdhip64 for CI without a GPU, built on the HSA
+ * runtime the way the real HIP is built on ROCr: it dlopens
+ * libhsa-runtime64 ($KVTIER_HSA_LIBRARY in the tests: the fake HSA, the
+ * same instance kvtier's hsa backend loaded) and implements, through the
+ * public HSA API only, the entry points kvtier-bench uses:
+ *   - hipMalloc / hipFree: the GPU's global pool (so the memory is the
+ *     fake HSA's device memory: the CPU cannot touch it, hsa_amd_pointer_info
+ *     knows it, and the hsa backend copies it);
+ *   - hipHostMalloc / hipHostFree: the CPU pool, made accessible to the GPUs
+ *     (its device address is its host address);
+ *   - hipHostRegister / hipHostGetDevicePointer / hipHostUnregister: locked
+ *     to the CPU pool; the device pointer differs from the host pointer, as
+ *     it can on ROCm; async copies take the host pointer and translate it;
+ *   - hipMemcpy / hipMemcpyAsync on one in-order stream per hipStream_t,
+ *     hipStreamSynchronize, hipDeviceSynchronize; plain (unpinned) host
+ *     memory goes through a staging buffer, as HIP's own path does.
+ * FAKE_HIP_DEVICES=0 in the environment: hipGetDeviceCount says
+ * hipErrorNoDevice (a machine without a GPU).
+ */
+#define __HIP_PLATFORM_AMD__ 1
+#include <hip/hip_runtime_api.h>
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <hsa/hsa.h>
+#include <hsa/hsa_ext_amd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_GPUS 8
+#define MAX_REG  64
+
+static struct {
+	__typeof__(&hsa_init) init;
+	__typeof__(&hsa_iterate_agents) iterate_agents;
+	__typeof__(&hsa_agent_get_info) agent_get_info;
+	__typeof__(&hsa_amd_agent_iterate_memory_pools) iterate_pools;
+	__typeof__(&hsa_amd_memory_pool_get_info) pool_get_info;
+	__typeof__(&hsa_amd_memory_pool_allocate) pool_allocate;
+	__typeof__(&hsa_amd_memory_pool_free) pool_free;
+	__typeof__(&hsa_amd_agents_allow_access) allow_access;
+	__typeof__(&hsa_amd_memory_lock_to_pool) lock_to_pool;
+	__typeof__(&hsa_amd_memory_unlock) unlock;
+	__typeof__(&hsa_amd_memory_async_copy) async_copy;
+	__typeof__(&hsa_amd_pointer_info) pointer_info;
+	__typeof__(&hsa_signal_create) signal_create;
+	__typeof__(&hsa_signal_destroy) signal_destroy;
+	__typeof__(&hsa_signal_add_screlease) signal_add;
+	__typeof__(&hsa_signal_subtract_screlease) signal_subtract;
+	__typeof__(&hsa_signal_wait_scacquire) signal_wait;
+} F;
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static hipError_t init_err = hipSuccess;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static hsa_agent_t cpu, gpus[MAX_GPUS];
+static hsa_amd_memory_pool_t cpu_pool, gpu_pool[MAX_GPUS];
+static int n_gpus, have_cpu_pool, cur;
+
+/* registered host ranges: host -> the runtime's device pointer */
+static struct { char *host; void *dev; size_t len; } regs[MAX_REG];
+
+/* a stream: one signal counting the copies in flight */
+struct ihipStream_t {
+	hsa_signal_t sig;
+};
+static struct ihipStream_t null_stream;
+
+static hsa_status_t pool_cb(hsa_amd_memory_pool_t p, void *data)
+{
+	hsa_amd_memory_pool_t *out = data;
+	hsa_amd_segment_t seg;
+	bool alloc = false;
+
+	if (F.pool_get_info(p, HSA_AMD_MEMORY_POOL_INFO_SEGMENT, &seg) || seg != HSA_AMD_SEGMENT_GLOBAL)
+		return HSA_STATUS_SUCCESS;
+	if (F.pool_get_info(p, HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALLOWED, &alloc) || !alloc)
+		return HSA_STATUS_SUCCESS;
+	*out = p;
+	return HSA_STATUS_INFO_BREAK;
+}
+
+static hsa_status_t agent_cb(hsa_agent_t a, void *data)
+{
+	hsa_device_type_t t;
+	(void)data;
+
+	if (F.agent_get_info(a, HSA_AGENT_INFO_DEVICE, &t))
+		return HSA_STATUS_SUCCESS;
+	if (t == HSA_DEVICE_TYPE_CPU && !have_cpu_pool) {
+		cpu = a;
+		have_cpu_pool = F.iterate_pools(a, pool_cb, &cpu_pool) == HSA_STATUS_INFO_BREAK;
+	} else if (t == HSA_DEVICE_TYPE_GPU && n_gpus < MAX_GPUS) {
+		if (F.iterate_pools(a, pool_cb, &gpu_pool[n_gpus]) == HSA_STATUS_INFO_BREAK)
+			gpus[n_gpus++] = a;
+	}
+	return HSA_STATUS_SUCCESS;
+}
+
+static void init_once(void)
+{
+	const char *path = getenv("KVTIER_HSA_LIBRARY");
+	void *h = dlopen(path && *path ? path : "libhsa-runtime64.so.1", RTLD_NOW | RTLD_LOCAL);
+	const char *dev = getenv("FAKE_HIP_DEVICES");
+
+	if (!h) {
+		init_err = hipErrorInitializationError;
+		return;
+	}
+#define L(f, n) if (!(*(void **)&F.f = dlsym(h, n))) { init_err = hipErrorInitializationError; return; }
+	L(init, "hsa_init") L(iterate_agents, "hsa_iterate_agents")
+	L(agent_get_info, "hsa_agent_get_info") L(iterate_pools, "hsa_amd_agent_iterate_memory_pools")
+	L(pool_get_info, "hsa_amd_memory_pool_get_info")
+	L(pool_allocate, "hsa_amd_memory_pool_allocate") L(pool_free, "hsa_amd_memory_pool_free")
+	L(allow_access, "hsa_amd_agents_allow_access") L(lock_to_pool, "hsa_amd_memory_lock_to_pool")
+	L(unlock, "hsa_amd_memory_unlock") L(async_copy, "hsa_amd_memory_async_copy")
+	L(pointer_info, "hsa_amd_pointer_info")
+	L(signal_create, "hsa_signal_create") L(signal_destroy, "hsa_signal_destroy")
+	L(signal_add, "hsa_signal_add_screlease") L(signal_subtract, "hsa_signal_subtract_screlease")
+	L(signal_wait, "hsa_signal_wait_scacquire")
+#undef L
+	if (F.init() || F.iterate_agents(agent_cb, NULL) || !have_cpu_pool) {
+		init_err = hipErrorInitializationError;
+		return;
+	}
+	if (dev && atoi(dev) == 0)
+		n_gpus = 0;
+	if (F.signal_create(0, 0, NULL, &null_stream.sig))
+		init_err = hipErrorInitializationError;
+}
+
+/* The runtime's own resources go with the library (LeakSanitizer). */
+__attribute__((destructor)) static void fini(void)
+{
+	if (null_stream.sig.handle && F.signal_destroy)
+		F.signal_destroy(null_stream.sig);
+	null_stream.sig.handle = 0;
+}
+
+static hipError_t ready(void)
+{
+	pthread_once(&once, init_once);
+	return init_err;
+}
+
+EXPORT const char *hipGetErrorString(hipError_t e)
+{
+	switch (e) {
+	case hipSuccess: return "hipSuccess (fake)";
+	case hipErrorNoDevice: return "hipErrorNoDevice (fake)";
+	case hipErrorInvalidValue: return "hipErrorInvalidValue (fake)";
+	case hipErrorOutOfMemory: return "hipErrorOutOfMemory (fake)";
+	case hipErrorInvalidDevice: return "hipErrorInvalidDevice (fake)";
+	default: return "hip error (fake)";
+	}
+}
+
+EXPORT hipError_t hipGetDeviceCount(int *count)
+{
+	hipError_t e = ready();
+
+	*count = 0;
+	if (e)
+		return e;
+	*count = n_gpus;
+	return n_gpus ? hipSuccess : hipErrorNoDevice;
+}
+
+EXPORT hipError_t hipSetDevice(int d)
+{
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (d < 0 || d >= n_gpus)
+		return hipErrorInvalidDevice;
+	cur = d;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipDeviceGetName(char *name, int len, hipDevice_t d)
+{
+	if (ready() || d < 0 || d >= n_gpus || len <= 0)
+		return hipErrorInvalidDevice;
+	snprintf(name, (size_t)len, "fake AMD GPU %d (HIP on the fake HSA)", (int)d);
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipRuntimeGetVersion(int *v)
+{
+	*v = 50221153; /* as ROCm 5.2.3's HIP reports itself */
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipMalloc(void **p, size_t n)
+{
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (!n_gpus)
+		return hipErrorNoDevice;
+	return F.pool_allocate(gpu_pool[cur], n, 0, p) ? hipErrorOutOfMemory : hipSuccess;
+}
+
+EXPORT hipError_t hipFree(void *p)
+{
+	if (!p)
+		return hipSuccess;
+	return F.pool_free(p) ? hipErrorInvalidValue : hipSuccess;
+}
+
+EXPORT hipError_t hipHostMalloc(void **p, size_t n, unsigned int flags)
+{
+	hipError_t e = ready();
+	(void)flags;
+
+	if (e)
+		return e;
+	if (F.pool_allocate(cpu_pool, n, 0, p))
+		return hipErrorOutOfMemory;
+	if (n_gpus && F.allow_access((uint32_t)n_gpus, gpus, NULL, *p)) {
+		F.pool_free(*p);
+		return hipErrorOutOfMemory;
+	}
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipHostFree(void *p)
+{
+	return hipFree(p);
+}
+
+EXPORT hipError_t hipHostRegister(void *host, size_t n, unsigned int flags)
+{
+	hipError_t e = ready();
+	void *dev = NULL;
+	(void)flags;
+
+	if (e)
+		return e;
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_REG; i++) {
+		if (regs[i].host)
+			continue;
+		if (F.lock_to_pool(host, n, gpus, (int)n_gpus, cpu_pool, 0, &dev)) {
+			pthread_mutex_unlock(&lock);
+			return hipErrorOutOfMemory;
+		}
+		regs[i].host = host;
+		regs[i].dev = dev;
+		regs[i].len = n;
+		pthread_mutex_unlock(&lock);
+		return hipSuccess;
+	}
+	pthread_mutex_unlock(&lock);
+	return hipErrorOutOfMemory;
+}
+
+EXPORT hipError_t hipHostUnregister(void *host)
+{
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_REG; i++)
+		if (regs[i].host == host) {
+			F.unlock(host);
+			regs[i].host = NULL;
+			pthread_mutex_unlock(&lock);
+			return hipSuccess;
+		}
+	pthread_mutex_unlock(&lock);
+	return hipErrorInvalidValue;
+}
+
+/* The device view of a registered host address, or NULL. */
+static void *registered(const void *host, size_t n)
+{
+	void *r = NULL;
+
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_REG; i++)
+		if (regs[i].host && (const char *)host >= regs[i].host &&
+		    (const char *)host + n <= regs[i].host + regs[i].len)
+			r = (char *)regs[i].dev + ((const char *)host - regs[i].host);
+	pthread_mutex_unlock(&lock);
+	return r;
+}
+
+EXPORT hipError_t hipHostGetDevicePointer(void **dev, void *host, unsigned int flags)
+{
+	void *r = registered(host, 1);
+	(void)flags;
+
+	if (!r) {
+		hsa_amd_pointer_info_t info = { .size = sizeof(info) };
+		if (F.pointer_info(host, &info, NULL, NULL, NULL) ||
+		    info.type == HSA_EXT_POINTER_TYPE_UNKNOWN)
+			return hipErrorInvalidValue;
+		r = host; /* hipHostMalloc'ed: one address */
+	}
+	*dev = r;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipStreamCreate(hipStream_t *s)
+{
+	hipError_t e = ready();
+	struct ihipStream_t *st;
+
+	if (e)
+		return e;
+	st = calloc(1, sizeof(*st));
+	if (!st || F.signal_create(0, 0, NULL, &st->sig)) {
+		free(st);
+		return hipErrorOutOfMemory;
+	}
+	*s = st;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipStreamSynchronize(hipStream_t s)
+{
+	struct ihipStream_t *st = s ? s : &null_stream;
+	hsa_signal_value_t v = F.signal_wait(st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
+					     HSA_WAIT_STATE_BLOCKED);
+
+	return v < 0 ? hipErrorUnknown : hipSuccess;
+}
+
+EXPORT hipError_t hipStreamDestroy(hipStream_t s)
+{
+	if (!s)
+		return hipErrorInvalidValue;
+	hipStreamSynchronize(s);
+	F.signal_destroy(s->sig);
+	free(s);
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipDeviceSynchronize(void)
+{
+	return ready() ? init_err : hipStreamSynchronize(NULL);
+}
+
+/* An address and agent the runtime can copy with: device memory and
+ * hipHostMalloc'ed memory as they are, registered host memory through its
+ * device pointer; NULL for plain host memory. */
+static void *copyable(const void *p, size_t n, hsa_agent_t *agent)
+{
+	hsa_amd_pointer_info_t info = { .size = sizeof(info) };
+	void *r = registered(p, n);
+
+	if (r) {
+		*agent = cpu;
+		return r;
+	}
+	if (F.pointer_info(p, &info, NULL, NULL, NULL) || info.type == HSA_EXT_POINTER_TYPE_UNKNOWN)
+		return NULL;
+	*agent = info.agentOwner.handle ? info.agentOwner : cpu;
+	return (void *)p;
+}
+
+static hipError_t copy(void *dst, const void *src, size_t n, struct ihipStream_t *st)
+{
+	hsa_agent_t da, sa;
+	void *d = copyable(dst, n, &da), *s = copyable(src, n, &sa);
+
+	if (!d || !s)
+		return hipErrorInvalidValue; /* the caller stages plain host memory */
+	F.signal_add(st->sig, 1);
+	if (F.async_copy(d, da, s, sa, n, 0, NULL, st->sig)) {
+		F.signal_subtract(st->sig, 1);
+		return hipErrorInvalidValue;
+	}
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipMemcpyAsync(void *dst, const void *src, size_t n, hipMemcpyKind kind,
+				 hipStream_t s)
+{
+	hipError_t e = ready();
+	(void)kind;
+
+	return e ? e : copy(dst, src, n, s ? s : &null_stream);
+}
+
+EXPORT hipError_t hipMemcpy(void *dst, const void *src, size_t n, hipMemcpyKind kind)
+{
+	hsa_agent_t a;
+	hipError_t e = ready();
+	void *stage = NULL;
+	int to_dev = kind == hipMemcpyHostToDevice;
+
+	if (e)
+		return e;
+	if ((to_dev && !copyable(src, n, &a)) || (kind == hipMemcpyDeviceToHost && !copyable(dst, n, &a))) {
+		/* plain host memory: through pinned staging, as HIP does */
+		if ((e = hipHostMalloc(&stage, n, 0)))
+			return e;
+		if (to_dev)
+			memcpy(stage, src, n);
+		e = copy(to_dev ? dst : stage, to_dev ? stage : src, n, &null_stream);
+		if (!e)
+			e = hipStreamSynchronize(NULL);
+		if (!e && !to_dev)
+			memcpy(dst, stage, n);
+		hipHostFree(stage);
+		return e;
+	}
+	e = copy(dst, src, n, &null_stream);
+	return e ? e : hipStreamSynchronize(NULL);
+}
