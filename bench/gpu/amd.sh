@@ -35,20 +35,13 @@ set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-out=${1:-$PWD/bench-amd-out}
-quick=${2:-}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
 # shellcheck source=common.sh
-. "$here/common.sh"
+. "$here/common.sh" bench-amd-out "$@"
 
 # ---- 1. the machine ------------------------------------------------------------
 step machine
 {
-	echo "date: $(date -u +%FT%TZ)"
-	echo "host: $(uname -srm), $(nproc) CPUs"
-	echo "kvtier: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-	     "$(git -C "$root" status --porcelain 2>/dev/null | grep -q . && echo '(dirty tree)')"
+	machine_common
 	if command -v amd-smi >/dev/null; then
 		amd-smi static --asic --board 2>/dev/null | head -40
 	elif command -v rocm-smi >/dev/null; then

@@ -2,9 +2,15 @@
 # the NVIDIA one, and amd.sh): the output directory and its SUMMARY.txt,
 # the step/record helpers, and the check of a bandwidth table's ratios.
 #
-# A script sets $out (the output directory, created) before sourcing, and
-# uses $status (0 unless a check FAILed) as its exit status.
+# A script sets $here and $root, sources it as
+#   . "$here/common.sh" DEFAULT_OUTDIR "$@"
+# (its own arguments: OUTDIR, then --quick or nothing), and uses $out, $quick
+# and $status (0 unless a check FAILed; its exit status).
 
+out=${2:-$PWD/$1}
+quick=${3:-}
+mkdir -p "$out" || exit 1
+out=$(cd "$out" && pwd)
 summary=$out/SUMMARY.txt
 : >"$summary"
 exec > >(tee "$out/run.log") 2>&1
@@ -15,6 +21,14 @@ step() { echo; echo "== $*"; }
 rec() { echo "$1: $2"; echo "$1: $2" >>"$summary"; }
 fail() { rec FAIL "$1"; status=1; }
 die() { rec FAIL "$1"; exit 1; }
+
+# The lines of machine.txt every vendor's script starts with.
+machine_common() {
+	echo "date: $(date -u +%FT%TZ)"
+	echo "host: $(uname -srm), $(nproc) CPUs"
+	echo "kvtier: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+	     "$(git -C "$root" status --porcelain 2>/dev/null | grep -q . && echo '(dirty tree)')"
+}
 
 # check_ratios NAME TABLE VERDICT_BELOW
 #   For every row of a kvtier-bench bandwidth table with pages >= 64 KiB and

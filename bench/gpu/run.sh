@@ -27,20 +27,13 @@ set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-out=${1:-$PWD/bench-gpu-out}
-quick=${2:-}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
 # shellcheck source=common.sh
-. "$here/common.sh"
+. "$here/common.sh" bench-gpu-out "$@"
 
 # ---- 1. the machine ------------------------------------------------------------
 step machine
 {
-	echo "date: $(date -u +%FT%TZ)"
-	echo "host: $(uname -srm), $(nproc) CPUs"
-	echo "kvtier: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-	     "$(git -C "$root" status --porcelain 2>/dev/null | grep -q . && echo '(dirty tree)')"
+	machine_common
 	nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
 		--format=csv 2>/dev/null || echo "nvidia-smi: not available"
 	grep -E 'HugePages_(Total|Free)|Hugepagesize' /proc/meminfo
