@@ -110,35 +110,10 @@ fi
 
 # ---- 4. bandwidth --------------------------------------------------------------------
 step "kvtier-bench bandwidth, hipMalloc'ed KV, HIP ceiling"
-if [ "$quick" = --quick ]; then
-	sweep=(--chunk-sizes 64K,1M,16M --depths 1,32 --ranks 1 --repeat 3)
-	ranks=1
-else
-	sweep=(--chunk-sizes 64K,256K,1M,4M,16M --depths 1,4,32 --ranks 1,2 --repeat 3)
-	ranks=1,2
-fi
-read -r -a extra <<<"${KVT_BW_ARGS:-}"
-bw() { # name, args...
-	local name=$1
-	shift
-	echo "-- $name: $bench bandwidth --backend hsa --device 0 --device-memory hip $* ${extra[*]}"
-	if timeout 900 "$bench" bandwidth --backend hsa --device 0 --device-memory hip "$@" \
-		"${extra[@]}" >"$out/$name.txt" 2>"$out/$name.err"; then
-		cat "$out/$name.txt"
-		rec PASS "bandwidth $name (verified: saved sub-slots and loaded pages compared)"
-	else
-		cat "$out/$name.err"
-		fail "bandwidth $name ($name.err)"
-	fi
-}
+bw_base=(--backend hsa --device 0 --device-memory hip)
 bw bandwidth "${sweep[@]}"
 bw bandwidth-hipregister "${sweep[@]}" --hip-pinned register --reg-bytes 0
-bw bandwidth-adjacent "${sweep[@]}" --blocks seq --reg-bytes 0
-bw bandwidth-glm5 --layout glm5 --depths 1,4,32 --ranks "$ranks" --reg-bytes 0
-bw bandwidth-llama70b-tp8 --layout llama70b-tp8 --depths 1,4,32 --ranks "$ranks" --reg-bytes 0
-timeout 900 "$bench" bandwidth --backend hsa --device 0 --device-memory hip "${sweep[@]}" \
-	--reg-bytes 0 --json "${extra[@]}" >"$out/bandwidth.json" 2>>"$out/bandwidth.err" ||
-	fail "bandwidth --json"
+bw_sweeps
 
 # ---- 5. checks -------------------------------------------------------------------------
 step checks

@@ -11,6 +11,17 @@ out=${2:-$PWD/$1}
 quick=${3:-}
 mkdir -p "$out" || exit 1
 out=$(cd "$out" && pwd)
+
+# The bandwidth sweep: short with --quick, the full one otherwise.
+if [ "$quick" = --quick ]; then
+	sweep=(--chunk-sizes 64K,1M,16M --depths 1,32 --ranks 1 --repeat 3)
+	ranks=1
+else
+	sweep=(--chunk-sizes 64K,256K,1M,4M,16M --depths 1,4,32 --ranks 1,2 --repeat 3)
+	ranks=1,2
+fi
+# KVT_BW_ARGS: extra options for every run (e.g. "--run-bytes 64M" for a dry run)
+read -r -a extra <<<"${KVT_BW_ARGS:-}"
 summary=$out/SUMMARY.txt
 : >"$summary"
 exec > >(tee "$out/run.log") 2>&1
@@ -28,6 +39,33 @@ machine_common() {
 	echo "host: $(uname -srm), $(nproc) CPUs"
 	echo "kvtier: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
 	     "$(git -C "$root" status --porcelain 2>/dev/null | grep -q . && echo '(dirty tree)')"
+}
+
+# bw NAME ARGS...
+#   One "$bench bandwidth" run with the script's ${bw_base[@]}, ARGS and
+#   $KVT_BW_ARGS; the table goes to NAME.txt, errors to NAME.err.
+bw() {
+	local name=$1
+	shift
+	echo "-- $name: $bench bandwidth ${bw_base[*]} $* ${extra[*]}"
+	if timeout 900 "$bench" bandwidth "${bw_base[@]}" "$@" "${extra[@]}" >"$out/$name.txt" \
+		2>"$out/$name.err"; then
+		cat "$out/$name.txt"
+		rec PASS "bandwidth $name (verified: saved sub-slots and loaded pages compared)"
+	else
+		cat "$out/$name.err"
+		fail "bandwidth $name ($name.err)"
+	fi
+}
+
+# bw_sweeps: the runs every vendor's script makes after its own: adjacent
+#   pages, the GLM-5 and Llama-70B-TP8 shapes, and the sweep as JSON.
+bw_sweeps() {
+	bw bandwidth-adjacent "${sweep[@]}" --blocks seq --reg-bytes 0
+	bw bandwidth-glm5 --layout glm5 --depths 1,4,32 --ranks "$ranks" --reg-bytes 0
+	bw bandwidth-llama70b-tp8 --layout llama70b-tp8 --depths 1,4,32 --ranks "$ranks" --reg-bytes 0
+	timeout 900 "$bench" bandwidth "${bw_base[@]}" "${sweep[@]}" --reg-bytes 0 --json "${extra[@]}" \
+		>"$out/bandwidth.json" 2>>"$out/bandwidth.err" || fail "bandwidth --json"
 }
 
 # check_ratios NAME TABLE VERDICT_BELOW

@@ -135,34 +135,9 @@ fi
 
 # ---- 5. bandwidth --------------------------------------------------------------------
 step "kvtier-bench bandwidth"
-if [ "$quick" = --quick ]; then
-	sweep=(--chunk-sizes 64K,1M,16M --depths 1,32 --ranks 1 --repeat 3)
-	ranks=1
-else
-	sweep=(--chunk-sizes 64K,256K,1M,4M,16M --depths 1,4,32 --ranks 1,2 --repeat 3)
-	ranks=1,2
-fi
-# KVT_BW_ARGS: extra options for every run (e.g. "--run-bytes 64M" for a dry run)
-read -r -a extra <<<"${KVT_BW_ARGS:-}"
-bw() { # name, args...
-	local name=$1
-	shift
-	echo "-- $name: $bench bandwidth --backend cuda --device 0 $* ${extra[*]}"
-	if timeout 900 "$bench" bandwidth --backend cuda --device 0 "$@" "${extra[@]}" >"$out/$name.txt" \
-		2>"$out/$name.err"; then
-		cat "$out/$name.txt"
-		rec PASS "bandwidth $name (verified: saved sub-slots and loaded pages compared)"
-	else
-		cat "$out/$name.err"
-		fail "bandwidth $name ($name.err)"
-	fi
-}
+bw_base=(--backend cuda --device 0)
 bw bandwidth "${sweep[@]}" --plot "$out/bandwidth.png"
-bw bandwidth-adjacent "${sweep[@]}" --blocks seq --reg-bytes 0
-bw bandwidth-glm5 --layout glm5 --depths 1,4,32 --ranks "$ranks" --reg-bytes 0
-bw bandwidth-llama70b-tp8 --layout llama70b-tp8 --depths 1,4,32 --ranks "$ranks" --reg-bytes 0
-timeout 900 "$bench" bandwidth --backend cuda --device 0 "${sweep[@]}" --reg-bytes 0 --json "${extra[@]}" \
-	>"$out/bandwidth.json" 2>>"$out/bandwidth.err" || fail "bandwidth --json"
+bw_sweeps
 
 # ---- 6. checks -------------------------------------------------------------------------
 step checks
