@@ -62,7 +62,13 @@
 /* Version 2: generation-tagged shard claims replace the writer/writing
  * pair, per-rank tagged loaded words and a tagged miss count in leases, a
  * segment id in the header (lease ids carry it), OFD-lock liveness. */
-#define KVT_LAYOUT_VERSION 2u
+/* Version 3: the same tables; the fingerprint includes the key format
+ * (KVT_KEY_FORMAT), so a version-2 segment's keys (format 1) would never
+ * match: refused by name instead. */
+#define KVT_LAYOUT_VERSION 3u
+/* How tier/ derives chunk keys from tokens (tier/kvt_hash.h): 1 =
+ * XXH3-128(parent || tokens), 2 = XXH3-128(parent || XXH3-128(tokens)). */
+#define KVT_KEY_FORMAT     2u
 #define KVT_POLICY_DEPTH_FIRST 0x1ULL /* eviction prefers deeper cold chunks */
 #define KVT_POLICY_MASK        0x1ULL
 #define KVT_CACHELINE      64u

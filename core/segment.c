@@ -249,15 +249,20 @@ int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 
 void kvt__fingerprint(const struct kvt_geometry *g, kvt_key *out)
 {
-	/* The layout: what makes the bytes of a chunk mean the same thing.
-	 * Capacity (slots, leases) and instance count are not part of it. */
+	/* The layout: what makes the bytes of a chunk mean the same thing,
+	 * and how its key is computed from tokens (the key format: two
+	 * processes that hash differently would only ever miss each other's
+	 * chunks).  Capacity (slots, leases) and instance count are not part
+	 * of it. */
 	struct {
 		uint32_t chunk_tokens, world, mode, n_groups;
 		struct kvt_layer_group groups[KVT_MAX_GROUPS];
 		kvt_key model_id;
+		uint32_t key_format, pad;
 	} f;
 
 	memset(&f, 0, sizeof(f));
+	f.key_format = KVT_KEY_FORMAT;
 	f.chunk_tokens = g->chunk_tokens;
 	f.world = g->world;
 	f.mode = g->mode;

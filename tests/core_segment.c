@@ -165,8 +165,8 @@ struct field {
 #define F(name, member, w, v, x) { name, offsetof(struct kvt_hdr, member), w, v, x }
 static const struct field fields[] = {
 	F("magic", magic, 8, 0, 0),
-	F("version", version, 4, 3, 0),
-	F("made by an older kvtier", version, 4, 1, 0),
+	F("version", version, 4, KVT_LAYOUT_VERSION + 1, 0),
+	F("made by an older kvtier", version, 4, KVT_LAYOUT_VERSION - 1, 0),
 	F("seg_id", seg_id, 8, 0, 0),
 	F("hdr_size", hdr_size, 4, 100, 0),
 	F("total_size", total_size, 8, 1ULL << 21, 0),

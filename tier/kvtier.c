@@ -28,6 +28,7 @@
 #include "kvt_core.h"
 #include "kvt_dma.h"
 #include "kvt_config.h"
+#include "kvt_hash.h"
 #if defined(KVTIER_HAVE_NUMA) && defined(KVTIER_NUMA_HAVE_SEG)
 #include "kvt_numa.h"
 #define TIER_PLACEMENT 1
@@ -72,6 +73,8 @@ struct kvt_tier {
 	uint32_t n_groups;
 	struct kvt_group_desc groups[KVT_MAX_GROUPS];
 	kvt_key fingerprint;
+	kvt_key key_root;                /* key[-1]: H(fingerprint) */
+	kvt__hash_chain_fn *hash_chain;  /* this CPU's kernel (kvt_hash.h) */
 	struct op ops[KVT_MAX_OPS];
 	uint32_t op_hint;
 };
@@ -408,6 +411,8 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 	{
 		const struct kvt_geometry *sg = kvt_seg_geometry(t->seg);
 		kvt_seg_fingerprint(t->seg, &t->fingerprint);
+		t->key_root = kvt__hash_root(&t->fingerprint);
+		t->hash_chain = kvt__hash_chain(NULL);
 		if (!cfg->n_groups) {
 			t->chunk_tokens = sg->chunk_tokens;
 		} else if (sg->chunk_tokens != t->chunk_tokens) {
@@ -838,51 +843,22 @@ out_close:
 int kvt_hash_tokens(const kvt_tier *t, const uint32_t *tokens, size_t n_tokens,
 		    const kvt_key *parent, kvt_key *keys, size_t max_keys)
 {
-	size_t chunks, tb;
-	uint8_t *buf;
+	size_t chunks;
 	kvt_key prev;
 
 	if (!t)
 		return terr(-EINVAL, "hash_tokens: NULL handle");
 	chunks = n_tokens / t->chunk_tokens;
-	tb = (size_t)t->chunk_tokens * 4;
 	if (chunks > max_keys)
 		chunks = max_keys;
 	if (chunks > INT_MAX)
 		chunks = INT_MAX;
-	if (parent) {
-		prev = *parent;
-	} else {
-		XXH128_hash_t h = XXH3_128bits(&t->fingerprint, sizeof(t->fingerprint));
-		prev.lo = h.low64;
-		prev.hi = h.high64;
-	}
 	if (!chunks)
 		return 0;
 	if (!tokens || !keys)
 		return terr(-EINVAL, "hash_tokens: NULL argument");
-	buf = malloc(16 + tb);
-	if (!buf)
-		return terr(-ENOMEM, "hash_tokens: out of memory");
-	for (size_t i = 0; i < chunks; i++) {
-		/* Fixed byte order: keys are the same on every host. */
-		for (int b = 0; b < 8; b++) {
-			buf[b] = (uint8_t)(prev.lo >> (8 * b));
-			buf[8 + b] = (uint8_t)(prev.hi >> (8 * b));
-		}
-		for (size_t k = 0; k < t->chunk_tokens; k++) {
-			uint32_t v = tokens[i * t->chunk_tokens + k];
-			buf[16 + 4 * k] = (uint8_t)v;
-			buf[17 + 4 * k] = (uint8_t)(v >> 8);
-			buf[18 + 4 * k] = (uint8_t)(v >> 16);
-			buf[19 + 4 * k] = (uint8_t)(v >> 24);
-		}
-		XXH128_hash_t h = XXH3_128bits(buf, 16 + tb);
-		prev.lo = h.low64;
-		prev.hi = h.high64;
-		keys[i] = prev;
-	}
-	free(buf);
+	prev = parent ? *parent : t->key_root;
+	t->hash_chain(tokens, t->chunk_tokens, chunks, prev, keys);
 	return (int)chunks;
 }
 
