@@ -4,6 +4,7 @@
  *   kvtier-bench bandwidth [options]  save/load GB/s (bench/bandwidth.c)
  *   kvtier-bench replay [options]     a trace through the real API (bench/replay.c)
  *   kvtier-bench preempt [options]    the long preemption stress (bench/preempt.c)
+ *   kvtier-bench lookup [options]     hashing and lookups, C and Python (bench/lookup.c)
  */
 #include <stdio.h>
 #include <string.h>
@@ -12,6 +13,7 @@ int kvt_bench_ops(int argc, char **argv);
 int kvt_bench_bandwidth(int argc, char **argv);
 int kvt_bench_replay(int argc, char **argv);
 int kvt_bench_preempt(int argc, char **argv);
+int kvt_bench_lookup(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -23,6 +25,7 @@ static void usage(FILE *f)
 		"  bandwidth  save/load bandwidth against the platform's copy ceiling\n"
 		"  replay     eviction policy hit rates on a trace\n"
 		"  preempt    core's protocols under preemption: delays, slow writers, checks\n"
+		"  lookup     hash + lookup per request, C and Python, against XXH3 and a ZMQ lookup\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -41,6 +44,8 @@ int main(int argc, char **argv)
 		return kvt_bench_replay(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "preempt"))
 		return kvt_bench_preempt(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "lookup"))
+		return kvt_bench_lookup(argc - 1, argv + 1);
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;

@@ -124,6 +124,16 @@ _PROTOTYPES = {
 #: exports exactly these).
 SYMBOLS = tuple(_PROTOTYPES)
 
+# The hot path's second face of three of them: every pointer a plain
+# address (c_void_p takes an int), so a call converts no ctypes objects.
+_FAST_PROTOTYPES = {
+    "kvt_hash_tokens": (ctypes.c_int, [_tier_p, ctypes.c_void_p, ctypes.c_size_t,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "kvt_lookup": (ctypes.c_int, [_tier_p, ctypes.c_void_p, c_u32, ctypes.c_void_p]),
+    "kvt_save": (ctypes.c_int, [_tier_p, ctypes.c_void_p, c_u32, c_u32, _tables_p,
+                                _P(kvt_op)]),
+}
+
 _LIBNAMES = ("libkvtier.so", "libkvtier.so.1")
 
 
@@ -172,6 +182,9 @@ def _load():
             fn.restype = res
             fn.argtypes = args
         lib._kvtier_path = path
+        lib.fast = type("fast", (), {})()
+        for name, (res, args) in _FAST_PROTOTYPES.items():
+            setattr(lib.fast, name, ctypes.CFUNCTYPE(res, *args)((name, lib)))
         return lib
     raise LibraryNotFound("libkvtier.so not found; build it (cmake --build build --target "
                           "kvtier) or set KVTIER_LIBRARY. Tried: " + "; ".join(tried))

@@ -1,5 +1,6 @@
 """Tier, Lease, Op, Key, Group: the Python face of kvtier.h."""
 
+import array
 import ctypes
 import errno as _errno
 import operator
@@ -74,17 +75,69 @@ class Key(namedtuple("Key", "lo hi")):
         return "Key(lo=0x%016x, hi=0x%016x)" % (self.lo, self.hi)
 
 
-def _key_array(keys, func):
-    """keys -> (ctypes array of kvt_key or a pointer into numpy, count, keepalive).
+if _np is not None:
+    _U64 = _np.dtype(_np.uint64)
+    _U32 = _np.dtype(_np.uint32)
+    _I32 = _np.dtype(_np.int32)
+    #: numpy dtype of one key as a 16-byte record; (n, 2) uint64 arrays
+    #: (lo, hi rows) are accepted alike.
+    KEY_DTYPE = _np.dtype([("lo", "<u8"), ("hi", "<u8")])
+else:  # pragma: no cover - numpy is installed where the tests run
+    _U64 = _U32 = _I32 = KEY_DTYPE = None
 
-    Accepts Key objects, (lo, hi) pairs, 128-bit ints, or a numpy uint64
-    array of shape (n, 2) holding (lo, hi) rows."""
-    if _np is not None and isinstance(keys, _np.ndarray):
-        if keys.ndim != 2 or keys.shape[1] != 2:
-            raise _invalid("keys: a numpy key array has shape (n, 2), got %s"
-                           % (keys.shape,), func)
-        a = _np.ascontiguousarray(keys, dtype=_np.uint64)
-        return a.ctypes.data_as(ctypes.POINTER(L.kvt_key)), a.shape[0], a
+
+_ndarray = _np.ndarray if _np is not None else ()
+_c_char = ctypes.c_char
+
+
+def _addr(a):
+    """The address of a numpy array's memory (None when empty).  A view of
+    a writable buffer through ctypes costs a third of a.ctypes.data."""
+    if not a.size:
+        return None
+    try:
+        return ctypes.addressof(_c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):  # read-only, or not a plain buffer
+        return a.ctypes.data
+
+
+def _key_array(keys, func):
+    """keys -> (address of n contiguous kvt_key, n, keepalive).
+
+    The hot path is a numpy array as hash_keys returns it: shape (n, 2)
+    uint64 (lo, hi rows) or shape (n,) of KEY_DTYPE, C-contiguous: its
+    memory is passed as is.  A bytes-like object of 16 * n bytes (two
+    little-endian u64 per key) is passed as is too.  Key objects, (lo, hi)
+    pairs and 128-bit ints are converted (a Python object per key)."""
+    if type(keys) is _ndarray or isinstance(keys, _ndarray):
+        dt = keys.dtype
+        if keys.ndim == 2 and keys.shape[1] == 2 and dt == _U64:
+            pass
+        elif keys.ndim == 1 and dt == KEY_DTYPE:
+            pass
+        else:
+            raise _invalid("keys: a numpy key array has shape (n, 2) and dtype uint64, or "
+                           "shape (n,) and dtype kvtier.KEY_DTYPE; got shape %s, dtype %s"
+                           % (keys.shape, dt), func)
+        if not keys.flags.c_contiguous:
+            keys = _np.ascontiguousarray(keys)
+        return _addr(keys), keys.shape[0], keys
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        mv = memoryview(keys)
+        if not mv.contiguous:
+            raise _invalid("keys: a key buffer must be contiguous", func)
+        nb = mv.nbytes
+        if nb % 16:
+            raise _invalid("keys: a key buffer holds 16 bytes per key; got %d bytes" % nb, func)
+        if nb == 0:
+            return None, 0, None
+        if isinstance(keys, bytes):
+            return keys, nb // 16, keys
+        if mv.readonly:
+            b = mv.tobytes()
+            return b, nb // 16, b
+        c = (ctypes.c_char * nb).from_buffer(mv.cast("B"))
+        return ctypes.addressof(c), nb // 16, (c, mv)
     keys = list(keys)
     arr = (L.kvt_key * max(len(keys), 1))()
     for i, k in enumerate(keys):
@@ -94,7 +147,79 @@ def _key_array(keys, func):
             lo, hi = Key.from_int(k)
         arr[i].lo = lo
         arr[i].hi = hi
-    return arr, len(keys), arr
+    return ctypes.addressof(arr), len(keys), arr
+
+
+def _one_key(k, what, func):
+    """A single key (Key, (lo, hi), 128-bit int, a row of a key array, or
+    16 bytes) -> kvt_key."""
+    if _np is not None and isinstance(k, (_np.ndarray, _np.void)):
+        a = _np.asarray(k)
+        if a.dtype == KEY_DTYPE and a.shape == ():
+            return L.kvt_key(int(a["lo"]), int(a["hi"]))
+        if a.shape == (2,) and a.dtype.kind in "iu":
+            return L.kvt_key(int(a[0]) & 0xFFFFFFFFFFFFFFFF, int(a[1]) & 0xFFFFFFFFFFFFFFFF)
+        raise _invalid("%s: a key array row has 2 integers, got shape %s" % (what, a.shape),
+                       func)
+    if isinstance(k, (bytes, bytearray, memoryview)):
+        b = bytes(k)
+        if len(b) != 16:
+            raise _invalid("%s: a key is 16 bytes, got %d" % (what, len(b)), func)
+        return L.kvt_key(int.from_bytes(b[:8], "little"), int.from_bytes(b[8:], "little"))
+    lo, hi = k if isinstance(k, tuple) else Key.from_int(k)
+    return L.kvt_key(lo, hi)
+
+
+def _tokens(seq, func):
+    """Token ids -> (address of n uint32, n, keepalive), without a copy when
+    the memory already holds 32-bit ids: a C-contiguous numpy array or CPU
+    tensor of uint32 or int32 (int32 is read as the same bits), an
+    array.array of typecode 'I' or 'i', a memoryview of format 'I'/'i'.
+    Other integer arrays and tensors (int64, as torch and vLLM keep token
+    ids) are range-checked and converted; lists and tuples go through
+    array.array, the fastest conversion CPython has."""
+    if _is_torch(seq):
+        t = seq.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dim() != 1:
+            raise _invalid("tokens: one-dimensional, got shape %s" % (tuple(t.shape),), func)
+        if str(getattr(t, "dtype", "")) in ("torch.int32", "torch.uint32") and \
+                t.is_contiguous():
+            return t.data_ptr(), t.numel(), t
+        seq = t.numpy()
+    if _np is not None and isinstance(seq, _np.ndarray):
+        a = seq
+        if a.ndim != 1:
+            raise _invalid("tokens: one-dimensional, got shape %s" % (a.shape,), func)
+        if a.dtype != _U32:
+            if a.dtype == _I32:
+                a = a.view(_U32)
+            elif a.dtype.kind not in "iu":
+                raise _invalid("tokens: token ids must be integers, got %s" % a.dtype, func)
+            elif a.size and (int(a.min()) < 0 or int(a.max()) > 0xFFFFFFFF):
+                raise _invalid("tokens: token ids must fit in uint32", func)
+            else:
+                a = a.astype(_U32)
+        if not a.flags.c_contiguous:
+            a = _np.ascontiguousarray(a)
+        return _addr(a), a.size, a
+    if isinstance(seq, array.array) and seq.itemsize == 4 and seq.typecode in "IiLl":
+        return seq.buffer_info()[0], len(seq), seq
+    if isinstance(seq, memoryview) and seq.format in ("I", "i", "=I", "<I") and \
+            seq.itemsize == 4 and seq.ndim == 1 and seq.contiguous:
+        if seq.readonly:
+            b = seq.tobytes()
+            return b, len(seq), b
+        c = (ctypes.c_char * seq.nbytes).from_buffer(seq.cast("B"))
+        return ctypes.addressof(c), len(seq), (c, seq)
+    try:
+        a = array.array("I", seq)
+    except OverflowError:
+        raise _invalid("tokens: token ids must fit in uint32", func) from None
+    except TypeError as e:
+        raise TypeError("tokens: token ids must be integers (%s)" % e) from None
+    return a.buffer_info()[0] if len(a) else None, len(a), a
 
 
 # ---- buffers ------------------------------------------------------------------
@@ -209,11 +334,11 @@ class Lease:
 
     def __init__(self, tier, lease_id, hits, keys=None):
         self._tier = tier
-        self.id = int(lease_id)
-        self.hits = int(hits)
+        self.id = lease_id
+        self.hits = hits
         self.keys = keys
         self._loading = False
-        self._released = self.id == 0
+        self._released = lease_id == 0
 
     @property
     def loading(self):
@@ -354,6 +479,9 @@ class Tier:
                  max_inflight=0, segment_dir=None, no_env=False, group_access=False,
                  any_uid=False, prefault=False):
         self._h = None
+        # kvt_lookup's out-parameter, reused (a handle is one thread's)
+        self._lease_out = L.kvt_lease_id()
+        self._lease_addr = ctypes.addressof(self._lease_out)
         func = "kvt_open_v"
         cfg = L.kvt_config()
         cfg.size = ctypes.sizeof(L.kvt_config)
@@ -564,20 +692,57 @@ class Tier:
     # -- keys --
 
     def hash_tokens(self, tokens, parent=None):
-        """kvt_hash_tokens: the keys of the full chunks of a token sequence
-        (a list of Key).  parent: the key that precedes the first chunk
-        (default: the layout fingerprint)."""
+        """kvt_hash_tokens: the keys of the full chunks of a token sequence,
+        as a list of Key (a Python object per key: hash_keys is the fast
+        path).  parent: the key that precedes the first chunk (default: the
+        layout fingerprint's root)."""
+        keys = self.hash_keys(tokens, parent)
+        if _np is not None:
+            return [Key(int(lo), int(hi)) for lo, hi in keys.tolist()]
+        return [Key(int.from_bytes(keys[i:i + 8], "little"),
+                    int.from_bytes(keys[i + 8:i + 16], "little"))
+                for i in range(0, len(keys), 16)]
+
+    def hash_keys(self, tokens, parent=None, out=None):
+        """kvt_hash_tokens into one contiguous buffer: a numpy uint64 array
+        of shape (n, 2), one (lo, hi) row per full chunk (a bytearray of
+        16 * n bytes where numpy is absent), which lookup and save take
+        straight.  tokens: see _tokens (uint32/int32 memory is read in
+        place).  parent: a Key, a row of a key array, or 16 bytes.  out: a
+        C-contiguous uint64 (m, 2) array to write into (at most m keys);
+        the returned array is then a view of it."""
         func = "kvt_hash_tokens"
-        h = self._handle(func)
-        ptr, n, keep, _ = _u32(tokens, "tokens", func)
+        h = self._h
+        if h is None:
+            h = self._handle(func)
+        addr, n, keep = _tokens(tokens, func)
         n_keys = n // self.chunk_tokens
-        out = (L.kvt_key * max(n_keys, 1))()
+        if out is None:
+            if _np is not None:
+                out = _np.empty((n_keys, 2), _U64)
+                oaddr = _addr(out)
+            else:
+                out = bytearray(16 * n_keys)
+                oaddr = ctypes.addressof((ctypes.c_char * max(len(out), 1)).from_buffer(out)) \
+                    if n_keys else None
+        else:
+            if not (_np is not None and isinstance(out, _np.ndarray) and out.ndim == 2
+                    and out.shape[1] == 2 and out.dtype == _U64 and out.flags.c_contiguous
+                    and out.flags.writeable):
+                raise _invalid("out: a writable C-contiguous uint64 array of shape (m, 2)",
+                               func)
+            n_keys = min(n_keys, out.shape[0])
+            oaddr = _addr(out)
         par = None
         if parent is not None:
-            p = parent if isinstance(parent, tuple) else Key.from_int(parent)
-            par = ctypes.byref(L.kvt_key(p[0], p[1]))
-        r = _check(L.lib().kvt_hash_tokens(h, ptr, n, par, out, n_keys), func)
-        return [Key(out[i].lo, out[i].hi) for i in range(r)]
+            par = ctypes.byref(_one_key(parent, "parent", func))
+        r = L.lib().fast.kvt_hash_tokens(h, addr, n, par, oaddr, n_keys)
+        if r < 0:
+            _raise(r, func)
+        del keep
+        if r != len(out) and _np is not None:
+            return out[:r]
+        return out
 
     @property
     def fingerprint(self):
@@ -592,11 +757,14 @@ class Tier:
         """kvt_lookup: the longest READY prefix of keys, pinned under a new
         Lease (hits, id).  Raises KvtierError (-ENOSPC: lease table full)."""
         func = "kvt_lookup"
-        h = self._handle(func)
-        arr, n, keep = _key_array(keys, func)
-        lease = L.kvt_lease_id()
-        r = _check(L.lib().kvt_lookup(h, arr, n, ctypes.byref(lease)), func)
-        return Lease(self, lease.value, r)
+        h = self._h
+        if h is None:
+            h = self._handle(func)
+        addr, n, keep = _key_array(keys, func)
+        r = L.lib().fast.kvt_lookup(h, addr, n, self._lease_addr)
+        if r < 0:
+            _raise(r, func)
+        return Lease(self, self._lease_out.value, r)
 
     def _release_id(self, lease_id):
         func = "kvt_release"
@@ -686,8 +854,8 @@ class Tier:
         karr, n, kkeep = _key_array(keys, func)
         tabs, tkeep = self._tables(block_table, n, func)
         op = L.kvt_op()
-        r = _check(L.lib().kvt_save(h, karr, n, operator.index(first_depth), tabs,
-                                    ctypes.byref(op)), func)
+        r = _check(L.lib().fast.kvt_save(h, karr, n, operator.index(first_depth), tabs,
+                                         ctypes.byref(op)), func)
         return Op(self, op.value, "save", r, (kkeep, tkeep))
 
     def load(self, lease, block_table, n=None):

@@ -66,3 +66,20 @@ def test_torch_views_like_vllm(segname):
                            dtype=torch.float16).transpose(1, 2) for _ in range(N_LAYERS)]
         with scheduler(segname, create=False):
             rank(segname, 0, bad)
+
+
+def test_torch_tokens_and_key_buffers(segname):
+    """Token ids as vLLM keeps them (int64 tensors) and as int32 tensors
+    (read in place) give the same keys; the key buffer of hash_keys goes
+    straight into lookup."""
+    with scheduler(segname) as s:
+        ids = prompt(4, seed=13)
+        ref = s.hash_keys(ids)
+        t32 = torch.from_numpy(ids.astype("int32"))
+        t64 = torch.from_numpy(ids.astype("int64"))
+        assert (s.hash_keys(t32) == ref).all() and (s.hash_keys(t64) == ref).all()
+        assert (s.hash_keys(t64[::1]) == ref).all()
+        assert (s.hash_keys(torch.from_numpy(ids.astype("int64"))[: 2 * CHUNK_TOKENS])
+                == ref[:2]).all()
+        with s.lookup(s.hash_keys(t32)) as lease:
+            assert lease.hits == 0
