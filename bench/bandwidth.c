@@ -244,7 +244,8 @@ static void usage(FILE *f)
 "                       mount with enough free huge pages, as kvt_open does,\n"
 "                       else /dev/shm (4 KiB pages); none: /dev/shm\n"
 "  --no-2d              plans without 2-D copies\n"
-"  --workers N          host: copy threads per rank (default CPUs - 1, 1 to 4);\n"
+"  --workers N          host: copy threads per rank (default: from the CPUs\n"
+"                       this process may use, shared by the run's ranks);\n"
 "                       cuda: streams per rank (default 4)\n"
 "  --device-memory M    auto (default): hipMalloc when the backend is hsa and the\n"
 "                       HIP runtime finds the GPU, else the backend's own; hip:\n"
@@ -730,6 +731,7 @@ static int rank_setup(struct rank *k)
 		return fail(k, "kvt_seg_attach", rc, kvt_core_last_error());
 	dc.max_inflight = depth_max;
 	dc.n_workers = k->o->workers;
+	dc.node_ranks = cf->ranks; /* the rank processes of this run share the CPUs */
 	if (k->o->no_2d)
 		dc.flags |= KVT_DMA_F_NO_2D;
 	if ((rc = kvt_dma_open(&dc, &k->d)))

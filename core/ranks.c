@@ -316,6 +316,27 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
 }
 
+int kvt_seg_live_ranks(const kvt_seg *s)
+{
+	uint32_t per, n = 0, end;
+
+	if (!s)
+		return kvt__err(-EINVAL, "live_ranks: NULL handle");
+	per = s->geo.world + 1;
+	end = s->geo.n_instances * per;
+	if (end > s->d.n_entries)
+		end = s->d.n_entries;
+	for (uint32_t e = 0; e < end; e++) {
+		/* acquire: pairs with the release that published the entry */
+		uint64_t w = kat_load(&s->ents[e].owner, KVT_ACQ);
+		if (e % per == s->geo.world || KVT_OWNER_ST(w) == KVT_ENT_EMPTY ||
+		    KVT_OWNER_ST(w) > KVT_ENT_REAPING)
+			continue;
+		n += kvt__entry_alive(s, e) ? 1 : 0;
+	}
+	return (int)n;
+}
+
 int kvt_seg_reap(kvt_seg *s)
 {
 	int reaped = 0, r;

@@ -312,11 +312,18 @@ static void test_identity(void **st)
 	/* a second live attach of the same rank */
 	assert_int_equal(kvt_seg_attach(&a, &r2), -EBUSY);
 	assert_non_null(strstr(kvt_core_last_error(), "live process"));
-	/* a different rank and the scheduler are fine */
+	/* a different rank and the scheduler are fine; live ranks count
+	 * rank entries only (what shares the node's CPUs for copies) */
+	assert_int_equal(kvt_seg_live_ranks(s), 1);
 	a.rank = 1;
 	assert_int_equal(kvt_seg_attach(&a, &r2), 0);
+	assert_int_equal(kvt_seg_live_ranks(s), 2);
+	assert_int_equal(kvt_seg_live_ranks(r), 2);
 	kvt_seg_detach(r2);
+	assert_int_equal(kvt_seg_live_ranks(s), 1);
 	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_SCHEDULER, 0, 0, 4, &r2), 0);
+	assert_int_equal(kvt_seg_live_ranks(s), 1);
+	assert_int_equal(kvt_seg_live_ranks(NULL), -EINVAL);
 	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_SCHEDULER, 0, 0, 4, &s), -EBUSY);
 	kvt_seg_detach(r2);
 	/* after detach, the rank can attach again */

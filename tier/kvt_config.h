@@ -17,6 +17,7 @@ struct kvt_tier_env {
 	char numa_nodes[128];
 	uint32_t role, instance, rank, world;
 	uint32_t chunk_tokens, max_inflight, n_instances, log_level;
+	uint32_t copy_threads;   /* KVTIER_COPY_THREADS; 0: sized by the backend */
 	uint32_t numa_fallback;
 	uint64_t tier_bytes;
 };

@@ -803,6 +803,15 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	dc.backend = t->env.dma;
 	dc.device = -1;
 	dc.max_inflight = t->env.max_inflight;
+	/* host copy threads: $KVTIER_COPY_THREADS, else the backend sizes
+	 * them from this process's CPUs shared by the node's ranks: this
+	 * instance's world at least (its ranks may still be attaching), or
+	 * every rank of every instance attached now */
+	dc.n_workers = t->env.copy_threads;
+	{
+		int live = kvt_seg_live_ranks(t->seg);
+		dc.node_ranks = live > (int)t->env.world ? (uint32_t)live : t->env.world;
+	}
 	if (t->env.log_level < KVT_LOG_INFO)
 		dc.flags |= KVT_DMA_F_QUIET;
 	r = kvt_dma_open(&dc, &t->dma);

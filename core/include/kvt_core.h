@@ -250,6 +250,11 @@ int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n);
  * is in on a slot being repaired, never for a dead one. */
 int kvt_seg_reap(kvt_seg *s);
 
+/* Rank processes attached to the segment and alive (every instance; the
+ * callers' own entry included; schedulers and clients not counted): what
+ * shares the node's CPUs with this process.  A snapshot; -EINVAL. */
+int kvt_seg_live_ranks(const kvt_seg *s);
+
 /* Checks the invariants (slots conserved, index <-> slot agreement, at most
  * one live slot per key, pin counts equal to live lease references, masks
  * in range).  Meaningful on a quiescent segment.  0, or -EUCLEAN with a

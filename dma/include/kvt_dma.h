@@ -194,13 +194,19 @@ struct kvt_dma_config {
 				 * else "auto" */
 	int32_t device;         /* GPU ordinal; -1: the owner of the KV pointers */
 	uint32_t max_inflight;  /* tickets; 0: KVT_DMA_INFLIGHT_DEFAULT */
-	uint32_t n_workers;     /* host: copy threads (0: CPUs - 1, 1 to 4);
-				 * cuda: streams (0: 4) */
+	uint32_t n_workers;     /* host: copy threads (0: sized from the CPU
+				 * budget, see node_ranks); cuda: streams (0: 4) */
 	uint32_t flags;         /* KVT_DMA_F_* */
 	uint64_t piece_max;     /* largest registration piece; 0: KVT_DMA_PIECE_MAX */
 	uint32_t fault_nth;     /* testing, host backend: the nth submitted ticket
 				 * (1-based) fails with -EIO; 0: never */
-	uint32_t reserved;      /* must be 0 */
+	uint32_t node_ranks;    /* host: rank processes on this node that share
+				 * this process's CPUs (0: 1).  With n_workers 0,
+				 * a rank's share is the CPUs it may run on
+				 * (affinity mask, lowered to a cgroup v2 cpu.max
+				 * quota) over node_ranks: share <= 2 -> 1 worker,
+				 * else share - 1, at most 4 (the caller copies
+				 * too while it waits) */
 	/* Log sink; NULL: stderr ("kvtier dma: ..."), errors and info. */
 	void (*log)(void *arg, int level, const char *msg);
 	void *log_arg;

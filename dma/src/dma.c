@@ -109,8 +109,8 @@ static int config_fill(struct kvt_dma_config *c, const struct kvt_dma_config *in
 	}
 	if (c->flags & ~KVT_DMA_F_MASK)
 		return kvt__dma_err(-EINVAL, "config.flags 0x%x has unknown bits", c->flags);
-	if (c->reserved)
-		return kvt__dma_err(-EINVAL, "config.reserved must be 0");
+	if (c->node_ranks > 4096)
+		return kvt__dma_err(-EINVAL, "config.node_ranks %u > 4096", c->node_ranks);
 	if (c->device < -1)
 		return kvt__dma_err(-EINVAL, "config.device %d", (int)c->device);
 	if (c->max_inflight == 0)

@@ -26,8 +26,10 @@
  * sleeps.  Polling yields the CPU every few hundred nanoseconds
  * (sched_yield), so where threads outnumber CPUs a poller gives way to a
  * thread that copies.  In a stream of chunks neither ever sleeps; an idle
- * backend costs nothing after SPIN_NS.  Workers: CPUs - 1 (1 to 4) by
- * default, as the caller copies too.
+ * backend costs nothing after SPIN_NS.  Workers by default: the rank's
+ * share of the CPUs it may use (affinity mask, cgroup quota, divided by
+ * the ranks on the node: config.node_ranks) minus 1, 1 to 4, as the
+ * caller copies too.
  */
 #include "dma_int.h"
 
@@ -274,18 +276,71 @@ static void host_fini(struct kvt_dma *d)
 	d->be = NULL;
 }
 
+/* CPUs a cgroup v2 cpu.max quota allows this process (0: no quota, or
+ * none readable).  "max 100000" is no quota; "150000 100000" is 2 (1.5
+ * rounded up). */
+static uint32_t cgroup_cpus(void)
+{
+	char line[512], path[600], *nl;
+	unsigned long long quota, period;
+	FILE *f = fopen("/proc/self/cgroup", "re");
+	uint32_t n = 0;
+
+	if (!f)
+		return 0;
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "0::", 3))
+			break;
+	fclose(f);
+	if (strncmp(line, "0::", 3))
+		return 0;
+	if ((nl = strchr(line, '\n')))
+		*nl = 0;
+	snprintf(path, sizeof(path), "/sys/fs/cgroup%s%scpu.max", line + 3,
+		 line[strlen(line) - 1] == '/' ? "" : "/");
+	f = fopen(path, "re");
+	if (!f)
+		return 0;
+	if (fscanf(f, "%llu %llu", &quota, &period) == 2 && period && quota)
+		n = (uint32_t)((quota + period - 1) / period);
+	fclose(f);
+	return n;
+}
+
+/* The CPUs this process may run on: its affinity mask, lowered to a
+ * cgroup CPU quota; the online count where the mask cannot be read. */
+static uint32_t cpu_budget(void)
+{
+	cpu_set_t set;
+	long online = sysconf(_SC_NPROCESSORS_ONLN);
+	uint32_t n = online > 0 ? (uint32_t)online : 1, q;
+
+	if (!sched_getaffinity(0, sizeof(set), &set) && CPU_COUNT(&set) > 0)
+		n = (uint32_t)CPU_COUNT(&set);
+	q = cgroup_cpus();
+	if (q && q < n)
+		n = q;
+	return n;
+}
+
 static int host_init(struct kvt_dma *d, char *why, size_t why_len)
 {
 	struct host_be *be;
 	pthread_condattr_t ca;
-	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-	uint32_t n = d->cfg.n_workers;
+	uint32_t n = d->cfg.n_workers, cpus = cpu_budget();
+	uint32_t ranks = d->cfg.node_ranks ? d->cfg.node_ranks : 1;
+	uint32_t share = cpus / ranks ? cpus / ranks : 1;
 
-	/* The caller copies too (a waiter takes queued work), so CPUs - 1
-	 * workers keep every CPU copying without a thread more: on 2 CPUs a
-	 * second worker only took CPU time from the one copying (measured). */
+	/* The caller copies too (a waiter takes queued work), so share - 1
+	 * workers keep every CPU of the rank's share copying without a
+	 * thread more: on 2 CPUs a second worker only took CPU time from the
+	 * one copying (measured).  Below 3 CPUs a share gets one worker and
+	 * the waiting caller still copies: with two ranks on 2 CPUs, a caller
+	 * that waited without copying (one copying thread per rank) lost
+	 * 10-40 % at depth 1 and gained nothing deeper (docs/BENCHMARKS.md):
+	 * its copying saves the hand-off to the worker. */
 	if (!n)
-		n = ncpu <= 2 ? 1 : ncpu > 5 ? 4 : (uint32_t)ncpu - 1;
+		n = share <= 2 ? 1 : share > 5 ? 4 : share - 1;
 	if (n > 64)
 		return kvt__fmt(-EINVAL, why, why_len, "n_workers %u > 64", n);
 	be = calloc(1, sizeof(*be));
@@ -313,7 +368,8 @@ static int host_init(struct kvt_dma *d, char *why, size_t why_len)
 		}
 		be->n_threads++;
 	}
-	snprintf(d->feature, sizeof(d->feature), "%u copy thread%s", n, n == 1 ? "" : "s");
+	snprintf(d->feature, sizeof(d->feature), "%u copy thread%s (%u CPU%s, %u rank%s)", n,
+		 n == 1 ? "" : "s", cpus, cpus == 1 ? "" : "s", ranks, ranks == 1 ? "" : "s");
 	return 0;
 }
 

@@ -9,6 +9,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,6 +54,10 @@ static struct kvt_dma_config base_cfg(void)
 	memset(&c, 0, sizeof(c));
 	c.size = sizeof(c);
 	c.backend = backend;
+	/* the suite again with the CPUs shared by many ranks (host: a share
+	 * under one CPU still gets its one worker) */
+	if (getenv("KVTIER_TEST_NODE_RANKS"))
+		c.node_ranks = (uint32_t)atoi(getenv("KVTIER_TEST_NODE_RANKS"));
 	/* fakes: device 1 of 2, so that an ordinal mix-up shows */
 	c.device = real_gpu ? 0 : gpu ? 1 : -1;
 	c.log = capture;
@@ -370,9 +375,61 @@ static void test_open_describe(void **state)
 	c.max_inflight = KVT_DMA_INFLIGHT_MAX + 1;
 	assert_int_equal(kvt_dma_open(&c, &d), -EINVAL);
 	c.max_inflight = 0;
+	c.node_ranks = 4097;
+	assert_int_equal(kvt_dma_open(&c, &d), -EINVAL);
+	assert_non_null(strstr(kvt_dma_last_error(), "node_ranks"));
+	c.node_ranks = 0;
 	c.backend = "nvlink";
 	assert_int_equal(kvt_dma_open(&c, &d), -EINVAL);
 	assert_non_null(strstr(kvt_dma_last_error(), "nvlink"));
+}
+
+/* Host copy threads: sized from the CPUs this process may use (its
+ * affinity mask here) over config.node_ranks; an explicit n_workers wins. */
+static void test_host_copy_threads(void **state)
+{
+	struct kvt_dma_config c = base_cfg();
+	cpu_set_t old, one;
+	kvt_dma *d;
+
+	(void)state;
+	if (strcmp(backend, "host"))
+		skip();
+	assert_int_equal(sched_getaffinity(0, sizeof(old), &old), 0);
+	CPU_ZERO(&one);
+	for (int i = 0; i < CPU_SETSIZE; i++)
+		if (CPU_ISSET(i, &old)) {
+			CPU_SET(i, &one);
+			break;
+		}
+	assert_int_equal(sched_setaffinity(0, sizeof(one), &one), 0);
+	c.node_ranks = 1;
+	d = open_cfg(&c);
+	assert_non_null(strstr(kvt_dma_describe(d), "1 copy thread (1 CPU, 1 rank)"));
+	kvt_dma_close(d);
+	c.node_ranks = 8;  /* a share under one CPU: still one worker */
+	d = open_cfg(&c);
+	assert_non_null(strstr(kvt_dma_describe(d), "1 copy thread (1 CPU, 8 ranks)"));
+	kvt_dma_close(d);
+	c.n_workers = 3;
+	d = open_cfg(&c);
+	assert_non_null(strstr(kvt_dma_describe(d), "3 copy threads (1 CPU, 8 ranks)"));
+	kvt_dma_close(d);
+	assert_int_equal(sched_setaffinity(0, sizeof(old), &old), 0);
+	if (CPU_COUNT(&old) >= 8) {
+		char want[64];
+		uint32_t n = (uint32_t)CPU_COUNT(&old);
+		c.n_workers = 0;
+		c.node_ranks = 1;
+		d = open_cfg(&c);
+		snprintf(want, sizeof(want), "4 copy threads (%u CPUs, 1 rank)", n);
+		assert_non_null(strstr(kvt_dma_describe(d), want));
+		kvt_dma_close(d);
+		c.node_ranks = n / 2;  /* 2 CPUs each: one worker */
+		d = open_cfg(&c);
+		assert_non_null(strstr(kvt_dma_describe(d), "1 copy thread ("));
+		kvt_dma_close(d);
+	}
 }
 
 static void test_roundtrip_vllm(void **state)
@@ -1062,6 +1119,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_open_describe),
+		cmocka_unit_test(test_host_copy_threads),
 		cmocka_unit_test(test_roundtrip_vllm),
 		cmocka_unit_test(test_roundtrip_flashinfer),
 		cmocka_unit_test(test_roundtrip_glm5),

@@ -76,6 +76,16 @@ def test_bad_env_values_name_the_variable(segname, monkeypatch):
         with pytest.raises(kvtier.KvtierError) as ei:
             _open_rank(segname, rank=None)
         assert "KVTIER_RANK" in ei.value.message
+        monkeypatch.delenv("KVTIER_RANK")
+        for bad in ("0", "65", "many", ""):
+            monkeypatch.setenv("KVTIER_COPY_THREADS", bad)
+            with pytest.raises(kvtier.KvtierError) as ei:
+                _open_rank(segname)
+            assert "KVTIER_COPY_THREADS" in ei.value.message, bad
+        monkeypatch.setenv("KVTIER_COPY_THREADS", "2")
+        with _open_rank(segname) as t:
+            assert t.world == WORLD
+        monkeypatch.delenv("KVTIER_COPY_THREADS")
         # no_env: the same variables are ignored
         monkeypatch.setenv("KVTIER_WORLD", "nonsense")
         with _open_rank(segname, no_env=True) as t:
