@@ -18,11 +18,15 @@ static _Thread_local char hip_err[256];
 static int herr(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int herr(int code, const char *fmt, ...)
 {
+	char tmp[sizeof(hip_err)];
 	va_list ap;
 
+	/* Through a copy: an argument may be this very buffer (a message
+	 * that wraps the previous one); vsnprintf onto itself garbles it. */
 	va_start(ap, fmt);
-	vsnprintf(hip_err, sizeof(hip_err), fmt, ap);
+	vsnprintf(tmp, sizeof(tmp), fmt, ap);
 	va_end(ap);
+	memcpy(hip_err, tmp, sizeof(tmp));
 	return code;
 }
 

@@ -264,12 +264,13 @@ static void do_hash_lookup(void *a)
 	j->sink += (uint64_t)h;
 }
 
+static uint8_t *kv; /* the rank's "KV cache": freed after kvt_close */
+
 static kvt_tier *open_bench(const struct opts *o, const char *name, uint32_t n_slots,
 			    uint32_t **table, uint32_t *max_chunks)
 {
 	static struct kvt_group_desc g = { .n_layers = 1, .bytes_per_token = 16,
 					   .tokens_per_block = 16 };
-	static uint8_t *kv;
 	struct kvt_config c;
 	struct kvt_group_buffers b;
 	uint64_t base;
@@ -604,6 +605,7 @@ int kvt_bench_lookup(int argc, char **argv)
 	       "hash_tokens' Key objects; zmq ref: LMCache-style msgpack over ZeroMQ, "
 	       "Python hashing, bench/lookup.py)\n");
 	kvt_close(t);
+	free(kv);
 	free(table);
 	free(tokens);
 	free(keys);

@@ -60,6 +60,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <json-c/json.h>
 
 #include "kvtier.h"
 #include "kvt_core.h" /* kvt_seg_unlink: the public API has no unlink */
@@ -178,146 +179,94 @@ static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem)
 	return 0;
 }
 
-static const char *skip_ws(const char *p)
-{
-	while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')
-		p++;
-	return p;
-}
-
-static const char *parse_u64(const char *p, uint64_t *v)
-{
-	uint64_t x = 0;
-	const char *s = p;
-
-	while (*p >= '0' && *p <= '9') {
-		if (x > (UINT64_MAX - 9) / 10)
-			return NULL;
-		x = x * 10 + (uint64_t)(*p++ - '0');
-	}
-	if (p == s)
-		return NULL;
-	*v = x;
-	return p;
-}
-
-/* Skips a value of a key this bench does not use: a number, a string
- * without escapes of quotes, or an array of numbers. */
-static const char *skip_value(const char *p)
-{
-	if (*p == '"') {
-		for (p++; *p && *p != '"'; p++)
-			if (*p == '\\' && p[1])
-				p++;
-		return *p == '"' ? p + 1 : NULL;
-	}
-	if (*p == '[') {
-		int depth = 0;
-		for (; *p; p++) {
-			if (*p == '[')
-				depth++;
-			else if (*p == ']' && --depth == 0)
-				return p + 1;
-		}
-		return NULL;
-	}
-	if (*p == '-' || *p == '+')
-		p++;
-	const char *s = p;
-	while ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e' || *p == 'E' ||
-	       *p == '-' || *p == '+')
-		p++;
-	if (p != s)
-		return p;
-	if (!strncmp(p, "true", 4) || !strncmp(p, "null", 4))
-		return p + 4;
-	if (!strncmp(p, "false", 5))
-		return p + 5;
-	return NULL;
-}
-
 struct parse {
 	struct trace *t;
 	struct idmap map;
 	uint64_t cap_ids, cap_off, cap_raw;
+	struct json_tokener *tok;
 };
 
-/* Parses one line (a JSON object); appends its hash_ids as a request. */
-static int parse_line(struct parse *ps, const char *line, unsigned long lineno)
+/* Parses one line: a JSON object (read by json-c, strict, the whole line)
+ * with an array of non-negative integers "hash_ids"; appends it as a
+ * request.  Other keys are ignored, whatever their values. */
+static int parse_line(struct parse *ps, const char *line, size_t len, unsigned long lineno)
 {
 	struct trace *t = ps->t;
-	const char *p = skip_ws(line);
-	int have_ids = 0;
 	uint64_t start = t->n_chunks;
+	json_object *root = NULL, *ids;
+	enum json_tokener_error jerr;
+	const char *why = NULL;
+	size_t end, n;
 
-	if (!*p)
+	for (end = 0; end < len && strchr(" \t\r\n", line[end]) && line[end]; end++)
+		;
+	if (end == len)
 		return 0; /* blank line */
-	if (*p != '{')
+	if (memchr(line, '\0', len)) {
+		why = "a NUL byte in the line";
 		goto bad;
-	p = skip_ws(p + 1);
-	while (*p != '}') {
-		const char *key, *kend;
-		if (*p != '"')
-			goto bad;
-		key = ++p;
-		while (*p && *p != '"')
-			p++;
-		if (*p != '"')
-			goto bad;
-		kend = p++;
-		p = skip_ws(p);
-		if (*p != ':')
-			goto bad;
-		p = skip_ws(p + 1);
-		if ((size_t)(kend - key) == 8 && !memcmp(key, "hash_ids", 8)) {
-			if (*p != '[')
-				goto bad;
-			p = skip_ws(p + 1);
-			while (*p != ']') {
-				uint64_t raw;
-				uint32_t dense;
-				int r;
-				const char *q = parse_u64(p, &raw);
-				if (!q)
-					goto bad;
-				p = q;
-				r = idmap_get(&ps->map, raw, &t->n_ids, &dense);
-				if (r < 0)
-					return r;
-				if (r == 1) {
-					if (grow((void **)&t->raw, &ps->cap_raw, t->n_ids, sizeof(*t->raw)))
-						return -ENOMEM;
-					t->raw[dense] = raw;
-				}
-				if (grow((void **)&t->ids, &ps->cap_ids, t->n_chunks + 1, sizeof(*t->ids)))
-					return -ENOMEM;
-				t->ids[t->n_chunks++] = dense;
-				p = skip_ws(p);
-				if (*p == ',')
-					p = skip_ws(p + 1);
-				else if (*p != ']')
-					goto bad;
-			}
-			p++;
-			have_ids = 1;
-		} else {
-			const char *q = skip_value(p);
-			if (!q)
-				goto bad;
-			p = q;
-		}
-		p = skip_ws(p);
-		if (*p == ',')
-			p = skip_ws(p + 1);
-		else if (*p != '}')
-			goto bad;
 	}
-	if (*skip_ws(p + 1))
+	if (len > INT32_MAX) {
+		why = "a line over 2 GiB";
 		goto bad;
-	if (!have_ids) {
-		fprintf(stderr, "kvtier-bench replay: line %lu: no \"hash_ids\"\n", lineno);
+	}
+	json_tokener_reset(ps->tok);
+	root = json_tokener_parse_ex(ps->tok, line, (int)len);
+	jerr = json_tokener_get_error(ps->tok);
+	if (!root || jerr != json_tokener_success) {
+		why = jerr == json_tokener_continue ? "the JSON value does not end on this line"
+						    : json_tokener_error_desc(jerr);
+		goto bad;
+	}
+	for (end = json_tokener_get_parse_end(ps->tok); end < len; end++)
+		if (!strchr(" \t\r\n", line[end])) {
+			why = "bytes after the JSON object";
+			goto bad;
+		}
+	if (!json_object_is_type(root, json_type_object)) {
+		why = "not a JSON object";
+		goto bad;
+	}
+	if (!json_object_object_get_ex(root, "hash_ids", &ids) ||
+	    !json_object_is_type(ids, json_type_array)) {
+		fprintf(stderr, "kvtier-bench replay: line %lu: no \"hash_ids\" array\n", lineno);
+		json_object_put(root);
 		return -EINVAL;
 	}
+	n = json_object_array_length(ids);
+	for (size_t i = 0; i < n; i++) {
+		json_object *e = json_object_array_get_idx(ids, i);
+		uint64_t raw;
+		uint32_t dense;
+		int r;
+
+		if (!json_object_is_type(e, json_type_int) || json_object_get_int64(e) < 0) {
+			why = "hash_ids holds something other than a non-negative integer";
+			goto bad;
+		}
+		raw = json_object_get_uint64(e);
+		r = idmap_get(&ps->map, raw, &t->n_ids, &dense);
+		if (r < 0)
+			goto fail;
+		if (r == 1) {
+			if (grow((void **)&t->raw, &ps->cap_raw, t->n_ids, sizeof(*t->raw))) {
+				r = -ENOMEM;
+				goto fail;
+			}
+			t->raw[dense] = raw;
+		}
+		if (grow((void **)&t->ids, &ps->cap_ids, t->n_chunks + 1, sizeof(*t->ids))) {
+			r = -ENOMEM;
+			goto fail;
+		}
+		t->ids[t->n_chunks++] = dense;
+		continue;
+fail:
+		t->n_chunks = start;
+		json_object_put(root);
+		return r;
+	}
+	json_object_put(root);
 	if (t->n_chunks - start > UINT32_MAX || t->n_chunks > UINT32_MAX)
 		return -EOVERFLOW;
 	if (grow((void **)&t->off, &ps->cap_off, (uint64_t)t->n_req + 2, sizeof(*t->off)))
@@ -329,8 +278,10 @@ static int parse_line(struct parse *ps, const char *line, unsigned long lineno)
 	return 0;
 bad:
 	t->n_chunks = start;
-	fprintf(stderr, "kvtier-bench replay: line %lu: not a trace record near column %ld: "
-		"expected {\"hash_ids\": [ids...], ...}\n", lineno, (long)(p - line + 1));
+	if (root)
+		json_object_put(root);
+	fprintf(stderr, "kvtier-bench replay: line %lu: not a trace record (%s): expected "
+		"{\"hash_ids\": [ids...], ...}\n", lineno, why);
 	return -EINVAL;
 }
 
@@ -340,6 +291,7 @@ static int trace_load(const char *path, uint32_t limit, struct trace *t)
 	FILE *f = fopen(path, "r");
 	char *line = NULL;
 	size_t cap = 0;
+	ssize_t len;
 	unsigned long lineno = 0;
 	int r = 0;
 
@@ -349,16 +301,23 @@ static int trace_load(const char *path, uint32_t limit, struct trace *t)
 		fprintf(stderr, "kvtier-bench replay: %s: %s\n", path, strerror(-r));
 		return r;
 	}
+	ps.tok = json_tokener_new();
+	if (!ps.tok) {
+		fclose(f);
+		return -ENOMEM;
+	}
+	json_tokener_set_flags(ps.tok, JSON_TOKENER_STRICT);
 	if (grow((void **)&t->off, &ps.cap_off, 2, sizeof(*t->off))) {
 		fclose(f);
 		return -ENOMEM;
 	}
 	t->off[0] = 0;
-	while ((!limit || t->n_req < limit) && getline(&line, &cap, f) >= 0) {
-		r = parse_line(&ps, line, ++lineno);
+	while ((!limit || t->n_req < limit) && (len = getline(&line, &cap, f)) >= 0) {
+		r = parse_line(&ps, line, (size_t)len, ++lineno);
 		if (r)
 			break;
 	}
+	json_tokener_free(ps.tok);
 	free(line);
 	free(ps.map.keys);
 	free(ps.map.vals);

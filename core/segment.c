@@ -55,11 +55,15 @@ static _Thread_local char kvt_errbuf[256];
 
 int kvt__err(int code, const char *fmt, ...)
 {
+	char tmp[sizeof(kvt_errbuf)];
 	va_list ap;
 
+	/* Through a copy: an argument may be this very buffer (a message
+	 * that wraps the previous one); vsnprintf onto itself garbles it. */
 	va_start(ap, fmt);
-	vsnprintf(kvt_errbuf, sizeof(kvt_errbuf), fmt, ap);
+	vsnprintf(tmp, sizeof(tmp), fmt, ap);
 	va_end(ap);
+	memcpy(kvt_errbuf, tmp, sizeof(tmp));
 	return code;
 }
 
@@ -352,6 +356,16 @@ static int seg_path(char *out, size_t len, const char *name, const char *dir,
 	return 0;
 }
 
+/* Whether a directory sits where the segment's file would be. */
+static int dir_at(const char *path, int is_shm)
+{
+	char full[PATH_MAX + 16];
+	struct stat st;
+
+	snprintf(full, sizeof(full), "%s%s", is_shm ? "/dev/shm" : "", path);
+	return !lstat(full, &st) && S_ISDIR(st.st_mode);
+}
+
 static int seg_open(const char *path, int is_shm, int flags, mode_t mode)
 {
 	int fd = is_shm ? shm_open(path, flags | O_CLOEXEC, mode)
@@ -533,9 +547,9 @@ static int attach_opts_check(const struct kvt_seg_attach_opts *a)
 	if (a->size < sizeof(struct kvt_seg_attach_opts))
 		return kvt__err(-EINVAL, "attach options: size %zu, expected %zu",
 				a->size, sizeof(struct kvt_seg_attach_opts));
-	if (a->flags & ~KVT_SEG_F_ANY_UID)
+	if (a->flags & ~(KVT_SEG_F_ANY_UID | KVT_SEG_F_GROUP))
 		return kvt__err(-EINVAL, "attach options: unknown flags 0x%x",
-				a->flags & ~KVT_SEG_F_ANY_UID);
+				a->flags & ~(KVT_SEG_F_ANY_UID | KVT_SEG_F_GROUP));
 	if (a->role > KVT_ROLE_CLIENT)
 		return kvt__err(-EINVAL, "attach options: unknown role %u", a->role);
 	if (a->role == KVT_ROLE_RANK && a->world == 0)
@@ -648,9 +662,14 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	r = seg_path(path, sizeof(path), a->name, a->dir, &is_shm);
 	if (r)
 		return r;
-	fd = seg_open(path, is_shm, O_RDWR, 0);
-	if (fd < 0)
+	fd = seg_open(path, is_shm, O_RDWR | O_NOFOLLOW, 0);
+	if (fd < 0) {
+		/* shm_open says EINVAL for a directory: say what is there */
+		if (dir_at(path, is_shm))
+			return kvt__err(-EISDIR, "attach '%s': %s%s is a directory, not a "
+					"segment", a->name, is_shm ? "/dev/shm" : "", path);
 		return kvt__err(fd, "attach '%s': %s", a->name, strerror(-fd));
+	}
 	if (fstat(fd, &st) < 0) {
 		r = -errno;
 		close(fd);
@@ -659,6 +678,21 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	if (!S_ISREG(st.st_mode)) {
 		close(fd);
 		return kvt__err(-EINVAL, "attach '%s': %s is not a regular file", a->name, path);
+	}
+	/* Who may write it: a segment others can write is a segment whose
+	 * keys and payloads they can rewrite under every reader (SECURITY.md). */
+	if (st.st_mode & S_IWOTH) {
+		close(fd);
+		return kvt__err(-EACCES, "attach '%s': %s is world-writable (mode %04o): any "
+				"local user could rewrite its keys or KV; refused (chmod 600, or "
+				"660 with group access)", a->name, path,
+				(unsigned)(st.st_mode & 07777));
+	}
+	if ((st.st_mode & S_IWGRP) && !(a->flags & KVT_SEG_F_GROUP)) {
+		close(fd);
+		return kvt__err(-EACCES, "attach '%s': %s is group-writable (mode %04o): "
+				"accepted only with group access (KVT_F_GROUP, Python "
+				"group_access=True)", a->name, path, (unsigned)(st.st_mode & 07777));
 	}
 	if (st.st_uid != geteuid() && !(a->flags & KVT_SEG_F_ANY_UID)) {
 		close(fd);
@@ -901,6 +935,9 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 				c->name, path, strerror(errno));
 	fd = seg_open(path, is_shm, O_RDWR | O_CREAT | O_EXCL,
 		      (c->flags & KVT_SEG_F_GROUP) ? 0660 : 0600);
+	if (fd < 0 && dir_at(path, is_shm))
+		return kvt__err(-EISDIR, "create '%s': %s%s is a directory, not a segment "
+				"(remove it)", c->name, is_shm ? "/dev/shm" : "", path);
 	if (fd < 0)
 		return kvt__err(fd, "create '%s': %s%s", c->name, strerror(-fd),
 				fd == -EEXIST ? " (remove it, or pass KVT_SEG_F_REPLACE)" : "");

@@ -6,11 +6,14 @@
  * that says which field, never a guess.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
 #include <json-c/json.h>
 
 #include "kvt_size.h"
@@ -276,6 +279,8 @@ int kvt_model_parse(const char *json, const char *what, struct kvt_model *out)
 
 int kvt_model_load(const char *path, struct kvt_model *out)
 {
+	struct stat st;
+	int fd;
 	FILE *f;
 	char *buf;
 	size_t n;
@@ -283,9 +288,21 @@ int kvt_model_load(const char *path, struct kvt_model *out)
 
 	if (!path || !out)
 		return kvt__numa_err(-EINVAL, "kvt_model_load: NULL argument");
-	f = fopen(path, "re");
-	if (!f) {
+	/* Non-blocking open, then a regular file only: a FIFO or a device
+	 * would block the tool forever (or feed it endless bytes). */
+	fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+	if (fd < 0) {
 		r = -errno;
+		return kvt__numa_err(r, "%s: %s", path, strerror(-r));
+	}
+	if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+		close(fd);
+		return kvt__numa_err(-EINVAL, "%s: not a regular file (a config.json is one)",
+				     path);
+	}
+	if (fcntl(fd, F_SETFL, 0) || !(f = fdopen(fd, "r"))) {
+		r = -errno;
+		close(fd);
 		return kvt__numa_err(r, "%s: %s", path, strerror(-r));
 	}
 	buf = malloc(MAX_CONFIG_BYTES + 1);

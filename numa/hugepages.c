@@ -28,12 +28,13 @@ int kvt_hp_want_parse(const char *s, const char *what, uint32_t *out)
 		return kvt__numa_err(-EINVAL, "%s: no value", what);
 	if (!strcmp(s, "auto"))
 		*out = KVT_HP_AUTO;
-	else if (!strcmp(s, "on") || !strcmp(s, "1") || !strcmp(s, "yes"))
+	else if (!strcmp(s, "on"))
 		*out = KVT_HP_ON;
-	else if (!strcmp(s, "off") || !strcmp(s, "0") || !strcmp(s, "no"))
+	else if (!strcmp(s, "off"))
 		*out = KVT_HP_OFF;
-	else
-		return kvt__numa_err(-EINVAL, "%s='%s': expected auto, on or off", what, s);
+	else  /* exactly the documented words: no 0/1/yes/no, no empty */
+		return kvt__numa_err(-EINVAL, "%s='%.40s': expected auto, on or off%s", what, s,
+				     *s ? "" : " (set but empty: unset it for auto)");
 	return 0;
 }
 
@@ -179,7 +180,7 @@ int kvt_hugepages_choose(const struct kvt_numa_topo *t, const struct kvt_numa_pl
 	if (r->size < sizeof(*r) || (r->flags & ~KVT_HP_F_MASK) || r->want > KVT_HP_OFF)
 		return kvt__numa_err(-EINVAL, "kvt_hugepages_choose: bad request");
 	want = r->want;
-	if ((r->flags & KVT_HP_F_ENV) && (env = getenv("KVTIER_HUGEPAGES")) && *env) {
+	if ((r->flags & KVT_HP_F_ENV) && (env = getenv("KVTIER_HUGEPAGES"))) {
 		rc = kvt_hp_want_parse(env, "KVTIER_HUGEPAGES", &want);
 		if (rc)
 			return rc;
@@ -245,15 +246,21 @@ int kvt_hugepages_choose(const struct kvt_numa_topo *t, const struct kvt_numa_pl
 
 	/* Where: an explicit directory must really be hugetlbfs. */
 	dir = r->dir;
-	if (!dir && (env = getenv("KVTIER_HUGETLBFS")) && *env)
+	env = NULL;
+	if (!dir && (env = getenv("KVTIER_HUGETLBFS"))) {
+		if (!*env)
+			return kvt__numa_err(-EINVAL, "KVTIER_HUGETLBFS is set but empty: unset "
+					     "it, or name a hugetlbfs mount");
 		dir = env;
+	}
 	if (dir) {
 		struct statfs sf;
 
 		if (statfs(dir, &sf) || (unsigned long)sf.f_type != HUGETLBFS_MAGIC ||
 		    (uint64_t)sf.f_bsize != page) {
-			snprintf(msg, sizeof(msg), "%s is not a hugetlbfs mount with %" PRIu64
-				 " KiB pages", dir, page >> 10);
+			snprintf(msg, sizeof(msg), "%s%s%s is not a hugetlbfs mount with %" PRIu64
+				 " KiB pages", env ? "KVTIER_HUGETLBFS" : "",
+				 env ? "=" : "", dir, page >> 10);
 			rc = -ENOENT;
 			goto unavailable;
 		}

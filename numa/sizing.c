@@ -23,6 +23,8 @@
 #define MiB2 (2ull << 20)
 #define MAX_SLOTS (1ull << 30)   /* core: n_slots 1..2^30 */
 #define MAX_WORLD 64u
+#define MAX_LAYERS 4096u         /* core: KVT_MAX_LAYERS, layers of a group */
+#define MAX_BPT (1ull << 20)     /* core: KVT_MAX_BPT, bytes per token and layer */
 
 static uint64_t round_up(uint64_t x, uint64_t a)
 {
@@ -267,6 +269,15 @@ static int base(const struct kvt_size_req *r, struct kvt_size_plan *p)
 	} else {
 		per_layer = ((uint64_t)(m->kv_lora_rank + m->qk_rope_head_dim) * bits + 7) / 8;
 	}
+	/* The limits kvt_open applies: a plan beyond them is refused here,
+	 * never printed as valid (and the figures below cannot wrap). */
+	if (per_layer > MAX_BPT)
+		return kvt__numa_err(-EINVAL, "%" PRIu64 " bytes per token per layer and rank: "
+				     "kvtier holds at most %llu (2^20); raise TP, or use a "
+				     "narrower kv dtype", per_layer, (unsigned long long)MAX_BPT);
+	if (stage_layers > MAX_LAYERS)
+		return kvt__numa_err(-EINVAL, "%u layers per stage: kvtier holds at most %u",
+				     stage_layers, MAX_LAYERS);
 	p->n_groups = 1;
 	p->groups[0].layers = stage_layers;
 	p->groups[0].bytes_per_token = (uint32_t)per_layer;

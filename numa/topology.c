@@ -355,13 +355,19 @@ int kvt_numa_topo_read(const char *root, struct kvt_numa_topo **out)
 {
 	struct kvt_numa_topo *t;
 	char path[PATH_LEN];
-	int r, with_mem = 0, mem_node = -1;
+	int r, with_mem = 0, mem_node = -1, from_env;
 
 	if (!out)
 		return kvt__numa_err(-EINVAL, "kvt_numa_topo_read: out is NULL");
 	t = calloc(1, sizeof(*t));
 	if (!t)
 		return kvt__numa_err(-ENOMEM, "out of memory");
+	from_env = !(root && *root) && getenv("KVTIER_SYSFS_ROOT");
+	if (from_env && !*kvt__sysfs_root(root)) {
+		free(t);
+		return kvt__numa_err(-EINVAL, "KVTIER_SYSFS_ROOT is set but empty: unset it "
+				     "(the default is /sys) or name a sysfs copy");
+	}
 	t->root = strdup(kvt__sysfs_root(root));
 	if (!t->root) {
 		free(t);
@@ -370,6 +376,11 @@ int kvt_numa_topo_read(const char *root, struct kvt_numa_topo **out)
 	if ((r = read_nodes(t)) || (r = read_gpus(t)) ||
 	    (r = join(path, t->root, "kernel/mm/hugepages", NULL, NULL)) ||
 	    (r = read_pools(path, t->hp, &t->n_hp))) {
+		if (from_env) {
+			char why[400];
+			snprintf(why, sizeof(why), "%s", kvt_numa_last_error());
+			r = kvt__numa_err(r, "KVTIER_SYSFS_ROOT=%.200s: %s", t->root, why);
+		}
 		kvt_numa_topo_free(t);
 		return r;
 	}

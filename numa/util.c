@@ -14,11 +14,15 @@ static _Thread_local char last_error[512];
 
 int kvt__numa_err(int code, const char *fmt, ...)
 {
+	char tmp[sizeof(last_error)];
 	va_list ap;
 
+	/* Through a copy: an argument may be this very buffer (a message
+	 * that wraps the previous one); vsnprintf onto itself garbles it. */
 	va_start(ap, fmt);
-	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	vsnprintf(tmp, sizeof(tmp), fmt, ap);
 	va_end(ap);
+	memcpy(last_error, tmp, sizeof(tmp));
 	return code;
 }
 
@@ -164,7 +168,7 @@ const char *kvt__sysfs_root(const char *root)
 	if (root && *root)
 		return root;
 	env = getenv("KVTIER_SYSFS_ROOT");
-	if (env && *env)
-		return env;
+	if (env)
+		return env;  /* empty: refused by the caller, never the default */
 	return KVT__SYSFS_DEFAULT;
 }

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -605,6 +606,88 @@ static void test_bad_arguments(void **st)
 		free(kv.layer[l]);
 }
 
+/* Issue 14's edges: every one refused (or warned about) with a message
+ * that names the field, the variable or the path. */
+static void test_messages(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c.groups = groups_mla;
+	c.segment_dir = "/dev/shm"; /* its mode is changed below */
+	kvt_tier *t = open_ok(&c), *u = NULL;
+	struct kv kv = kv_alloc();
+	struct kvt_group_buffers gb = { kv.base, PAGE, NBLOCKS };
+	uint32_t table[CHUNK / BLOCK], tokens[CHUNK];
+	const uint32_t *tabs[1] = { table };
+	char path[160];
+	kvt_key key;
+	kvt_op op;
+
+	/* register_kv(t, 1, NULL): the NULL named, not a count */
+	assert_int_equal(kvt_register_kv(t, 1, NULL), -EINVAL);
+	assert_non_null(strstr(kvt_last_error(), "group buffers are NULL"));
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	/* a block id beyond the KV cache: the planner's reason reaches wait */
+	for (uint32_t i = 0; i < CHUNK; i++)
+		tokens[i] = i * 3 + 11;
+	assert_int_equal(kvt_hash_tokens(t, tokens, CHUNK, NULL, &key, 1), 1);
+	for (uint32_t i = 0; i < CHUNK / BLOCK; i++)
+		table[i] = i;
+	table[2] = NBLOCKS + 5;
+	assert_int_equal(kvt_save(t, &key, 1, 0, tabs, &op), 1);
+	assert_int_equal(kvt_wait(t, op, -1), -ERANGE);
+	assert_non_null(strstr(kvt_last_error(), "block id 69 (entry 2"));
+	assert_non_null(strstr(kvt_strerror(-ERANGE), "block id"));
+	/* codes the library returns have words */
+	const int codes[] = { -ELOOP, -EACCES, -EEXIST, -ENOTDIR, -EISDIR, -EFBIG, -ENAMETOOLONG };
+	for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++)
+		assert_null(strstr(kvt_strerror(codes[i]), "unknown"));
+	kvt_close(t);
+
+	/* a segment others may write is refused: world-writable always,
+	 * group-writable unless group access is asked for */
+	snprintf(path, sizeof(path), "/dev/shm/kvtier.%s", NAME);
+	{
+		struct kvt_config a = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+		a.segment_dir = "/dev/shm";
+		a.groups = groups_mla;
+		assert_int_equal(chmod(path, 0666), 0);
+		expect_open_error(&a, -EACCES, "world-writable (mode 0666)");
+		assert_int_equal(chmod(path, 0660), 0);
+		expect_open_error(&a, -EACCES, "group-writable");
+		a.flags |= KVT_F_GROUP;
+		assert_int_equal(kvt_open(&a, &u), 0);
+		kvt_close(u);
+		assert_int_equal(chmod(path, 0600), 0);
+	}
+
+	/* KVTIER_SEGMENT_DIR: named with the path when it is not a directory;
+	 * huge pages asked for on a dir that cannot give them: refused */
+	c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c.flags &= ~KVT_F_NO_ENV;
+	c.groups = groups_mla;
+	setenv("KVTIER_SEGMENT_DIR", "/nonexistent-kvtier-dir", 1);
+	expect_open_error(&c, -ENOENT, "KVTIER_SEGMENT_DIR=/nonexistent-kvtier-dir");
+	setenv("KVTIER_SEGMENT_DIR", "/etc/hostname", 1);
+	expect_open_error(&c, -ENOTDIR, "KVTIER_SEGMENT_DIR=/etc/hostname: not a directory");
+	setenv("KVTIER_SEGMENT_DIR", "/dev/shm", 1);
+	setenv("KVTIER_HUGEPAGES", "on", 1);
+	expect_open_error(&c, -EINVAL, "is not a hugetlbfs mount");
+	unsetenv("KVTIER_HUGEPAGES");
+	unsetenv("KVTIER_SEGMENT_DIR");
+	/* set but empty: refused, never a silent default */
+	setenv("KVTIER_CUDA_LIBRARY", "", 1);
+	c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c.groups = groups_mla;
+	t = open_ok(&c);
+	assert_int_equal(kvt_register_kv(t, 1, &gb), -EINVAL);
+	assert_non_null(strstr(kvt_last_error(), "KVTIER_CUDA_LIBRARY is set but empty"));
+	kvt_close(t);
+	unsetenv("KVTIER_CUDA_LIBRARY");
+	for (int l = 0; l < 2 * LAYERS; l++)
+		free(kv.layer[l]);
+}
+
 static void test_glm_layout(void **st)
 {
 	(void)st;
@@ -711,6 +794,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_rank_killed_mid_save, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_misconfigured, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_glm_layout, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_messages, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -22,6 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
 #include <xxhash.h>
 
 #include "kvtier.h"
@@ -53,6 +56,7 @@ struct op {
 	uint32_t next;       /* first chunk not submitted yet */
 	uint32_t done;       /* chunks finished (done or failed) */
 	int err;             /* first error */
+	char why[240];       /* its message, given by kvt_poll/kvt_wait */
 	kvt_lease_id lease;  /* loads */
 	struct op_chunk *ch;
 	uint32_t *blocks;    /* n * blocks_per_chunk(g) per group, group-major */
@@ -84,11 +88,15 @@ static _Thread_local char tier_err[320];
 static int terr(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int terr(int code, const char *fmt, ...)
 {
+	char tmp[sizeof(tier_err)];
 	va_list ap;
 
+	/* Through a copy: an argument may be this very buffer (a message
+	 * that wraps the previous one); vsnprintf onto itself garbles it. */
 	va_start(ap, fmt);
-	vsnprintf(tier_err, sizeof(tier_err), fmt, ap);
+	vsnprintf(tmp, sizeof(tmp), fmt, ap);
 	va_end(ap);
+	memcpy(tier_err, tmp, sizeof(tmp));
 	return code;
 }
 
@@ -130,7 +138,20 @@ const char *kvt_strerror(int err)
 	case -EAGAIN: return "try again";
 	case -EUCLEAN: return "an invariant of the segment does not hold";
 	case -EOVERFLOW: return "a size overflows";
-	default: return err < 0 ? "unknown error" : "not an error code";
+	case -ELOOP: return "a symbolic link where a segment file was expected: refused";
+	case -EACCES: return "permission denied";
+	case -EEXIST: return "already exists";
+	case -ENOTDIR: return "not a directory";
+	case -EISDIR: return "a directory where a segment file was expected";
+	case -ERANGE: return "out of range (a block id beyond the registered KV cache)";
+	case -EFBIG: return "too large for the filesystem that holds the segment";
+	default:
+		if (err < 0) {
+			/* any other errno: the C library's own words */
+			const char *d = strerrordesc_np(-err);
+			return d ? d : "unknown error";
+		}
+		return "not an error code";
 	}
 }
 
@@ -151,6 +172,39 @@ static void tier_log(void *arg, int level, const char *msg)
 
 	if (level == 1 /* warn */ ? e->log_level >= KVT_LOG_WARN : e->log_level >= KVT_LOG_INFO)
 		fprintf(stderr, "kvtier: %s\n", msg);
+}
+
+/* A segment directory the creator was given (KVTIER_SEGMENT_DIR or
+ * config.segment_dir): it must exist; KVTIER_HUGEPAGES=on needs it to be
+ * hugetlbfs; a disk filesystem is a warning (the arena would be a file the
+ * kernel writes back). */
+static int segment_dir_check(kvt_tier *t, const struct kvt_config *cfg)
+{
+	const char *dir = t->env.segment_dir;
+	const char *what = cfg->segment_dir ? "config.segment_dir" : "KVTIER_SEGMENT_DIR";
+	const char *hp = (cfg->flags & KVT_F_NO_ENV) ? NULL : getenv("KVTIER_HUGEPAGES");
+	struct statfs sf;
+	struct stat st;
+
+	if (stat(dir, &st))
+		return terr(-errno, "%s=%.200s: %s", what, dir, strerror(errno));
+	if (!S_ISDIR(st.st_mode))
+		return terr(-ENOTDIR, "%s=%.200s: not a directory", what, dir);
+	if (statfs(dir, &sf))
+		return terr(-errno, "%s=%.200s: %s", what, dir, strerror(errno));
+	if (hp && !strcmp(hp, "on") && (unsigned long)sf.f_type != HUGETLBFS_MAGIC)
+		return terr(-EINVAL, "KVTIER_HUGEPAGES=on, but %s=%.200s is not a hugetlbfs "
+			    "mount: the segment would be on 4 KiB pages (name a hugetlbfs mount, "
+			    "or unset %s to let kvtier find one)", what, dir, what);
+	if ((unsigned long)sf.f_type != HUGETLBFS_MAGIC && (unsigned long)sf.f_type != TMPFS_MAGIC &&
+	    (unsigned long)sf.f_type != RAMFS_MAGIC) {
+		char msg[400];
+		snprintf(msg, sizeof(msg), "%s=%.200s is not tmpfs or hugetlbfs (filesystem "
+			 "0x%lx): the arena is then a disk file the kernel writes back; use "
+			 "/dev/shm or a hugetlbfs mount", what, dir, (unsigned long)sf.f_type);
+		tier_log(&t->env, 1, msg);
+	}
+	return 0;
 }
 
 #ifdef TIER_PLACEMENT
@@ -351,6 +405,19 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 	t->role = t->env.role;
 	t->rank = t->env.rank;
 	t->chunk_tokens = t->env.chunk_tokens;
+	if (t->role != KVT_TIER_RANK && cfg->rank < 0 && !(cfg->flags & KVT_F_NO_ENV) &&
+	    getenv("KVTIER_RANK")) {
+		char msg[160];
+		snprintf(msg, sizeof(msg), "KVTIER_RANK=%.40s is ignored: this process opens "
+			 "as a %s, which has no rank", getenv("KVTIER_RANK"),
+			 t->role == KVT_TIER_SCHEDULER ? "scheduler" : "client");
+		tier_log(&t->env, 1, msg);
+	}
+	if ((cfg->flags & KVT_F_CREATE) && t->env.segment_dir[0]) {
+		r = segment_dir_check(t, cfg);
+		if (r)
+			goto out_free;
+	}
 	t->n_groups = cfg->n_groups;
 	if (cfg->n_groups)
 		memcpy(t->groups, cfg->groups, cfg->n_groups * sizeof(*cfg->groups));
@@ -367,7 +434,8 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 	a.instance = t->env.instance;
 	a.rank = t->env.rank;
 	a.world = t->env.world;
-	a.flags = (cfg->flags & KVT_F_ANY_UID) ? KVT_SEG_F_ANY_UID : 0;
+	a.flags = ((cfg->flags & KVT_F_ANY_UID) ? KVT_SEG_F_ANY_UID : 0) |
+		  ((cfg->flags & KVT_F_GROUP) ? KVT_SEG_F_GROUP : 0);
 	if (cfg->n_groups) {
 		r = geometry_from(t, t->env.world ? t->env.world : 1, t->env.n_instances,
 				  t->env.tier_bytes, cfg->n_slots, &g);
@@ -466,6 +534,7 @@ static struct op *op_new(kvt_tier *t, uint32_t kind, uint32_t n, kvt_op *id)
 		o->n = n;
 		o->next = o->done = 0;
 		o->err = 0;
+		o->why[0] = 0;
 		o->lease = 0;
 		t->op_hint = i + 1;
 		*id = ((uint64_t)o->gen << 32) | (i + 1);
@@ -534,8 +603,16 @@ static void chunk_finish(kvt_tier *t, struct op *o, uint32_t i, int status)
 	if (status) {
 		if (status == -EIO)
 			kvt_counter_add(t->seg, KVT_C_DMA_ERRORS, 1);
-		if (!o->err)
+		if (!o->err) {
 			o->err = status;
+			/* chunk_submit's failures left their reason in tier_err;
+			 * a copy's failure has only its code */
+			if (c->state == CH_QUEUED)
+				snprintf(o->why, sizeof(o->why), "chunk %u: %.180s", i, tier_err);
+			else
+				snprintf(o->why, sizeof(o->why), "chunk %u: the copy failed: %s", i,
+					 kvt_strerror(status));
+		}
 		c->state = CH_FAILED;
 	} else {
 		c->state = CH_DONE;
@@ -707,9 +784,14 @@ int kvt_poll(kvt_tier *t, kvt_op id)
 	r = op_progress(t, o);
 	if (r == -EINPROGRESS)
 		return r;
+	if (r) {
+		char why[sizeof(o->why)];
+		const char *kind = o->kind == OP_LOAD ? "load" : "save";
+		snprintf(why, sizeof(why), "%s", o->why[0] ? o->why : kvt_strerror(r));
+		op_free(o);
+		return terr(r, "%s failed: %s", kind, why);
+	}
 	op_free(o);
-	if (r)
-		return terr(r, "%s failed: %s", "operation", kvt_strerror(r));
 	return 0;
 }
 
@@ -766,7 +848,9 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 		return terr(-EPERM, "register_kv: a scheduler has no KV cache");
 	if (t->dma)
 		return terr(-EALREADY, "register_kv: already registered");
-	if (n_groups != t->n_groups || !gb)
+	if (!gb)
+		return terr(-EINVAL, "register_kv: the group buffers are NULL");
+	if (n_groups != t->n_groups)
 		return terr(-EINVAL, "register_kv: %u groups given, the layout has %u",
 			    n_groups, t->n_groups);
 	for (uint32_t g = 0; g < n_groups; g++)

@@ -71,7 +71,8 @@ struct kvt_geometry {
 uint64_t kvt_geometry_shard_bytes(const struct kvt_geometry *g);
 
 /* Segment flags. */
-#define KVT_SEG_F_GROUP     0x1u /* create: mode 0660 instead of 0600 */
+#define KVT_SEG_F_GROUP     0x1u /* create: mode 0660 instead of 0600; attach:
+				   * accept a group-writable segment */
 #define KVT_SEG_F_REPLACE   0x2u /* create: remove an existing segment first */
 #define KVT_SEG_F_PREFAULT  0x4u /* create: fault the arena in now */
 #define KVT_SEG_F_ANY_UID   0x8u /* attach: accept a segment of another uid */

@@ -46,11 +46,15 @@ int kvt__fmt(int rc, char *msg, size_t len, const char *fmt, ...)
 
 int kvt__dma_err(int rc, const char *fmt, ...)
 {
+	char tmp[sizeof(last_error)];
 	va_list ap;
 
+	/* Through a copy: an argument may be this very buffer (a message
+	 * that wraps the previous one); vsnprintf onto itself garbles it. */
 	va_start(ap, fmt);
-	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	vsnprintf(tmp, sizeof(tmp), fmt, ap);
 	va_end(ap);
+	memcpy(last_error, tmp, sizeof(tmp));
 	return rc;
 }
 
@@ -109,6 +113,17 @@ static int config_fill(struct kvt_dma_config *c, const struct kvt_dma_config *in
 	}
 	if (c->flags & ~KVT_DMA_F_MASK)
 		return kvt__dma_err(-EINVAL, "config.flags 0x%x has unknown bits", c->flags);
+	/* A runtime library variable set but empty is a mistake, refused
+	 * here for every backend (auto would otherwise skip it in silence). */
+	{
+		static const char *const libs[] = { "KVTIER_HSA_LIBRARY", "KVTIER_CUDA_LIBRARY" };
+		for (size_t i = 0; i < sizeof(libs) / sizeof(libs[0]); i++) {
+			const char *v = getenv(libs[i]);
+			if (v && !*v)
+				return kvt__dma_err(-EINVAL, "%s is set but empty: unset it, or "
+						    "name the runtime library", libs[i]);
+		}
+	}
 	if (c->node_ranks > 4096)
 		return kvt__dma_err(-EINVAL, "config.node_ranks %u > 4096", c->node_ranks);
 	if (c->device < -1)
@@ -324,7 +339,21 @@ int kvt_dma_plan_build(const kvt_dma *d, struct kvt_plan *p,
 	if (!d || !d->have_layout)
 		return kvt__dma_err(-EINVAL, "no KV layout registered");
 	kvt_dma_plan_caps(d, &caps);
-	return kvt_plan_build(p, &d->layout, &caps, blocks, n_tokens);
+	int r = kvt_plan_build(p, &d->layout, &caps, blocks, n_tokens);
+	if (r == -ERANGE) {
+		/* say which id: the planner only returns the code */
+		for (uint32_t g = 0; g < d->layout.n_groups; g++) {
+			const struct kvt_kv_group *gr = &d->layout.groups[g];
+			uint32_t nb = (n_tokens + gr->tokens_per_block - 1) / gr->tokens_per_block;
+			for (uint32_t i = 0; blocks[g] && i < nb; i++)
+				if (blocks[g][i] >= gr->n_blocks)
+					return kvt__dma_err(r, "group %u: block id %u (entry %u of the "
+							    "chunk's table) is beyond the %llu blocks "
+							    "registered", g, blocks[g][i], i,
+							    (unsigned long long)gr->n_blocks);
+		}
+	}
+	return r < 0 && r != -ERANGE ? kvt__dma_err(r, "plan: %s", strerror(-r)) : r;
 }
 
 /* ---- host ranges -------------------------------------------------------- */

@@ -42,6 +42,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <hsa/hsa.h>
 #include <hsa/hsa_ext_amd.h>
@@ -352,7 +353,16 @@ static int hsa_init_be(struct kvt_dma *d, char *why, size_t why_len)
 	}
 	st = be->f.init();
 	if (st != HSA_STATUS_SUCCESS) {
-		kvt__fmt(-ENODEV, why, why_len, "hsa_init failed: status 0x%x (%s)",
+		/* ROCr reports a machine without an AMD GPU as
+		 * OUT_OF_RESOURCES: say what the operator must look at */
+		const char *kfd = "/dev/kfd";
+		kvt__fmt(-ENODEV, why, why_len, "%s (hsa_init: status 0x%x, %.120s)",
+			 access(kfd, F_OK) ? "no AMD GPU found: /dev/kfd does not exist (no "
+			 "amdgpu driver loaded, or the device not passed into this container)" :
+			 access(kfd, R_OK | W_OK) ? "/dev/kfd is not accessible to this user "
+			 "(add it to the render and video groups)" :
+			 "hsa_init failed although /dev/kfd is there (is a GPU visible: "
+			 "ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES?)",
 			 (unsigned)st, st_str(be, st));
 		be_free(d);
 		return -ENODEV;

@@ -73,8 +73,11 @@ static void t_want_parse(void **state)
 	assert_int_equal(w, KVT_HP_AUTO);
 	assert_int_equal(kvt_hp_want_parse("on", "x", &w), 0);
 	assert_int_equal(w, KVT_HP_ON);
-	assert_int_equal(kvt_hp_want_parse("0", "x", &w), 0);
+	assert_int_equal(kvt_hp_want_parse("off", "x", &w), 0);
 	assert_int_equal(w, KVT_HP_OFF);
+	/* only the documented words (0/1/yes/no were taken, undocumented) */
+	for (const char *const *b = (const char *const[]){ "0", "1", "yes", "no", NULL }; *b; b++)
+		assert_int_equal(kvt_hp_want_parse(*b, "KVTIER_HUGEPAGES", &w), -EINVAL);
 	assert_int_equal(kvt_hp_want_parse("On", "KVTIER_HUGEPAGES", &w), -EINVAL);
 	assert_non_null(strstr(kvt_numa_last_error(), "KVTIER_HUGEPAGES='On'"));
 	assert_int_equal(kvt_hp_want_parse("", "x", &w), -EINVAL);
@@ -288,6 +291,19 @@ static void t_env_and_odd_sizes(void **state)
 	setenv("KVTIER_HUGEPAGES", "sometimes", 1);
 	assert_int_equal(kvt_hugepages_choose(f.t, NULL, &r, &c), -EINVAL);
 	assert_non_null(strstr(kvt_numa_last_error(), "KVTIER_HUGEPAGES"));
+	setenv("KVTIER_HUGEPAGES", "", 1);   /* set but empty: refused, not ignored */
+	assert_int_equal(kvt_hugepages_choose(f.t, NULL, &r, &c), -EINVAL);
+	assert_non_null(strstr(kvt_numa_last_error(), "set but empty"));
+	unsetenv("KVTIER_HUGEPAGES");
+	setenv("KVTIER_HUGETLBFS", "", 1);
+	assert_int_equal(kvt_hugepages_choose(f.t, NULL, &r, &c), -EINVAL);
+	assert_non_null(strstr(kvt_numa_last_error(), "KVTIER_HUGETLBFS is set but empty"));
+	setenv("KVTIER_HUGETLBFS", "/tmp", 1);
+	r.want = KVT_HP_ON;
+	assert_int_not_equal(kvt_hugepages_choose(f.t, NULL, &r, &c), 0);
+	assert_non_null(strstr(kvt_numa_last_error(), "KVTIER_HUGETLBFS=/tmp is not a hugetlbfs"));
+	unsetenv("KVTIER_HUGETLBFS");
+	r.want = KVT_HP_ON;
 	unsetenv("KVTIER_HUGEPAGES");
 	/* A size that is not a whole number of huge pages cannot be mapped. */
 	r.flags = 0;

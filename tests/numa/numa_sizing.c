@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -374,6 +375,27 @@ static void t_request_errors(void **state)
 	r.tokens = 1ull << 40;            /* 2^32 chunks: more than a segment holds */
 	assert_int_equal(kvt_size_compute(&r, &p), -EINVAL);
 	r.tokens = 1;
+	/* huge shapes: refused (bytes per token were kept in 32 bits: a
+	 * wrapped figure with success, or 0 and a division by zero) */
+	{
+		struct kvt_model big = m;
+		big.n_kv_heads = 65536;
+		big.head_dim = 65536;   /* 2^33 bytes per token and layer at TP 1 */
+		r = req(&big, KVT_DTYPE_BF16, 1);
+		assert_int_equal(kvt_size_compute(&r, &p), -EINVAL);
+		assert_non_null(strstr(kvt_numa_last_error(), "at most 1048576"));
+		big.n_kv_heads = 8;
+		big.head_dim = 65536;   /* 2^21: still over the library's 2^20 */
+		r = req(&big, KVT_DTYPE_BF16, 1);
+		assert_int_equal(kvt_size_compute(&r, &p), -EINVAL);
+		big.head_dim = 32768;   /* exactly 2^20 per layer: the library takes it */
+		r = req(&big, KVT_DTYPE_BF16, 1);
+		r.tokens = 256;
+		assert_int_equal(kvt_size_compute(&r, &p), 0);
+		assert_int_equal(p.groups[0].bytes_per_token, 1u << 20);
+		r = req(&m, KVT_DTYPE_BF16, 1);
+		r.tokens = 1;
+	}
 	r.reserved = 1;
 	assert_int_equal(kvt_size_compute(&r, &p), -EINVAL);
 	r.reserved = 0;
@@ -454,6 +476,23 @@ static void t_bad_configs(void **state)
 		" \"index_head_dim\": 128, \"indexer_types\": [\"full\", \"half\"]}", "t", &m),
 		-EINVAL);
 	assert_non_null(strstr(kvt_numa_last_error(), "indexer_types[1]"));
+	/* a message that wraps an earlier one reads whole (it was formatted
+	 * onto itself) */
+	assert_int_equal(kvt_model_parse(
+		"{\"num_hidden_layers\": 4, \"num_attention_heads\": 8}", "t", &m), -EINVAL);
+	assert_non_null(strstr(kvt_numa_last_error(), "t: no head_dim, and t: "));
+	assert_non_null(strstr(kvt_numa_last_error(), "hidden_size"));
+	/* not a regular file: refused at once, never read (a FIFO blocked) */
+	{
+		char fifo[64];
+		snprintf(fifo, sizeof(fifo), "/tmp/kvt-fifo-%d", (int)getpid());
+		assert_int_equal(mkfifo(fifo, 0600), 0);
+		assert_int_equal(kvt_model_load(fifo, &m), -EINVAL);
+		assert_non_null(strstr(kvt_numa_last_error(), "not a regular file"));
+		unlink(fifo);
+		assert_int_equal(kvt_model_load("/dev/zero", &m), -EINVAL);
+		assert_int_equal(kvt_model_load("/tmp", &m), -EINVAL);
+	}
 	/* A minimal valid MLA config. */
 	assert_int_equal(kvt_model_parse(
 		"{\"num_hidden_layers\": 2, \"kv_lora_rank\": 512, \"qk_rope_head_dim\": 64}",

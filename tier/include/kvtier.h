@@ -72,7 +72,9 @@ struct kvt_group_desc {
 #define KVT_F_CREATE     0x01u /* create the segment (embedded owner) */
 #define KVT_F_REPLACE    0x02u /* with CREATE: replace an existing segment */
 #define KVT_F_NO_ENV     0x04u /* ignore KVTIER_* variables */
-#define KVT_F_GROUP      0x08u /* with CREATE: mode 0660 */
+#define KVT_F_GROUP      0x08u /* with CREATE: mode 0660; to attach: accept a
+				* group-writable segment (a world-writable one
+				* is always refused) */
 #define KVT_F_ANY_UID    0x10u /* attach to a segment of another uid */
 #define KVT_F_PREFAULT   0x20u /* with CREATE: fault the arena in now */
 #define KVT_F_MASK       0x3fu

@@ -454,11 +454,14 @@ class Op:
 def _enc(s, what):
     if s is None:
         return None
-    if isinstance(s, bytes):
-        return s
-    if not isinstance(s, str):
+    if isinstance(s, str):
+        s = s.encode("utf-8")
+    elif not isinstance(s, bytes):
         raise TypeError("%s: expected a string, got %s" % (what, type(s).__name__))
-    return s.encode("utf-8")
+    if b"\0" in s:
+        # C would read up to the NUL: "a\0b" would open "a"
+        raise _invalid("%s: %r contains a NUL byte" % (what, s), "kvt_open")
+    return s
 
 
 class Tier:

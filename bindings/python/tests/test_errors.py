@@ -220,3 +220,33 @@ def test_rank_save_and_load_through_context_managers(segname):
             assert t.save(keys, block_table(2, 9)).count == 0
         st = s.stats()
         assert st["saved_chunks"] == 2 and st["slots_filling"] == 2
+
+
+def test_names_with_nul_are_refused(segname):
+    """C reads a string up to its NUL: "a\\0b" would have opened "a"."""
+    for kw in (dict(segment=segname + "\0x"), dict(model="m\0odel"),
+               dict(segment_dir="/dev/shm\0/x")):
+        with pytest.raises(kvtier.KvtierError) as ei:
+            _open_rank(segname, **kw)
+        assert "NUL" in ei.value.message and ei.value.name == "EINVAL"
+
+
+def test_warnings_name_what_is_ignored(segname, monkeypatch, capfd, tmp_path):
+    # KVTIER_RANK for a scheduler: not an error, but not silent either
+    monkeypatch.setenv("KVTIER_RANK", "3")
+    with scheduler(segname):
+        pass
+    assert "KVTIER_RANK=3 is ignored" in capfd.readouterr().err
+    monkeypatch.delenv("KVTIER_RANK")
+    # a segment directory on a disk filesystem (the test's tmp dir is one
+    # here; skipped where it is tmpfs)
+    import subprocess
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                        text=True).stdout.strip()
+    if fs in ("tmpfs", "hugetlbfs", "ramfs"):
+        pytest.skip("the tmp dir is on %s" % fs)
+    with kvtier.Tier(segment=segname, role="scheduler", world=WORLD, groups=groups(),
+                     chunk_tokens=CHUNK_TOKENS, create=True, replace=True, n_slots=16,
+                     model="kvtier-pytest", segment_dir=str(tmp_path)):
+        pass
+    assert "is not tmpfs or hugetlbfs" in capfd.readouterr().err
