@@ -16,6 +16,7 @@ pkgs=(
   python3-pytest python3-numpy          # Python binding tests (/usr/bin/python3)
   python3-torch                         # CPU tensors as a fake KV cache (binding tests)
   spin                                  # model checker of core's protocols (tests/model)
+  clang libclang-rt-14-dev              # libFuzzer: the fuzz targets (tests/fuzz/run.sh)
 )
 
 missing=()

@@ -28,4 +28,8 @@ fi
 if [ "${1:-}" != quick ]; then
   run_suite build-asan -DKVTIER_SANITIZE=address,undefined
   run_suite build-tsan -DKVTIER_SANITIZE=thread
+  # libFuzzer (clang), a bounded time per target; the corpora already ran
+  # as regression tests in each build above
+  echo "== kvtier test: fuzz"
+  tests/fuzz/run.sh "${KVTIER_FUZZ_SECONDS:-20}"
 fi

@@ -267,6 +267,23 @@ static void test_truncated_and_foreign(void **st)
 	close(fd);
 	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_OBSERVER, 0, 0, 0, &o), -EPROTO);
 	assert_non_null(strstr(kvt_core_last_error(), "magic"));
+	/* a symbolic link at the segment's path (to a real segment) and a
+	 * FIFO: refused, never followed or opened for reading */
+	{
+		char link[160], lname[80];
+		snprintf(lname, sizeof(lname), "%s-ln", NAME);
+		snprintf(link, sizeof(link), "/dev/shm/kvtier.%s", lname);
+		s = kvt_test_create(NAME, &g, NULL);
+		kvt_seg_detach(s);
+		unlink(link);
+		assert_int_equal(symlink(path, link), 0);
+		assert_int_equal(kvt_test_attach(lname, KVT_ROLE_OBSERVER, 0, 0, 0, &o), -ELOOP);
+		unlink(link);
+		assert_int_equal(mkfifo(link, 0600), 0);
+		assert_int_equal(kvt_test_attach(lname, KVT_ROLE_OBSERVER, 0, 0, 0, &o), -EINVAL);
+		assert_non_null(strstr(kvt_core_last_error(), "not a regular file"));
+		unlink(link);
+	}
 	/* owned by another uid: refused unless asked; then the header's
 	 * creator uid no longer matches the owner, which is named */
 	s = kvt_test_create(NAME, &g, NULL);
