@@ -244,6 +244,15 @@ static void t_env_root(void **state)
 	assert_string_equal(t->root, root);
 	kvt_numa_topo_free(t);
 	fake_sysfs_remove(root);
+	/* set but empty: refused, not the real /sys in silence */
+	setenv("KVTIER_SYSFS_ROOT", "", 1);
+	assert_int_equal(kvt_numa_topo_read(NULL, &t), -EINVAL);
+	assert_non_null(strstr(kvt_numa_last_error(), "KVTIER_SYSFS_ROOT is set but empty"));
+	/* a root that is no sysfs: the variable and the path are named */
+	setenv("KVTIER_SYSFS_ROOT", "/nonexistent-sysfs", 1);
+	assert_true(kvt_numa_topo_read(NULL, &t) < 0);
+	assert_non_null(strstr(kvt_numa_last_error(), "KVTIER_SYSFS_ROOT=/nonexistent-sysfs: "));
+	unsetenv("KVTIER_SYSFS_ROOT");
 }
 
 static void t_broken_trees(void **state)
