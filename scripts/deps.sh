@@ -3,16 +3,20 @@
 # they are missing. Idempotent: a machine that has them all runs no apt-get.
 set -euo pipefail
 
+# Usage: scripts/deps.sh [main]   main: only what the main job needs (the
+# build and kvtier-bench), not the test tools (pytest, torch, spin, clang).
 pkgs=(
   build-essential cmake pkg-config      # the build
   libcmocka-dev                         # C unit tests
   libnuma-dev                           # numa/: mbind, get_mempolicy, move_pages
-  libjson-c-dev                         # kvtier-size reads config.json
+  libjson-c-dev                         # kvtier-size reads config.json, kvtier-bench replay its trace
   libxxhash-dev                         # key hashing (XXH3-128)
   liburing-dev                          # optional disk tier
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV
                                         # and HIP ceiling on AMD, the fake HIP of the tests
+)
+[ "${1:-}" = main ] || pkgs+=(
   python3-pytest python3-numpy          # Python binding tests (/usr/bin/python3)
   python3-torch                         # CPU tensors as a fake KV cache (binding tests)
   spin                                  # model checker of core's protocols (tests/model)

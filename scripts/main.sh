@@ -6,7 +6,7 @@
 # host memcpy), beside the platform's own copy ceiling.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
+scripts/deps.sh main
 jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build-release -j "$jobs" >/dev/null
