@@ -668,7 +668,8 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 		if (dir_at(path, is_shm))
 			return kvt__err(-EISDIR, "attach '%s': %s%s is a directory, not a "
 					"segment", a->name, is_shm ? "/dev/shm" : "", path);
-		return kvt__err(fd, "attach '%s': %s", a->name, strerror(-fd));
+		return kvt__err(fd, "attach '%s': %s%s: %s", a->name, is_shm ? "/dev/shm" : "",
+				path, strerror(-fd));
 	}
 	if (fstat(fd, &st) < 0) {
 		r = -errno;

@@ -473,6 +473,12 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 		r = attach_any(t, &a);
 		if (r) {
 			terr_core(r, "attach");
+			if (t->env.segment_dir[0] && !cfg->segment_dir) {
+				/* say where the directory came from */
+				char why[sizeof(tier_err)];
+				snprintf(why, sizeof(why), "%s", tier_err);
+				terr(r, "%.200s (KVTIER_SEGMENT_DIR=%.80s)", why, t->env.segment_dir);
+			}
 			goto out_free;
 		}
 	}

@@ -222,6 +222,15 @@ def test_rank_save_and_load_through_context_managers(segname):
         assert st["saved_chunks"] == 2 and st["slots_filling"] == 2
 
 
+def test_attach_names_the_path_and_the_variable(segname, monkeypatch):
+    monkeypatch.setenv("KVTIER_SEGMENT_DIR", "/nonexistent-kvtier-dir")
+    with pytest.raises(kvtier.KvtierError) as ei:
+        kvtier.Tier(segment=segname, role="scheduler", world=WORLD)
+    m = ei.value.message
+    assert "/nonexistent-kvtier-dir/kvtier.%s" % segname in m
+    assert "KVTIER_SEGMENT_DIR=/nonexistent-kvtier-dir" in m and ei.value.name == "ENOENT"
+
+
 def test_names_with_nul_are_refused(segname):
     """C reads a string up to its NUL: "a\\0b" would have opened "a"."""
     for kw in (dict(segment=segname + "\0x"), dict(model="m\0odel"),
