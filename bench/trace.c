@@ -115,6 +115,7 @@ static int parse_line(struct parse *ps, const char *line, size_t len, unsigned l
 	json_object *root = NULL, *ids;
 	enum json_tokener_error jerr;
 	const char *why = NULL;
+	int r;
 	size_t end, n;
 
 	for (end = 0; end < len && strchr(" \t\r\n", line[end]) && line[end]; end++)
@@ -132,9 +133,13 @@ static int parse_line(struct parse *ps, const char *line, size_t len, unsigned l
 	json_tokener_reset(ps->tok);
 	root = json_tokener_parse_ex(ps->tok, line, (int)len);
 	jerr = json_tokener_get_error(ps->tok);
-	if (!root || jerr != json_tokener_success) {
+	if (jerr != json_tokener_success) {
 		why = jerr == json_tokener_continue ? "the JSON value does not end on this line"
 						    : json_tokener_error_desc(jerr);
+		goto bad;
+	}
+	if (!root) { /* the line is `null` */
+		why = "not a JSON object";
 		goto bad;
 	}
 	for (end = json_tokener_get_parse_end(ps->tok); end < len; end++)
@@ -159,13 +164,18 @@ static int parse_line(struct parse *ps, const char *line, size_t len, unsigned l
 		json_object *e = json_object_array_get_idx(ids, i);
 		uint64_t raw;
 		uint32_t dense;
-		int r;
 
 		if (!json_object_is_type(e, json_type_int) || json_object_get_int64(e) < 0) {
 			why = "hash_ids holds something other than a non-negative integer";
 			goto bad;
 		}
 		raw = json_object_get_uint64(e);
+		if (raw == UINT64_MAX) {
+			/* json-c clamps larger numbers to this: two different
+			 * ids would be one chunk */
+			why = "a hash id of 2^64 - 1 or more";
+			goto bad;
+		}
 		r = idmap_get(&ps->map, raw, &t->n_ids, &dense);
 		if (r < 0)
 			goto fail;
@@ -185,13 +195,21 @@ static int parse_line(struct parse *ps, const char *line, size_t len, unsigned l
 fail:
 		t->n_chunks = start;
 		json_object_put(root);
+		if (!trace_quiet)
+			fprintf(stderr, "kvtier-bench replay: line %lu: %s\n", lineno,
+				r == -ENOMEM ? "out of memory" : "more than 2^32 distinct ids");
 		return r;
 	}
 	json_object_put(root);
-	if (t->n_chunks - start > UINT32_MAX || t->n_chunks > UINT32_MAX)
-		return -EOVERFLOW;
-	if (grow((void **)&t->off, &ps->cap_off, (uint64_t)t->n_req + 2, sizeof(*t->off)))
-		return -ENOMEM;
+	if (t->n_chunks - start > UINT32_MAX || t->n_chunks > UINT32_MAX ||
+	    grow((void **)&t->off, &ps->cap_off, (uint64_t)t->n_req + 2, sizeof(*t->off))) {
+		r = t->n_chunks > UINT32_MAX ? -EOVERFLOW : -ENOMEM;
+		t->n_chunks = start;
+		if (!trace_quiet)
+			fprintf(stderr, "kvtier-bench replay: line %lu: %s\n", lineno,
+				r == -ENOMEM ? "out of memory" : "more than 2^32 chunks in all");
+		return r;
+	}
 	t->off[t->n_req] = (uint32_t)start;
 	t->off[++t->n_req] = (uint32_t)t->n_chunks;
 	if (t->n_chunks - start > t->max_len)
@@ -230,6 +248,7 @@ int trace_load(const char *path, uint32_t limit, struct trace *t)
 	}
 	json_tokener_set_flags(ps.tok, JSON_TOKENER_STRICT);
 	if (grow((void **)&t->off, &ps.cap_off, 2, sizeof(*t->off))) {
+		json_tokener_free(ps.tok);
 		fclose(f);
 		return -ENOMEM;
 	}

@@ -678,22 +678,24 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	}
 	if (!S_ISREG(st.st_mode)) {
 		close(fd);
-		return kvt__err(-EINVAL, "attach '%s': %s is not a regular file", a->name, path);
+		return kvt__err(-EINVAL, "attach '%s': %s%s is not a regular file", a->name,
+				is_shm ? "/dev/shm" : "", path);
 	}
 	/* Who may write it: a segment others can write is a segment whose
 	 * keys and payloads they can rewrite under every reader (SECURITY.md). */
 	if (st.st_mode & S_IWOTH) {
 		close(fd);
-		return kvt__err(-EACCES, "attach '%s': %s is world-writable (mode %04o): any "
+		return kvt__err(-EACCES, "attach '%s': %s%s is world-writable (mode %04o): any "
 				"local user could rewrite its keys or KV; refused (chmod 600, or "
-				"660 with group access)", a->name, path,
+				"660 with group access)", a->name, is_shm ? "/dev/shm" : "", path,
 				(unsigned)(st.st_mode & 07777));
 	}
 	if ((st.st_mode & S_IWGRP) && !(a->flags & KVT_SEG_F_GROUP)) {
 		close(fd);
-		return kvt__err(-EACCES, "attach '%s': %s is group-writable (mode %04o): "
+		return kvt__err(-EACCES, "attach '%s': %s%s is group-writable (mode %04o): "
 				"accepted only with group access (KVT_F_GROUP, Python "
-				"group_access=True)", a->name, path, (unsigned)(st.st_mode & 07777));
+				"group_access=True)", a->name, is_shm ? "/dev/shm" : "", path,
+				(unsigned)(st.st_mode & 07777));
 	}
 	if (st.st_uid != geteuid() && !(a->flags & KVT_SEG_F_ANY_UID)) {
 		close(fd);

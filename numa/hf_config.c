@@ -295,7 +295,12 @@ int kvt_model_load(const char *path, struct kvt_model *out)
 		r = -errno;
 		return kvt__numa_err(r, "%s: %s", path, strerror(-r));
 	}
-	if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+	if (fstat(fd, &st)) {
+		r = -errno;
+		close(fd);
+		return kvt__numa_err(r, "%s: fstat: %s", path, strerror(-r));
+	}
+	if (!S_ISREG(st.st_mode)) {
 		close(fd);
 		return kvt__numa_err(-EINVAL, "%s: not a regular file (a config.json is one)",
 				     path);

@@ -653,6 +653,7 @@ static void test_messages(void **st)
 		a.groups = groups_mla;
 		assert_int_equal(chmod(path, 0666), 0);
 		expect_open_error(&a, -EACCES, "world-writable (mode 0666)");
+		assert_non_null(strstr(kvt_last_error(), path)); /* the whole path */
 		assert_int_equal(chmod(path, 0660), 0);
 		expect_open_error(&a, -EACCES, "group-writable");
 		a.flags |= KVT_F_GROUP;
@@ -673,15 +674,22 @@ static void test_messages(void **st)
 	setenv("KVTIER_SEGMENT_DIR", "/dev/shm", 1);
 	setenv("KVTIER_HUGEPAGES", "on", 1);
 	expect_open_error(&c, -EINVAL, "is not a hugetlbfs mount");
+	setenv("KVTIER_HUGEPAGES", "1", 1); /* not a word it takes, dir or not */
+	expect_open_error(&c, -EINVAL, "KVTIER_HUGEPAGES='1': expected auto, on or off");
 	unsetenv("KVTIER_HUGEPAGES");
 	unsetenv("KVTIER_SEGMENT_DIR");
 	/* set but empty: refused, never a silent default */
 	setenv("KVTIER_CUDA_LIBRARY", "", 1);
 	c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
 	c.groups = groups_mla;
+	c.dma = "auto"; /* a backend that would read it */
 	t = open_ok(&c);
 	assert_int_equal(kvt_register_kv(t, 1, &gb), -EINVAL);
 	assert_non_null(strstr(kvt_last_error(), "KVTIER_CUDA_LIBRARY is set but empty"));
+	kvt_close(t);
+	c.dma = "host"; /* the host backend never reads it: not its business */
+	t = open_ok(&c);
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
 	kvt_close(t);
 	unsetenv("KVTIER_CUDA_LIBRARY");
 	for (int l = 0; l < 2 * LAYERS; l++)

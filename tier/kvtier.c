@@ -144,7 +144,7 @@ const char *kvt_strerror(int err)
 	case -ENOTDIR: return "not a directory";
 	case -EISDIR: return "a directory where a segment file was expected";
 	case -ERANGE: return "out of range (a block id beyond the registered KV cache)";
-	case -EFBIG: return "too large for the filesystem that holds the segment";
+	case -EFBIG: return "too large: more than the segment's filesystem (or a file) can hold";
 	default:
 		if (err < 0) {
 			/* any other errno: the C library's own words */
@@ -192,6 +192,11 @@ static int segment_dir_check(kvt_tier *t, const struct kvt_config *cfg)
 		return terr(-ENOTDIR, "%s=%.200s: not a directory", what, dir);
 	if (statfs(dir, &sf))
 		return terr(-errno, "%s=%.200s: %s", what, dir, strerror(errno));
+	/* the same words kvt_hugepages_choose takes, checked here too: with a
+	 * directory given it is not consulted */
+	if (hp && strcmp(hp, "auto") && strcmp(hp, "on") && strcmp(hp, "off"))
+		return terr(-EINVAL, "KVTIER_HUGEPAGES='%.40s': expected auto, on or off%s", hp,
+			    *hp ? "" : " (set but empty: unset it for auto)");
 	if (hp && !strcmp(hp, "on") && (unsigned long)sf.f_type != HUGETLBFS_MAGIC)
 		return terr(-EINVAL, "KVTIER_HUGEPAGES=on, but %s=%.200s is not a hugetlbfs "
 			    "mount: the segment would be on 4 KiB pages (name a hugetlbfs mount, "
@@ -593,8 +598,9 @@ static int chunk_submit(kvt_tier *t, struct op *o, uint32_t i)
 	sub = kvt_slot_shard_ptr(t->seg, o->ch[i].slot, t->shard);
 	if (!sub)
 		return terr(-EUCLEAN, "slot %u out of range", o->ch[i].slot);
-	return kvt_dma_submit(t->dma, &t->plan, sub,
-			      o->kind == OP_SAVE ? KVT_DMA_D2H : KVT_DMA_H2D, &o->ch[i].ticket);
+	r = kvt_dma_submit(t->dma, &t->plan, sub,
+			   o->kind == OP_SAVE ? KVT_DMA_D2H : KVT_DMA_H2D, &o->ch[i].ticket);
+	return r && r != -EAGAIN ? terr_dma(r, "submit") : r;
 }
 
 static void chunk_finish(kvt_tier *t, struct op *o, uint32_t i, int status)
@@ -615,6 +621,9 @@ static void chunk_finish(kvt_tier *t, struct op *o, uint32_t i, int status)
 			 * a copy's failure has only its code */
 			if (c->state == CH_QUEUED)
 				snprintf(o->why, sizeof(o->why), "chunk %u: %.180s", i, tier_err);
+			else if (status == -ESTALE)
+				snprintf(o->why, sizeof(o->why), "chunk %u: its slot was reclaimed "
+					 "while it was written (not saved)", i);
 			else
 				snprintf(o->why, sizeof(o->why), "chunk %u: the copy failed: %s", i,
 					 kvt_strerror(status));
@@ -898,6 +907,7 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	 * instance's world at least (its ranks may still be attaching), or
 	 * every rank of every instance attached now */
 	dc.n_workers = t->env.copy_threads;
+	dc.flags |= KVT_DMA_F_HOST_WORKERS; /* KVTIER_COPY_THREADS: not CUDA's streams */
 	{
 		int live = kvt_seg_live_ranks(t->seg);
 		dc.node_ranks = live > (int)t->env.world ? (uint32_t)live : t->env.world;

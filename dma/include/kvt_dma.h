@@ -186,7 +186,9 @@ enum kvt_dma_log_level { KVT_DMA_LOG_ERR = 0, KVT_DMA_LOG_INFO = 1, KVT_DMA_LOG_
 #define KVT_DMA_F_NO_BATCH  0x2u /* cuda: no cuMemcpyBatchAsync */
 #define KVT_DMA_F_NO_ENGINE 0x4u /* hsa: no _on_engine engine choice */
 #define KVT_DMA_F_QUIET     0x8u /* default logger: errors only */
-#define KVT_DMA_F_MASK      0xfu
+#define KVT_DMA_F_HOST_WORKERS 0x10u /* n_workers is for the host backend only:
+				      * cuda keeps its default streams */
+#define KVT_DMA_F_MASK      0x1fu
 
 struct kvt_dma_config {
 	size_t size;            /* sizeof(struct kvt_dma_config) */

@@ -236,7 +236,8 @@ static int set_device(struct kvt_dma *d, int ordinal)
 {
 	struct cu_be *be = d->be;
 	char name[128] = "";
-	uint32_t want = d->cfg.n_workers ? d->cfg.n_workers : 4;
+	uint32_t want = d->cfg.n_workers && !(d->cfg.flags & KVT_DMA_F_HOST_WORKERS) ?
+			d->cfg.n_workers : 4;
 	CUresult r;
 	int rc;
 

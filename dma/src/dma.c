@@ -114,14 +114,17 @@ static int config_fill(struct kvt_dma_config *c, const struct kvt_dma_config *in
 	if (c->flags & ~KVT_DMA_F_MASK)
 		return kvt__dma_err(-EINVAL, "config.flags 0x%x has unknown bits", c->flags);
 	/* A runtime library variable set but empty is a mistake, refused
-	 * here for every backend (auto would otherwise skip it in silence). */
+	 * for the backends that would read it (auto would otherwise skip the
+	 * backend in silence). */
 	{
-		static const char *const libs[] = { "KVTIER_HSA_LIBRARY", "KVTIER_CUDA_LIBRARY" };
+		static const char *const libs[][2] = { { "hsa", "KVTIER_HSA_LIBRARY" },
+						       { "cuda", "KVTIER_CUDA_LIBRARY" } };
+		const char *b = c->backend ? c->backend : getenv("KVTIER_DMA");
 		for (size_t i = 0; i < sizeof(libs) / sizeof(libs[0]); i++) {
-			const char *v = getenv(libs[i]);
-			if (v && !*v)
+			const char *v = getenv(libs[i][1]);
+			if (v && !*v && (!b || !*b || !strcmp(b, "auto") || !strcmp(b, libs[i][0])))
 				return kvt__dma_err(-EINVAL, "%s is set but empty: unset it, or "
-						    "name the runtime library", libs[i]);
+						    "name the runtime library", libs[i][1]);
 		}
 	}
 	if (c->node_ranks > 4096)

@@ -27,9 +27,9 @@
  * (sched_yield), so where threads outnumber CPUs a poller gives way to a
  * thread that copies.  In a stream of chunks neither ever sleeps; an idle
  * backend costs nothing after SPIN_NS.  Workers by default: the rank's
- * share of the CPUs it may use (affinity mask, cgroup quota, divided by
- * the ranks on the node: config.node_ranks) minus 1, 1 to 4, as the
- * caller copies too.
+ * share of the CPUs (cpu_share: the cgroup's cpuset and quota, divided by
+ * the ranks on the node, config.node_ranks, at most the affinity mask)
+ * minus 1, 1 to 4, as the caller copies too.
  */
 #include "dma_int.h"
 
@@ -276,60 +276,129 @@ static void host_fini(struct kvt_dma *d)
 	d->be = NULL;
 }
 
-/* CPUs a cgroup v2 cpu.max quota allows this process (0: no quota, or
- * none readable).  "max 100000" is no quota; "150000 100000" is 2 (1.5
- * rounded up). */
-static uint32_t cgroup_cpus(void)
+/* This process's cgroup v2 directory under /sys/fs/cgroup ("" for the
+ * root); 0, or -1 when there is no cgroup v2 line. */
+static int cgroup_dir(char *out, size_t len)
 {
-	char line[512], path[600], *nl;
-	unsigned long long quota, period;
+	char line[512] = "", *nl;
 	FILE *f = fopen("/proc/self/cgroup", "re");
-	uint32_t n = 0;
+	int found = 0;
 
 	if (!f)
-		return 0;
+		return -1;
 	while (fgets(line, sizeof(line), f))
-		if (!strncmp(line, "0::", 3))
+		if (!strncmp(line, "0::", 3)) {
+			found = 1;
 			break;
+		}
 	fclose(f);
-	if (strncmp(line, "0::", 3))
-		return 0;
+	if (!found)
+		return -1;
 	if ((nl = strchr(line, '\n')))
 		*nl = 0;
-	snprintf(path, sizeof(path), "/sys/fs/cgroup%s%scpu.max", line + 3,
-		 line[strlen(line) - 1] == '/' ? "" : "/");
-	f = fopen(path, "re");
-	if (!f)
+	snprintf(out, len, "%s", strcmp(line + 3, "/") ? line + 3 : "");
+	return 0;
+}
+
+/* The tightest cgroup v2 cpu.max quota on the way from this process's
+ * cgroup to the root, in CPUs rounded up (0: none, or none readable):
+ * a pod's or a slice's quota sits on an ancestor. */
+static uint32_t cgroup_quota_cpus(const char *dir)
+{
+	char d[600], path[640];
+	uint32_t best = 0;
+
+	snprintf(d, sizeof(d), "%s", dir);
+	for (;;) {
+		unsigned long long quota, period;
+		FILE *f;
+		char *slash;
+
+		snprintf(path, sizeof(path), "/sys/fs/cgroup%s/cpu.max", d);
+		if ((f = fopen(path, "re"))) {
+			if (fscanf(f, "%llu %llu", &quota, &period) == 2 && period && quota) {
+				uint32_t n = (uint32_t)((quota + period - 1) / period);
+				if (!best || n < best)
+					best = n;
+			}
+			fclose(f);
+		}
+		if (!d[0])
+			break;
+		slash = strrchr(d, '/');
+		if (!slash)
+			break;
+		*slash = 0;
+	}
+	return best;
+}
+
+/* CPUs in the cgroup's cpuset.cpus.effective ("0-3,8"): what the ranks of
+ * this cgroup share (0: unreadable). */
+static uint32_t cgroup_cpuset_cpus(const char *dir)
+{
+	char path[640], buf[4096];
+	uint32_t n = 0;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/sys/fs/cgroup%s/cpuset.cpus.effective", dir);
+	if (!(f = fopen(path, "re")))
 		return 0;
-	if (fscanf(f, "%llu %llu", &quota, &period) == 2 && period && quota)
-		n = (uint32_t)((quota + period - 1) / period);
+	if (fgets(buf, sizeof(buf), f)) {
+		for (char *p = buf; *p && *p != '\n';) {
+			char *end;
+			unsigned long lo = strtoul(p, &end, 10), hi = lo;
+			if (end == p)
+				break;
+			if (*end == '-')
+				hi = strtoul(end + 1, &end, 10);
+			if (hi >= lo && hi - lo < 65536)
+				n += (uint32_t)(hi - lo + 1);
+			p = *end == ',' ? end + 1 : end;
+			if (*p != 0 && *p != '\n' && !(*p >= '0' && *p <= '9'))
+				break;
+		}
+	}
 	fclose(f);
 	return n;
 }
 
-/* The CPUs this process may run on: its affinity mask, lowered to a
- * cgroup CPU quota; the online count where the mask cannot be read. */
-static uint32_t cpu_budget(void)
+/* A rank's CPU share: the CPUs the node's ranks share (the cgroup's
+ * cpuset, else the online CPUs; lowered to the cgroup quota) divided by
+ * the ranks, but never more than this process may run on (its affinity
+ * mask).  Ranks pinned to disjoint CPUs (8 ranks on 12 CPUs each of 96)
+ * get their 12; ranks sharing a 16-CPU pod get 2 each. */
+static uint32_t cpu_share(uint32_t ranks, uint32_t *cpus_out)
 {
 	cpu_set_t set;
+	char dir[600];
 	long online = sysconf(_SC_NPROCESSORS_ONLN);
-	uint32_t n = online > 0 ? (uint32_t)online : 1, q;
+	uint32_t pool = online > 0 ? (uint32_t)online : 1, mine = pool, q = 0, c, share;
 
 	if (!sched_getaffinity(0, sizeof(set), &set) && CPU_COUNT(&set) > 0)
-		n = (uint32_t)CPU_COUNT(&set);
-	q = cgroup_cpus();
-	if (q && q < n)
-		n = q;
-	return n;
+		mine = (uint32_t)CPU_COUNT(&set);
+	if (cgroup_dir(dir, sizeof(dir)) == 0) {
+		c = cgroup_cpuset_cpus(dir);
+		if (c && c < pool)
+			pool = c;
+		q = cgroup_quota_cpus(dir);
+		if (q && q < pool)
+			pool = q;
+	}
+	share = pool / ranks ? pool / ranks : 1;
+	if (mine < share)
+		share = mine;
+	*cpus_out = q && q < mine ? q : mine;
+	return share;
 }
 
 static int host_init(struct kvt_dma *d, char *why, size_t why_len)
 {
 	struct host_be *be;
 	pthread_condattr_t ca;
-	uint32_t n = d->cfg.n_workers, cpus = cpu_budget();
+	uint32_t n = d->cfg.n_workers, cpus;
 	uint32_t ranks = d->cfg.node_ranks ? d->cfg.node_ranks : 1;
-	uint32_t share = cpus / ranks ? cpus / ranks : 1;
+	uint32_t share = cpu_share(ranks, &cpus);
 
 	/* The caller copies too (a waiter takes queued work), so share - 1
 	 * workers keep every CPU of the rank's share copying without a

@@ -27,6 +27,11 @@ static int run_file(const char *path)
 	fseek(f, 0, SEEK_END);
 	n = ftell(f);
 	rewind(f);
+	if (n < 0) {
+		perror(path);
+		fclose(f);
+		return 1;
+	}
 	buf = malloc(n > 0 ? (size_t)n : 1);
 	if (!buf || (n > 0 && fread(buf, 1, (size_t)n, f) != (size_t)n)) {
 		fprintf(stderr, "%s: read failed\n", path);

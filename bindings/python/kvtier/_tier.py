@@ -124,8 +124,8 @@ def _key_array(keys, func):
         return _addr(keys), keys.shape[0], keys
     if isinstance(keys, (bytes, bytearray, memoryview)):
         mv = memoryview(keys)
-        if not mv.contiguous:
-            raise _invalid("keys: a key buffer must be contiguous", func)
+        if not mv.c_contiguous:
+            raise _invalid("keys: a key buffer must be C-contiguous", func)
         nb = mv.nbytes
         if nb % 16:
             raise _invalid("keys: a key buffer holds 16 bytes per key; got %d bytes" % nb, func)
@@ -177,7 +177,9 @@ def _tokens(seq, func):
     array.array of typecode 'I' or 'i', a memoryview of format 'I'/'i'.
     Other integer arrays and tensors (int64, as torch and vLLM keep token
     ids) are range-checked and converted; lists and tuples go through
-    array.array, the fastest conversion CPython has."""
+    array.array, the fastest conversion CPython has.  Rule for negative
+    ids: 32-bit signed memory is taken as its bits (-1 is 0xFFFFFFFF, as C
+    would read it); any other input must hold 0 .. 2^32 - 1."""
     if _is_torch(seq):
         t = seq.detach()
         if t.device.type != "cpu":
@@ -204,10 +206,13 @@ def _tokens(seq, func):
         if not a.flags.c_contiguous:
             a = _np.ascontiguousarray(a)
         return _addr(a), a.size, a
+    if isinstance(seq, (bytes, bytearray)):
+        raise TypeError("tokens: bytes are not token ids (give a uint32 array, or "
+                        "memoryview(b).cast('I') for raw little-endian ids)")
     if isinstance(seq, array.array) and seq.itemsize == 4 and seq.typecode in "IiLl":
         return seq.buffer_info()[0], len(seq), seq
     if isinstance(seq, memoryview) and seq.format in ("I", "i", "=I", "<I") and \
-            seq.itemsize == 4 and seq.ndim == 1 and seq.contiguous:
+            seq.itemsize == 4 and seq.ndim == 1 and seq.c_contiguous:
         if seq.readonly:
             b = seq.tobytes()
             return b, len(seq), b

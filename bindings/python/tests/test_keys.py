@@ -94,6 +94,8 @@ def test_bad_tokens_are_refused(segname):
             assert what in e.value.message and e.value.name == "EINVAL"
         with pytest.raises(TypeError):
             s.hash_keys(["a"] * CHUNK_TOKENS)
+        with pytest.raises(TypeError):   # bytes are not ids (they were read as raw u32)
+            s.hash_keys(bytes(4 * CHUNK_TOKENS))
         assert s.hash_keys([]).shape == (0, 2)
         assert s.hash_keys(prompt(0)).shape == (0, 2)
 
@@ -122,6 +124,10 @@ def test_key_buffers_through_lookup_and_save(segname):
         with s.lookup(b"") as lease:
             assert lease.hits == 0
         assert s.stats()["leases_live"] == 0
+        fk = memoryview(np.asfortranarray(np.zeros((2, 16), np.uint8)))
+        with pytest.raises(kvtier.KvtierError) as e:   # not C-contiguous: refused
+            s.lookup(fk)
+        assert "C-contiguous" in e.value.message
         for bad, what in ((np.zeros((3, 3), np.uint64), "shape"),
                           (np.zeros((3, 2), np.int32), "dtype"),
                           (b"x" * 17, "16 bytes per key")):
