@@ -229,10 +229,12 @@ static int teardown(void **st)
 	(void)st;
 	char path[128];
 	/* the creator puts the segment on huge pages when it finds them */
-	snprintf(path, sizeof(path), "/dev/shm/kvtier.%s", NAME);
-	unlink(path);
-	snprintf(path, sizeof(path), "/dev/hugepages/kvtier.%s", NAME);
-	unlink(path);
+	for (int i = 0; i < 2; i++) { /* and test_bad_arguments' second segment */
+		snprintf(path, sizeof(path), "/dev/shm/kvtier.%s%s", NAME, i ? "-b" : "");
+		unlink(path);
+		snprintf(path, sizeof(path), "/dev/hugepages/kvtier.%s%s", NAME, i ? "-b" : "");
+		unlink(path);
+	}
 	munmap((void *)sh, sizeof(*sh));
 	return 0;
 }
