@@ -63,7 +63,7 @@
 
 #include "kvtier.h"
 #include "trace.h"
-#include "kvt_core.h" /* kvt_seg_unlink: the public API has no unlink */
+#include "kvt_core.h" /* KVT_NAME_MAX */
 
 #define KEY_HI         0x6b76747265706c79ULL /* "kvtreply" */
 #define CHUNK_TOKENS   512u                  /* one Mooncake trace block */
@@ -402,21 +402,11 @@ static struct pct lat_pct(struct lat *l)
 	return p;
 }
 
-/* Removes the segment wherever the library put it: POSIX shm, or a
- * hugetlbfs mount (a creator given no directory uses huge pages when a
- * mount has enough free ones). */
+/* Removes the segment wherever the library put it (kvt_unlink looks in
+ * POSIX shm and the hugetlbfs mounts a creator uses). */
 static void remove_segment(const char *name)
 {
-	FILE *f = fopen("/proc/mounts", "r");
-	char line[1024], dir[512], type[64];
-
-	(void)kvt_seg_unlink(name, NULL);
-	if (!f)
-		return;
-	while (fgets(line, sizeof(line), f))
-		if (sscanf(line, "%*s %511s %63s", dir, type) == 2 && !strcmp(type, "hugetlbfs"))
-			(void)kvt_seg_unlink(name, dir);
-	fclose(f);
+	(void)kvt_unlink(name, NULL);
 }
 
 static int fail(const char *what, int r)

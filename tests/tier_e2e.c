@@ -698,6 +698,40 @@ static void test_messages(void **st)
 		free(kv.layer[l]);
 }
 
+/* kvt_unlink: by name, wherever kvt_open put the segment (huge pages when
+ * free, else /dev/shm), a bad name refused, a directory left alone. */
+static void test_unlink(void **st)
+{
+	(void)st;
+	struct kvt_config c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	kvt_tier *t = open_ok(&c), *u = NULL;
+	char dir[160];
+
+	/* removed while mapped: the handle keeps working on its copy */
+	assert_int_equal(kvt_unlink(NAME, NULL), 0);
+	assert_int_equal(kvt_step(t, NULL, 0), 0);
+	kvt_close(t);
+	c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+	assert_int_equal(kvt_open(&c, &u), -ENOENT);
+	assert_int_equal(kvt_unlink(NAME, NULL), -ENOENT);
+	assert_non_null(strstr(kvt_last_error(), NAME));
+	assert_int_equal(kvt_unlink("a/b", NULL), -EINVAL);
+	assert_int_equal(kvt_unlink(NULL, NULL), -EINVAL);
+	assert_int_equal(kvt_unlink(NAME, "relative"), -EINVAL);
+	/* in a given directory */
+	c = base_cfg(KVT_TIER_CLIENT, 0, KVT_F_CREATE | KVT_F_REPLACE);
+	c.segment_dir = "/dev/shm";
+	t = open_ok(&c);
+	kvt_close(t);
+	assert_int_equal(kvt_unlink(NAME, "/dev/shm"), 0);
+	/* something that is not a segment file: left alone */
+	snprintf(dir, sizeof(dir), "/dev/shm/kvtier.%s", NAME);
+	assert_int_equal(mkdir(dir, 0700), 0);
+	assert_int_equal(kvt_unlink(NAME, NULL), -EISDIR);
+	assert_int_equal(access(dir, F_OK), 0);
+	rmdir(dir);
+}
+
 static void test_glm_layout(void **st)
 {
 	(void)st;
@@ -805,6 +839,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_misconfigured, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_glm_layout, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_messages, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_unlink, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

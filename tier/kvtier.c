@@ -1052,6 +1052,36 @@ int kvt_stats(kvt_tier *t, struct kvt_stats *o)
 	return 0;
 }
 
+int kvt_unlink(const char *name, const char *dir)
+{
+	int r;
+
+	if (!name)
+		return terr(-EINVAL, "unlink: NULL name");
+	if (kvt_seg_name_valid(name))
+		return terr(-EINVAL, "unlink: '%.80s' is not a segment name (1..64 of "
+			    "[A-Za-z0-9._-])", name);
+	if (dir && dir[0] != '/')
+		return terr(-EINVAL, "unlink: dir '%.80s' is not an absolute directory", dir);
+	r = kvt_seg_unlink(name, dir);
+	if (r == 0 || dir)
+		return r ? terr_core(r, "unlink") : 0;
+#ifdef TIER_PLACEMENT
+	{	/* not in /dev/shm: the huge page mounts kvt_open uses */
+		static const uint64_t sizes[2] = { 2ULL << 20, 1ULL << 30 };
+		int shm_r = r;
+		for (int i = 0; r == -ENOENT && i < 2; i++) {
+			struct kvt_hugetlbfs h;
+			if (kvt_hugetlbfs_find(NULL, sizes[i], 0, &h) == 0)
+				r = kvt_seg_unlink(name, h.dir);
+		}
+		if (r == -ENOENT)
+			r = shm_r;
+	}
+#endif
+	return r ? terr_core(r, "unlink") : 0;
+}
+
 void kvt_fingerprint(const kvt_tier *t, kvt_key *out)
 {
 	if (t && out)

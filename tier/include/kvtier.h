@@ -221,6 +221,14 @@ struct kvt_stats {
 };
 int kvt_stats(kvt_tier *t, struct kvt_stats *out);
 
+/* Removes the segment `name`: <dir>/kvtier.<name> when dir is given, else
+ * POSIX shm and, where it is not there, the hugetlbfs mounts a creator
+ * puts segments on (as kvt_open looks for them).  Processes that have it
+ * mapped keep working on their copy until they close.  0, -ENOENT (no such
+ * segment), -EINVAL (a bad name or dir), -EISDIR (a directory is there: left
+ * alone), another -errno (permission).  Needs no handle; blocks on no one. */
+int kvt_unlink(const char *name, const char *dir);
+
 /* The layout fingerprint (seed of the key chain). */
 void kvt_fingerprint(const kvt_tier *t, kvt_key *out);
 

@@ -456,6 +456,15 @@ class Op:
                                                   ", done" if self._done else "")
 
 
+def unlink(segment, segment_dir=None):
+    """kvt_unlink: removes the segment `segment` (from segment_dir, else
+    POSIX shm and the hugetlbfs mounts kvt_open uses).  Processes that map
+    it keep their copy.  Raises KvtierError (-ENOENT: no such segment)."""
+    func = "kvt_unlink"
+    _check(L.lib().kvt_unlink(_enc(segment, "segment"), _enc(segment_dir, "segment_dir")),
+           func)
+
+
 def _enc(s, what):
     if s is None:
         return None

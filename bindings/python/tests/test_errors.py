@@ -231,6 +231,21 @@ def test_attach_names_the_path_and_the_variable(segname, monkeypatch):
     assert "KVTIER_SEGMENT_DIR=/nonexistent-kvtier-dir" in m and ei.value.name == "ENOENT"
 
 
+def test_unlink(segname):
+    with scheduler(segname):
+        pass
+    kvtier.unlink(segname)
+    with pytest.raises(kvtier.KvtierError) as ei:
+        kvtier.Tier(segment=segname, role="scheduler", world=WORLD)
+    assert ei.value.name == "ENOENT"
+    with pytest.raises(kvtier.KvtierError) as ei:
+        kvtier.unlink(segname)
+    assert ei.value.name == "ENOENT" and segname in ei.value.message
+    with pytest.raises(kvtier.KvtierError) as ei:
+        kvtier.unlink("a/b")
+    assert ei.value.name == "EINVAL"
+
+
 def test_names_with_nul_are_refused(segname):
     """C reads a string up to its NUL: "a\\0b" would have opened "a"."""
     for kw in (dict(segment=segname + "\0x"), dict(model="m\0odel"),
