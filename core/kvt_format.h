@@ -1,4 +1,4 @@
-/* kvt_format.h - the on-segment format (layout version 1) and the private
+/* kvt_format.h - the on-segment format (layout version 4) and the private
  * per-process handle.  Everything here is internal to core/.
  *
  * The segment, as mapped (offsets are from the start of the mapping; every
@@ -19,14 +19,17 @@
  *          |   272  regions[6] {off, size}                              |
  *          |   368  header checksum over bytes 8..367                   |
  *          |  2048  mutable words, one cache line each: clock hand,     |
- *          |        lease hint, per-instance step epochs                |
+ *          |        lease hint, per-instance step epochs, the owner     |
+ *          |        (kvtierd) word, the drain word; the owner's lock is |
+ *          |        an OFD lock on byte KVT_OWNER_LOCK_OFF (owner.c)     |
  *   4096   +------------------------------------------------------------+
  *          | rank table: n_entries x 64 B                               |
  *          |   instance i: world rank entries, then its scheduler;      |
  *          |   then KVT_MAX_CLIENTS client entries.  The first byte of  |
  *          |   entry e in the file carries e's liveness lock (ranks.c)  |
  *          +------------------------------------------------------------+
- *          | counters: (n_entries + 1) blocks of KVT_C__COUNT u64,      |
+ *          | counters: (n_entries + 1) blocks of KVT_C__COUNT u64 and   |
+ *          |   KVT_H__COUNT latency histograms of KVT_HIST_WORDS u64,   |
  *          |   each block padded to cache lines; the last block is for  |
  *          |   processes without an entry (observers)                   |
  *          +------------------------------------------------------------+
@@ -65,7 +68,9 @@
 /* Version 3: the same tables; the fingerprint includes the key format
  * (KVT_KEY_FORMAT), so a version-2 segment's keys (format 1) would never
  * match: refused by name instead. */
-#define KVT_LAYOUT_VERSION 3u
+/* Version 4: latency histograms in every counter block, the owner and
+ * drain words in the header's mutable page (kvtierd). */
+#define KVT_LAYOUT_VERSION 4u
 /* How tier/ derives chunk keys from tokens (tier/kvt_hash.h): 1 =
  * XXH3-128(parent || tokens), 2 = XXH3-128(parent || XXH3-128(tokens)). */
 #define KVT_KEY_FORMAT     2u
@@ -139,8 +144,16 @@ struct kvt_hdr {
 		kvt_a64 epoch;
 		uint8_t pad[KVT_CACHELINE - 8];
 	} step[KVT_MAX_INSTANCES];     /* 2176 */
-	uint8_t  pad4[KVT_PAGE - 2176 - KVT_MAX_INSTANCES * KVT_CACHELINE];
+	kvt_a64  owner;                /* 3200: KVT_OWNER(1, pid) of the process
+					* that holds the owner lock; diagnostic */
+	uint8_t  pad5[KVT_CACHELINE - 8];
+	kvt_a64  drain;                /* 3264: nonzero while the owner drains */
+	uint8_t  pad6[KVT_CACHELINE - 8];
+	uint8_t  pad4[KVT_PAGE - 3328];
 };
+/* The byte of the segment file whose OFD write lock is the owner's token
+ * (the owner word's line: no rank entry lock is in the header page). */
+#define KVT_OWNER_LOCK_OFF 3200u
 
 _Static_assert(sizeof(struct kvt_geometry) == 120, "geometry is frozen");
 _Static_assert(sizeof(struct kvt_derived) == 64, "derived is frozen");
@@ -154,6 +167,10 @@ _Static_assert(offsetof(struct kvt_hdr, checksum) == 368, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, clock_hand) == KVT_HDR_MUTABLE, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, lease_hint) % KVT_CACHELINE == 0, "own line");
 _Static_assert(offsetof(struct kvt_hdr, step) % KVT_CACHELINE == 0, "own line");
+_Static_assert(offsetof(struct kvt_hdr, owner) == 2176 + KVT_MAX_INSTANCES * KVT_CACHELINE,
+	       "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, owner) == KVT_OWNER_LOCK_OFF, "owner lock byte");
+_Static_assert(offsetof(struct kvt_hdr, drain) % KVT_CACHELINE == 0, "own line");
 _Static_assert(sizeof(struct kvt_hdr) == KVT_PAGE, "header is one page");
 
 /* ---- rank table ----
@@ -345,6 +362,7 @@ struct kvt_seg {
 				   * probes the others'; -1 after fork() */
 	uint32_t reaping;         /* entry we hold locked to reap, or UINT32_MAX */
 	uint32_t forked;          /* inherited across fork(): inert */
+	uint32_t owns;            /* holds the owner lock (owner.c) */
 	uint32_t lid_tag;         /* lease ids: segment tag (20 bits, nonzero) */
 	uint32_t lid_idx_bits;    /* ... bits of idx + 1 */
 	uint64_t lid_gen_mask;    /* ... mask of the gen bits */
@@ -389,6 +407,10 @@ static inline _Atomic uint64_t *kvt__ctr(const kvt_seg *s, uint32_t block)
 {
 	return (_Atomic uint64_t *)(s->counters + (uint64_t)block * s->d.counter_block);
 }
+
+/* Words of a counter block: the counters, then the histograms. */
+#define KVT_HIST_WORDS (KVT_HIST_BUCKETS + 2) /* buckets, count, sum_ns */
+#define KVT_CTR_WORDS  (KVT_C__COUNT + KVT_H__COUNT * KVT_HIST_WORDS)
 
 static inline void kvt__count(kvt_seg *s, enum kvt_counter c, uint64_t v)
 {
@@ -446,6 +468,9 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
 int kvt__slot_abandon(kvt_seg *s, uint32_t slot, uint64_t gen, uint32_t dead_owner);
 int kvt__slot_state_live(uint64_t w);
 int kvt__claims_drained(const kvt_seg *s, struct kvt_slot *sl, uint64_t gen);
+
+/* owner.c */
+int kvt__drain_check(const kvt_seg *s);
 
 /* leases.c */
 void kvt__lease_finish_release(kvt_seg *s, uint32_t idx);

@@ -218,7 +218,7 @@ int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 	d->lease_bytes = sizeof(struct kvt_lease) + (uint64_t)g->world * 8 +
 			 (uint64_t)g->lease_max_chunks * 8;
 	d->n_entries = g->n_instances * (g->world + 1) + KVT_MAX_CLIENTS;
-	d->counter_block = round_up(KVT_C__COUNT * 8, KVT_CACHELINE);
+	d->counter_block = round_up(KVT_CTR_WORDS * 8, KVT_CACHELINE);
 	/* Load factor <= 1/4 over 7-way buckets (see index.c). */
 	want_buckets = ((uint64_t)g->n_slots * 4 + KVT_BUCKET_WAYS - 1) / KVT_BUCKET_WAYS;
 	d->n_buckets = 2;
@@ -734,6 +734,11 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 		goto out_unmap;
 	s->geo = s->hdr->geo;
 	handle_init_regions(s);
+	if (a->role != KVT_ROLE_OBSERVER) {
+		r = kvt__drain_check(s);
+		if (r)
+			goto out_unmap;
+	}
 	handle_register(s);
 	r = attach_identity(s, a);
 	if (r) {

@@ -12,6 +12,7 @@ pkgs=(
   libjson-c-dev                         # kvtier-size reads config.json, kvtier-bench replay its trace
   libxxhash-dev                         # key hashing (XXH3-128)
   liburing-dev                          # optional disk tier
+  libmicrohttpd-dev                     # kvtierd's HTTP server (/healthcheck, /metrics)
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV
                                         # and HIP ceiling on AMD, the fake HIP of the tests
@@ -21,6 +22,8 @@ pkgs=(
   python3-torch                         # CPU tensors as a fake KV cache (binding tests)
   spin                                  # model checker of core's protocols (tests/model)
   clang libclang-rt-14-dev              # libFuzzer: the fuzz targets (tests/fuzz/run.sh)
+  curl tmux prometheus                  # kvtierd's tests: HTTP client, a terminal for
+                                        # kvtier-stat --watch, promtool and a real server
 )
 
 missing=()

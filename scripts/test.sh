@@ -25,6 +25,14 @@ if [ -d bindings/python/tests ]; then
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
     /usr/bin/python3 -m pytest -q -p no:cacheprovider bindings/python/tests
 fi
+if [ -x build/tier/daemon/kvtierd ]; then
+  echo "== kvtier test: kvtierd (real daemon, rank processes, curl, Prometheus, tmux)"
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
+    /usr/bin/python3 -m pytest -q -p no:cacheprovider tests/daemon
+else
+  echo "kvtier test: kvtierd was not built (libmicrohttpd-dev missing?)" >&2
+  exit 1
+fi
 if [ "${1:-}" != quick ]; then
   run_suite build-asan -DKVTIER_SANITIZE=address,undefined
   run_suite build-tsan -DKVTIER_SANITIZE=thread

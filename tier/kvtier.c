@@ -58,6 +58,8 @@ struct op {
 	int err;             /* first error */
 	char why[240];       /* its message, given by kvt_poll/kvt_wait */
 	kvt_lease_id lease;  /* loads */
+	uint64_t t0;         /* CLOCK_MONOTONIC at submission (latency histogram) */
+	uint32_t timed;      /* its latency was counted */
 	struct op_chunk *ch;
 	uint32_t *blocks;    /* n * blocks_per_chunk(g) per group, group-major */
 };
@@ -319,6 +321,8 @@ static int attach_any(kvt_tier *t, struct kvt_seg_attach_opts *a)
 			struct kvt_seg_attach_opts b = *a;
 			b.dir = h.dir;
 			r = kvt_seg_attach(&b, &t->seg);
+			if (r == 0)
+				snprintf(t->env.segment_dir, sizeof(t->env.segment_dir), "%s", h.dir);
 			if (r != -ENOENT)
 				return r; /* found there: its verdict stands */
 			r = kvt_seg_attach(a, &t->seg); /* report the /dev/shm miss */
@@ -516,6 +520,14 @@ out_free:
 
 /* ---- ops ---- */
 
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
 static struct op *op_get(kvt_tier *t, kvt_op id)
 {
 	uint32_t i = (uint32_t)id;
@@ -547,6 +559,8 @@ static struct op *op_new(kvt_tier *t, uint32_t kind, uint32_t n, kvt_op *id)
 		o->err = 0;
 		o->why[0] = 0;
 		o->lease = 0;
+		o->t0 = now_ns();
+		o->timed = 0;
 		t->op_hint = i + 1;
 		*id = ((uint64_t)o->gen << 32) | (i + 1);
 		return o;
@@ -667,6 +681,13 @@ static int op_progress(kvt_tier *t, struct op *o)
 	}
 	if (o->done < o->n)
 		return -EINPROGRESS;
+	if (!o->timed) {
+		/* Submission to the last chunk's completion, as this caller
+		 * saw it (it drives progress): what the engine waited. */
+		o->timed = 1;
+		kvt_hist_add(t->seg, o->kind == OP_SAVE ? KVT_H_SAVE : KVT_H_LOAD, now_ns() - o->t0);
+		kvt_seg_heartbeat(t->seg);
+	}
 	if (o->kind == OP_LOAD && o->lease && !o->err) {
 		int r = kvt_lease_loaded(t->seg, o->lease, t->rank);
 		if (r < 0)
@@ -808,14 +829,6 @@ int kvt_poll(kvt_tier *t, kvt_op id)
 	}
 	op_free(o);
 	return 0;
-}
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
 int kvt_wait(kvt_tier *t, kvt_op id, int64_t timeout_ns)
@@ -977,7 +990,10 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
 
 	if (!t || !lease || (n && !keys))
 		return terr(-EINVAL, "lookup: NULL argument");
+	uint64_t t0 = now_ns();
 	r = kvt_seg_lookup(t->seg, keys, n, lease);
+	if (r >= 0)
+		kvt_hist_add(t->seg, KVT_H_LOOKUP, now_ns() - t0);
 	return r < 0 ? terr_core(r, "lookup") : r;
 }
 
@@ -997,6 +1013,7 @@ int kvt_step(kvt_tier *t, const kvt_lease_id *live, uint32_t n)
 
 	if (!t)
 		return terr(-EINVAL, "step: NULL handle");
+	kvt_seg_heartbeat(t->seg);
 	r = kvt_seg_step(t->seg, live, n);
 	return r < 0 ? terr_core(r, "step") : r;
 }
@@ -1115,4 +1132,16 @@ void kvt_close(kvt_tier *t)
 	kvt_seg_detach(t->seg);
 	free(t->bases);
 	free(t);
+}
+
+/* ---- for kvtierd (tier/kvt_tier_int.h; not exported by libkvtier.so) ---- */
+
+kvt_seg *kvt__tier_seg(const kvt_tier *t)
+{
+	return t ? t->seg : NULL;
+}
+
+const char *kvt__tier_segment_dir(const kvt_tier *t)
+{
+	return t && t->env.segment_dir[0] ? t->env.segment_dir : NULL;
 }

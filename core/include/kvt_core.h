@@ -290,6 +290,79 @@ struct kvt_occupancy {
 };
 void kvt_occupancy_read(const kvt_seg *s, struct kvt_occupancy *o);
 
+/* ---- latency histograms ------------------------------------------------
+ * Every counter block holds one histogram per kind: bucket i < 25 counts
+ * latencies <= 1 us x 2^i (1 us .. 16.8 s), bucket 25 the rest; with their
+ * count and sum in ns.  Each process counts into its own block (relaxed,
+ * one writer), readers sum them: a daemon sees every process's latencies
+ * without a message. */
+enum kvt_hist {
+	KVT_H_LOOKUP, KVT_H_SAVE, KVT_H_LOAD, KVT_H_DISK_READ, KVT_H_DISK_WRITE,
+	KVT_H__COUNT
+};
+#define KVT_HIST_BUCKETS 26
+struct kvt_hist_snap {
+	uint64_t bucket[KVT_HIST_BUCKETS]; /* not cumulative */
+	uint64_t count, sum_ns;
+};
+const char *kvt_hist_name(enum kvt_hist h);
+/* Upper bound of bucket i in ns; UINT64_MAX for the last. */
+uint64_t kvt_hist_bound_ns(uint32_t i);
+/* Counts one latency into the handle's block (an observer's go to the
+ * shared observer block, which races; observers do not time anything). */
+void kvt_hist_add(kvt_seg *s, enum kvt_hist h, uint64_t ns);
+/* Sums block `entry` (UINT32_MAX: every block).  0, -EINVAL. */
+int kvt_hist_read(const kvt_seg *s, uint32_t entry, enum kvt_hist h,
+		  struct kvt_hist_snap *out);
+
+/* ---- the rank table, read by tools ------------------------------------ */
+
+/* Table entries: instance i's ranks are i x (world + 1) + r, its scheduler
+ * i x (world + 1) + world; then KVT_MAX_CLIENTS client entries. */
+uint32_t kvt_seg_n_entries(const kvt_seg *s);
+
+enum kvt_entry_state {
+	KVT_ENTRY_EMPTY = 0, KVT_ENTRY_ATTACHED = 1, /* and alive */
+	KVT_ENTRY_DEAD = 2,     /* left by a dead process: the reaper frees it */
+	KVT_ENTRY_BUSY = 3,     /* being attached, detached or reaped now */
+};
+struct kvt_entry_info {
+	uint32_t role;          /* enum kvt_role, by position (clients: as stored) */
+	uint32_t instance, rank;/* rank: UINT32_MAX for schedulers and clients */
+	uint32_t state;         /* enum kvt_entry_state */
+	int pid;                /* as the holder's PID namespace numbers it; 0 */
+	uint32_t reserved;
+	uint64_t attach_gen;    /* attaches of this entry since creation */
+	uint64_t heartbeat_ns;  /* CLOCK_MONOTONIC of the holder's last sign */
+};
+/* A snapshot of entry e (liveness from its lock, as the reaper decides it).
+ * 0, -EINVAL (e out of range), -EUCLEAN (a state word out of range). */
+int kvt_seg_entry_info(const kvt_seg *s, uint32_t e, struct kvt_entry_info *out);
+/* Counters of block e alone (e == n_entries: the observers' block). */
+int kvt_seg_entry_counters(const kvt_seg *s, uint32_t e, uint64_t out[KVT_C__COUNT]);
+/* Refreshes the handle's heartbeat (a relaxed store; kvt_seg_reap does it
+ * too).  Tools show its age; liveness never depends on it. */
+void kvt_seg_heartbeat(kvt_seg *s);
+
+/* ---- the owner (kvtierd) -----------------------------------------------
+ * At most one process owns a segment: it holds an OFD lock on the owner
+ * word's byte of the segment file, dropped by the kernel when it dies.
+ * While the owner drains, attaches (other than observers) fail with
+ * -ESHUTDOWN; a drain flag left by a dead owner is ignored. */
+/* Takes ownership: 0, -EBUSY (a live process owns it: the message names
+ * its pid), -EPERM (no descriptor: an inherited handle). */
+int kvt_seg_own(kvt_seg *s);
+/* The owner's pid (1..) when a live process owns the segment, else 0.
+ * The caller's own ownership counts. */
+int kvt_seg_owner(const kvt_seg *s);
+/* Owner only: on != 0 refuses new attaches, 0 accepts them again.
+ * 0, -EPERM (not the owner). */
+int kvt_seg_drain(kvt_seg *s, int on);
+/* 1 while a live owner drains the segment. */
+int kvt_seg_draining(const kvt_seg *s);
+/* The name the handle attached by. */
+const char *kvt_seg_name(const kvt_seg *s);
+
 /* A process's start time (clock ticks since boot), 0 when /proc does not
  * show it.  Diagnostics only: liveness never depends on it. */
 uint64_t kvt_proc_start_time(int pid);

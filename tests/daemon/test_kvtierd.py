@@ -1,0 +1,471 @@
+"""kvtierd with real clients: the daemon, real rank processes (the Python
+binding with host DMA), curl, promtool, a real Prometheus server and
+kvtier-stat in a real terminal (tmux).  Every port is on loopback, every
+wait is bounded, and every process a test starts is stopped by it.
+
+Run by scripts/test.sh with Debian's python3 and pytest; KVTIER_BUILD names
+the build directory (default: build/)."""
+
+import hashlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from daemon_geo import CHUNK_TOKENS, MODEL, WORLD, daemon_layout_args, groups  # noqa: E402
+from kvt_testlib import REPO_ROOT, block_table, kv_cache, prompt, remove_segment  # noqa: E402
+import kvtier  # noqa: E402
+
+BUILD = os.environ.get("KVTIER_BUILD", os.path.join(REPO_ROOT, "build"))
+KVTIERD = os.path.join(BUILD, "tier", "daemon", "kvtierd")
+KVTIER_STAT = os.path.join(BUILD, "tier", "daemon", "kvtier-stat")
+T = 20.0  # the bound of every wait
+
+
+def need(tool):
+    if not shutil.which(tool):
+        pytest.fail("%s is not installed (scripts/deps.sh installs it)" % tool)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(pred, what, timeout=T):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            pytest.fail("timed out (%.0f s) waiting for %s" % (timeout, what))
+        time.sleep(0.05)
+
+
+def curl(port, path):
+    """GET with curl: (status, body)."""
+    p = subprocess.run(["curl", "-s", "--max-time", "5", "-w", "\n%{http_code}",
+                        "http://127.0.0.1:%d%s" % (port, path)],
+                       capture_output=True, text=True, timeout=10)
+    body, _, code = p.stdout.rpartition("\n")
+    return int(code or 0), body
+
+
+def metric(text, name, labels=""):
+    key = name + ("{%s}" % labels if labels else "")
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    raise AssertionError("no %s in /metrics" % key)
+
+
+class Daemon:
+    def __init__(self, name, extra=(), instances=2, slots=64, expect=True):
+        self.name, self.port = name, free_port()
+        self.logf = tempfile.NamedTemporaryFile(prefix="kvtierd-", suffix=".log", delete=False)
+        self.args = [KVTIERD, "--segment", name, "--http", "127.0.0.1:%d" % self.port,
+                     "--log", self.logf.name, "--reap-interval", "0.1"] + \
+            daemon_layout_args(instances, slots) + list(extra)
+        self.p = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        if expect:
+            until(lambda: self.p.poll() is not None or self.get("/healthcheck/segment")[0] == 200,
+                  "kvtierd up")
+            assert self.p.poll() is None, self.log()
+
+    def get(self, path):
+        try:
+            return curl(self.port, path)
+        except subprocess.TimeoutExpired:
+            return 0, ""
+
+    def log(self):
+        with open(self.logf.name) as f:
+            return f.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout=T):
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+        try:
+            return self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            pytest.fail("kvtierd did not stop on %s" % sig)
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        os.unlink(self.logf.name)
+
+
+class Rank:
+    """A rank process (tests/daemon/rank_worker.py)."""
+
+    def __init__(self, name, inst, r):
+        self.inst, self.r = inst, r
+        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "rank_worker.py"), name,
+                                   str(inst), str(r)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        self.pid = self.read()["pid"]
+
+    def read(self):
+        r, _, _ = select.select([self.p.stdout], [], [], T)
+        if not r:
+            pytest.fail("rank (%d, %d): no answer in %.0f s" % (self.inst, self.r, T))
+        line = self.p.stdout.readline()
+        if not line:
+            pytest.fail("rank (%d, %d) exited: %s" % (self.inst, self.r, self.p.wait()))
+        return json.loads(line)
+
+    def cmd(self, **m):
+        self.p.stdin.write(json.dumps(m) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write('{"cmd": "exit"}\n')
+                self.p.stdin.flush()
+                self.p.wait(timeout=T)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait()
+
+
+def scheduler(name, inst):
+    return kvtier.Tier(segment=name, role="scheduler", world=WORLD, instance=inst,
+                       groups=groups(), chunk_tokens=CHUNK_TOKENS, model=MODEL)
+
+
+def expected_sha(r, seed, chunks):
+    kv = kv_cache(seed=100 + r)
+    h = hashlib.sha256()
+    for a in kv:
+        h.update(a[block_table(chunks, seed=seed)].tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def name(request):
+    n = "kvd-%d-%s" % (os.getpid(), request.node.name[5:25].replace("_", "-"))
+    remove_segment(n)
+    yield n
+    remove_segment(n)
+
+
+@pytest.fixture
+def procs():
+    """What a test starts, stopped at its end whatever happens."""
+    started = []
+    yield started
+    for x in reversed(started):
+        x.close()
+
+
+def problems(port):
+    code, body = curl(port, "/healthcheck")
+    return code, json.loads(body)["problems"]
+
+
+def test_lifecycle(name, procs):
+    """503 until every rank attaches; two instances share the segment;
+    kill -9 -> 503 naming the rank, reaped; re-attach -> 200; SIGTERM
+    drains; a restart keeps the chunks; a second daemon refuses."""
+    d = Daemon(name)
+    procs.append(d)
+    code, probs = problems(d.port)
+    assert code == 503 and len(probs) == 4
+    assert {(p["instance"], p["rank"], p["state"]) for p in probs} == \
+        {(i, r, "missing") for i in (0, 1) for r in (0, 1)}
+
+    ranks = {}
+    for i, r in [(0, 0), (0, 1), (1, 0)]:
+        ranks[i, r] = Rank(name, i, r)
+        procs.append(ranks[i, r])
+    code, probs = problems(d.port)
+    assert code == 503 and [(p["instance"], p["rank"]) for p in probs] == [(1, 1)]
+    ranks[1, 1] = Rank(name, 1, 1)
+    procs.append(ranks[1, 1])
+    until(lambda: d.get("/healthcheck")[0] == 200, "200 once every rank attached")
+
+    # instance 0's ranks save; instance 1's scheduler hits it, its ranks load it
+    for r in (0, 1):
+        assert ranks[0, r].cmd(cmd="save", seed=5, chunks=4)["count"] == 4
+    s1 = scheduler(name, 1)
+    procs.append(s1)
+    keys = s1.hash_tokens(prompt(4, seed=5))
+    lease = s1.lookup(keys)
+    assert lease.hits == 4
+    lid = lease.hand_off()
+    s1.step([lease])
+    for r in (0, 1):
+        got = ranks[1, r].cmd(cmd="load", lease=lid, chunks=4)["sha"]
+        assert got == expected_sha(r, 5, 4), "instance 1 rank %d loaded other bytes" % r
+    st = s1.stats()
+    assert st["leases_live"] == 0 and st["slots_pinned"] == 0
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_instance_hit_chunks_total", 'engine="1"') == 4
+    assert metric(m, "kvtier_instance_saved_chunks_total", 'engine="0"') == 8
+    assert metric(m, "kvtier_instance_loaded_chunks_total", 'engine="1"') == 8
+    assert metric(m, "kvtier_rank_up", 'engine="1",rank="1"') == 1
+    assert metric(m, "kvtier_load_duration_seconds_count") == 2
+    assert metric(m, "kvtier_lookup_duration_seconds_count") == 1
+    assert metric(m, "kvtier_save_duration_seconds_count") == 2
+
+    # kill -9 a rank that a lease waits for: 503 naming it; the reaper
+    # frees the lease and its pins
+    s0 = scheduler(name, 0)
+    procs.append(s0)
+    lease0 = s0.lookup(s0.hash_tokens(prompt(4, seed=5)))
+    assert lease0.hits == 4
+    lid0 = lease0.hand_off()
+    ranks[0, 0].cmd(cmd="load", lease=lid0, chunks=4)
+    assert s0.stats()["slots_pinned"] == 4
+    dead = ranks[0, 1].pid
+    ranks[0, 1].kill()
+    code, probs = problems(d.port)
+    assert code == 503 and [(p["instance"], p["rank"]) for p in probs] == [(0, 1)]
+    until(lambda: s0.stats()["leases_live"] == 0 and s0.stats()["slots_pinned"] == 0,
+          "the reaper to free the dead rank's lease", timeout=5)
+    assert "rank 1 of instance 0 (pid %d) died" % dead in d.log()
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_rank_up", 'engine="0",rank="1"') == 0
+    assert metric(m, "kvtier_reaped_entries_total") >= 1
+    ranks[0, 1] = Rank(name, 0, 1)
+    procs.append(ranks[0, 1])
+    until(lambda: d.get("/healthcheck")[0] == 200, "200 after the re-attach")
+
+    # SIGTERM with a live lease: draining (503, attaches refused) until it goes
+    held = s1.lookup(keys)
+    assert held.hits == 4
+    d.p.send_signal(signal.SIGTERM)
+    until(lambda: json.loads(d.get("/healthcheck")[1] or "{}").get("draining"), "draining")
+    assert d.get("/healthcheck")[0] == 503
+    with pytest.raises(kvtier.KvtierError) as e:
+        scheduler(name, 0)  # instance 0's scheduler entry is still s0's: use s0's slot?
+    assert "draining" in str(e.value) or "attached by a live process" in str(e.value)
+    s0.close()
+    with pytest.raises(kvtier.KvtierError) as e:
+        scheduler(name, 0)
+    assert "draining" in str(e.value)
+    assert d.p.poll() is None  # waits for the lease
+    held.release()
+    assert d.stop() == 0
+    log = d.log()
+    assert "drained: no live lease" in log and "stays for the next start" in log
+
+    # warm restart: the chunks saved before it are still there
+    d2 = Daemon(name)
+    procs.append(d2)
+    assert "warm restart" in d2.log() and "4 READY chunks kept" in d2.log()
+    with s1.lookup(keys) as again:
+        assert again.hits == 4
+    until(lambda: d2.get("/healthcheck")[0] == 200, "200 after the restart (ranks stayed)")
+
+    # a second daemon on the same name refuses, naming the owner
+    d3 = Daemon(name, expect=False)
+    procs.append(d3)
+    assert d3.p.wait(timeout=T) == 3
+    assert "owned by a live kvtierd (pid %d" % d2.p.pid in d3.log()
+    assert d2.p.poll() is None and d2.get("/healthcheck")[0] == 200
+
+
+def test_metrics_promtool_and_prometheus(name, procs):
+    """/metrics passes promtool; a real Prometheus scrapes it and answers
+    queries with the values the test's saves and lookups made."""
+    need("promtool")
+    need("prometheus")
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    ranks = [Rank(name, 0, r) for r in (0, 1)]
+    procs.extend(ranks)
+    for r in ranks:
+        assert r.cmd(cmd="save", seed=9, chunks=3)["count"] == 3
+    s = scheduler(name, 0)
+    procs.append(s)
+    keys = s.hash_tokens(prompt(5, seed=9))  # 3 of 5 chunks are there
+    for _ in range(3):
+        with s.lookup(keys) as lease:
+            assert lease.hits == 3
+    code, text = d.get("/metrics")
+    assert code == 200
+    p = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert metric(text, "kvtier_lookups_total") == 3
+    assert metric(text, "kvtier_hit_chunks_total") == 9
+    assert metric(text, "kvtier_lookup_chunks_total") == 15
+    assert metric(text, "kvtier_saved_chunks_total") == 6
+    assert metric(text, 'kvtier_lookup_duration_seconds_bucket', 'le="+Inf"') == 3
+
+    work = tempfile.mkdtemp(prefix="kvtier-prom-")
+    pport = free_port()
+    with open(os.path.join(work, "prometheus.yml"), "w") as f:
+        f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                "scrape_configs:\n  - job_name: kvtier\n    static_configs:\n"
+                "      - targets: ['127.0.0.1:%d']\n" % d.port)
+    prom = subprocess.Popen(["prometheus", "--config.file", os.path.join(work, "prometheus.yml"),
+                             "--storage.tsdb.path", os.path.join(work, "data"),
+                             "--web.listen-address", "127.0.0.1:%d" % pport],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def query(q):
+        code, body = curl(pport, "/api/v1/query?query=" + urllib.parse.quote(q))
+        if code != 200:
+            return None
+        res = json.loads(body)["data"]["result"]
+        return float(res[0]["value"][1]) if res else None
+
+    try:
+        until(lambda: query("kvtier_lookups_total") == 3, "Prometheus to scrape kvtierd",
+              timeout=60)
+        assert query("kvtier_hit_chunks_total") == 9
+        assert query('kvtier_instance_hit_tokens_total{engine="0"}') == 9 * CHUNK_TOKENS
+        assert query("up{job=\"kvtier\"}") == 1
+        assert query("histogram_quantile(0.5,kvtier_lookup_duration_seconds_bucket)") > 0
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(timeout=T)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_write_only_tier_is_reported(name, procs):
+    """Ranks save, the scheduler never looks up: /status warns and the
+    metric says so; a lookup clears the totals verdict."""
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    ranks = [Rank(name, 0, r) for r in (0, 1)]
+    procs.extend(ranks)
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_instance_write_only", 'engine="0"') == 0
+    for r in ranks:
+        r.cmd(cmd="save", seed=3, chunks=2)
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_instance_write_only", 'engine="0"') == 1
+    st = json.loads(d.get("/status")[1])
+    inst = st["instances"][0]
+    assert inst["write_only"] and "write-only" in inst["warnings"][0]
+    until(lambda: "instance 0 is write-only" in d.log(), "the daemon's warning", timeout=5)
+    s = scheduler(name, 0)
+    procs.append(s)
+    with s.lookup(s.hash_tokens(prompt(2, seed=3))) as lease:
+        assert lease.hits == 2
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_instance_write_only",
+                         'engine="0"') == 0, "the verdict to clear", timeout=5)
+
+
+def test_stat_watch_in_a_terminal(name, procs):
+    """kvtier-stat --watch in tmux: the screen shows the segment, and its
+    figures change after a save."""
+    need("tmux")
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    ranks = [Rank(name, 0, r) for r in (0, 1)]
+    procs.extend(ranks)
+    sess = "kvstat-%d" % os.getpid()
+    subprocess.run(["tmux", "kill-session", "-t", sess], capture_output=True)
+    subprocess.run(["tmux", "new-session", "-d", "-s", sess, "-x", "140", "-y", "60",
+                    "%s %s --watch 0.2" % (KVTIER_STAT, name)], check=True, timeout=10)
+
+    def screen():
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", sess], capture_output=True,
+                              text=True, timeout=10).stdout
+
+    def saved(text):
+        for line in text.splitlines():
+            if line.startswith("saved_chunks"):
+                return int(line.split()[1])
+        return None
+
+    try:
+        until(lambda: "segment '%s'" % name in screen(), "kvtier-stat's screen")
+        s0 = screen()
+        assert "owner      kvtierd pid %d" % d.p.pid in s0
+        assert "instance 0: 2/2 ranks up" in s0
+        assert saved(s0) == 0
+        for r in ranks:
+            r.cmd(cmd="save", seed=4, chunks=3)
+        until(lambda: saved(screen()) == 6, "the saves on the screen")
+        assert "ready 3 " in screen()
+        subprocess.run(["tmux", "send-keys", "-t", sess, "q"], timeout=10)
+        until(lambda: subprocess.run(["tmux", "has-session", "-t", sess],
+                                     capture_output=True).returncode != 0,
+              "q to end kvtier-stat")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", sess], capture_output=True)
+
+    # one-shot and JSON, no daemon needed
+    assert d.stop() == 0
+    out = subprocess.run([KVTIER_STAT, name, "--json"], capture_output=True, text=True,
+                         timeout=10)
+    st = json.loads(out.stdout)
+    assert st["occupancy"]["ready"] == 3 and st["owner_pid"] == 0
+
+
+def test_bad_settings_are_refused(name, procs):
+    def run(args, env=None):
+        e = dict(os.environ)
+        e.update(env or {})
+        p = subprocess.run([KVTIERD, "--no-http"] + args, capture_output=True, text=True,
+                           timeout=30, env=e)
+        return p.returncode, p.stdout + p.stderr
+
+    rc, out = run(["--segment", "a/b"] + daemon_layout_args())
+    assert rc == 2 and "no '/'" in out
+    rc, out = run(["--segment", name, "--http", "localhost"] + daemon_layout_args())
+    assert rc == 2 and "ADDR:PORT" in out
+    rc, out = run(["--segment", name, "--group", "6"] + daemon_layout_args()[2:])
+    assert rc == 2 and "LAYERS:BYTES_PER_TOKEN" in out
+    # a variable is read for what no flag set, as strictly as kvt_open reads it
+    rc, out = run(["--segment", name, "--group", "6:128", "--world", "2", "--slots", "64"],
+                  {"KVTIER_CHUNK_TOKENS": "lots"})
+    assert rc == 2 and "KVTIER_CHUNK_TOKENS" in out
+    rc, out = run(["--segment", name, "--world", "2"])
+    assert rc == 2 and "KV layout is needed" in out
+    cfg = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+    cfg.write("# comment\nsegment = %s\nworlds = 2\n" % name)
+    cfg.close()
+    rc, out = run(["--config", cfg.name])
+    os.unlink(cfg.name)
+    assert rc == 2 and "unknown key 'worlds'" in out
+    assert not os.path.exists("/dev/shm/kvtier." + name)
+
+    # another layout on the name: refused, then replaced with --recreate
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    assert d.stop() == 0
+    d2 = Daemon(name, instances=1, slots=32, expect=False)
+    procs.append(d2)
+    assert d2.p.wait(timeout=T) == 1
+    assert "capacity: the segment has 64 slots, 32 asked" in d2.log()
+    assert "--recreate" in d2.log()
+    d3 = Daemon(name, extra=["--recreate", "--unlink"], instances=1, slots=32)
+    procs.append(d3)
+    st = json.loads(d3.get("/status")[1])
+    assert st["geometry"]["slots"] == 32
+    assert d3.stop() == 0
+    assert "removed (--unlink)" in d3.log()

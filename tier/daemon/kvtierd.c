@@ -1,0 +1,1224 @@
+/* kvtierd - the node's KV tier service: creates and owns the segment,
+ * reaps dead processes continuously, serves /healthcheck, /metrics and
+ * /status on loopback, drains on SIGTERM.
+ *
+ * Design.
+ *  * Creation goes through kvt_open (KVT_F_CREATE), the path an embedded
+ *    owner takes: NUMA placement, huge pages, reservation and pre-faulting
+ *    are the library's, so the daemon and an engine that creates its own
+ *    segment make the same segment from the same settings.  The daemon
+ *    then takes the owner lock (core/owner.c: an OFD lock the kernel drops
+ *    when the daemon dies) and locks the arena in memory.
+ *  * Settings: flags, then the config file (--config: `key = value` lines,
+ *    the long option names), then KVTIER_* variables (read by kvt_open for
+ *    what no flag set), then defaults.  A value is checked as strictly as
+ *    kvt_open checks the variables; a bad one stops the start with its name.
+ *  * Warm restart: a segment already there is attached (its READY chunks
+ *    are kept) when its layout fingerprint, slots and instances are the
+ *    ones asked for; otherwise the start is refused with the difference,
+ *    and only --recreate replaces it.  A live owner is never replaced: a
+ *    second kvtierd on the name is refused with the first one's pid.
+ *  * Two threads.  The main thread owns the client handle (reaping,
+ *    draining, signals through a signalfd); libmicrohttpd's one polling
+ *    thread answers HTTP from an observer handle of its own (no table
+ *    entry: a request never changes the segment).  They share the drain
+ *    flag (atomic) and the write-only verdicts (a mutex).
+ *  * Health: 200 when every expected rank of every expected instance is
+ *    attached and alive and the daemon is not draining; else 503 with the
+ *    JSON list of what is missing or dead.  /healthcheck/segment is 200 as
+ *    soon as the segment is up and accepting attaches: what a launcher
+ *    waits for before it starts the workers (whose attaches make
+ *    /healthcheck 200).  With systemd, Type=notify: READY=1 is sent at
+ *    that same point.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <linux/magic.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/statfs.h>
+#include <sys/un.h>
+#include <microhttpd.h>
+#ifdef KVTIER_HAVE_NUMA
+#include <numaif.h>
+#endif
+
+#include "kvtier.h"
+#include "kvt_core.h"
+#include "kvt_numa.h"
+#include "kvt_size.h"
+#include "kvt_tier_int.h"
+#include "kvt_config.h"
+#include "snap.h"
+
+#ifndef KVTIER_VERSION
+#define KVTIER_VERSION "0"
+#endif
+#define DEFAULT_PORT 9477
+#define MAX_HISTORY 1200
+
+struct opts {
+	const char *segment, *segment_dir, *model, *model_config, *kv_dtype;
+	const char *numa_nodes, *hugepages, *log_path, *config;
+	uint32_t world, instances, chunk_tokens, tp, pp, slots, leases;
+	uint64_t tier_bytes, tokens;
+	uint32_t n_groups;
+	struct kvt_group_desc groups[8];
+	int replicated;
+	int expect_instances;     /* -1: all */
+	int expect_schedulers;
+	char http_addr[64];
+	uint16_t http_port;
+	int no_http, recreate, unlink_at_exit, no_lock, group, prefault_off;
+	double drain_timeout_s, reap_interval_s, write_only_window_s;
+};
+
+static struct {
+	FILE *log;
+	const char *log_path;
+	kvt_tier *tier;
+	kvt_seg *seg;            /* the tier's; main thread */
+	kvt_seg *obs;            /* observer; HTTP thread */
+	struct MHD_Daemon *http;
+	struct kvtd_ctx ctx;
+	pthread_mutex_t mu;      /* write_only, ctx.reaped */
+	uint32_t write_only[KVT_MAX_INSTANCES];
+	atomic_int draining;
+	atomic_ullong reaped;
+	char model[256];
+	char name[80];
+	char dir[PATH_MAX];
+} D = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+/* ---- logging ---- */
+
+static void logf_(const char *level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void logf_(const char *level, const char *fmt, ...)
+{
+	char ts[40];
+	struct timespec now;
+	struct tm tm;
+	va_list ap;
+	FILE *f = D.log ? D.log : stderr;
+
+	clock_gettime(CLOCK_REALTIME, &now);
+	gmtime_r(&now.tv_sec, &tm);
+	strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%S", &tm);
+	fprintf(f, "%s.%03ldZ kvtierd[%d] %s: ", ts, now.tv_nsec / 1000000, (int)getpid(), level);
+	va_start(ap, fmt);
+	vfprintf(f, fmt, ap);
+	va_end(ap);
+	fputc('\n', f);
+	fflush(f);
+}
+#define LOG_INFO(...) logf_("info", __VA_ARGS__)
+#define LOG_WARN(...) logf_("warning", __VA_ARGS__)
+#define LOG_ERR(...)  logf_("error", __VA_ARGS__)
+
+/* The log file takes stderr too, so the library's own messages (placement,
+ * huge pages) land in it.  Called at start and on SIGHUP (logrotate). */
+static int log_open(void)
+{
+	if (!D.log_path)
+		return 0;
+	int fd = open(D.log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+	if (fd < 0) {
+		LOG_ERR("--log %s: %s", D.log_path, strerror(errno));
+		return -errno;
+	}
+	if (dup2(fd, STDERR_FILENO) < 0) {
+		int e = errno;
+		close(fd);
+		return -e;
+	}
+	close(fd);
+	D.log = stderr;
+	setvbuf(stderr, NULL, _IOLBF, 0);
+	return 0;
+}
+
+/* ---- options ---- */
+
+enum {
+	O_SEGMENT = 256, O_SEGMENT_DIR, O_MODEL, O_MODEL_CONFIG, O_KV_DTYPE, O_TP, O_PP,
+	O_WORLD, O_INSTANCES, O_CHUNK_TOKENS, O_TIER_GIB, O_SLOTS, O_TOKENS, O_LEASES,
+	O_GROUP, O_REPLICATED, O_NUMA_NODES, O_HUGEPAGES, O_EXPECT_INSTANCES,
+	O_EXPECT_SCHEDULERS, O_HTTP, O_NO_HTTP, O_RECREATE, O_UNLINK, O_DRAIN_TIMEOUT,
+	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
+	O_VERSION,
+};
+
+static const struct option LONGOPTS[] = {
+	{ "segment", required_argument, NULL, O_SEGMENT },
+	{ "segment-dir", required_argument, NULL, O_SEGMENT_DIR },
+	{ "model", required_argument, NULL, O_MODEL },
+	{ "model-config", required_argument, NULL, O_MODEL_CONFIG },
+	{ "kv-dtype", required_argument, NULL, O_KV_DTYPE },
+	{ "tp", required_argument, NULL, O_TP },
+	{ "pp", required_argument, NULL, O_PP },
+	{ "world", required_argument, NULL, O_WORLD },
+	{ "instances", required_argument, NULL, O_INSTANCES },
+	{ "chunk-tokens", required_argument, NULL, O_CHUNK_TOKENS },
+	{ "tier-gib", required_argument, NULL, O_TIER_GIB },
+	{ "slots", required_argument, NULL, O_SLOTS },
+	{ "tokens", required_argument, NULL, O_TOKENS },
+	{ "leases", required_argument, NULL, O_LEASES },
+	{ "group", required_argument, NULL, O_GROUP },
+	{ "replicated", no_argument, NULL, O_REPLICATED },
+	{ "numa-nodes", required_argument, NULL, O_NUMA_NODES },
+	{ "hugepages", required_argument, NULL, O_HUGEPAGES },
+	{ "expect-instances", required_argument, NULL, O_EXPECT_INSTANCES },
+	{ "expect-schedulers", no_argument, NULL, O_EXPECT_SCHEDULERS },
+	{ "http", required_argument, NULL, O_HTTP },
+	{ "no-http", no_argument, NULL, O_NO_HTTP },
+	{ "recreate", no_argument, NULL, O_RECREATE },
+	{ "unlink", no_argument, NULL, O_UNLINK },
+	{ "drain-timeout", required_argument, NULL, O_DRAIN_TIMEOUT },
+	{ "reap-interval", required_argument, NULL, O_REAP_INTERVAL },
+	{ "write-only-window", required_argument, NULL, O_WRITE_ONLY_WINDOW },
+	{ "log", required_argument, NULL, O_LOG },
+	{ "config", required_argument, NULL, O_CONFIG },
+	{ "no-lock", no_argument, NULL, O_NO_LOCK },
+	{ "group-access", no_argument, NULL, O_GROUP_ACCESS },
+	{ "version", no_argument, NULL, O_VERSION },
+	{ "help", no_argument, NULL, 'h' },
+	{ NULL, 0, NULL, 0 },
+};
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+"usage: kvtierd [options]\n"
+"Creates (or warm-attaches) and owns the node's kvtier segment, reaps dead\n"
+"processes, serves GET /healthcheck, /healthcheck/segment, /metrics, /status.\n"
+"\n"
+"segment\n"
+"  --segment NAME          segment name (KVTIER_SEGMENT, default kvtier)\n"
+"  --segment-dir DIR       directory (hugetlbfs mount); default POSIX shm, or\n"
+"                          a hugetlbfs mount when huge pages are free\n"
+"  --hugepages auto|on|off (KVTIER_HUGEPAGES)\n"
+"  --numa-nodes LIST       nodes the arena is bound to (KVTIER_NUMA_NODES)\n"
+"  --group-access          mode 0660 (ranks of other users in the group)\n"
+"  --recreate              replace a segment of another layout (never a live owner's)\n"
+"layout: either a model's config.json ...\n"
+"  --model-config PATH     Hugging Face config.json (sizing as kvtier-size)\n"
+"  --kv-dtype NAME         KV cache dtype (default: the model's)\n"
+"  --tp N, --pp N          parallel sizes: world = tp x pp\n"
+"... or the layer groups of one rank\n"
+"  --group LAYERS:BYTES    layers and bytes per token per layer, one rank (repeat\n"
+"                          for several groups)\n"
+"  --replicated            MLA-style: every rank holds the same bytes\n"
+"  --world N               ranks per instance (KVTIER_WORLD)\n"
+"common\n"
+"  --model ID              model identity, as the engines give it (KVTIER_MODEL)\n"
+"  --instances N           engine instances sharing the segment (KVTIER_INSTANCES)\n"
+"  --chunk-tokens N        tokens per chunk (KVTIER_CHUNK_TOKENS, default 256)\n"
+"  --tier-gib G | --slots N | --tokens N   capacity: one rank's GiB, chunks,\n"
+"                          or tokens (KVTIER_TIER_GIB, default 1)\n"
+"  --leases N              concurrent lookups (default 1024)\n"
+"service\n"
+"  --expect-instances N    instances whose ranks /healthcheck requires (default all)\n"
+"  --expect-schedulers     /healthcheck also requires each instance's scheduler\n"
+"  --http ADDR:PORT        listen address (default 127.0.0.1:%d)\n"
+"  --no-http               no HTTP server\n"
+"  --drain-timeout S       SIGTERM: wait up to S seconds for live leases (default 30)\n"
+"  --reap-interval S       reaper period (default 0.2)\n"
+"  --write-only-window S   window of the write-only check (default 60)\n"
+"  --unlink                remove the segment at exit (default: it stays)\n"
+"  --no-lock               do not mlock the arena\n"
+"  --log FILE              log file (and stderr); reopened on SIGHUP\n"
+"  --config FILE           `key = value` lines with the long option names;\n"
+"                          flags override it, it overrides KVTIER_* variables\n",
+		DEFAULT_PORT);
+}
+
+static int bad(const char *opt, const char *val, const char *why)
+{
+	fprintf(stderr, "kvtierd: --%s '%s': %s\n", opt, val ? val : "", why);
+	return -EINVAL;
+}
+
+static int parse_u64(const char *opt, const char *s, uint64_t min, uint64_t max, uint64_t *out)
+{
+	char *end;
+	unsigned long long v;
+
+	if (!s || !*s || *s == '-' || *s == '+' || *s == ' ')
+		return bad(opt, s, "expected a whole number");
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno || *end)
+		return bad(opt, s, "expected a whole number");
+	if (v < min || v > max) {
+		char why[96];
+		snprintf(why, sizeof(why), "out of range %llu..%llu", (unsigned long long)min,
+			 (unsigned long long)max);
+		return bad(opt, s, why);
+	}
+	*out = v;
+	return 0;
+}
+
+static int parse_u32(const char *opt, const char *s, uint32_t min, uint32_t max, uint32_t *out)
+{
+	uint64_t v;
+	int r = parse_u64(opt, s, min, max, &v);
+
+	if (!r)
+		*out = (uint32_t)v;
+	return r;
+}
+
+static int parse_secs(const char *opt, const char *s, double min, double max, double *out)
+{
+	char *end;
+	double v;
+
+	if (!s || !*s)
+		return bad(opt, s, "expected seconds");
+	errno = 0;
+	v = strtod(s, &end);
+	if (errno || *end || !(v >= min && v <= max))
+		return bad(opt, s, "expected seconds in range");
+	*out = v;
+	return 0;
+}
+
+static int parse_http(struct opts *o, const char *s)
+{
+	const char *colon = strrchr(s, ':');
+	uint32_t port;
+	struct in_addr a;
+
+	if (!colon || colon == s || (size_t)(colon - s) >= sizeof(o->http_addr))
+		return bad("http", s, "expected ADDR:PORT (an IPv4 address)");
+	memcpy(o->http_addr, s, (size_t)(colon - s));
+	o->http_addr[colon - s] = 0;
+	if (inet_pton(AF_INET, o->http_addr, &a) != 1)
+		return bad("http", s, "the address is not an IPv4 address");
+	if (parse_u32("http", colon + 1, 1, 65535, &port))
+		return -EINVAL;
+	o->http_port = (uint16_t)port;
+	return 0;
+}
+
+static int parse_group(struct opts *o, const char *s)
+{
+	char buf[64], *colon;
+	uint32_t layers, bpt;
+
+	if (o->n_groups >= 8)
+		return bad("group", s, "at most 8 groups");
+	snprintf(buf, sizeof(buf), "%s", s);
+	colon = strchr(buf, ':');
+	if (!colon)
+		return bad("group", s, "expected LAYERS:BYTES_PER_TOKEN");
+	*colon = 0;
+	if (parse_u32("group", buf, 1, 4096, &layers) ||
+	    parse_u32("group", colon + 1, 1, 1u << 20, &bpt))
+		return -EINVAL;
+	o->groups[o->n_groups].n_layers = layers;
+	o->groups[o->n_groups].bytes_per_token = bpt;
+	o->n_groups++;
+	return 0;
+}
+
+/* Strings from options live for the whole run: argv, or the config file's
+ * copy (never freed). */
+static int apply(struct opts *o, int c, const char *arg)
+{
+	double gib;
+
+	switch (c) {
+	case O_SEGMENT:
+		if (kvt_seg_name_valid(arg))
+			return bad("segment", arg, "a name is 1-64 of [A-Za-z0-9._-], not . or .. "
+				   "(no '/')");
+		o->segment = arg;
+		return 0;
+	case O_SEGMENT_DIR: o->segment_dir = arg; return 0;
+	case O_MODEL: o->model = arg; return 0;
+	case O_MODEL_CONFIG: o->model_config = arg; return 0;
+	case O_KV_DTYPE: o->kv_dtype = arg; return 0;
+	case O_TP: return parse_u32("tp", arg, 1, 64, &o->tp);
+	case O_PP: return parse_u32("pp", arg, 1, 64, &o->pp);
+	case O_WORLD: return parse_u32("world", arg, 1, KVT_MAX_WORLD, &o->world);
+	case O_INSTANCES: return parse_u32("instances", arg, 1, KVT_MAX_INSTANCES, &o->instances);
+	case O_CHUNK_TOKENS: return parse_u32("chunk-tokens", arg, 1, 1u << 20, &o->chunk_tokens);
+	case O_TIER_GIB:
+		if (parse_secs("tier-gib", arg, 1.0 / 1024, 1 << 20, &gib))
+			return -EINVAL;
+		o->tier_bytes = (uint64_t)(gib * (double)(1ULL << 30));
+		return 0;
+	case O_SLOTS: return parse_u32("slots", arg, 1, 1u << 30, &o->slots);
+	case O_TOKENS: return parse_u64("tokens", arg, 1, 1ULL << 50, &o->tokens);
+	case O_LEASES: return parse_u32("leases", arg, 1, 1u << 20, &o->leases);
+	case O_GROUP: return parse_group(o, arg);
+	case O_REPLICATED: o->replicated = 1; return 0;
+	case O_NUMA_NODES: o->numa_nodes = arg; return 0;
+	case O_HUGEPAGES:
+		if (strcmp(arg, "auto") && strcmp(arg, "on") && strcmp(arg, "off"))
+			return bad("hugepages", arg, "expected auto, on or off");
+		o->hugepages = arg;
+		return 0;
+	case O_EXPECT_INSTANCES: {
+		uint32_t v;
+		if (parse_u32("expect-instances", arg, 0, KVT_MAX_INSTANCES, &v))
+			return -EINVAL;
+		o->expect_instances = (int)v;
+		return 0;
+	}
+	case O_EXPECT_SCHEDULERS: o->expect_schedulers = 1; return 0;
+	case O_HTTP: return parse_http(o, arg);
+	case O_NO_HTTP: o->no_http = 1; return 0;
+	case O_RECREATE: o->recreate = 1; return 0;
+	case O_UNLINK: o->unlink_at_exit = 1; return 0;
+	case O_DRAIN_TIMEOUT: return parse_secs("drain-timeout", arg, 0, 86400, &o->drain_timeout_s);
+	case O_REAP_INTERVAL: return parse_secs("reap-interval", arg, 0.01, 60, &o->reap_interval_s);
+	case O_WRITE_ONLY_WINDOW:
+		return parse_secs("write-only-window", arg, 1, 86400, &o->write_only_window_s);
+	case O_LOG: o->log_path = arg; return 0;
+	case O_NO_LOCK: o->no_lock = 1; return 0;
+	case O_GROUP_ACCESS: o->group = 1; return 0;
+	default: return -EINVAL;
+	}
+}
+
+static int find_opt(const char *key)
+{
+	for (const struct option *p = LONGOPTS; p->name; p++)
+		if (!strcmp(p->name, key))
+			return p->val;
+	return 0;
+}
+
+static char *trim(char *s)
+{
+	while (*s == ' ' || *s == '\t')
+		s++;
+	size_t n = strlen(s);
+	while (n && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r'))
+		s[--n] = 0;
+	return s;
+}
+
+/* `key = value` lines; `#` starts a comment line; a key without `=` is a
+ * switch (`recreate`). */
+static int config_load(struct opts *o, const char *path)
+{
+	FILE *f = fopen(path, "re");
+	char line[4096];
+	int lineno = 0, r = 0;
+
+	if (!f) {
+		fprintf(stderr, "kvtierd: --config %s: %s\n", path, strerror(errno));
+		return -errno;
+	}
+	while (!r && fgets(line, sizeof(line), f)) {
+		lineno++;
+		char *s = trim(line), *eq, *val = NULL;
+		if (!*s || *s == '#')
+			continue;
+		if ((eq = strchr(s, '='))) {
+			*eq = 0;
+			val = trim(eq + 1);
+		}
+		s = trim(s);
+		int c = find_opt(s);
+		const struct option *def = NULL;
+		for (const struct option *p = LONGOPTS; p->name; p++)
+			if (p->val == c)
+				def = p;
+		if (!c || c == O_CONFIG || c == O_VERSION || c == 'h') {
+			fprintf(stderr, "kvtierd: %s:%d: unknown key '%s'\n", path, lineno, s);
+			r = -EINVAL;
+			break;
+		}
+		if ((def->has_arg == required_argument) != (val != NULL)) {
+			fprintf(stderr, "kvtierd: %s:%d: '%s' %s\n", path, lineno, s,
+				def->has_arg == required_argument ? "needs '= value'" : "takes no value");
+			r = -EINVAL;
+			break;
+		}
+		r = apply(o, c, val ? strdup(val) : NULL);
+		if (r)
+			fprintf(stderr, "kvtierd: (in %s:%d)\n", path, lineno);
+	}
+	fclose(f);
+	return r;
+}
+
+static int parse_args(struct opts *o, int argc, char **argv)
+{
+	int c;
+
+	memset(o, 0, sizeof(*o));
+	o->expect_instances = -1;
+	snprintf(o->http_addr, sizeof(o->http_addr), "127.0.0.1");
+	o->http_port = DEFAULT_PORT;
+	o->drain_timeout_s = 30;
+	o->reap_interval_s = 0.2;
+	o->write_only_window_s = 60;
+	/* the config file first, whatever its place: flags override it */
+	for (int i = 1; i < argc; i++) {
+		const char *path = NULL;
+		if (!strncmp(argv[i], "--config=", 9))
+			path = argv[i] + 9;
+		else if (!strcmp(argv[i], "--config") && i + 1 < argc)
+			path = argv[i + 1];
+		if (path && config_load(o, path))
+			return -EINVAL;
+	}
+	opterr = 1;
+	while ((c = getopt_long(argc, argv, "h", LONGOPTS, NULL)) != -1) {
+		if (c == 'h') {
+			usage(stdout);
+			exit(0);
+		}
+		if (c == O_VERSION) {
+			printf("kvtierd %s\n", KVTIER_VERSION);
+			exit(0);
+		}
+		if (c == O_CONFIG)
+			continue;
+		if (c == '?' || apply(o, c, optarg))
+			return -EINVAL;
+	}
+	if (optind < argc) {
+		fprintf(stderr, "kvtierd: unexpected argument '%s'\n", argv[optind]);
+		return -EINVAL;
+	}
+	if (o->model_config && o->n_groups) {
+		fprintf(stderr, "kvtierd: give --model-config or --group, not both\n");
+		return -EINVAL;
+	}
+	if (!o->model_config && (o->tp || o->pp || o->kv_dtype)) {
+		fprintf(stderr, "kvtierd: --tp, --pp and --kv-dtype size from --model-config\n");
+		return -EINVAL;
+	}
+	if (!!o->tier_bytes + !!o->slots + !!o->tokens > 1) {
+		fprintf(stderr, "kvtierd: give one of --tier-gib, --slots, --tokens\n");
+		return -EINVAL;
+	}
+	if (!o->model_config && !o->n_groups) {
+		fprintf(stderr, "kvtierd: the KV layout is needed: --model-config PATH (with --tp), "
+			"or --group LAYERS:BYTES_PER_TOKEN with --world\n");
+		return -EINVAL;
+	}
+	return 0;
+}
+
+/* ---- layout ---- */
+
+/* --model-config: the groups, world and capacity from the sizing rules. */
+static int layout_from_model(struct opts *o)
+{
+	struct kvt_model m;
+	struct kvt_size_req rq;
+	struct kvt_size_plan p;
+	uint32_t dt = KVT_DTYPE_AUTO;
+	int r;
+
+	r = kvt_model_load(o->model_config, &m);
+	if (r) {
+		fprintf(stderr, "kvtierd: --model-config %s: %s\n", o->model_config,
+			kvt_numa_last_error());
+		return r;
+	}
+	if (o->kv_dtype && kvt_dtype_parse(o->kv_dtype, &dt)) {
+		fprintf(stderr, "kvtierd: --kv-dtype: %s\n", kvt_numa_last_error());
+		return -EINVAL;
+	}
+	memset(&rq, 0, sizeof(rq));
+	rq.size = sizeof(rq);
+	rq.model = &m;
+	rq.kv_dtype = dt;
+	rq.tp = o->tp ? o->tp : 1;
+	rq.pp = o->pp ? o->pp : 1;
+	rq.chunk_tokens = o->chunk_tokens ? o->chunk_tokens : 256;
+	rq.layout = o->replicated ? KVT_SIZE_REPLICATED : KVT_SIZE_LAYOUT_AUTO;
+	rq.tier_bytes = o->tier_bytes;
+	rq.tokens = o->tokens;
+	if (!o->tier_bytes && !o->tokens && !o->slots) {
+		const char *g = getenv("KVTIER_TIER_GIB");
+		rq.tier_bytes = g && *g ? (uint64_t)(strtod(g, NULL) * (double)(1ULL << 30))
+					: 1ULL << 30;
+	}
+	if (o->slots)
+		rq.tokens = (uint64_t)o->slots * rq.chunk_tokens;
+	r = kvt_size_compute(&rq, &p);
+	if (r) {
+		fprintf(stderr, "kvtierd: sizing %s: %s\n", o->model_config, kvt_numa_last_error());
+		return r;
+	}
+	if (o->world && o->world != p.world) {
+		fprintf(stderr, "kvtierd: --world %u, but --tp x --pp is %u\n", o->world, p.world);
+		return -EINVAL;
+	}
+	o->world = p.world;
+	o->chunk_tokens = p.chunk_tokens;
+	o->n_groups = p.n_groups;
+	for (uint32_t i = 0; i < p.n_groups; i++) {
+		o->groups[i].n_layers = p.groups[i].layers;
+		o->groups[i].bytes_per_token = p.groups[i].bytes_per_token;
+	}
+	o->replicated = p.layout == KVT_SIZE_REPLICATED;
+	if (p.n_slots > (1u << 30)) {
+		fprintf(stderr, "kvtierd: the plan has %llu chunks; a segment holds at most 2^30\n",
+			(unsigned long long)p.n_slots);
+		return -EINVAL;
+	}
+	o->slots = (uint32_t)p.n_slots;
+	o->tier_bytes = 0;
+	o->tokens = 0;
+	LOG_INFO("sized from %s (%s): %u layers in %u group(s), %llu bytes per token per rank, "
+		 "%s layout, world %u, %llu chunks = %llu tokens", o->model_config, m.arch,
+		 m.layers, p.n_groups, (unsigned long long)p.token_bytes_rank,
+		 o->replicated ? "replicated" : "sharded", p.world, (unsigned long long)p.n_slots,
+		 (unsigned long long)p.tokens);
+	return 0;
+}
+
+static void config_fill(const struct opts *o, struct kvt_config *c, uint32_t flags)
+{
+	static struct kvt_group_desc groups[8];
+
+	memset(c, 0, sizeof(*c));
+	c->size = sizeof(*c);
+	c->flags = flags | (o->group ? KVT_F_GROUP : 0);
+	c->role = KVT_TIER_CLIENT;
+	c->instance = -1;
+	c->rank = -1;
+	c->world = o->world;
+	c->chunk_tokens = o->chunk_tokens;
+	c->segment = o->segment;
+	c->segment_dir = o->segment_dir;
+	c->model = o->model;
+	c->n_instances = o->instances;
+	c->n_slots = o->slots;
+	c->tier_bytes = o->tier_bytes;
+	c->n_groups = o->n_groups;
+	for (uint32_t i = 0; i < o->n_groups; i++) {
+		groups[i] = o->groups[i];
+		groups[i].replicated = (uint32_t)o->replicated;
+		groups[i].tokens_per_block = 1; /* not part of the segment: any divisor */
+	}
+	c->groups = groups;
+}
+
+/* ---- creation or warm attach ---- */
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t wall_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* Slots the options ask for, as kvt_open derives them (tier bytes over
+ * one chunk of every shard). */
+static uint64_t wanted_slots(const struct opts *o, const struct kvt_tier_env *env)
+{
+	struct kvt_geometry g;
+
+	if (o->slots)
+		return o->slots;
+	memset(&g, 0, sizeof(g));
+	g.chunk_tokens = env->chunk_tokens;
+	g.world = env->world;
+	g.n_instances = 1;
+	g.n_groups = o->n_groups;
+	g.mode = o->replicated ? KVT_MODE_REPLICATED : KVT_MODE_SHARDED;
+	for (uint32_t i = 0; i < o->n_groups; i++) {
+		g.groups[i].layers = o->groups[i].n_layers;
+		g.groups[i].bytes_per_token = o->groups[i].bytes_per_token;
+	}
+	uint64_t per = kvt_geometry_shard_bytes(&g) * (o->replicated ? 1 : env->world);
+	return per ? env->tier_bytes / per : 0;
+}
+
+static int owned_refusal(const char *name, int pid)
+{
+	LOG_ERR("segment '%s' is owned by a live kvtierd (pid %d, as its PID namespace numbers "
+		"it): one daemon per segment; stop it first", name, pid);
+	return -EBUSY;
+}
+
+/* Opens what is there with the layout asked (the fingerprint is checked by
+ * kvt_open), or creates it.  Sets D.tier. */
+static int segment_start(const struct opts *o, const struct kvt_tier_env *env, int *warm)
+{
+	struct kvt_config c;
+	uint64_t want = wanted_slots(o, env);
+	int r, tries = 0;
+
+again:
+	*warm = 0;
+	config_fill(o, &c, 0);
+	r = kvt_open(&c, &D.tier);
+	if (r == 0) {
+		kvt_seg *s = kvt__tier_seg(D.tier);
+		const struct kvt_geometry *g = kvt_seg_geometry(s);
+		int pid = kvt_seg_owner(s);
+		if (pid) {
+			kvt_close(D.tier);
+			D.tier = NULL;
+			return owned_refusal(env->segment, pid);
+		}
+		char why[200] = "";
+		if (g->n_instances != env->n_instances)
+			snprintf(why, sizeof(why), "instances: the segment has %u, %u asked",
+				 g->n_instances, env->n_instances);
+		else if (want && g->n_slots != want)
+			snprintf(why, sizeof(why), "capacity: the segment has %u slots, %llu asked",
+				 g->n_slots, (unsigned long long)want);
+		if (!why[0]) {
+			*warm = 1;
+			return 0;
+		}
+		kvt_close(D.tier);
+		D.tier = NULL;
+		if (!o->recreate) {
+			LOG_ERR("segment '%s' exists with another geometry (%s); start with "
+				"--recreate to replace it (its chunks are lost)", env->segment, why);
+			return -ESTALE;
+		}
+		LOG_WARN("segment '%s': %s; --recreate: replacing it", env->segment, why);
+	} else if (r == -ESTALE || r == -EPROTO || r == -EINVAL) {
+		char why[400];
+		snprintf(why, sizeof(why), "%s", kvt_last_error());
+		if (r == -EINVAL && strstr(why, "KVTIER_")) {
+			LOG_ERR("%s", why);
+			return r; /* a bad variable, not a bad segment */
+		}
+		/* Is an owner alive on it?  Ask without the layout. */
+		kvt_tier *t;
+		memset(&c, 0, sizeof(c));
+		c.size = sizeof(c);
+		c.role = KVT_TIER_CLIENT;
+		c.instance = -1;
+		c.rank = -1;
+		c.segment = o->segment;
+		c.segment_dir = o->segment_dir;
+		c.flags = o->group ? KVT_F_GROUP : 0;
+		if (kvt_open(&c, &t) == 0) {
+			int pid = kvt_seg_owner(kvt__tier_seg(t));
+			kvt_close(t);
+			if (pid)
+				return owned_refusal(env->segment, pid);
+		}
+		if (!o->recreate) {
+			LOG_ERR("segment '%s' is not compatible: %s; start with --recreate to replace "
+				"it (its chunks are lost)", env->segment, why);
+			return r;
+		}
+		LOG_WARN("segment '%s' is not compatible (%s); --recreate: replacing it",
+			 env->segment, why);
+	} else if (r != -ENOENT) {
+		LOG_ERR("segment '%s': %s", env->segment, kvt_last_error());
+		return r;
+	}
+	if (o->recreate) {
+		int u = kvt_unlink(env->segment, env->segment_dir[0] ? env->segment_dir : NULL);
+		if (u && u != -ENOENT) {
+			LOG_ERR("--recreate: removing '%s': %s", env->segment, kvt_last_error());
+			return u;
+		}
+	}
+	config_fill(o, &c, KVT_F_CREATE | KVT_F_PREFAULT);
+	uint64_t t0 = mono_ns();
+	r = kvt_open(&c, &D.tier);
+	if (r == -EEXIST && tries++ < 3)
+		goto again; /* another daemon created it meanwhile: its owner check decides */
+	if (r) {
+		LOG_ERR("creating segment '%s': %s", env->segment, kvt_last_error());
+		return r;
+	}
+	LOG_INFO("created segment '%s' in %.2f s", env->segment, (double)(mono_ns() - t0) / 1e9);
+	return 0;
+}
+
+static void log_plan(const struct kvt_tier_env *env, int warm)
+{
+	kvt_seg *s = D.seg;
+	const struct kvt_geometry *g = kvt_seg_geometry(s);
+	const char *dir = kvt__tier_segment_dir(D.tier);
+	struct statfs sf;
+	struct kvt_occupancy occ;
+	uint64_t page = 4096;
+
+	if (dir && statfs(dir, &sf) == 0 && (unsigned long)sf.f_type == HUGETLBFS_MAGIC)
+		page = (uint64_t)sf.f_bsize;
+	kvt_occupancy_read(s, &occ);
+	LOG_INFO("segment '%s' at %s%s%s: %llu bytes, %s pages; world %u x %u instance(s), %s, "
+		 "%u tokens/chunk, %u slots of %llu bytes per shard, %u leases; model '%s'%s",
+		 env->segment, dir ? dir : "/dev/shm", "/kvtier.", env->segment,
+		 (unsigned long long)kvt_seg_size(s),
+		 page >= (1ULL << 30) ? "1 GiB" : page >= (2ULL << 20) ? "2 MiB" : "4 KiB",
+		 g->world, g->n_instances, g->mode == KVT_MODE_REPLICATED ? "replicated" : "sharded",
+		 g->chunk_tokens, g->n_slots, (unsigned long long)kvt_seg_shard_bytes(s), g->n_leases,
+		 env->model, warm ? "" : " (new)");
+	if (warm)
+		LOG_INFO("warm restart: attached the existing segment; %llu READY chunks kept",
+			 (unsigned long long)occ.ready);
+#ifdef KVTIER_HAVE_NUMA
+	for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++) {
+		void *p;
+		uint64_t len;
+		int node = -1;
+		if (kvt_seg_arena(s, sh, &p, &len) == 0 &&
+		    get_mempolicy(&node, NULL, 0, p, MPOL_F_NODE | MPOL_F_ADDR) == 0)
+			LOG_INFO("arena shard %u: %llu bytes, first page on NUMA node %d", sh,
+				 (unsigned long long)len, node);
+	}
+#endif
+}
+
+static int lock_arena(const struct opts *o)
+{
+	void *p;
+	uint64_t len;
+
+	if (o->no_lock) {
+		LOG_INFO("--no-lock: the arena is not locked in memory");
+		return 0;
+	}
+	if (kvt_seg_arena(D.seg, UINT32_MAX, &p, &len))
+		return -EINVAL;
+	uint64_t t0 = mono_ns();
+	if (mlock(p, len)) {
+		int e = errno;
+		LOG_ERR("mlock of the arena (%llu bytes): %s (raise RLIMIT_MEMLOCK -- the systemd "
+			"unit sets LimitMEMLOCK=infinity -- or start with --no-lock)",
+			(unsigned long long)len, strerror(e));
+		return -e;
+	}
+	LOG_INFO("arena locked in memory: %llu bytes in %.2f s", (unsigned long long)len,
+		 (double)(mono_ns() - t0) / 1e9);
+	return 0;
+}
+
+/* ---- systemd notification (Type=notify), without libsystemd ---- */
+
+static void sd_notify_(const char *msg)
+{
+	const char *path = getenv("NOTIFY_SOCKET");
+	struct sockaddr_un sa;
+	int fd;
+
+	if (!path || (path[0] != '/' && path[0] != '@') || strlen(path) >= sizeof(sa.sun_path))
+		return;
+	memset(&sa, 0, sizeof(sa));
+	sa.sun_family = AF_UNIX;
+	memcpy(sa.sun_path, path, strlen(path));
+	if (sa.sun_path[0] == '@')
+		sa.sun_path[0] = 0;
+	fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return;
+	(void)sendto(fd, msg, strlen(msg), MSG_NOSIGNAL, (struct sockaddr *)&sa,
+		     (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path)));
+	close(fd);
+}
+
+/* ---- HTTP ---- */
+
+static enum MHD_Result reply(struct MHD_Connection *c, unsigned code, char *body,
+			     const char *type)
+{
+	struct MHD_Response *r;
+	enum MHD_Result ret;
+
+	if (!body) {
+		static char oom[] = "out of memory\n";
+		r = MHD_create_response_from_buffer(sizeof(oom) - 1, oom, MHD_RESPMEM_PERSISTENT);
+		code = MHD_HTTP_INTERNAL_SERVER_ERROR;
+		type = "text/plain";
+	} else {
+		r = MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+	}
+	if (!r) {
+		free(body);
+		return MHD_NO;
+	}
+	MHD_add_response_header(r, "Content-Type", type);
+	MHD_add_response_header(r, "Cache-Control", "no-store");
+	if (code == MHD_HTTP_METHOD_NOT_ALLOWED)
+		MHD_add_response_header(r, "Allow", "GET, HEAD");
+	ret = MHD_queue_response(c, code, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
+static void ctx_fill(struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCES])
+{
+	*x = D.ctx;
+	x->draining = atomic_load(&D.draining);
+	x->reaped = atomic_load(&D.reaped);
+	pthread_mutex_lock(&D.mu);
+	memcpy(wo, D.write_only, sizeof(D.write_only));
+	pthread_mutex_unlock(&D.mu);
+	x->write_only_window = wo;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+				  const char *method, const char *version, const char *upload,
+				  size_t *upload_size, void **state)
+{
+	struct kvtd_snap s;
+	struct kvtd_ctx x;
+	uint32_t wo[KVT_MAX_INSTANCES];
+	(void)cls; (void)version; (void)upload; (void)state;
+
+	if (strcmp(method, "GET") && strcmp(method, "HEAD"))
+		return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, strdup("method not allowed\n"),
+			     "text/plain");
+	if (*upload_size)
+		return reply(conn, MHD_HTTP_BAD_REQUEST, strdup("no body expected\n"), "text/plain");
+	int path = !strcmp(url, "/healthcheck") ? 1 : !strcmp(url, "/metrics") ? 2 :
+		   !strcmp(url, "/status") ? 3 : !strcmp(url, "/healthcheck/segment") ? 4 : 0;
+	if (!path)
+		return reply(conn, MHD_HTTP_NOT_FOUND,
+			     strdup("not found: try /healthcheck, /healthcheck/segment, /metrics, "
+				    "/status\n"), "text/plain");
+	ctx_fill(&x, wo);
+	if (path == 4) {
+		int ok = !x.draining;
+		char *b = NULL;
+		if (asprintf(&b, "{\"segment\":\"%s\",\"status\":\"%s\"}\n", D.name,
+			     ok ? "ok" : "draining") < 0)
+			b = NULL;
+		return reply(conn, ok ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, b,
+			     "application/json");
+	}
+	if (kvtd_snap_read(D.obs, &s))
+		return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, NULL, "text/plain");
+	enum MHD_Result ret;
+	if (path == 1) {
+		char *body = NULL;
+		int ok = kvtd_health(&s, &x, &body);
+		ret = reply(conn, ok ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, body,
+			    "application/json");
+	} else if (path == 2) {
+		ret = reply(conn, MHD_HTTP_OK, kvtd_prometheus(&s, &x),
+			    "text/plain; version=0.0.4; charset=utf-8");
+	} else {
+		ret = reply(conn, MHD_HTTP_OK, kvtd_json(&s, &x, NULL), "application/json");
+	}
+	kvtd_snap_free(&s);
+	return ret;
+}
+
+static int http_start(const struct opts *o)
+{
+	struct sockaddr_in sa;
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_port = htons(o->http_port);
+	inet_pton(AF_INET, o->http_addr, &sa.sin_addr);
+	D.http = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
+				  o->http_port, NULL, NULL, on_request, NULL,
+				  MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
+				  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
+				  MHD_OPTION_END);
+	if (!D.http) {
+		LOG_ERR("HTTP: cannot listen on %s:%u (in use? --http ADDR:PORT picks another)",
+			o->http_addr, o->http_port);
+		return -EADDRINUSE;
+	}
+	LOG_INFO("HTTP on http://%s:%u (/healthcheck /healthcheck/segment /metrics /status)",
+		 o->http_addr, o->http_port);
+	return 0;
+}
+
+/* ---- the main loop: reaping, write-only watch, signals ---- */
+
+struct sample {
+	uint64_t t;
+	uint64_t saved[KVT_MAX_INSTANCES], lookups[KVT_MAX_INSTANCES];
+};
+
+static struct sample hist[MAX_HISTORY];
+static uint32_t hist_n, hist_head;
+
+static void watch_write_only(const struct opts *o)
+{
+	struct kvtd_snap s;
+	uint32_t wo[KVT_MAX_INSTANCES] = { 0 };
+	static uint32_t warned[KVT_MAX_INSTANCES];
+
+	if (kvtd_snap_read(D.seg, &s))
+		return;
+	struct sample *n = &hist[hist_head];
+	n->t = s.mono_ns;
+	for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++) {
+		n->saved[i] = s.inst[i].saved_chunks;
+		n->lookups[i] = s.inst[i].lookups;
+	}
+	hist_head = (hist_head + 1) % MAX_HISTORY;
+	if (hist_n < MAX_HISTORY)
+		hist_n++;
+	/* the newest sample at least a window old */
+	const struct sample *old = NULL;
+	uint64_t win = (uint64_t)(o->write_only_window_s * 1e9);
+	for (uint32_t k = 1; k <= hist_n; k++) {
+		const struct sample *c = &hist[(hist_head + MAX_HISTORY - k) % MAX_HISTORY];
+		if (s.mono_ns - c->t >= win) {
+			old = c;
+			break;
+		}
+	}
+	for (uint32_t i = 0; i < s.geo.n_instances && i < KVT_MAX_INSTANCES; i++) {
+		wo[i] = s.inst[i].write_only;
+		if (old && n->saved[i] > old->saved[i] && n->lookups[i] == old->lookups[i])
+			wo[i] = 1;
+		if (wo[i] && !warned[i])
+			LOG_WARN("instance %u is write-only: its ranks saved %llu chunk shards and its "
+				 "scheduler made %llu lookups%s; nothing saved is read back (is its "
+				 "scheduler opened on segment '%s' as instance %u?)", i,
+				 (unsigned long long)s.inst[i].saved_chunks,
+				 (unsigned long long)s.inst[i].lookups,
+				 old && s.inst[i].lookups ? " (none in the window)" : "", D.name, i);
+		else if (!wo[i] && warned[i])
+			LOG_INFO("instance %u is read again (lookups resumed)", i);
+		warned[i] = wo[i];
+	}
+	pthread_mutex_lock(&D.mu);
+	memcpy(D.write_only, wo, sizeof(wo));
+	pthread_mutex_unlock(&D.mu);
+	kvtd_snap_free(&s);
+}
+
+static void reap_once(void)
+{
+	uint32_t n = kvt_seg_n_entries(D.seg);
+	struct kvt_entry_info in;
+
+	for (uint32_t e = 0; e < n; e++) {
+		if (kvt_seg_entry_info(D.seg, e, &in) || in.state != KVT_ENTRY_DEAD)
+			continue;
+		if (in.role == KVT_ROLE_RANK)
+			LOG_WARN("rank %u of instance %u (pid %d) died: reaping its claims, pins and "
+				 "leases", in.rank, in.instance, in.pid);
+		else
+			LOG_WARN("%s entry %u (pid %d) died: reaping it",
+				 in.role == KVT_ROLE_SCHEDULER ? "scheduler" : "client", e, in.pid);
+	}
+	int r = kvt_seg_reap(D.seg);
+	if (r > 0) {
+		atomic_fetch_add(&D.reaped, (unsigned long long)r);
+		LOG_INFO("reaped %d entr%s", r, r == 1 ? "y" : "ies");
+	} else if (r < 0) {
+		LOG_ERR("reap: %s", kvt_core_last_error());
+	}
+}
+
+static int drain(const struct opts *o, int sfd)
+{
+	struct kvt_occupancy occ;
+	uint64_t deadline = mono_ns() + (uint64_t)(o->drain_timeout_s * 1e9);
+
+	atomic_store(&D.draining, 1);
+	kvt_seg_drain(D.seg, 1);
+	kvt_occupancy_read(D.seg, &occ);
+	LOG_INFO("draining: new attaches refused; %llu live lease(s), waiting up to %.0f s",
+		 (unsigned long long)occ.leases_live, o->drain_timeout_s);
+	for (;;) {
+		reap_once();
+		kvt_occupancy_read(D.seg, &occ);
+		if (!occ.leases_live) {
+			LOG_INFO("drained: no live lease");
+			return 0;
+		}
+		if (mono_ns() >= deadline) {
+			LOG_WARN("drain timeout: %llu lease(s) still live; exiting anyway (their "
+				 "holders keep them)", (unsigned long long)occ.leases_live);
+			return 1;
+		}
+		struct pollfd p = { .fd = sfd, .events = POLLIN };
+		if (poll(&p, 1, 50) > 0) {
+			struct signalfd_siginfo si;
+			if (read(sfd, &si, sizeof(si)) == sizeof(si) && si.ssi_signo == SIGINT) {
+				LOG_WARN("second interrupt: exiting without waiting");
+				return 1;
+			}
+		}
+	}
+}
+
+int main(int argc, char **argv)
+{
+	struct opts o;
+	struct kvt_tier_env env;
+	struct kvt_config c;
+	char err[512];
+	sigset_t set;
+	int warm, r, sfd;
+
+	if (parse_args(&o, argc, argv)) {
+		fprintf(stderr, "kvtierd: see kvtierd --help\n");
+		return 2;
+	}
+	D.log_path = o.log_path;
+	if (log_open())
+		return 1;
+	/* Settings kvt_open takes from the environment only. */
+	if (o.numa_nodes)
+		setenv("KVTIER_NUMA_NODES", o.numa_nodes, 1);
+	if (o.hugepages)
+		setenv("KVTIER_HUGEPAGES", o.hugepages, 1);
+	if (!getenv("KVTIER_LOG_LEVEL"))
+		setenv("KVTIER_LOG_LEVEL", "info", 1); /* the library's placement lines */
+	if (o.model_config && layout_from_model(&o))
+		return 2;
+	config_fill(&o, &c, KVT_F_CREATE);
+	r = kvt_tier_env_resolve(&c, &env, err, sizeof(err));
+	if (r) {
+		LOG_ERR("%s", err);
+		return 2;
+	}
+	if (!env.world) {
+		LOG_ERR("the world size is needed: --world N (or KVTIER_WORLD, or --tp with "
+			"--model-config)");
+		return 2;
+	}
+	snprintf(D.name, sizeof(D.name), "%s", env.segment);
+	snprintf(D.model, sizeof(D.model), "%s", env.model);
+
+	/* Signals go to the signalfd; blocked before any thread starts so
+	 * libmicrohttpd's thread inherits the mask. */
+	sigemptyset(&set);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGINT);
+	sigaddset(&set, SIGHUP);
+	sigaddset(&set, SIGPIPE);
+	pthread_sigmask(SIG_BLOCK, &set, NULL);
+	sfd = signalfd(-1, &set, SFD_CLOEXEC);
+	if (sfd < 0) {
+		LOG_ERR("signalfd: %s", strerror(errno));
+		return 1;
+	}
+
+	r = segment_start(&o, &env, &warm);
+	if (r) {
+		kvt_close(D.tier);
+		return r == -EBUSY ? 3 : 1;
+	}
+	D.seg = kvt__tier_seg(D.tier);
+	r = kvt_seg_own(D.seg);
+	if (r) {
+		LOG_ERR("%s", kvt_core_last_error());
+		kvt_close(D.tier);
+		return 3;
+	}
+	if (kvt__tier_segment_dir(D.tier))
+		snprintf(D.dir, sizeof(D.dir), "%s", kvt__tier_segment_dir(D.tier));
+	log_plan(&env, warm);
+	if (lock_arena(&o)) {
+		kvt_close(D.tier);
+		return 1;
+	}
+	{
+		struct kvt_seg_attach_opts a = {
+			.size = sizeof(a), .name = D.name, .dir = D.dir[0] ? D.dir : NULL,
+			.role = KVT_ROLE_OBSERVER, .flags = o.group ? KVT_SEG_F_GROUP : 0 };
+		r = kvt_seg_attach(&a, &D.obs);
+		if (r) {
+			LOG_ERR("observer handle: %s", kvt_core_last_error());
+			kvt_close(D.tier);
+			return 1;
+		}
+	}
+	const struct kvt_geometry *g = kvt_seg_geometry(D.seg);
+	D.ctx.version = KVTIER_VERSION;
+	D.ctx.model = D.model;
+	D.ctx.expect_instances = o.expect_instances < 0 ? g->n_instances
+						       : (uint32_t)o.expect_instances;
+	D.ctx.expect_schedulers = (uint32_t)o.expect_schedulers;
+	D.ctx.start_wall_ns = wall_ns();
+	D.ctx.window_s = o.write_only_window_s;
+	if (D.ctx.expect_instances > g->n_instances) {
+		LOG_ERR("--expect-instances %u: the segment has %u instances",
+			D.ctx.expect_instances, g->n_instances);
+		return 2;
+	}
+	if (!o.no_http && http_start(&o)) {
+		kvt_seg_detach(D.obs);
+		kvt_close(D.tier);
+		return 1;
+	}
+	LOG_INFO("up: owner of '%s'; /healthcheck wants %u instance(s) x %u rank(s)%s", D.name,
+		 D.ctx.expect_instances, g->world, o.expect_schedulers ? " and their schedulers" : "");
+	sd_notify_("READY=1");
+
+	uint64_t next_watch = 0;
+	int rc = 0;
+	for (;;) {
+		struct pollfd p = { .fd = sfd, .events = POLLIN };
+		int n = poll(&p, 1, (int)(o.reap_interval_s * 1000));
+		if (n > 0) {
+			struct signalfd_siginfo si;
+			if (read(sfd, &si, sizeof(si)) != sizeof(si))
+				continue;
+			if (si.ssi_signo == SIGHUP) {
+				log_open();
+				LOG_INFO("SIGHUP: log reopened");
+				continue;
+			}
+			if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
+				LOG_INFO("%s: stopping", si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
+				sd_notify_("STOPPING=1");
+				rc = drain(&o, sfd) ? 0 : 0;
+				break;
+			}
+			continue;
+		}
+		reap_once();
+		if (mono_ns() >= next_watch) {
+			watch_write_only(&o);
+			next_watch = mono_ns() + 1000000000ULL;
+		}
+	}
+	if (D.http)
+		MHD_stop_daemon(D.http);
+	kvt_seg_detach(D.obs);
+	if (o.unlink_at_exit) {
+		r = kvt_unlink(D.name, D.dir[0] ? D.dir : NULL);
+		if (r)
+			LOG_ERR("--unlink '%s': %s", D.name, kvt_last_error());
+		else
+			LOG_INFO("segment '%s' removed (--unlink)", D.name);
+	} else {
+		kvt_seg_drain(D.seg, 0);
+		LOG_INFO("segment '%s' stays for the next start (warm restart)", D.name);
+	}
+	kvt_close(D.tier);
+	LOG_INFO("stopped");
+	return rc;
+}

@@ -1,0 +1,704 @@
+/* snap.c - reading a live segment into a snapshot, and its renderings:
+ * Prometheus text format 0.0.4, JSON, the kvtier-stat screen (snap.h). */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "snap.h"
+
+void kvtd_printf(struct kvtd_buf *b, const char *fmt, ...)
+{
+	va_list ap;
+	int n;
+
+	if (b->oom)
+		return;
+	for (;;) {
+		size_t room = b->cap - b->len;
+		va_start(ap, fmt);
+		n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? room : 0, fmt, ap);
+		va_end(ap);
+		if (n < 0) {
+			b->oom = 1;
+			return;
+		}
+		if (b->p && (size_t)n < room) {
+			b->len += (size_t)n;
+			return;
+		}
+		size_t cap = b->cap ? b->cap * 2 : 8192;
+		while (cap < b->len + (size_t)n + 1)
+			cap *= 2;
+		char *p = realloc(b->p, cap);
+		if (!p) {
+			b->oom = 1;
+			return;
+		}
+		b->p = p;
+		b->cap = cap;
+	}
+}
+
+static char *buf_done(struct kvtd_buf *b)
+{
+	if (b->oom || !b->p) {
+		free(b->p);
+		return NULL;
+	}
+	return b->p;
+}
+
+static uint64_t clock_ns(clockid_t c)
+{
+	struct timespec ts;
+
+	clock_gettime(c, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
+{
+	const struct kvt_geometry *g = kvt_seg_geometry(s);
+
+	memset(o, 0, sizeof(*o));
+	snprintf(o->name, sizeof(o->name), "%s", kvt_seg_name(s));
+	o->draining = kvt_seg_draining(s);
+	o->mono_ns = clock_ns(CLOCK_MONOTONIC);
+	o->wall_ns = clock_ns(CLOCK_REALTIME);
+	o->geo = *g;
+	o->n_shards = kvt_seg_n_shards(s);
+	o->n_entries = kvt_seg_n_entries(s);
+	o->shard_bytes = kvt_seg_shard_bytes(s);
+	o->chunk_bytes = kvt_seg_chunk_bytes(s);
+	o->segment_bytes = kvt_seg_size(s);
+	kvt_occupancy_read(s, &o->occ);
+	kvt_counters_read(s, o->ctr);
+	for (int h = 0; h < KVT_H__COUNT; h++)
+		kvt_hist_read(s, UINT32_MAX, (enum kvt_hist)h, &o->hist[h]);
+	o->owner_pid = kvt_seg_owner(s);
+	o->ents = calloc(o->n_entries ? o->n_entries : 1, sizeof(*o->ents));
+	if (!o->ents)
+		return -ENOMEM;
+	for (uint32_t e = 0; e < o->n_entries; e++) {
+		struct kvtd_entry *x = &o->ents[e];
+		if (kvt_seg_entry_info(s, e, &x->info))
+			x->bad = 1;
+		kvt_seg_entry_counters(s, e, x->ctr);
+		if (x->bad || x->info.instance >= g->n_instances)
+			continue;
+		struct kvtd_inst *in = &o->inst[x->info.instance];
+		in->lookups += x->ctr[KVT_C_LOOKUPS];
+		in->lookup_chunks += x->ctr[KVT_C_LOOKUP_CHUNKS];
+		in->hit_chunks += x->ctr[KVT_C_HIT_CHUNKS];
+		in->hit_tokens += x->ctr[KVT_C_HIT_TOKENS];
+		in->saved_chunks += x->ctr[KVT_C_SAVED_CHUNKS];
+		in->loaded_chunks += x->ctr[KVT_C_LOADED_CHUNKS];
+		in->bytes_saved += x->ctr[KVT_C_BYTES_SAVED];
+		in->bytes_loaded += x->ctr[KVT_C_BYTES_LOADED];
+		in->dma_errors += x->ctr[KVT_C_DMA_ERRORS];
+		if (x->info.state == KVT_ENTRY_ATTACHED) {
+			if (x->info.role == KVT_ROLE_SCHEDULER)
+				in->scheduler_up = 1;
+			else
+				in->ranks_up++;
+		}
+	}
+	{
+		uint32_t wo[KVT_MAX_INSTANCES];
+		kvtd_write_only(o, NULL, wo);
+		for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++)
+			o->inst[i].write_only = wo[i];
+	}
+	return 0;
+}
+
+void kvtd_snap_free(struct kvtd_snap *s)
+{
+	free(s->ents);
+	s->ents = NULL;
+}
+
+void kvtd_write_only(struct kvtd_snap *now, const struct kvtd_snap *old,
+		     uint32_t out[KVT_MAX_INSTANCES])
+{
+	for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++) {
+		const struct kvtd_inst *a = &now->inst[i];
+		out[i] = 0;
+		if (i >= now->geo.n_instances)
+			continue;
+		if (a->saved_chunks && !a->lookups)
+			out[i] = 1;
+		if (old && old->geo.n_instances == now->geo.n_instances) {
+			const struct kvtd_inst *b = &old->inst[i];
+			if (a->saved_chunks > b->saved_chunks && a->lookups == b->lookups)
+				out[i] = 1;
+		}
+	}
+}
+
+/* ---- names ---- */
+
+static const struct {
+	const char *metric, *help;
+} counter_meta[KVT_C__COUNT] = {
+	[KVT_C_LOOKUPS] = { "lookups", "Prompt lookups (kvt_lookup calls)" },
+	[KVT_C_LOOKUP_CHUNKS] = { "lookup_chunks", "Chunk keys looked up" },
+	[KVT_C_HIT_CHUNKS] = { "hit_chunks", "Chunks found READY and pinned by lookups" },
+	[KVT_C_HIT_TOKENS] = { "hit_tokens", "Tokens of the chunks lookups hit" },
+	[KVT_C_SAVED_CHUNKS] = { "saved_chunks", "Chunk shards written and published by ranks" },
+	[KVT_C_SAVE_SKIPS] = { "save_skips", "Chunk shard saves skipped: saved or being saved already" },
+	[KVT_C_SAVE_NOSPC] = { "save_nospc", "Chunk shard saves dropped: no slot could be evicted" },
+	[KVT_C_LOADED_CHUNKS] = { "loaded_chunks", "Chunk shards loaded back by ranks" },
+	[KVT_C_BYTES_SAVED] = { "saved_bytes", "Bytes copied into the arena by saves" },
+	[KVT_C_BYTES_LOADED] = { "loaded_bytes", "Bytes copied out of the arena by loads" },
+	[KVT_C_EVICTIONS] = { "evictions", "READY chunks evicted to make room" },
+	[KVT_C_STALE_UNPINS] = { "stale_unpins", "Leases released by the two-step stale sweep" },
+	[KVT_C_DOUBLE_UNPINS] = { "double_unpins", "Releases of leases released already" },
+	[KVT_C_REAPED_RANKS] = { "reaped_entries", "Table entries of dead processes reaped" },
+	[KVT_C_FILL_ABORTS] = { "fill_aborts", "Chunk fills abandoned (a shard never completed)" },
+	[KVT_C_FILL_TIMEOUTS] = { "fill_timeouts", "FILLING slots reclaimed after the fill timeout" },
+	[KVT_C_LEASES_FULL] = { "lease_table_full", "Lookups refused: the lease table was full" },
+	[KVT_C_INDEX_FULL] = { "index_full", "Inserts refused: both index buckets full" },
+	[KVT_C_DISK_WRITES] = { "disk_writes", "Chunks written to the disk tier" },
+	[KVT_C_DISK_READS] = { "disk_reads", "Chunks read from the disk tier" },
+	[KVT_C_DMA_ERRORS] = { "dma_errors", "Copies that failed (their chunks not published or not valid)" },
+	[KVT_C_LOST_CLAIMS] = { "lost_claims", "Shard claims found gone at write end (must stay 0)" },
+	[KVT_C_PIN_REPAIRS] = { "pin_repairs", "Pin counts recounted after a death" },
+	[KVT_C_ADOPTED] = { "adopted_steps", "Half-done steps of dead processes finished by a waiter" },
+};
+
+static const char *const hist_help[KVT_H__COUNT] = {
+	[KVT_H_LOOKUP] = "Latency of kvt_lookup (pinning included)",
+	[KVT_H_SAVE] = "Latency of a save op, submission to its last chunk's completion",
+	[KVT_H_LOAD] = "Latency of a load op, submission to its last chunk's completion",
+	[KVT_H_DISK_READ] = "Latency of a disk tier read",
+	[KVT_H_DISK_WRITE] = "Latency of a disk tier write",
+};
+
+static const char *entry_state_name(const struct kvtd_entry *e)
+{
+	if (e->bad)
+		return "corrupt";
+	switch (e->info.state) {
+	case KVT_ENTRY_EMPTY: return "empty";
+	case KVT_ENTRY_ATTACHED: return "attached";
+	case KVT_ENTRY_DEAD: return "dead";
+	default: return "busy";
+	}
+}
+
+static uint32_t entry_index(const struct kvtd_snap *s, uint32_t inst, uint32_t rank)
+{
+	/* rank == world: the scheduler */
+	return inst * (s->geo.world + 1) + rank;
+}
+
+static double age_s(const struct kvtd_snap *s, const struct kvtd_entry *e)
+{
+	if (!e->info.heartbeat_ns || e->info.heartbeat_ns > s->mono_ns)
+		return 0.0;
+	return (double)(s->mono_ns - e->info.heartbeat_ns) / 1e9;
+}
+
+static void json_str(struct kvtd_buf *b, const char *v)
+{
+	kvtd_printf(b, "\"");
+	for (const unsigned char *p = (const unsigned char *)(v ? v : ""); *p; p++) {
+		if (*p == '"' || *p == '\\')
+			kvtd_printf(b, "\\%c", *p);
+		else if (*p < 0x20 || *p == 0x7f)
+			kvtd_printf(b, "\\u%04x", *p);
+		else
+			kvtd_printf(b, "%c", *p);
+	}
+	kvtd_printf(b, "\"");
+}
+
+/* A Prometheus label value: backslash, quote and newline escaped. */
+static void prom_label(struct kvtd_buf *b, const char *v)
+{
+	for (const char *p = v ? v : ""; *p; p++) {
+		if (*p == '\\' || *p == '"')
+			kvtd_printf(b, "\\%c", *p);
+		else if (*p == '\n')
+			kvtd_printf(b, "\\n");
+		else
+			kvtd_printf(b, "%c", *p);
+	}
+}
+
+/* ---- health ---- */
+
+int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json)
+{
+	struct kvtd_buf b = { 0 };
+	uint32_t n_inst = c->expect_instances < s->geo.n_instances ? c->expect_instances
+								   : s->geo.n_instances;
+	int ok = !c->draining && !s->draining, first = 1, n_bad = 0;
+
+	kvtd_printf(&b, "{\"segment\":");
+	json_str(&b, s->name);
+	kvtd_printf(&b, ",\"draining\":%s,\"expected_instances\":%u,\"world\":%u,\"problems\":[",
+		    (c->draining || s->draining) ? "true" : "false", n_inst, s->geo.world);
+	for (uint32_t i = 0; i < n_inst; i++) {
+		uint32_t last = c->expect_schedulers ? s->geo.world : s->geo.world - 1;
+		for (uint32_t r = 0; r <= last; r++) {
+			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
+			if (!e->bad && e->info.state == KVT_ENTRY_ATTACHED)
+				continue;
+			ok = 0;
+			n_bad++;
+			kvtd_printf(&b, "%s{\"instance\":%u,", first ? "" : ",", i);
+			if (r == s->geo.world)
+				kvtd_printf(&b, "\"role\":\"scheduler\"");
+			else
+				kvtd_printf(&b, "\"role\":\"rank\",\"rank\":%u", r);
+			kvtd_printf(&b, ",\"state\":\"%s\"", e->info.state == KVT_ENTRY_EMPTY && !e->bad
+				    ? "missing" : entry_state_name(e));
+			if (e->info.pid && e->info.state != KVT_ENTRY_EMPTY)
+				kvtd_printf(&b, ",\"pid\":%d", e->info.pid);
+			kvtd_printf(&b, "}");
+			first = 0;
+		}
+	}
+	kvtd_printf(&b, "],\"status\":\"%s\"}\n", ok ? "ok" : "unhealthy");
+	(void)n_bad;
+	*json = buf_done(&b);
+	return ok;
+}
+
+/* ---- Prometheus ---- */
+
+static void prom_head(struct kvtd_buf *b, const char *name, const char *type, const char *help)
+{
+	kvtd_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void prom_hist(struct kvtd_buf *b, const char *name, const char *help,
+		      const struct kvt_hist_snap *h)
+{
+	uint64_t cum = 0;
+
+	prom_head(b, name, "histogram", help);
+	for (uint32_t i = 0; i < KVT_HIST_BUCKETS; i++) {
+		cum += h->bucket[i];
+		if (i + 1 < KVT_HIST_BUCKETS)
+			kvtd_printf(b, "%s_bucket{le=\"%.9g\"} %llu\n", name,
+				    (double)kvt_hist_bound_ns(i) / 1e9, (unsigned long long)cum);
+		else
+			kvtd_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
+	}
+	kvtd_printf(b, "%s_sum %.9f\n%s_count %llu\n", name, (double)h->sum_ns / 1e9, name,
+		    (unsigned long long)cum);
+}
+
+/* Per-rank and per-instance series carry engine="<kvtier instance>" (and
+ * rank="<r>"): Prometheus itself sets `instance` (the scrape target) on
+ * every series, and would rename ours to exported_instance. */
+char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
+{
+	struct kvtd_buf b = { 0 };
+	const struct kvt_geometry *g = &s->geo;
+	char name[96];
+	uint32_t n_inst = g->n_instances;
+
+	prom_head(&b, "kvtier_info", "gauge", "The segment and the daemon (labels); always 1");
+	kvtd_printf(&b, "kvtier_info{version=\"");
+	prom_label(&b, c->version);
+	kvtd_printf(&b, "\",segment=\"");
+	prom_label(&b, s->name);
+	kvtd_printf(&b, "\",model=\"");
+	prom_label(&b, c->model);
+	kvtd_printf(&b, "\",model_id=\"%016llx%016llx\",world=\"%u\",instances=\"%u\","
+		    "chunk_tokens=\"%u\",layout=\"%s\"} 1\n",
+		    (unsigned long long)g->model_id.hi, (unsigned long long)g->model_id.lo,
+		    g->world, g->n_instances, g->chunk_tokens,
+		    g->mode == KVT_MODE_REPLICATED ? "replicated" : "sharded");
+
+	for (int i = 0; i < KVT_C__COUNT; i++) {
+		snprintf(name, sizeof(name), "kvtier_%s_total", counter_meta[i].metric);
+		prom_head(&b, name, "counter", counter_meta[i].help);
+		kvtd_printf(&b, "%s %llu\n", name, (unsigned long long)s->ctr[i]);
+	}
+
+	prom_head(&b, "kvtier_slots", "gauge", "Arena slots by state");
+	kvtd_printf(&b, "kvtier_slots{state=\"free\"} %llu\n", (unsigned long long)s->occ.free);
+	kvtd_printf(&b, "kvtier_slots{state=\"filling\"} %llu\n", (unsigned long long)s->occ.filling);
+	kvtd_printf(&b, "kvtier_slots{state=\"ready\"} %llu\n", (unsigned long long)s->occ.ready);
+	kvtd_printf(&b, "kvtier_slots{state=\"evicting\"} %llu\n",
+		    (unsigned long long)s->occ.evicting);
+	prom_head(&b, "kvtier_slots_pinned", "gauge", "READY slots pinned by live leases");
+	kvtd_printf(&b, "kvtier_slots_pinned %llu\n", (unsigned long long)s->occ.pinned);
+	prom_head(&b, "kvtier_slots_capacity", "gauge", "Arena slots (chunks the tier holds)");
+	kvtd_printf(&b, "kvtier_slots_capacity %u\n", g->n_slots);
+	prom_head(&b, "kvtier_leases_live", "gauge", "Leases held by lookups not yet loaded or released");
+	kvtd_printf(&b, "kvtier_leases_live %llu\n", (unsigned long long)s->occ.leases_live);
+	prom_head(&b, "kvtier_leases_capacity", "gauge", "Lease table size");
+	kvtd_printf(&b, "kvtier_leases_capacity %u\n", g->n_leases);
+	prom_head(&b, "kvtier_resident_bytes", "gauge", "KV bytes held by READY chunks, every shard");
+	kvtd_printf(&b, "kvtier_resident_bytes %llu\n",
+		    (unsigned long long)(s->occ.ready * s->shard_bytes * s->n_shards));
+	prom_head(&b, "kvtier_segment_bytes", "gauge", "Size of the shared segment");
+	kvtd_printf(&b, "kvtier_segment_bytes %llu\n", (unsigned long long)s->segment_bytes);
+	prom_head(&b, "kvtier_chunk_shard_bytes", "gauge", "Bytes of one rank's shard of one chunk");
+	kvtd_printf(&b, "kvtier_chunk_shard_bytes %llu\n", (unsigned long long)s->chunk_bytes);
+	prom_head(&b, "kvtier_owner_up", "gauge", "1 when a live kvtierd owns the segment");
+	kvtd_printf(&b, "kvtier_owner_up %d\n", s->owner_pid ? 1 : 0);
+	prom_head(&b, "kvtier_draining", "gauge", "1 while the owner drains (new attaches refused)");
+	kvtd_printf(&b, "kvtier_draining %d\n", (c->draining || s->draining) ? 1 : 0);
+	if (c->start_wall_ns) {
+		prom_head(&b, "kvtier_daemon_start_time_seconds", "gauge",
+			  "When this kvtierd started (Unix time)");
+		kvtd_printf(&b, "kvtier_daemon_start_time_seconds %.3f\n",
+			    (double)c->start_wall_ns / 1e9);
+	}
+	{
+		char *hj = NULL;
+		int ok = kvtd_health(s, c, &hj);
+		free(hj);
+		prom_head(&b, "kvtier_healthy", "gauge",
+			  "1 when every expected rank is attached and alive (GET /healthcheck is 200)");
+		kvtd_printf(&b, "kvtier_healthy %d\n", ok);
+		prom_head(&b, "kvtier_expected_instances", "gauge",
+			  "Instances whose ranks the health check requires");
+		kvtd_printf(&b, "kvtier_expected_instances %u\n",
+			    c->expect_instances < n_inst ? c->expect_instances : n_inst);
+	}
+
+	/* per rank */
+	prom_head(&b, "kvtier_rank_up", "gauge", "1 when the rank's process is attached and alive");
+	for (uint32_t i = 0; i < n_inst; i++)
+		for (uint32_t r = 0; r < g->world; r++) {
+			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
+			kvtd_printf(&b, "kvtier_rank_up{engine=\"%u\",rank=\"%u\"} %d\n", i, r,
+				    !e->bad && e->info.state == KVT_ENTRY_ATTACHED);
+		}
+	prom_head(&b, "kvtier_rank_dead", "gauge",
+		  "1 when the rank's process died and the reaper has not freed its entry yet");
+	for (uint32_t i = 0; i < n_inst; i++)
+		for (uint32_t r = 0; r < g->world; r++) {
+			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
+			kvtd_printf(&b, "kvtier_rank_dead{engine=\"%u\",rank=\"%u\"} %d\n", i, r,
+				    e->bad || e->info.state == KVT_ENTRY_DEAD);
+		}
+	prom_head(&b, "kvtier_rank_heartbeat_age_seconds", "gauge",
+		  "Seconds since the rank's last save/load completion or attach (attached ranks)");
+	for (uint32_t i = 0; i < n_inst; i++)
+		for (uint32_t r = 0; r < g->world; r++) {
+			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
+			if (e->info.state == KVT_ENTRY_ATTACHED)
+				kvtd_printf(&b, "kvtier_rank_heartbeat_age_seconds{engine=\"%u\","
+					    "rank=\"%u\"} %.3f\n", i, r, age_s(s, e));
+		}
+	prom_head(&b, "kvtier_rank_attaches_total", "counter", "Attaches of the rank's table entry");
+	for (uint32_t i = 0; i < n_inst; i++)
+		for (uint32_t r = 0; r < g->world; r++)
+			kvtd_printf(&b, "kvtier_rank_attaches_total{engine=\"%u\",rank=\"%u\"} %llu\n",
+				    i, r, (unsigned long long)s->ents[entry_index(s, i, r)].info.attach_gen);
+	{
+		static const struct { int c; const char *n, *h; } rc[] = {
+			{ KVT_C_BYTES_SAVED, "kvtier_rank_saved_bytes_total", "Bytes the rank copied into the arena" },
+			{ KVT_C_BYTES_LOADED, "kvtier_rank_loaded_bytes_total", "Bytes the rank copied out of the arena" },
+			{ KVT_C_DMA_ERRORS, "kvtier_rank_dma_errors_total", "The rank's failed copies" },
+			{ KVT_C_SAVED_CHUNKS, "kvtier_rank_saved_chunks_total", "Chunk shards the rank saved" },
+			{ KVT_C_LOADED_CHUNKS, "kvtier_rank_loaded_chunks_total", "Chunk shards the rank loaded" },
+		};
+		for (size_t k = 0; k < sizeof(rc) / sizeof(rc[0]); k++) {
+			prom_head(&b, rc[k].n, "counter", rc[k].h);
+			for (uint32_t i = 0; i < n_inst; i++)
+				for (uint32_t r = 0; r < g->world; r++)
+					kvtd_printf(&b, "%s{engine=\"%u\",rank=\"%u\"} %llu\n", rc[k].n, i, r,
+						    (unsigned long long)s->ents[entry_index(s, i, r)].ctr[rc[k].c]);
+		}
+	}
+	prom_head(&b, "kvtier_scheduler_up", "gauge", "1 when the instance's scheduler is attached and alive");
+	for (uint32_t i = 0; i < n_inst; i++)
+		kvtd_printf(&b, "kvtier_scheduler_up{engine=\"%u\"} %u\n", i, s->inst[i].scheduler_up);
+
+	/* per instance */
+	{
+		static const struct { size_t off; const char *n, *h; } ic[] = {
+			{ offsetof(struct kvtd_inst, lookups), "kvtier_instance_lookups_total", "The instance's lookups" },
+			{ offsetof(struct kvtd_inst, lookup_chunks), "kvtier_instance_lookup_chunks_total", "Chunk keys the instance looked up" },
+			{ offsetof(struct kvtd_inst, hit_chunks), "kvtier_instance_hit_chunks_total", "Chunks the instance's lookups hit" },
+			{ offsetof(struct kvtd_inst, hit_tokens), "kvtier_instance_hit_tokens_total", "Tokens the instance's lookups hit" },
+			{ offsetof(struct kvtd_inst, saved_chunks), "kvtier_instance_saved_chunks_total", "Chunk shards the instance's ranks saved" },
+			{ offsetof(struct kvtd_inst, loaded_chunks), "kvtier_instance_loaded_chunks_total", "Chunk shards the instance's ranks loaded" },
+		};
+		for (size_t k = 0; k < sizeof(ic) / sizeof(ic[0]); k++) {
+			prom_head(&b, ic[k].n, "counter", ic[k].h);
+			for (uint32_t i = 0; i < n_inst; i++)
+				kvtd_printf(&b, "%s{engine=\"%u\"} %llu\n", ic[k].n, i,
+					    (unsigned long long)*(const uint64_t *)((const char *)&s->inst[i] + ic[k].off));
+		}
+	}
+	prom_head(&b, "kvtier_instance_write_only", "gauge",
+		  "1 when the instance's ranks save chunks and its scheduler makes no lookups "
+		  "(the tier is written and never read: check the scheduler's kvtier config)");
+	for (uint32_t i = 0; i < n_inst; i++) {
+		uint32_t wo = s->inst[i].write_only;
+		if (c->write_only_window)
+			wo |= c->write_only_window[i];
+		kvtd_printf(&b, "kvtier_instance_write_only{engine=\"%u\"} %u\n", i, wo);
+	}
+
+	for (int h = 0; h < KVT_H__COUNT; h++) {
+		snprintf(name, sizeof(name), "kvtier_%s_duration_seconds", kvt_hist_name((enum kvt_hist)h));
+		prom_hist(&b, name, hist_help[h], &s->hist[h]);
+	}
+	return buf_done(&b);
+}
+
+/* ---- quantiles ---- */
+
+double kvtd_hist_quantile(const struct kvt_hist_snap *h, double q)
+{
+	uint64_t total = 0, cum = 0;
+
+	for (uint32_t i = 0; i < KVT_HIST_BUCKETS; i++)
+		total += h->bucket[i];
+	if (!total)
+		return 0.0;
+	double want = q * (double)total;
+	for (uint32_t i = 0; i < KVT_HIST_BUCKETS; i++) {
+		if (!h->bucket[i])
+			continue;
+		if ((double)(cum + h->bucket[i]) >= want) {
+			double lo = i ? (double)kvt_hist_bound_ns(i - 1) : 0.0;
+			if (i + 1 == KVT_HIST_BUCKETS)
+				return lo;
+			double hi = (double)kvt_hist_bound_ns(i);
+			double f = (want - (double)cum) / (double)h->bucket[i];
+			return lo + (hi - lo) * (f < 0 ? 0 : f > 1 ? 1 : f);
+		}
+		cum += h->bucket[i];
+	}
+	return (double)kvt_hist_bound_ns(KVT_HIST_BUCKETS - 2);
+}
+
+/* ---- JSON ---- */
+
+static double rate(const struct kvtd_snap *s, const struct kvtd_snap *p, uint64_t now, uint64_t then)
+{
+	if (!p || s->mono_ns <= p->mono_ns || now < then)
+		return 0.0;
+	return (double)(now - then) * 1e9 / (double)(s->mono_ns - p->mono_ns);
+}
+
+char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struct kvtd_snap *prev)
+{
+	struct kvtd_buf b = { 0 };
+	const struct kvt_geometry *g = &s->geo;
+	char *health = NULL;
+	int ok = kvtd_health(s, c, &health);
+
+	kvtd_printf(&b, "{\"version\":");
+	json_str(&b, c->version);
+	kvtd_printf(&b, ",\"segment\":");
+	json_str(&b, s->name);
+	kvtd_printf(&b, ",\"model\":");
+	json_str(&b, c->model);
+	kvtd_printf(&b, ",\"time\":%.3f,\"healthy\":%s,\"health\":%s", (double)s->wall_ns / 1e9,
+		    ok ? "true" : "false", health ? health : "null");
+	free(health);
+	/* the health body ends with a newline: harmless inside JSON */
+	kvtd_printf(&b, ",\"owner_pid\":%d,\"draining\":%s", s->owner_pid,
+		    (c->draining || s->draining) ? "true" : "false");
+	kvtd_printf(&b, ",\"geometry\":{\"world\":%u,\"instances\":%u,\"layout\":\"%s\","
+		    "\"chunk_tokens\":%u,\"slots\":%u,\"leases\":%u,\"lease_max_chunks\":%u,"
+		    "\"shards\":%u,\"shard_bytes\":%llu,\"chunk_shard_bytes\":%llu,"
+		    "\"segment_bytes\":%llu,\"groups\":[",
+		    g->world, g->n_instances, g->mode == KVT_MODE_REPLICATED ? "replicated" : "sharded",
+		    g->chunk_tokens, g->n_slots, g->n_leases, g->lease_max_chunks, s->n_shards,
+		    (unsigned long long)s->shard_bytes, (unsigned long long)s->chunk_bytes,
+		    (unsigned long long)s->segment_bytes);
+	for (uint32_t i = 0; i < g->n_groups && i < KVT_MAX_GROUPS; i++)
+		kvtd_printf(&b, "%s{\"layers\":%u,\"bytes_per_token\":%u}", i ? "," : "",
+			    g->groups[i].layers, g->groups[i].bytes_per_token);
+	kvtd_printf(&b, "]},\"occupancy\":{\"free\":%llu,\"filling\":%llu,\"ready\":%llu,"
+		    "\"evicting\":%llu,\"pinned\":%llu,\"leases_live\":%llu,\"resident_bytes\":%llu}",
+		    (unsigned long long)s->occ.free, (unsigned long long)s->occ.filling,
+		    (unsigned long long)s->occ.ready, (unsigned long long)s->occ.evicting,
+		    (unsigned long long)s->occ.pinned, (unsigned long long)s->occ.leases_live,
+		    (unsigned long long)(s->occ.ready * s->shard_bytes * s->n_shards));
+	kvtd_printf(&b, ",\"counters\":{");
+	for (int i = 0; i < KVT_C__COUNT; i++)
+		kvtd_printf(&b, "%s\"%s\":%llu", i ? "," : "", kvt_counter_name((enum kvt_counter)i),
+			    (unsigned long long)s->ctr[i]);
+	kvtd_printf(&b, "}");
+	if (prev) {
+		kvtd_printf(&b, ",\"rates\":{\"interval_s\":%.3f",
+			    (double)(s->mono_ns - prev->mono_ns) / 1e9);
+		for (int i = 0; i < KVT_C__COUNT; i++)
+			kvtd_printf(&b, ",\"%s\":%.3f", kvt_counter_name((enum kvt_counter)i),
+				    rate(s, prev, s->ctr[i], prev->ctr[i]));
+		kvtd_printf(&b, "}");
+	}
+	kvtd_printf(&b, ",\"latency\":{");
+	for (int h = 0; h < KVT_H__COUNT; h++) {
+		const struct kvt_hist_snap *hs = &s->hist[h];
+		kvtd_printf(&b, "%s\"%s\":{\"count\":%llu,\"sum_s\":%.9f,\"p50_s\":%.9f,"
+			    "\"p90_s\":%.9f,\"p99_s\":%.9f}", h ? "," : "",
+			    kvt_hist_name((enum kvt_hist)h), (unsigned long long)hs->count,
+			    (double)hs->sum_ns / 1e9, kvtd_hist_quantile(hs, 0.5) / 1e9,
+			    kvtd_hist_quantile(hs, 0.9) / 1e9, kvtd_hist_quantile(hs, 0.99) / 1e9);
+	}
+	kvtd_printf(&b, "},\"instances\":[");
+	for (uint32_t i = 0; i < g->n_instances; i++) {
+		const struct kvtd_inst *in = &s->inst[i];
+		uint32_t wo = in->write_only | (c->write_only_window ? c->write_only_window[i] : 0);
+		kvtd_printf(&b, "%s{\"instance\":%u,\"lookups\":%llu,\"lookup_chunks\":%llu,"
+			    "\"hit_chunks\":%llu,\"hit_tokens\":%llu,\"saved_chunks\":%llu,"
+			    "\"loaded_chunks\":%llu,\"ranks_up\":%u,\"scheduler_up\":%s,"
+			    "\"write_only\":%s,\"warnings\":[", i ? "," : "", i,
+			    (unsigned long long)in->lookups, (unsigned long long)in->lookup_chunks,
+			    (unsigned long long)in->hit_chunks, (unsigned long long)in->hit_tokens,
+			    (unsigned long long)in->saved_chunks, (unsigned long long)in->loaded_chunks,
+			    in->ranks_up, in->scheduler_up ? "true" : "false", wo ? "true" : "false");
+		if (wo)
+			kvtd_printf(&b, "\"write-only tier: instance %u's ranks save chunks but its "
+				    "scheduler makes no lookups, so nothing saved is ever read "
+				    "(is the scheduler opened on this segment, with this instance?)\"", i);
+		kvtd_printf(&b, "]}");
+	}
+	kvtd_printf(&b, "],\"entries\":[");
+	int first = 1;
+	for (uint32_t e = 0; e < s->n_entries; e++) {
+		const struct kvtd_entry *x = &s->ents[e];
+		if (!x->bad && x->info.state == KVT_ENTRY_EMPTY && x->info.role == KVT_ROLE_CLIENT)
+			continue; /* unused client entries */
+		kvtd_printf(&b, "%s{\"entry\":%u,\"role\":\"%s\"", first ? "" : ",", e,
+			    x->info.role == KVT_ROLE_RANK ? "rank" :
+			    x->info.role == KVT_ROLE_SCHEDULER ? "scheduler" : "client");
+		if (x->info.instance != UINT32_MAX)
+			kvtd_printf(&b, ",\"instance\":%u", x->info.instance);
+		if (x->info.rank != UINT32_MAX)
+			kvtd_printf(&b, ",\"rank\":%u", x->info.rank);
+		kvtd_printf(&b, ",\"state\":\"%s\",\"pid\":%d,\"attaches\":%llu", entry_state_name(x),
+			    x->info.state == KVT_ENTRY_EMPTY ? 0 : x->info.pid,
+			    (unsigned long long)x->info.attach_gen);
+		if (x->info.state == KVT_ENTRY_ATTACHED)
+			kvtd_printf(&b, ",\"heartbeat_age_s\":%.3f", age_s(s, x));
+		kvtd_printf(&b, ",\"saved_bytes\":%llu,\"loaded_bytes\":%llu,\"dma_errors\":%llu}",
+			    (unsigned long long)x->ctr[KVT_C_BYTES_SAVED],
+			    (unsigned long long)x->ctr[KVT_C_BYTES_LOADED],
+			    (unsigned long long)x->ctr[KVT_C_DMA_ERRORS]);
+		first = 0;
+	}
+	kvtd_printf(&b, "]}\n");
+	return buf_done(&b);
+}
+
+/* ---- the screen ---- */
+
+static const char *hbytes(char *out, size_t n, double v)
+{
+	static const char *const u[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+	int i = 0;
+
+	while (v >= 1024.0 && i < 4) {
+		v /= 1024.0;
+		i++;
+	}
+	snprintf(out, n, i ? "%.1f %s" : "%.0f %s", v, u[i]);
+	return out;
+}
+
+static const char *hdur(char *out, size_t n, double ns)
+{
+	if (ns <= 0)
+		snprintf(out, n, "-");
+	else if (ns < 1e3)
+		snprintf(out, n, "%.0f ns", ns);
+	else if (ns < 1e6)
+		snprintf(out, n, "%.1f us", ns / 1e3);
+	else if (ns < 1e9)
+		snprintf(out, n, "%.1f ms", ns / 1e6);
+	else
+		snprintf(out, n, "%.2f s", ns / 1e9);
+	return out;
+}
+
+char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
+		  const struct kvtd_snap *prev, int width)
+{
+	struct kvtd_buf b = { 0 };
+	const struct kvt_geometry *g = &s->geo;
+	char t1[32], t2[32], t3[32], ts[64];
+	time_t now = (time_t)(s->wall_ns / 1000000000ULL);
+	struct tm tm;
+	(void)width;
+
+	localtime_r(&now, &tm);
+	strftime(ts, sizeof(ts), "%Y-%m-%d %H:%M:%S", &tm);
+	kvtd_printf(&b, "kvtier-stat  segment '%s'  %s  %s\n", s->name, ts,
+		    s->owner_pid ? "" : "(no kvtierd owns it)");
+	if (s->owner_pid)
+		kvtd_printf(&b, "owner      kvtierd pid %d%s\n", s->owner_pid,
+			    s->draining ? "  DRAINING" : "");
+	kvtd_printf(&b, "geometry   world %u x %u instance%s, %s, %u tokens/chunk, %u slots, "
+		    "shard %s, segment %s\n", g->world, g->n_instances, g->n_instances == 1 ? "" : "s",
+		    g->mode == KVT_MODE_REPLICATED ? "replicated" : "sharded", g->chunk_tokens,
+		    g->n_slots, hbytes(t1, sizeof(t1), (double)s->shard_bytes),
+		    hbytes(t2, sizeof(t2), (double)s->segment_bytes));
+	kvtd_printf(&b, "occupancy  ready %llu (%.1f%%)  pinned %llu  filling %llu  free %llu  "
+		    "leases %llu/%u  resident %s\n", (unsigned long long)s->occ.ready,
+		    g->n_slots ? 100.0 * (double)s->occ.ready / g->n_slots : 0.0,
+		    (unsigned long long)s->occ.pinned, (unsigned long long)s->occ.filling,
+		    (unsigned long long)s->occ.free, (unsigned long long)s->occ.leases_live, g->n_leases,
+		    hbytes(t3, sizeof(t3), (double)(s->occ.ready * s->shard_bytes * s->n_shards)));
+	uint64_t lc = s->ctr[KVT_C_LOOKUP_CHUNKS], hc = s->ctr[KVT_C_HIT_CHUNKS];
+	kvtd_printf(&b, "hit rate   %.1f%% of chunks looked up (%llu of %llu), %llu tokens hit\n",
+		    lc ? 100.0 * (double)hc / (double)lc : 0.0, (unsigned long long)hc,
+		    (unsigned long long)lc, (unsigned long long)s->ctr[KVT_C_HIT_TOKENS]);
+	kvtd_printf(&b, "\nranks\n");
+	for (uint32_t i = 0; i < g->n_instances; i++) {
+		const struct kvtd_inst *in = &s->inst[i];
+		uint32_t wo = in->write_only | (c && c->write_only_window ? c->write_only_window[i] : 0);
+		kvtd_printf(&b, "  instance %u: %u/%u ranks up, scheduler %s%s\n   ", i, in->ranks_up,
+			    g->world, in->scheduler_up ? "up" : "absent",
+			    wo ? "   WARNING: write-only (saves, no lookups)" : "");
+		for (uint32_t r = 0; r <= g->world; r++) {
+			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
+			char who[16];
+			if (r == g->world)
+				snprintf(who, sizeof(who), "sched");
+			else
+				snprintf(who, sizeof(who), "r%u", r);
+			if (e->info.state == KVT_ENTRY_ATTACHED)
+				kvtd_printf(&b, " %s:up(pid %d, hb %.1fs)", who, e->info.pid, age_s(s, e));
+			else
+				kvtd_printf(&b, " %s:%s", who, entry_state_name(e));
+			if (r % 4 == 3 && r != g->world)
+				kvtd_printf(&b, "\n   ");
+		}
+		kvtd_printf(&b, "\n");
+	}
+	kvtd_printf(&b, "\n%-16s %16s %14s\n", "counter", "total", prev ? "per second" : "");
+	for (int i = 0; i < KVT_C__COUNT; i++) {
+		if (!s->ctr[i] && i >= KVT_C_DISK_WRITES)
+			continue; /* the rare ones only when nonzero */
+		kvtd_printf(&b, "%-16s %16llu", kvt_counter_name((enum kvt_counter)i),
+			    (unsigned long long)s->ctr[i]);
+		if (prev)
+			kvtd_printf(&b, " %14.1f", rate(s, prev, s->ctr[i], prev->ctr[i]));
+		kvtd_printf(&b, "\n");
+	}
+	kvtd_printf(&b, "\n%-11s %10s %10s %10s %10s %12s\n", "latency", "p50", "p90", "p99",
+		    "mean", "count");
+	for (int h = 0; h < KVT_H__COUNT; h++) {
+		const struct kvt_hist_snap *hs = &s->hist[h];
+		char a[24], bb[24], cc[24], d[24];
+		if (!hs->count && h >= KVT_H_DISK_READ)
+			continue;
+		kvtd_printf(&b, "%-11s %10s %10s %10s %10s %12llu\n", kvt_hist_name((enum kvt_hist)h),
+			    hdur(a, sizeof(a), kvtd_hist_quantile(hs, 0.5)),
+			    hdur(bb, sizeof(bb), kvtd_hist_quantile(hs, 0.9)),
+			    hdur(cc, sizeof(cc), kvtd_hist_quantile(hs, 0.99)),
+			    hdur(d, sizeof(d), hs->count ? (double)hs->sum_ns / (double)hs->count : 0),
+			    (unsigned long long)hs->count);
+	}
+	return buf_done(&b);
+}

@@ -1,0 +1,97 @@
+/* snap.h - a snapshot of a live segment and its renderings (Prometheus
+ * text, JSON, the kvtier-stat screen), shared by kvtierd and kvtier-stat.
+ *
+ * A snapshot is read from an observer handle (no table entry: reading
+ * never changes the segment).  Every value is a racy read of words that
+ * their writers update with relaxed stores: each word is exact, the set
+ * of them is not one instant.  Entry fields are bounds-checked by core
+ * (kvt_seg_entry_info); a corrupt entry is reported as such, never
+ * interpreted.
+ */
+#ifndef KVTD_SNAP_H
+#define KVTD_SNAP_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvt_core.h"
+
+struct kvtd_entry {
+	struct kvt_entry_info info;
+	uint64_t ctr[KVT_C__COUNT];
+	int bad;                       /* -EUCLEAN from core: state word corrupt */
+};
+
+/* Per engine instance: its ranks' and its scheduler's counters summed. */
+struct kvtd_inst {
+	uint64_t lookups, lookup_chunks, hit_chunks, hit_tokens;
+	uint64_t saved_chunks, loaded_chunks, bytes_saved, bytes_loaded, dma_errors;
+	uint32_t ranks_up, scheduler_up;
+	uint32_t write_only;           /* saves and no lookups (kvtd_write_only) */
+};
+
+struct kvtd_snap {
+	char name[KVT_NAME_MAX + 1];
+	uint64_t mono_ns, wall_ns;
+	struct kvt_geometry geo;
+	uint32_t n_shards, n_entries;
+	uint64_t shard_bytes, chunk_bytes, segment_bytes;
+	struct kvt_occupancy occ;
+	uint64_t ctr[KVT_C__COUNT];
+	struct kvt_hist_snap hist[KVT_H__COUNT];
+	struct kvtd_entry *ents;       /* n_entries */
+	struct kvtd_inst inst[KVT_MAX_INSTANCES];
+	int owner_pid;                 /* 0: no live owner */
+	int draining;
+};
+
+/* The daemon's view, added to what the segment says. */
+struct kvtd_ctx {
+	const char *version;
+	const char *model;             /* the model string, when known */
+	uint32_t expect_instances;     /* instances whose ranks health requires */
+	uint32_t expect_schedulers;    /* 1: their schedulers too */
+	uint64_t start_wall_ns;        /* the daemon's start (0: not a daemon) */
+	uint64_t reaped;               /* entries the daemon reaped */
+	int draining;
+	const uint32_t *write_only_window; /* per instance, from the daemon's
+					    * history; NULL: totals only */
+	double window_s;
+};
+
+int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);
+void kvtd_snap_free(struct kvtd_snap *s);
+
+/* Write-only instances.  Totals: ranks saved chunks and its scheduler made
+ * no lookup since creation.  Window (old != NULL): in the interval from
+ * old to now its ranks saved and its scheduler made no lookup. */
+void kvtd_write_only(struct kvtd_snap *now, const struct kvtd_snap *old,
+		     uint32_t out[KVT_MAX_INSTANCES]);
+
+/* Health: 1 when every expected rank (and scheduler, if asked) is attached
+ * and alive and the segment is not draining; writes a JSON body. */
+int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json);
+
+/* Renderings; each returns a malloc'd string (NULL: out of memory). */
+char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c);
+char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c,
+		const struct kvtd_snap *prev);
+/* The kvtier-stat screen; prev (may be NULL) gives rates. */
+char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
+		  const struct kvtd_snap *prev, int width);
+
+/* Latency quantile q (0..1) of a histogram, in ns (interpolated within
+ * its bucket); 0 when empty. */
+double kvtd_hist_quantile(const struct kvt_hist_snap *h, double q);
+
+/* A growing string. */
+struct kvtd_buf {
+	char *p;
+	size_t len, cap;
+	int oom;
+};
+void kvtd_printf(struct kvtd_buf *b, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
+#endif
