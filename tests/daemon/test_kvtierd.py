@@ -362,6 +362,18 @@ def test_write_only_tier_is_reported(name, procs):
     procs.extend(ranks)
     _, m = d.get("/metrics")
     assert metric(m, "kvtier_instance_write_only", 'engine="0"') == 0
+    # unknown paths and other methods change nothing
+    assert d.get("/")[0] == 404 and d.get("/metrics/x")[0] == 404
+    p = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
+                        "http://127.0.0.1:%d/healthcheck" % d.port], capture_output=True,
+                       text=True, timeout=10)
+    assert p.stdout == "405"
+    # SIGHUP reopens the log (logrotate moved it away)
+    rotated = d.logf.name + ".1"
+    os.rename(d.logf.name, rotated)
+    d.p.send_signal(signal.SIGHUP)
+    until(lambda: os.path.exists(d.logf.name) and "log reopened" in d.log(), "the new log")
+    os.unlink(rotated)
     for r in ranks:
         r.cmd(cmd="save", seed=3, chunks=2)
     _, m = d.get("/metrics")
