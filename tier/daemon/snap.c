@@ -494,6 +494,9 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 	char *health = NULL;
 	int ok = kvtd_health(s, c, &health);
 
+	if (health && *health && health[strlen(health) - 1] == '\n')
+		health[strlen(health) - 1] = 0;
+
 	kvtd_printf(&b, "{\"version\":");
 	json_str(&b, c->version);
 	kvtd_printf(&b, ",\"segment\":");
@@ -503,7 +506,6 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 	kvtd_printf(&b, ",\"time\":%.3f,\"healthy\":%s,\"health\":%s", (double)s->wall_ns / 1e9,
 		    ok ? "true" : "false", health ? health : "null");
 	free(health);
-	/* the health body ends with a newline: harmless inside JSON */
 	kvtd_printf(&b, ",\"owner_pid\":%d,\"draining\":%s", s->owner_pid,
 		    (c->draining || s->draining) ? "true" : "false");
 	kvtd_printf(&b, ",\"geometry\":{\"world\":%u,\"instances\":%u,\"layout\":\"%s\","
