@@ -38,6 +38,7 @@
 	X(UNPIN_JOURNALED,  "unpin: journal UNPIN written, before the unpin CAS") \
 	X(UNPIN_DONE,       "unpin: unpin CAS done, before the lease ref is cleared") \
 	X(UNPIN_FROZEN,     "unpin: found the slot frozen, marked itself blocked") \
+	X(SLOTS_COUNTED,    "lease_slots: lease read live and its ref count, before the refs") \
 	X(LOADED_CHECKED,   "loaded: lease read ACTIVE, before the rank's mark") \
 	X(LOADED_MARKED,    "loaded: rank's mark written, before the full check") \
 	X(STEP_CHECKED,     "step: lease read ACTIVE and absent, before the miss count") \

@@ -72,7 +72,12 @@
  * paired with the builder's release stores of them (R13), before it
  * re-reads the state: a reader that saw a newer life's refs sees that
  * life's state word and rejects them (the seqlock rule; see slots.c on
- * why acquire/release rather than fences).
+ * why acquire/release rather than fences).  The same re-read (A7', after
+ * A13) decides what a zero or out-of-range ref or count means: a release
+ * cleared it under the reader (-ESTALE), or, in the life the reader saw,
+ * corruption (-EUCLEAN).  Before, a ref cleared by a concurrent release
+ * (a reaper's, for a dead rank's pending load) was reported corrupt:
+ * test_slots_vs_release (core_sp.c, schedule point SLOTS_COUNTED).
  * Journal stores are releases read with acquire by the repairer (A8); for
  * a pin or unpin whose CAS came before the freeze, the freeze CAS reads
  * (through the slot word's modification order) a value that its CAS
@@ -241,15 +246,28 @@ int kvt_lease_slots(kvt_seg *s, uint64_t lease, uint32_t *slots, uint64_t *gens,
 	if (!lease_live(s, w, gen_lo))
 		return kvt__err(-ESTALE, "lease %#llx is not live", (unsigned long long)lease);
 	n = kat_load(&l->n_refs, KVT_ACQ); /* A13 */
-	if (n > s->geo.lease_max_chunks)
+	KVT_SP(SLOTS_COUNTED, s);
+	/* A release (the owner's, a reaper's for a dead rank, the stale
+	 * sweep) clears the refs and the count while we read them: a lease
+	 * gone, not a corrupt one.  Only what is bad in a lease still in the
+	 * life we read is corrupt (A7' below re-reads the state). */
+	if (n > s->geo.lease_max_chunks) {
+		if (kat_load(&l->state, KVT_ACQ) != w) /* A7' */
+			return kvt__err(-ESTALE, "lease %#llx was released meanwhile",
+					(unsigned long long)lease);
 		return kvt__err(-EUCLEAN, "lease %#llx: n_refs %u out of range",
 				(unsigned long long)lease, n);
+	}
 	for (uint32_t i = 0; i < n && i < max; i++) {
 		uint64_t ref = kat_load(&refs[i], KVT_ACQ); /* A13 */
 		uint32_t x = KVT_REF_SLOT(ref);
-		if (!ref || x >= s->geo.n_slots)
+		if (!ref || x >= s->geo.n_slots) {
+			if (kat_load(&l->state, KVT_ACQ) != w) /* A7' */
+				return kvt__err(-ESTALE, "lease %#llx was released meanwhile",
+						(unsigned long long)lease);
 			return kvt__err(-EUCLEAN, "lease %#llx: ref %u is corrupt",
 					(unsigned long long)lease, i);
+		}
 		if (slots)
 			slots[i] = x;
 		if (gens)

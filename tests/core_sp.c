@@ -723,6 +723,59 @@ static void test_loaded_mark_reused_lease(void **st)
 	kvt_seg_detach(p);
 }
 
+/* A rank reads a lease's slots while the lease is released under it (a
+ * reaper releasing the leases that wait for a dead rank's load, the stale
+ * sweep, an abort): the cleared refs mean "gone", -ESTALE, never a corrupt
+ * lease.  Found by test_core_crash (a live rank got -EUCLEAN after a
+ * reaper released its instance's lease); reproduced here at the point. */
+static int ch_slots(void *arg)
+{
+	uint64_t lease = *(uint64_t *)arg;
+	uint32_t slots[4];
+	kvt_seg *c;
+
+	if (att(KVT_ROLE_RANK, 1, 2, &c))
+		return 10;
+	int r = kvt_lease_slots(c, lease, slots, NULL, 4);
+	kvt_seg_detach(c);
+	return r == -ESTALE ? 0 : r == -EUCLEAN ? 12 : 11;
+}
+
+static void test_slots_vs_release(void **st)
+{
+	(void)st;
+	kvt_seg *p = create(2, 8, 0, 1); /* one lease: reuse is certain */
+	kvt_key k[2] = { kvt_test_key(0), kvt_test_key(1) };
+	uint64_t lease, l2;
+
+	for (uint64_t i = 0; i < 2; i++) {
+		assert_int_equal(kvt_test_save_shard(p, i, 0), 0);
+		assert_int_equal(kvt_test_save_shard(p, i, 1), 1);
+	}
+	/* released: refs and count cleared under the reader */
+	assert_int_equal(kvt_seg_lookup(p, k, 2, &lease), 2);
+	sp_arm(1, KVT_SP_SLOTS_COUNTED, SP_PAUSE, 0);
+	pid_t h = spawn(1, ch_slots, &lease);
+	expect_pause(1, KVT_SP_SLOTS_COUNTED);
+	assert_int_equal(kvt_lease_release(p, lease), 0);
+	sp_resume(1);
+	expect_exit(h, 0);
+	/* released and reused by a one-chunk lookup: the second ref is 0 in
+	 * the new life, the first belongs to it -- neither is this lease's */
+	assert_int_equal(kvt_seg_lookup(p, k, 2, &lease), 2);
+	sp_arm(1, KVT_SP_SLOTS_COUNTED, SP_PAUSE, 0);
+	h = spawn(1, ch_slots, &lease);
+	expect_pause(1, KVT_SP_SLOTS_COUNTED);
+	assert_int_equal(kvt_lease_release(p, lease), 0);
+	assert_int_equal(kvt_seg_lookup(p, k, 1, &l2), 1);
+	sp_resume(1);
+	expect_exit(h, 0);
+	assert_int_equal(kvt_lease_release(p, l2), 0);
+	assert_int_equal(pins_total(p), 0);
+	kvt_test_assert_check(p);
+	kvt_seg_detach(p);
+}
+
 static int ch_step(void *arg)
 {
 	kvt_seg *c;
@@ -906,6 +959,7 @@ int main(int argc, char **argv)
 		cmocka_unit_test_setup_teardown(test_frozen_by_dead_reap, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_reattach_vs_repair, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_loaded_mark_reused_lease, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_slots_vs_release, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_step_miss_reused_lease, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_find_recheck, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_foreign_lease_id, setup, teardown),
