@@ -148,8 +148,10 @@ static int scenario(void *arg)
 	/* a chunk shard by shard: allocation, insert, join, commit */
 	CHECK(kvt_test_save_shard(c, 1, 0) == 0, 21);
 	CHECK(kvt_test_save_shard(c, 1, 1) == 1, 22);
-	/* lookup, loads on both ranks (the last releases) */
+	/* lookup, a rank reading its slots, loads on both ranks (the last releases) */
+	uint32_t slot;
 	CHECK(kvt_seg_lookup(c, &k1, 1, &l) == 1, 23);
+	CHECK(kvt_lease_slots(c, l, &slot, NULL, 1) == 1, 23);
 	CHECK(kvt_lease_loaded(c, l, 0) == 0 && kvt_lease_loaded(c, l, 1) == 1, 24);
 	/* an explicit release, a stale one */
 	CHECK(kvt_seg_lookup(c, &k1, 1, &l) == 1 && kvt_lease_release(c, l) == 0, 25);
