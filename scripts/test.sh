@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, then builds and runs the
-# CTest suite three times -- a normal build, ASan+UBSan, and TSan -- and the
+# CTest suite three times -- a normal build, ASan+UBSan, and TSan -- the
 # Python binding's tests (Debian's python3 and pytest) against the normal
-# build.  Usage: scripts/test.sh [quick]   ("quick": the normal build only)
+# build, kvtierd's tests with real clients, vLLM engines on kvtier (in a
+# virtual environment this script makes), and the fuzzers.
+# Usage: scripts/test.sh [quick]   ("quick": the normal build only)
+#
+# Two long jobs run beside the rest, to keep the suite well inside CI's
+# time on two cores: the vLLM environment's installation (network and
+# disk, from the start) and the Promela model check (one core, ~8 min,
+# once the normal build is there).  Their results are waited for and
+# reported like everything else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
@@ -11,15 +19,29 @@ scripts/deps.sh
 sh numa/reserve-hugepages.sh 32 || true
 
 jobs=$(nproc 2>/dev/null || echo 2)
-run_suite() {   # $1 build dir, rest: cmake args
-  local dir=$1; shift
+logs=$(mktemp -d /tmp/kvtier-test.XXXXXX)
+venv=${KVTIER_VLLM_VENV:-$PWD/build/vllm-venv}
+mkdir -p build
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+if [ "${1:-}" != quick ]; then
+  tests/vllm/setup-venv.sh "$venv" >"$logs/venv.log" 2>&1 &
+  venv_pid=$!; pids+=("$venv_pid")
+fi
+
+run_suite() {   # $1 build dir, $2 ctest -E regex (or ""), rest: cmake args
+  local dir=$1 excl=$2; shift 2
   echo "== kvtier test: $dir $*"
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
   cmake --build "$dir" -j "$jobs" >/dev/null
-  (cd "$dir" && ctest --output-on-failure -j "$jobs" --timeout 900)
+  (cd "$dir" && ctest --output-on-failure -j "$jobs" --timeout 900 ${excl:+-E "$excl"})
 }
 
-run_suite build
+run_suite build model_spin
+(cd build && ctest --output-on-failure --timeout 1500 -R model_spin) >"$logs/model.log" 2>&1 &
+model_pid=$!; pids+=("$model_pid")
+
 if [ -d bindings/python/tests ]; then
   echo "== kvtier test: python"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
@@ -34,10 +56,21 @@ else
   exit 1
 fi
 if [ "${1:-}" != quick ]; then
-  run_suite build-asan -DKVTIER_SANITIZE=address,undefined
-  run_suite build-tsan -DKVTIER_SANITIZE=thread
+  echo "== kvtier test: vLLM engines on kvtier (tests/vllm)"
+  if ! wait "$venv_pid"; then
+    cat "$logs/venv.log"; echo "kvtier test: the vLLM environment could not be made" >&2; exit 1
+  fi
+  tail -1 "$logs/venv.log"
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" VLLM_CPU_KVCACHE_SPACE=1 \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+  run_suite build-asan "" -DKVTIER_SANITIZE=address,undefined
+  run_suite build-tsan "" -DKVTIER_SANITIZE=thread
   # libFuzzer (clang), a bounded time per target; the corpora already ran
   # as regression tests in each build above
   echo "== kvtier test: fuzz"
   tests/fuzz/run.sh "${KVTIER_FUZZ_SECONDS:-20}"
 fi
+echo "== kvtier test: model_spin (Promela models, run beside the rest)"
+if ! wait "$model_pid"; then cat "$logs/model.log"; exit 1; fi
+grep -E "tests passed|Passed|Failed" "$logs/model.log" | tail -2
+rm -rf "$logs"

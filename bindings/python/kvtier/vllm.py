@@ -1,0 +1,522 @@
+"""kvtier.vllm - vLLM on kvtier: a KV connector that vLLM loads by module path.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvtier_segment": "kvtier"}}'
+
+Which of vLLM's plug-in points, and why.  vLLM (0.32) offers two: a KV
+connector class (KVConnectorBase_V1, by kv_connector_module_path) and the
+OffloadingConnector's pluggable spec (spec_name / spec_module_path: a
+scheduler-side OffloadingManager and a worker-side handler).  This module is
+a KV connector, because kvtier's unit of work is a *prefix lookup under a
+lease*, and only the connector interface hands the connector a whole
+request at once:
+
+  * get_num_new_matched_tokens(request) is one kvt_lookup over every chunk
+    key of the prompt: the longest READY prefix, pinned atomically under one
+    lease that every rank's load releases.  The offloading manager instead
+    asks lookup(key) one block at a time and later prepare_load(keys),
+    "assuming all given blocks are offloaded"; between the two another
+    instance may evict a chunk from the shared segment, and prepare_load
+    cannot fail.  Pinning per block at lookup time would need a lease per
+    block and a release protocol vLLM does not drive.
+  * The block bookkeeping the offloading spec would keep (an LRU of what is
+    offloaded, per-block events) lives in the segment already, shared by
+    every instance on the node; a second copy per engine would disagree
+    with it as soon as another engine evicts.
+  * Preemption, abort and never-scheduled lookups map onto kvtier's own
+    release paths: request_finished and preemption release the request's
+    lease; a lookup whose request is never scheduled is released by the
+    two-step stale sweep (kvt_step with this step's loads).
+
+Loads run in start_load_kv and saves in wait_for_save, both waited for in
+the step (synchronous: on the CPU backend the copy is a memcpy of the
+blocks; on GPUs the same calls use the driver's DMA engines).  Only whole
+chunks are saved and loaded; a chunk is chunk_tokens (a multiple of vLLM's
+block size, default: one block, so that vLLM's own prefix-cache hits, which
+are block aligned, are always chunk aligned).
+
+Keys.  A chunk's key is the first 128 bits of vLLM's own block hash of the
+chunk's last block: vLLM chains block hashes over the whole prefix (and its
+extra keys: LoRA, multimodal hashes, cache salt), so nothing is hashed twice.
+That is only sound when every process computes the same hashes: vLLM's
+sha256 family with its fixed seed, or any algorithm with PYTHONHASHSEED set.
+A process-seeded hash (xxhash without PYTHONHASHSEED) is refused at start
+with the option to change.  With prefix caching off (no block hashes), keys
+are kvtier's own hash of the token ids (kvt_hash_tokens).
+
+Ranks.  Every TP x PP worker is a kvtier rank: rank = pp_rank x TP + tp_rank,
+world = TP x PP, both from vLLM's parallel config and checked against the
+worker's process groups; a worker whose groups disagree with the config
+(a TP 4 engine whose worker sees world 1) fails at start, loudly.  The
+scheduler is the instance's SCHEDULER.  MLA models use the replicated
+layout (one copy for all ranks).  Data-parallel replicas are instances.
+
+Configuration: kv_connector_extra_config keys (kvtier_segment,
+kvtier_segment_dir, kvtier_instance, kvtier_instances, kvtier_chunk_tokens,
+kvtier_tier_gib, kvtier_create, kvtier_dma, kvtier_model), else the
+KVTIER_* variables, else defaults (README, "vLLM").
+"""
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import kvtier
+
+VLLM_VERSIONS = ("0.32.",)  # the KV connector interface these tests ran against
+
+try:
+    import vllm
+except ImportError as e:  # pragma: no cover
+    raise ImportError("kvtier.vllm needs vLLM installed: %s" % e) from None
+
+if not any(vllm.__version__.startswith(v) for v in VLLM_VERSIONS) and \
+        os.environ.get("KVTIER_VLLM_ANY_VERSION") != "1":
+    raise ImportError(
+        "kvtier.vllm was built and tested against vLLM %s; this is vLLM %s.  vLLM's KV "
+        "connector interface is experimental and changes between releases: install a "
+        "tested vLLM, or set KVTIER_VLLM_ANY_VERSION=1 to try this one at your own risk"
+        % (" / ".join(v + "x" for v in VLLM_VERSIONS), vllm.__version__))
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+from vllm.logger import init_logger  # noqa: E402
+
+logger = init_logger(__name__)
+
+_NON_DETERMINISTIC_ALGOS = ("xxhash", "xxhash_cbor")
+
+
+# ---- metadata (scheduler -> workers, once per step) ----
+
+@dataclass
+class _Load:
+    req_id: str
+    lease: int
+    n_chunks: int
+    block_ids: list
+
+
+@dataclass
+class _Save:
+    req_id: str
+    keys: bytes          # n x 16 bytes, little-endian (lo, hi)
+    first_depth: int
+    block_ids: list
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+
+
+# ---- configuration ----
+
+def _opt(extra, key, env, default, conv=str):
+    if extra and key in extra and extra[key] is not None:
+        v = extra[key]
+        what = "kv_connector_extra_config[%r]" % key
+    elif os.environ.get(env) is not None:
+        v = os.environ[env]
+        what = env
+        if v == "":
+            raise ValueError("kvtier: %s is set but empty: unset it or give a value" % env)
+    else:
+        return default
+    try:
+        return conv(v)
+    except (TypeError, ValueError):
+        raise ValueError("kvtier: %s=%r: expected %s" % (what, v, conv.__name__)) from None
+
+
+def _bool(v):
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(v)
+
+
+class _Settings:
+    def __init__(self, vllm_config, kv_cache_config):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        par = vllm_config.parallel_config
+        cache = vllm_config.cache_config
+        self.tp = par.tensor_parallel_size
+        self.pp = par.pipeline_parallel_size
+        self.world = self.tp * self.pp
+        self.segment = _opt(extra, "kvtier_segment", "KVTIER_SEGMENT", "kvtier")
+        self.segment_dir = _opt(extra, "kvtier_segment_dir", "KVTIER_SEGMENT_DIR", None)
+        dp_rank = getattr(par, "data_parallel_rank", 0) or 0
+        self.instance = _opt(extra, "kvtier_instance", "KVTIER_INSTANCE", dp_rank, int)
+        self.instances = _opt(extra, "kvtier_instances", "KVTIER_INSTANCES",
+                              max(getattr(par, "data_parallel_size", 1) or 1,
+                                  self.instance + 1), int)
+        self.block_size = cache.block_size
+        self.chunk_tokens = _opt(extra, "kvtier_chunk_tokens", "KVTIER_CHUNK_TOKENS",
+                                 self.block_size, int)
+        if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
+            raise ValueError("kvtier: chunk_tokens=%d must be a positive multiple of vLLM's "
+                             "block size (%d)" % (self.chunk_tokens, self.block_size))
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.tier_gib = _opt(extra, "kvtier_tier_gib", "KVTIER_TIER_GIB", 1.0, float)
+        self.create = _opt(extra, "kvtier_create", "KVTIER_CREATE", True, _bool)
+        self.dma = _opt(extra, "kvtier_dma", "KVTIER_DMA", None)
+        mc = vllm_config.model_config
+        default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
+        self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model)
+        # keys: vLLM's block hashes when every process computes the same ones
+        self.hash_algo = cache.prefix_caching_hash_algo
+        self.prefix_caching = bool(cache.enable_prefix_caching)
+        if self.prefix_caching and self.hash_algo in _NON_DETERMINISTIC_ALGOS and \
+                os.environ.get("PYTHONHASHSEED") is None:
+            raise ValueError(
+                "kvtier: vLLM's prefix_caching_hash_algo=%r is seeded per process (random "
+                "unless PYTHONHASHSEED is set), so two processes never agree on a chunk's "
+                "key and nothing saved would ever be found; kvtier shares chunks across "
+                "processes.  Use --prefix-caching-hash-algo sha256 (or sha256_cbor), or set "
+                "PYTHONHASHSEED to the same value for every vLLM process" % self.hash_algo)
+        self.groups, self.replicated = self._groups(kv_cache_config)
+
+    def _groups(self, kv_cache_config):
+        """One kvtier group per vLLM KV cache group: each attention layer's
+        block (one rank's) is two kvtier "layers", its two halves -- the
+        one description that fits every backend's tensor layout, K and V
+        apart (GPU) or interleaved in one block (CPU) (see register)."""
+        from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+        groups, repl = [], set()
+        for g in kv_cache_config.kv_cache_groups:
+            spec = g.kv_cache_spec
+            if not isinstance(spec, AttentionSpec):
+                raise ValueError("kvtier: KV cache group of %s (layers %s...) is not "
+                                 "attention KV; kvtier stores attention KV only"
+                                 % (type(spec).__name__, g.layer_names[:2]))
+            if spec.block_size != self.block_size:
+                raise ValueError("kvtier: KV cache groups with different block sizes (%d, "
+                                 "%d) are not supported" % (spec.block_size, self.block_size))
+            page = spec.page_size_bytes
+            if page % (2 * spec.block_size):
+                raise ValueError("kvtier: a block of %d bytes does not split into two halves "
+                                 "of whole tokens" % page)
+            is_mla = isinstance(spec, MLAAttentionSpec)
+            repl.add(is_mla)
+            groups.append(kvtier.Group(2 * len(g.layer_names), page // (2 * spec.block_size),
+                                       spec.block_size, is_mla))
+        if len(repl) > 1:
+            raise ValueError("kvtier: MLA and non-MLA KV cache groups in one model are not "
+                             "supported")
+        if len(groups) > 8:
+            raise ValueError("kvtier: %d KV cache groups; kvtier holds at most 8" % len(groups))
+        return groups, bool(repl and repl.pop())
+
+    def open(self, role, rank=None):
+        """Opens the segment as role.  With create (the default) whoever
+        comes first -- a rank or the scheduler -- creates it: attach first
+        (wherever kvt_open finds it: the segment dir, /dev/shm, a hugetlbfs
+        mount), create only where there is none, and attach again if
+        another process created it meanwhile."""
+        kw = dict(segment=self.segment, segment_dir=self.segment_dir, role=role,
+                  world=self.world, instance=self.instance, groups=self.groups,
+                  chunk_tokens=self.chunk_tokens, model=self.model)
+        if rank is not None:
+            kw["rank"] = rank
+        if self.dma and role == "rank":
+            kw["dma"] = self.dma
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return kvtier.Tier(**kw)
+            except kvtier.KvtierError as e:
+                if e.errno == 71 and time.monotonic() < deadline:
+                    time.sleep(0.05)  # EPROTO: its creator is still writing it
+                    continue
+                if e.errno != 2 or not self.create:  # ENOENT
+                    raise
+            try:
+                return kvtier.Tier(create=True, n_instances=self.instances,
+                                   tier_bytes=int(self.tier_gib * (1 << 30)), **kw)
+            except kvtier.KvtierError as e:
+                if e.errno != 17:  # EEXIST: another process created it first
+                    raise
+
+
+def _chunk_keys_from_hashes(block_hashes, bpc, first_chunk, n_chunks):
+    """Keys of chunks first_chunk .. first_chunk + n - 1: the first 16 bytes of
+    vLLM's hash of each chunk's last block."""
+    if n_chunks <= 0:
+        return np.zeros((0, 2), np.uint64)
+    raw = b"".join(bytes(block_hashes[(c + 1) * bpc - 1])[:16]
+                   for c in range(first_chunk, first_chunk + n_chunks))
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+
+
+# ---- the connector ----
+
+class KvtierConnector(KVConnectorBase_V1):
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._s = _Settings(vllm_config, kv_cache_config)
+        self._tier = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched_init()
+        else:
+            self._worker_init()
+
+    # -- scheduler side --
+
+    def _sched_init(self):
+        s = self._s
+        self._tier = s.open("scheduler")
+        self._reqs = {}       # req_id -> Request
+        self._pending = {}    # req_id -> (lease id, first chunk, hits): looked up, not loaded
+        self._to_load = {}    # req_id -> (lease, first chunk, n chunks): allocated this step
+        self._blocks = {}     # req_id -> block ids (group 0), as vLLM allocated them
+        self._saved = {}      # req_id -> chunks saved (from chunk 0)
+        self.hit_tokens = 0   # what this connector told vLLM it loads (for tests)
+        self._next_reap = 0.0
+        logger.info("kvtier: scheduler of instance %d on segment '%s' (world %d, %d-token "
+                    "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
+                    "vLLM's %s block hashes" % s.hash_algo if s.prefix_caching
+                    else "kvtier's token hash")
+
+    def _keys(self, request, first_chunk, n):
+        s = self._s
+        if s.prefix_caching and len(request.block_hashes) >= (first_chunk + n) * s.blocks_per_chunk:
+            return _chunk_keys_from_hashes(request.block_hashes, s.blocks_per_chunk,
+                                           first_chunk, n)
+        toks = np.asarray(request.all_token_ids[:(first_chunk + n) * s.chunk_tokens],
+                          dtype=np.uint32)
+        keys = self._tier.hash_keys(toks)
+        return np.ascontiguousarray(keys[first_chunk:first_chunk + n])
+
+    def _release_pending(self, req_id):
+        p = self._pending.pop(req_id, None)
+        if p and p[0]:
+            self._tier.release(p[0])
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        s = self._s
+        self._reqs[request.request_id] = request
+        self._release_pending(request.request_id)
+        # vLLM computes at least the prompt's last token itself
+        usable = (request.num_tokens - 1) // s.chunk_tokens
+        if num_computed_tokens % s.chunk_tokens:
+            return 0, False  # a local hit that ends inside a chunk: nothing contiguous to add
+        first = num_computed_tokens // s.chunk_tokens
+        if usable <= first:
+            return 0, False
+        keys = self._keys(request, first, usable - first)
+        try:
+            lease = self._tier.lookup(keys)
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: lookup of %s: %s", request.request_id, e)
+            return 0, False
+        if not lease.hits:
+            return 0, False
+        lid = lease.hand_off()
+        self._pending[request.request_id] = (lid, first, lease.hits)
+        return lease.hits * s.chunk_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        rid = request.request_id
+        p = self._pending.pop(rid, None)
+        if not p:
+            return
+        lid, first, hits = p
+        n = num_external_tokens // self._s.chunk_tokens
+        if n <= 0:
+            self._tier.release(lid)
+            return
+        self._to_load[rid] = (lid, first, min(n, hits))
+
+    def build_connector_meta(self, scheduler_output):
+        s = self._s
+        meta = KvtierConnectorMetadata()
+        bpc = s.blocks_per_chunk
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._release_pending(rid)
+            self._to_load.pop(rid, None)
+            self._blocks.pop(rid, None)
+        for nr in scheduler_output.scheduled_new_reqs:
+            self._blocks[nr.req_id] = list(nr.block_ids[0])
+            self._saved.setdefault(nr.req_id, 0)
+        cr = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cr, "resumed_req_ids", None) or ()
+        for i, rid in enumerate(cr.req_ids):
+            nb = cr.new_block_ids[i]
+            if nb is None:
+                continue
+            if rid in resumed or rid not in self._blocks:
+                self._blocks[rid] = list(nb[0])
+            else:
+                self._blocks[rid].extend(nb[0])
+        # loads
+        live = []
+        for rid, (lid, first, n) in self._to_load.items():
+            blocks = self._blocks.get(rid)
+            if blocks is None or len(blocks) < (first + n) * bpc:
+                self._tier.release(lid)
+                continue
+            meta.loads.append(_Load(rid, lid, n, blocks[first * bpc:(first + n) * bpc]))
+            live.append(lid)
+            self.hit_tokens += n * s.chunk_tokens
+            self._saved[rid] = max(self._saved.get(rid, 0), first + n)
+        self._to_load.clear()
+        # saves: the full chunks that are computed once this step has run
+        computed = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            computed[nr.req_id] = nr.num_computed_tokens
+        for i, rid in enumerate(cr.req_ids):
+            computed[rid] = cr.num_computed_tokens[i]
+        for rid, done in computed.items():
+            req = self._reqs.get(rid)
+            blocks = self._blocks.get(rid)
+            if req is None or blocks is None:
+                continue
+            done += scheduler_output.num_scheduled_tokens.get(rid, 0)
+            full = min(done, req.num_tokens) // s.chunk_tokens
+            full = min(full, len(blocks) // bpc)
+            start = self._saved.get(rid, 0)
+            if full > start:
+                keys = self._keys(req, start, full - start)
+                meta.saves.append(_Save(rid, keys.tobytes(), start,
+                                        blocks[start * bpc:full * bpc]))
+                self._saved[rid] = full
+        # the two-step stale sweep: leases looked up and not in this step's
+        # loads for two steps are released
+        live.extend(p[0] for p in self._pending.values())
+        try:
+            self._tier.step(live)
+            # Without kvtierd nobody else frees what a killed engine left
+            # (its pins and leases): reap once a second (cheap: one lock
+            # probe per table entry).
+            now = time.monotonic()
+            if now >= self._next_reap:
+                self._next_reap = now + 1.0
+                n = self._tier.reap()
+                if n:
+                    logger.info("kvtier: reaped %d dead process(es)' claims, pins and leases", n)
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: step: %s", e)
+        return meta
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        self._release_pending(rid)
+        tl = self._to_load.pop(rid, None)
+        if tl:
+            self._tier.release(tl[0])
+        for d in (self._reqs, self._blocks, self._saved):
+            d.pop(rid, None)
+        return False, None
+
+    # -- worker side --
+
+    def _worker_init(self):
+        from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+        s = self._s
+        tp_w = get_tensor_model_parallel_world_size()
+        pp_w = get_pp_group().world_size
+        if tp_w * pp_w != s.world:
+            raise RuntimeError(
+                "kvtier: this worker's process groups say TP %d x PP %d = world %d, but "
+                "vLLM's parallel config says TP %d x PP %d = %d; a worker that saves under "
+                "another world would write a tier nobody reads" % (tp_w, pp_w, tp_w * pp_w,
+                                                                    s.tp, s.pp, s.world))
+        self._rank = get_pp_group().rank_in_group * s.tp + get_tensor_model_parallel_rank()
+        self._tier = s.open("rank", rank=self._rank)
+        self._registered = False
+        self._lock = threading.Lock()
+        logger.info("kvtier: rank %d of %d (instance %d) on segment '%s'", self._rank,
+                    s.world, s.instance, s.segment)
+
+    def register_kv_caches(self, kv_caches):
+        """Each layer's tensor must hold its blocks at a fixed stride on some
+        dimension of size num_blocks, each block one contiguous run of
+        page_size bytes, or split in two equal runs (K and V apart)."""
+        s = self._s
+        cfg = self._kv_cache_config
+        per_group = []
+        for g, grp in zip(s.groups, cfg.kv_cache_groups):
+            page = grp.kv_cache_spec.page_size_bytes
+            half = page // 2
+            spans = []
+            for name in grp.layer_names:
+                spans.extend(_halves(kv_caches[name], cfg.num_blocks, page, half, name))
+            strides = {st for _, st in spans}
+            if len(strides) != 1:
+                raise ValueError("kvtier: the layers of a KV cache group have different block "
+                                 "strides %s" % sorted(strides))
+            per_group.append(([b for b, _ in spans], strides.pop(), cfg.num_blocks))
+        self._kv_caches = kv_caches  # kvtier holds their addresses
+        self._tier.register_kv(groups=per_group)
+        self._registered = True
+
+    def start_load_kv(self, forward_context, **kwargs):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvtierConnectorMetadata) or not meta.loads:
+            return
+        for ld in meta.loads:
+            table = np.asarray(ld.block_ids, dtype=np.uint32)
+            self._tier.load(ld.lease, table, n=ld.n_chunks).wait()
+
+    def wait_for_layer_load(self, layer_name):
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvtierConnectorMetadata) or not meta.saves:
+            return
+        for sv in meta.saves:
+            keys = np.frombuffer(sv.keys, dtype="<u8").reshape(-1, 2)
+            table = np.asarray(sv.block_ids, dtype=np.uint32)
+            op = self._tier.save(np.ascontiguousarray(keys), table, first_depth=sv.first_depth)
+            op.wait()
+
+    def shutdown(self):
+        if self._tier is not None:
+            self._tier.close()
+            self._tier = None
+
+
+def _halves(t, num_blocks, page, half, name):
+    """The two halves of each block of layer tensor t: (base, stride) of
+    each, as kvtier layers of half-block bytes."""
+    es = t.element_size()
+    dims = [d for d in range(t.dim()) if t.shape[d] == num_blocks]
+    if not dims:
+        raise ValueError("kvtier: layer %s: no dimension of its KV tensor %s has the %d "
+                         "blocks" % (name, tuple(t.shape), num_blocks))
+    d = dims[0]
+    if d == 0:
+        # [num_blocks, ...]: a block is the rest, contiguous
+        if t[0].numel() * es != page or not t[0].is_contiguous():
+            raise ValueError("kvtier: layer %s: a block of %s is not %d contiguous bytes"
+                             % (name, tuple(t.shape), page))
+        stride = t.stride(0) * es
+        return [(t.data_ptr(), stride), (t.data_ptr() + half, stride)]
+    if d == 1 and t.shape[0] == 2:
+        # [2, num_blocks, ...]: K and V apart
+        out = []
+        for kv in (0, 1):
+            sub = t[kv]
+            if sub[0].numel() * es != half or not sub[0].is_contiguous():
+                raise ValueError("kvtier: layer %s: K/V block of %s is not %d contiguous "
+                                 "bytes" % (name, tuple(t.shape), half))
+            out.append((sub.data_ptr(), sub.stride(0) * es))
+        return out
+    raise ValueError("kvtier: layer %s: KV tensor layout %s (blocks on dimension %d) is not "
+                     "supported" % (name, tuple(t.shape), d))

@@ -1,0 +1,95 @@
+"""One real vLLM engine (CPU) in its own process, driven over stdin/stdout
+by tests/vllm/test_vllm_kvtier.py: a JSON command per line, a JSON answer
+per line.  argv[1] is a JSON object of options:
+
+  model        the model directory (a config.json: dummy weights)
+  kvtier       null (no connector) or kv_connector_extra_config for kvtier
+  blocks       num_gpu_blocks_override (a small KV cache forces evictions)
+  tp           tensor_parallel_size
+
+Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n}
+-> {"outputs": [[ids]]};  {"cmd": "metrics"} -> vLLM's counters;
+{"cmd": "abort", "prompts": [[ids]], "steps": k} (adds them, runs k steps,
+aborts them, runs until idle) -> {};  {"cmd": "reset_prefix_cache"};
+{"cmd": "exit"}.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main():
+    o = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=o["model"], load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=1536, enforce_eager=True,
+              max_num_seqs=o.get("max_num_seqs", 4), block_size=32, seed=0,
+              disable_log_stats=False, tensor_parallel_size=o.get("tp", 1))
+    if o.get("blocks"):
+        kw["num_gpu_blocks_override"] = o["blocks"]
+    if o.get("kvtier") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both", kv_connector_extra_config=o["kvtier"])
+    t0 = time.time()
+    llm = LLM(**kw)
+    out = sys.__stdout__
+    print(json.dumps({"ready": True, "pid": os.getpid(), "start_s": time.time() - t0}),
+          file=out, flush=True)
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, detokenize=False)
+
+    for line in sys.stdin:
+        m = json.loads(line)
+        c = m["cmd"]
+        if c == "exit":
+            break
+        if c == "generate":
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in m["prompts"]],
+                               params(m.get("max_tokens", 8)), use_tqdm=False)
+            ans = {"outputs": [list(r.outputs[0].token_ids) for r in res]}
+        elif c == "metrics":
+            ans = {}
+            for x in llm.get_metrics():
+                v = getattr(x, "value", None)
+                if isinstance(v, (int, float)):
+                    ans[x.name] = ans.get(x.name, 0) + v
+        elif c == "reset_prefix_cache":
+            ans = {"ok": bool(llm.reset_prefix_cache())}
+        elif c == "abort":
+            eng = llm.llm_engine
+            ids = []
+            for i, p in enumerate(m["prompts"]):
+                rid = "abort-%d-%d" % (time.monotonic_ns(), i)
+                eng.add_request(rid, TokensPrompt(prompt_token_ids=p), params(64))
+                ids.append(rid)
+            for _ in range(m.get("steps", 1)):
+                eng.step()
+            eng.abort_request(ids)
+            while eng.has_unfinished_requests():
+                eng.step()
+            # The abort reaches the engine-core process as a message; a
+            # request sent after it completes only once the core has
+            # processed it (and run the connector's request_finished).
+            llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params(1), use_tqdm=False)
+            ans = {"aborted": len(ids)}
+        else:
+            ans = {"error": "unknown command %r" % c}
+        print(json.dumps(ans), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    # vLLM and its engine-core and worker processes (which inherit fd 1)
+    # print on stdout: the answers get a descriptor of their own, and fd 1
+    # becomes stderr for everything else
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    sys.__stdout__ = answers
+    main()
