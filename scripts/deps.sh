@@ -24,6 +24,7 @@ pkgs=(
   clang libclang-rt-14-dev              # libFuzzer: the fuzz targets (tests/fuzz/run.sh)
   curl tmux prometheus                  # kvtierd's tests: HTTP client, a terminal for
                                         # kvtier-stat --watch, promtool and a real server
+  python3-venv                          # the vLLM engine tests' virtual environment
 )
 
 missing=()
