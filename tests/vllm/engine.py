@@ -27,7 +27,7 @@ def main():
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=o["model"], load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=1536, enforce_eager=True,
+              dtype="bfloat16", max_model_len=o.get("max_model_len", 1536), enforce_eager=True,
               max_num_seqs=o.get("max_num_seqs", 4), block_size=32, seed=0,
               disable_log_stats=False, tensor_parallel_size=o.get("tp", 1))
     if o.get("blocks"):
@@ -51,9 +51,11 @@ def main():
         if c == "exit":
             break
         if c == "generate":
+            t = time.perf_counter()
             res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in m["prompts"]],
                                params(m.get("max_tokens", 8)), use_tqdm=False)
-            ans = {"outputs": [list(r.outputs[0].token_ids) for r in res]}
+            ans = {"outputs": [list(r.outputs[0].token_ids) for r in res],
+                   "seconds": time.perf_counter() - t}
         elif c == "metrics":
             ans = {}
             for x in llm.get_metrics():

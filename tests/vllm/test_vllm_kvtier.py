@@ -42,9 +42,9 @@ SHORT = [tokens(100, 5), tokens(300, 6), tokens(700, 7)]
 
 class Engine:
     def __init__(self, model, kv=None, blocks=BLOCKS, tp=1, env=None, expect_ready=True,
-                 max_num_seqs=4):
+                 max_num_seqs=4, max_model_len=1536):
         opts = {"model": model, "kvtier": kv, "blocks": blocks, "tp": tp,
-                "max_num_seqs": max_num_seqs}
+                "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +

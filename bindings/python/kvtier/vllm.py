@@ -287,6 +287,11 @@ class KvtierConnector(KVConnectorBase_V1):
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
                     "vLLM's %s block hashes" % s.hash_algo if s.prefix_caching
                     else "kvtier's token hash")
+        logger.info("kvtier: the same segment from kvtierd: kvtierd --segment %s %s --world %d "
+                    "--chunk-tokens %d --instances %d --model '%s'%s", s.segment,
+                    " ".join("--group %d:%d" % (g.n_layers, g.bytes_per_token) for g in s.groups),
+                    s.world, s.chunk_tokens, s.instances, s.model,
+                    " --replicated" if s.replicated else "")
 
     def _keys(self, request, first_chunk, n):
         s = self._s
