@@ -52,7 +52,10 @@ echo "pkg-config: $flags"
 cc -std=c11 -Wall -Wextra -Werror "$src/tests/install/hello.c" $flags -Wl,-rpath,"$rpath" \
   -o "$tmp/hello"
 # it runs against the installed library, not the build tree's
-ldd "$tmp/hello" | grep -q "$p" || { echo "hello does not load the installed library"; ldd "$tmp/hello"; exit 1; }
+# (ldd's output kept first: with pipefail, grep -q closing the pipe early
+# would make ldd's SIGPIPE the pipeline's status)
+deps=$(ldd "$tmp/hello")
+grep -q "$p" <<<"$deps" || { echo "hello does not load the installed library"; echo "$deps"; exit 1; }
 "$tmp/hello"
 "$p/sbin/kvtierd" --version
 "$p/bin/kvtier-stat" --version
