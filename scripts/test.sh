@@ -23,10 +23,12 @@ logs=$(mktemp -d /tmp/kvtier-test.XXXXXX)
 venv=${KVTIER_VLLM_VENV:-$PWD/build/vllm-venv}
 mkdir -p build
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+# The background jobs run in sessions of their own, so that an early exit
+# stops them with everything they started (pip, spin).
+cleanup() { for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 if [ "${1:-}" != quick ]; then
-  tests/vllm/setup-venv.sh "$venv" >"$logs/venv.log" 2>&1 &
+  setsid tests/vllm/setup-venv.sh "$venv" >"$logs/venv.log" 2>&1 &
   venv_pid=$!; pids+=("$venv_pid")
 fi
 
@@ -39,7 +41,8 @@ run_suite() {   # $1 build dir, $2 ctest -E regex (or ""), rest: cmake args
 }
 
 run_suite build model_spin
-(cd build && ctest --output-on-failure --timeout 1500 -R model_spin) >"$logs/model.log" 2>&1 &
+setsid bash -c 'cd build && exec ctest --output-on-failure --timeout 1500 -R model_spin' \
+  >"$logs/model.log" 2>&1 &
 model_pid=$!; pids+=("$model_pid")
 
 if [ -d bindings/python/tests ]; then
