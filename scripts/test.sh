@@ -64,7 +64,7 @@ if [ "${1:-}" != quick ]; then
     cat "$logs/venv.log"; echo "kvtier test: the vLLM environment could not be made" >&2; exit 1
   fi
   tail -1 "$logs/venv.log"
-  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" VLLM_CPU_KVCACHE_SPACE=1 \
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
   run_suite build-asan "" -DKVTIER_SANITIZE=address,undefined
   run_suite build-tsan "" -DKVTIER_SANITIZE=thread

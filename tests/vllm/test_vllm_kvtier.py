@@ -276,3 +276,61 @@ def test_tensor_parallel_2(model):
             kvtier.unlink(name)
         except kvtier.KvtierError:
             pass
+
+
+def test_kvtierd_owns_the_segment(model):
+    """The operator's path: kvtierd creates and owns the segment with the
+    connector's layout (--vllm-block-size), the engine attaches to it
+    (kvtier_create false), /healthcheck turns 200 once its rank is up, and
+    the daemon's /metrics count the engine's hits."""
+    import socket
+    import urllib.request
+    build = os.environ.get("KVTIER_BUILD", os.path.join(REPO, "build"))
+    name = "vllm-kvtierd-%d" % os.getpid()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = subprocess.Popen([os.path.join(build, "tier", "daemon", "kvtierd"), "--segment", name,
+                          "--model-config", os.path.join(model, "config.json"), "--tp", "1",
+                          "--vllm-block-size", "32", "--tier-gib", "0.25",
+                          "--model", "tiny-llama/bf16", "--http", "127.0.0.1:%d" % port,
+                          "--unlink"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+
+    def get(path):
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""
+
+    e = None
+    try:
+        deadline = time.monotonic() + 60
+        while get("/healthcheck/segment")[0] != 200:
+            assert d.poll() is None, d.stdout.read()
+            assert time.monotonic() < deadline, "kvtierd did not come up"
+            time.sleep(0.1)
+        assert get("/healthcheck")[0] == 503  # no rank yet
+        e = Engine(model, {"kvtier_segment": name, "kvtier_create": False,
+                           "kvtier_model": "tiny-llama/bf16"})
+        assert get("/healthcheck")[0] == 200
+        a = e.generate([LONG])
+        for p in OTHERS:
+            e.generate([p])
+        assert e.generate([LONG]) == a
+        code, text = get("/metrics")
+        hits = [float(ln.split()[-1]) for ln in text.splitlines()
+                if ln.startswith('kvtier_instance_hit_tokens_total{engine="0"}')]
+        assert hits and hits[0] >= 32 * CHUNK, hits
+    finally:
+        if e is not None:
+            e.close()
+        d.send_signal(signal.SIGTERM)
+        try:
+            d.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            d.kill()
+            d.wait()

@@ -76,6 +76,7 @@ struct opts {
 	const char *segment, *segment_dir, *model, *model_config, *kv_dtype;
 	const char *numa_nodes, *hugepages, *log_path, *config;
 	uint32_t world, instances, chunk_tokens, tp, pp, slots, leases;
+	uint32_t vllm_block;      /* --vllm-block-size: kvtier.vllm's layout */
 	uint64_t tier_bytes, tokens;
 	uint32_t n_groups;
 	struct kvt_group_desc groups[8];
@@ -160,7 +161,7 @@ enum {
 	O_GROUP, O_REPLICATED, O_NUMA_NODES, O_HUGEPAGES, O_EXPECT_INSTANCES,
 	O_EXPECT_SCHEDULERS, O_HTTP, O_NO_HTTP, O_RECREATE, O_UNLINK, O_DRAIN_TIMEOUT,
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
-	O_VERSION,
+	O_VERSION, O_VLLM_BLOCK,
 };
 
 static const struct option LONGOPTS[] = {
@@ -195,6 +196,7 @@ static const struct option LONGOPTS[] = {
 	{ "config", required_argument, NULL, O_CONFIG },
 	{ "no-lock", no_argument, NULL, O_NO_LOCK },
 	{ "group-access", no_argument, NULL, O_GROUP_ACCESS },
+	{ "vllm-block-size", required_argument, NULL, O_VLLM_BLOCK },
 	{ "version", no_argument, NULL, O_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -219,6 +221,10 @@ static void usage(FILE *f)
 "  --model-config PATH     Hugging Face config.json (sizing as kvtier-size)\n"
 "  --kv-dtype NAME         KV cache dtype (default: the model's)\n"
 "  --tp N, --pp N          parallel sizes: world = tp x pp\n"
+"  --vllm-block-size N     the layout kvtier.vllm (vLLM's connector) opens: each\n"
+"                          layer's block as two halves, chunks of one vLLM block\n"
+"                          of N tokens unless --chunk-tokens; --model as the\n"
+"                          connector's (kvtier_model, default <model>/<dtype>)\n"
 "... or the layer groups of one rank\n"
 "  --group LAYERS:BYTES    layers and bytes per token per layer, one rank (repeat\n"
 "                          for several groups)\n"
@@ -395,6 +401,7 @@ static int apply(struct opts *o, int c, const char *arg)
 	case O_LOG: o->log_path = arg; return 0;
 	case O_NO_LOCK: o->no_lock = 1; return 0;
 	case O_GROUP_ACCESS: o->group = 1; return 0;
+	case O_VLLM_BLOCK: return parse_u32("vllm-block-size", arg, 1, 1u << 16, &o->vllm_block);
 	default: return -EINVAL;
 	}
 }
@@ -507,8 +514,9 @@ static int parse_args(struct opts *o, int argc, char **argv)
 		fprintf(stderr, "kvtierd: give --model-config or --group, not both\n");
 		return -EINVAL;
 	}
-	if (!o->model_config && (o->tp || o->pp || o->kv_dtype)) {
-		fprintf(stderr, "kvtierd: --tp, --pp and --kv-dtype size from --model-config\n");
+	if (!o->model_config && (o->tp || o->pp || o->kv_dtype || o->vllm_block)) {
+		fprintf(stderr, "kvtierd: --tp, --pp, --kv-dtype and --vllm-block-size size from "
+			"--model-config\n");
 		return -EINVAL;
 	}
 	if (!!o->tier_bytes + !!o->slots + !!o->tokens > 1) {
@@ -550,7 +558,12 @@ static int layout_from_model(struct opts *o)
 	rq.kv_dtype = dt;
 	rq.tp = o->tp ? o->tp : 1;
 	rq.pp = o->pp ? o->pp : 1;
-	rq.chunk_tokens = o->chunk_tokens ? o->chunk_tokens : 256;
+	rq.chunk_tokens = o->chunk_tokens ? o->chunk_tokens : o->vllm_block ? o->vllm_block : 256;
+	if (o->vllm_block && rq.chunk_tokens % o->vllm_block) {
+		fprintf(stderr, "kvtierd: --chunk-tokens %u is not a multiple of --vllm-block-size %u\n",
+			rq.chunk_tokens, o->vllm_block);
+		return -EINVAL;
+	}
 	rq.layout = o->replicated ? KVT_SIZE_REPLICATED : KVT_SIZE_LAYOUT_AUTO;
 	rq.tier_bytes = o->tier_bytes;
 	rq.tokens = o->tokens;
@@ -576,6 +589,19 @@ static int layout_from_model(struct opts *o)
 	for (uint32_t i = 0; i < p.n_groups; i++) {
 		o->groups[i].n_layers = p.groups[i].layers;
 		o->groups[i].bytes_per_token = p.groups[i].bytes_per_token;
+		if (o->vllm_block) {
+			/* kvtier.vllm registers each layer's block as its two
+			 * halves (the one form every backend's tensors fit): the
+			 * same bytes, described as twice the layers of half the
+			 * bytes -- so the fingerprints agree */
+			if (p.groups[i].bytes_per_token % 2) {
+				fprintf(stderr, "kvtierd: --vllm-block-size: %u bytes per token do not "
+					"split in halves\n", p.groups[i].bytes_per_token);
+				return -EINVAL;
+			}
+			o->groups[i].n_layers = 2 * p.groups[i].layers;
+			o->groups[i].bytes_per_token = p.groups[i].bytes_per_token / 2;
+		}
 	}
 	o->replicated = p.layout == KVT_SIZE_REPLICATED;
 	if (p.n_slots > (1u << 30)) {
@@ -1194,7 +1220,7 @@ int main(int argc, char **argv)
 			if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
 				LOG_INFO("%s: stopping", si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
 				sd_notify_("STOPPING=1");
-				rc = drain(&o, sfd) ? 0 : 0;
+				drain(&o, sfd); /* a drain timeout is logged; the exit stays 0 */
 				break;
 			}
 			continue;
