@@ -75,7 +75,7 @@
 struct opts {
 	const char *segment, *segment_dir, *model, *model_config, *kv_dtype;
 	const char *numa_nodes, *hugepages, *log_path, *config;
-	uint32_t world, instances, chunk_tokens, tp, pp, slots, leases;
+	uint32_t world, instances, chunk_tokens, tp, pp, slots;
 	uint32_t vllm_block;      /* --vllm-block-size: kvtier.vllm's layout */
 	uint64_t tier_bytes, tokens;
 	uint32_t n_groups;
@@ -97,10 +97,9 @@ static struct {
 	kvt_seg *obs;            /* observer; HTTP thread */
 	struct MHD_Daemon *http;
 	struct kvtd_ctx ctx;
-	pthread_mutex_t mu;      /* write_only, ctx.reaped */
+	pthread_mutex_t mu;      /* write_only */
 	uint32_t write_only[KVT_MAX_INSTANCES];
 	atomic_int draining;
-	atomic_ullong reaped;
 	char model[256];
 	char name[80];
 	char dir[PATH_MAX];
@@ -157,7 +156,7 @@ static int log_open(void)
 
 enum {
 	O_SEGMENT = 256, O_SEGMENT_DIR, O_MODEL, O_MODEL_CONFIG, O_KV_DTYPE, O_TP, O_PP,
-	O_WORLD, O_INSTANCES, O_CHUNK_TOKENS, O_TIER_GIB, O_SLOTS, O_TOKENS, O_LEASES,
+	O_WORLD, O_INSTANCES, O_CHUNK_TOKENS, O_TIER_GIB, O_SLOTS, O_TOKENS,
 	O_GROUP, O_REPLICATED, O_NUMA_NODES, O_HUGEPAGES, O_EXPECT_INSTANCES,
 	O_EXPECT_SCHEDULERS, O_HTTP, O_NO_HTTP, O_RECREATE, O_UNLINK, O_DRAIN_TIMEOUT,
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
@@ -178,7 +177,6 @@ static const struct option LONGOPTS[] = {
 	{ "tier-gib", required_argument, NULL, O_TIER_GIB },
 	{ "slots", required_argument, NULL, O_SLOTS },
 	{ "tokens", required_argument, NULL, O_TOKENS },
-	{ "leases", required_argument, NULL, O_LEASES },
 	{ "group", required_argument, NULL, O_GROUP },
 	{ "replicated", no_argument, NULL, O_REPLICATED },
 	{ "numa-nodes", required_argument, NULL, O_NUMA_NODES },
@@ -236,7 +234,6 @@ static void usage(FILE *f)
 "  --chunk-tokens N        tokens per chunk (KVTIER_CHUNK_TOKENS, default 256)\n"
 "  --tier-gib G | --slots N | --tokens N   capacity: one rank's GiB, chunks,\n"
 "                          or tokens (KVTIER_TIER_GIB, default 1)\n"
-"  --leases N              concurrent lookups (default 1024)\n"
 "service\n"
 "  --expect-instances N    instances whose ranks /healthcheck requires (default all)\n"
 "  --expect-schedulers     /healthcheck also requires each instance's scheduler\n"
@@ -373,7 +370,6 @@ static int apply(struct opts *o, int c, const char *arg)
 		return 0;
 	case O_SLOTS: return parse_u32("slots", arg, 1, 1u << 30, &o->slots);
 	case O_TOKENS: return parse_u64("tokens", arg, 1, 1ULL << 50, &o->tokens);
-	case O_LEASES: return parse_u32("leases", arg, 1, 1u << 20, &o->leases);
 	case O_GROUP: return parse_group(o, arg);
 	case O_REPLICATED: o->replicated = 1; return 0;
 	case O_NUMA_NODES: o->numa_nodes = arg; return 0;
@@ -904,7 +900,6 @@ static void ctx_fill(struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCES])
 {
 	*x = D.ctx;
 	x->draining = atomic_load(&D.draining);
-	x->reaped = atomic_load(&D.reaped);
 	pthread_mutex_lock(&D.mu);
 	memcpy(wo, D.write_only, sizeof(D.write_only));
 	pthread_mutex_unlock(&D.mu);
@@ -1058,7 +1053,6 @@ static void reap_once(void)
 	}
 	int r = kvt_seg_reap(D.seg);
 	if (r > 0) {
-		atomic_fetch_add(&D.reaped, (unsigned long long)r);
 		LOG_INFO("reaped %d entr%s", r, r == 1 ? "y" : "ies");
 	} else if (r < 0) {
 		LOG_ERR("reap: %s", kvt_core_last_error());
@@ -1188,7 +1182,6 @@ int main(int argc, char **argv)
 						       : (uint32_t)o.expect_instances;
 	D.ctx.expect_schedulers = (uint32_t)o.expect_schedulers;
 	D.ctx.start_wall_ns = wall_ns();
-	D.ctx.window_s = o.write_only_window_s;
 	if (D.ctx.expect_instances > g->n_instances) {
 		LOG_ERR("--expect-instances %u: the segment has %u instances",
 			D.ctx.expect_instances, g->n_instances);

@@ -95,9 +95,6 @@ int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
 		in->hit_tokens += x->ctr[KVT_C_HIT_TOKENS];
 		in->saved_chunks += x->ctr[KVT_C_SAVED_CHUNKS];
 		in->loaded_chunks += x->ctr[KVT_C_LOADED_CHUNKS];
-		in->bytes_saved += x->ctr[KVT_C_BYTES_SAVED];
-		in->bytes_loaded += x->ctr[KVT_C_BYTES_LOADED];
-		in->dma_errors += x->ctr[KVT_C_DMA_ERRORS];
 		if (x->info.state == KVT_ENTRY_ATTACHED) {
 			if (x->info.role == KVT_ROLE_SCHEDULER)
 				in->scheduler_up = 1;
@@ -236,7 +233,7 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 	struct kvtd_buf b = { 0 };
 	uint32_t n_inst = c->expect_instances < s->geo.n_instances ? c->expect_instances
 								   : s->geo.n_instances;
-	int ok = !c->draining && !s->draining, first = 1, n_bad = 0;
+	int ok = !c->draining && !s->draining, first = 1;
 
 	kvtd_printf(&b, "{\"segment\":");
 	json_str(&b, s->name);
@@ -249,7 +246,6 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 			if (!e->bad && e->info.state == KVT_ENTRY_ATTACHED)
 				continue;
 			ok = 0;
-			n_bad++;
 			kvtd_printf(&b, "%s{\"instance\":%u,", first ? "" : ",", i);
 			if (r == s->geo.world)
 				kvtd_printf(&b, "\"role\":\"scheduler\"");
@@ -264,7 +260,6 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 		}
 	}
 	kvtd_printf(&b, "],\"status\":\"%s\"}\n", ok ? "ok" : "unhealthy");
-	(void)n_bad;
 	*json = buf_done(&b);
 	return ok;
 }

@@ -26,7 +26,7 @@ struct kvtd_entry {
 /* Per engine instance: its ranks' and its scheduler's counters summed. */
 struct kvtd_inst {
 	uint64_t lookups, lookup_chunks, hit_chunks, hit_tokens;
-	uint64_t saved_chunks, loaded_chunks, bytes_saved, bytes_loaded, dma_errors;
+	uint64_t saved_chunks, loaded_chunks;
 	uint32_t ranks_up, scheduler_up;
 	uint32_t write_only;           /* saves and no lookups (kvtd_write_only) */
 };
@@ -53,11 +53,9 @@ struct kvtd_ctx {
 	uint32_t expect_instances;     /* instances whose ranks health requires */
 	uint32_t expect_schedulers;    /* 1: their schedulers too */
 	uint64_t start_wall_ns;        /* the daemon's start (0: not a daemon) */
-	uint64_t reaped;               /* entries the daemon reaped */
 	int draining;
 	const uint32_t *write_only_window; /* per instance, from the daemon's
 					    * history; NULL: totals only */
-	double window_s;
 };
 
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);

@@ -59,7 +59,6 @@ KVTIER_* variables, else defaults (README, "vLLM").
 """
 
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -281,7 +280,6 @@ class KvtierConnector(KVConnectorBase_V1):
         self._to_load = {}    # req_id -> (lease, first chunk, n chunks): allocated this step
         self._blocks = {}     # req_id -> block ids (group 0), as vLLM allocated them
         self._saved = {}      # req_id -> chunks saved (from chunk 0)
-        self.hit_tokens = 0   # what this connector told vLLM it loads (for tests)
         self._next_reap = 0.0
         logger.info("kvtier: scheduler of instance %d on segment '%s' (world %d, %d-token "
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
@@ -373,7 +371,6 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             meta.loads.append(_Load(rid, lid, n, blocks[first * bpc:(first + n) * bpc]))
             live.append(lid)
-            self.hit_tokens += n * s.chunk_tokens
             self._saved[rid] = max(self._saved.get(rid, 0), first + n)
         self._to_load.clear()
         # saves: the full chunks that are computed once this step has run
@@ -440,8 +437,6 @@ class KvtierConnector(KVConnectorBase_V1):
                                                                     s.tp, s.pp, s.world))
         self._rank = get_pp_group().rank_in_group * s.tp + get_tensor_model_parallel_rank()
         self._tier = s.open("rank", rank=self._rank)
-        self._registered = False
-        self._lock = threading.Lock()
         logger.info("kvtier: rank %d of %d (instance %d) on segment '%s'", self._rank,
                     s.world, s.instance, s.segment)
 
@@ -465,7 +460,6 @@ class KvtierConnector(KVConnectorBase_V1):
             per_group.append(([b for b, _ in spans], strides.pop(), cfg.num_blocks))
         self._kv_caches = kv_caches  # kvtier holds their addresses
         self._tier.register_kv(groups=per_group)
-        self._registered = True
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
