@@ -40,6 +40,10 @@
  *          +------------------------------------------------------------+
  *          | slot meta: n_slots x slot_meta_bytes                       |
  *          |   64 B of words + claim[n_shards] u64, padded to 64 B      |
+ *          +------------------------------------------------------------+
+ *          | disk tier (only with geometry.disk_chunks > 0): a status   |
+ *          |   page, n_entries request rings, the disk index:           |
+ *          |   disk_buckets x 8 entries of 32 B (diskidx.c)             |
  *          +------------------------------------------------------------+ 2 MiB
  *          | arena: n_shards parts of shard_part bytes (2 MiB aligned); |
  *          |   part s holds shard s of every slot: slot i at i x shard  |
@@ -70,7 +74,9 @@
  * match: refused by name instead. */
 /* Version 4: latency histograms in every counter block, the owner and
  * drain words in the header's mutable page (kvtierd). */
-#define KVT_LAYOUT_VERSION 4u
+/* Version 5: the disk tier's region (geometry.disk_chunks: its index and
+ * request rings) and its counters; the geometry grew to 128 bytes. */
+#define KVT_LAYOUT_VERSION 5u
 /* How tier/ derives chunk keys from tokens (tier/kvt_hash.h): 1 =
  * XXH3-128(parent || tokens), 2 = XXH3-128(parent || XXH3-128(tokens)). */
 #define KVT_KEY_FORMAT     2u
@@ -95,7 +101,7 @@
 
 enum kvt_region_id {
 	KVT_R_RANKS, KVT_R_COUNTERS, KVT_R_LEASES, KVT_R_INDEX, KVT_R_SLOTS,
-	KVT_R_ARENA, KVT_R__COUNT
+	KVT_R_DISK, KVT_R_ARENA, KVT_R__COUNT
 };
 
 struct kvt_region {
@@ -114,7 +120,9 @@ struct kvt_derived {
 	uint32_t n_entries;
 	uint32_t n_buckets;       /* power of two */
 	uint32_t counter_block;   /* bytes */
-	uint64_t pad[2];
+	uint32_t disk_buckets;    /* disk index buckets, power of two; 0 = none */
+	uint32_t disk_rings;      /* request rings (= n_entries when a disk tier) */
+	uint64_t pad[1];
 };
 
 struct kvt_hdr {
@@ -129,12 +137,12 @@ struct kvt_hdr {
 	uint64_t created_ns;           /*  48 */
 	uint64_t policy;               /*  56: KVT_POLICY_* */
 	struct kvt_geometry geo;       /*  64 */
-	uint64_t seg_id;               /* 184: random, nonzero */
-	struct kvt_derived d;          /* 192 */
-	kvt_key  fingerprint;          /* 256 */
-	struct kvt_region regions[KVT_R__COUNT]; /* 272 */
-	uint64_t checksum;             /* 368 */
-	uint8_t  pad1[KVT_HDR_MUTABLE - 376];
+	uint64_t seg_id;               /* 192: random, nonzero */
+	struct kvt_derived d;          /* 200 */
+	kvt_key  fingerprint;          /* 264 */
+	struct kvt_region regions[KVT_R__COUNT]; /* 280 */
+	uint64_t checksum;             /* 392 */
+	uint8_t  pad1[KVT_HDR_MUTABLE - 400];
 	/* Mutable words, each on its own line: written by every process. */
 	kvt_a64  clock_hand;           /* 2048 */
 	uint8_t  pad2[KVT_CACHELINE - 8];
@@ -155,15 +163,15 @@ struct kvt_hdr {
  * (the owner word's line: no rank entry lock is in the header page). */
 #define KVT_OWNER_LOCK_OFF 3200u
 
-_Static_assert(sizeof(struct kvt_geometry) == 120, "geometry is frozen");
+_Static_assert(sizeof(struct kvt_geometry) == 128, "geometry is frozen");
 _Static_assert(sizeof(struct kvt_derived) == 64, "derived is frozen");
 _Static_assert(offsetof(struct kvt_hdr, version) == 8, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, geo) == 64, "hdr layout");
-_Static_assert(offsetof(struct kvt_hdr, seg_id) == 184, "hdr layout");
-_Static_assert(offsetof(struct kvt_hdr, d) == 192, "hdr layout");
-_Static_assert(offsetof(struct kvt_hdr, fingerprint) == 256, "hdr layout");
-_Static_assert(offsetof(struct kvt_hdr, regions) == 272, "hdr layout");
-_Static_assert(offsetof(struct kvt_hdr, checksum) == 368, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, seg_id) == 192, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, d) == 200, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, fingerprint) == 264, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, regions) == 280, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, checksum) == 392, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, clock_hand) == KVT_HDR_MUTABLE, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, lease_hint) % KVT_CACHELINE == 0, "own line");
 _Static_assert(offsetof(struct kvt_hdr, step) % KVT_CACHELINE == 0, "own line");
@@ -333,6 +341,46 @@ _Static_assert(sizeof(struct kvt_bucket) == KVT_CACHELINE, "bucket is one line")
 #define KVT_CTL(ver, pending, pos) (((uint64_t)(ver) << 5) | \
 	((pending) ? KVT_CTL_PENDING : 0) | (uint64_t)(pos))
 
+/* ---- the disk tier region (diskidx.c) ----
+ * A status page written by the engine, n_entries request rings (SPSC:
+ * the entry's holder produces, the engine consumes), then the index:
+ * disk_buckets buckets of KVT_DISK_WAYS entries.  entry val:
+ * [63..32 extent gen][31..0 extent + 1]; 0 = empty.  seq is the entry's
+ * seqlock word: odd while the engine changes the entry. */
+#define KVT_DISK_WAYS   8u
+#define KVT_DRING_CELLS 128u
+#define KVT_DISK_ONLINE_NS 2000000000ULL
+struct kvt_disk_shm {
+	kvt_a64 online;
+	kvt_a64 pid;
+	kvt_a64 heartbeat_ns;
+	kvt_a64 chunks;
+	kvt_a64 used;
+	kvt_a64 inflight;
+	kvt_a64 direct;
+	kvt_a64 epoch;
+	char path[256];
+	uint8_t pad[KVT_PAGE - 64 - 256];
+};
+_Static_assert(sizeof(struct kvt_disk_shm) == KVT_PAGE, "disk status is one page");
+struct kvt_dring {
+	kvt_a64 tail;      /* producer: requests written */
+	uint8_t pad1[KVT_CACHELINE - 8];
+	kvt_a64 head;      /* engine: requests taken */
+	uint8_t pad2[KVT_CACHELINE - 8];
+	kvt_a64 cell[KVT_DRING_CELLS]; /* [63..32 seq][31..0 pos + 1] */
+};
+struct kvt_dent {
+	kvt_a64 seq;
+	kvt_a64 key_lo;
+	kvt_a64 key_hi;
+	kvt_a64 val;
+};
+#define KVT_DVAL(ext, egen) (((uint64_t)(egen) << 32) | ((uint64_t)(ext) + 1))
+#define KVT_DVAL_EXT(v)     ((uint32_t)(v) - 1u)
+#define KVT_DVAL_GEN(v)     ((uint32_t)((v) >> 32))
+#define KVT_DREQ(pos, seq)  (((uint64_t)(seq) << 32) | ((uint64_t)(pos) + 1))
+
 /* ---- the per-process handle ---- */
 struct kvt_seg {
 	uint8_t *base;
@@ -366,6 +414,11 @@ struct kvt_seg {
 	uint32_t lid_tag;         /* lease ids: segment tag (20 bits, nonzero) */
 	uint32_t lid_idx_bits;    /* ... bits of idx + 1 */
 	uint64_t lid_gen_mask;    /* ... mask of the gen bits */
+	struct kvt_disk_shm *disk;   /* NULL: no disk tier */
+	struct kvt_dring *drings;
+	struct kvt_dent *dents;
+	uint32_t ring_stride;        /* bytes of one ring */
+	uint32_t disk_mask;          /* disk_buckets - 1 */
 	struct kvt_seg *next;     /* the process's handles (fork) */
 	char name[KVT_NAME_MAX + 1];
 };

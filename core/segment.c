@@ -172,6 +172,9 @@ int kvt__geometry_check(const struct kvt_geometry *g)
 	     g->n_leases, KVT_MAX_LEASES);
 	GCHK(g->lease_max_chunks <= KVT_MAX_LEASE_CHUNKS, "lease_max_chunks",
 	     "%u above %u", g->lease_max_chunks, KVT_MAX_LEASE_CHUNKS);
+	GCHK(g->disk_chunks <= KVT_MAX_SLOTS, "disk_chunks", "%u above %u",
+	     g->disk_chunks, KVT_MAX_SLOTS);
+	GCHK(g->reserved0 == 0, "reserved0", "%u, must be 0", g->reserved0);
 #undef GCHK
 	return 0;
 }
@@ -224,6 +227,19 @@ int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 	d->n_buckets = 2;
 	while (d->n_buckets < want_buckets)
 		d->n_buckets <<= 1;
+	/* The disk index: load factor <= 1/2 over 8-way buckets, two
+	 * choices (diskidx.c); one request ring per table entry. */
+	uint64_t disk_bytes = 0;
+	if (g->disk_chunks) {
+		uint64_t want = ((uint64_t)g->disk_chunks * 2 + KVT_DISK_WAYS - 1) / KVT_DISK_WAYS;
+		d->disk_buckets = 2;
+		while (d->disk_buckets < want)
+			d->disk_buckets <<= 1;
+		d->disk_rings = d->n_entries;
+		disk_bytes = sizeof(struct kvt_disk_shm) +
+			     round_up((uint64_t)d->disk_rings * sizeof(struct kvt_dring), KVT_PAGE) +
+			     (uint64_t)d->disk_buckets * KVT_DISK_WAYS * sizeof(struct kvt_dent);
+	}
 
 	if (__builtin_mul_overflow((uint64_t)g->n_slots, d->shard_bytes, &part))
 		return kvt__err(-EOVERFLOW, "geometry: arena size overflows");
@@ -237,6 +253,7 @@ int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 		[KVT_R_LEASES] = (uint64_t)g->n_leases * d->lease_bytes,
 		[KVT_R_INDEX] = (uint64_t)d->n_buckets * sizeof(struct kvt_bucket),
 		[KVT_R_SLOTS] = (uint64_t)g->n_slots * d->slot_meta_bytes,
+		[KVT_R_DISK] = disk_bytes,
 		[KVT_R_ARENA] = arena,
 	};
 	for (int i = 0; i < KVT_R__COUNT; i++) {
@@ -455,6 +472,15 @@ static void handle_init_regions(kvt_seg *s)
 	s->slots = s->base + s->r[KVT_R_SLOTS].off;
 	s->arena = s->base + s->r[KVT_R_ARENA].off;
 	s->bucket_mask = s->d.n_buckets - 1;
+	if (s->d.disk_buckets) {
+		uint8_t *p = s->base + s->r[KVT_R_DISK].off;
+		s->disk = (struct kvt_disk_shm *)p;
+		s->drings = (struct kvt_dring *)(p + sizeof(struct kvt_disk_shm));
+		s->ring_stride = sizeof(struct kvt_dring);
+		s->dents = (struct kvt_dent *)(p + sizeof(struct kvt_disk_shm) +
+			round_up((uint64_t)s->d.disk_rings * sizeof(struct kvt_dring), KVT_PAGE));
+		s->disk_mask = s->d.disk_buckets - 1;
+	}
 	s->chunk_bytes = chunk_payload(&s->geo);
 	s->my_counters = (uint64_t *)kvt__ctr(s, s->d.n_entries);
 	s->entry = UINT32_MAX;
@@ -517,9 +543,10 @@ static int hdr_validate(const struct kvt_hdr *h, uint64_t map_size, uid_t file_u
 	": %llu, the geometry gives %llu", (unsigned long long)h->d.f, (unsigned long long)d->f)
 	DCHK(shard_bytes); DCHK(slot_meta_bytes); DCHK(lease_bytes); DCHK(shard_part);
 	DCHK(n_shards); DCHK(n_entries); DCHK(n_buckets); DCHK(counter_block);
+	DCHK(disk_buckets); DCHK(disk_rings);
 #undef DCHK
 	static const char *const rname[KVT_R__COUNT] = {
-		"ranks", "counters", "leases", "index", "slots", "arena" };
+		"ranks", "counters", "leases", "index", "slots", "disk", "arena" };
 	for (int i = 0; i < KVT_R__COUNT; i++) {
 		HCHK(h->regions[i].off == r[i].off, -EPROTO,
 		     "header.regions[%s].off: %llu, the geometry gives %llu", rname[i],
@@ -1115,6 +1142,14 @@ static const char *const counter_names[KVT_C__COUNT] = {
 	[KVT_C_DISK_WRITES] = "disk_writes", [KVT_C_DISK_READS] = "disk_reads",
 	[KVT_C_DMA_ERRORS] = "dma_errors", [KVT_C_LOST_CLAIMS] = "lost_claims",
 	[KVT_C_PIN_REPAIRS] = "pin_repairs", [KVT_C_ADOPTED] = "adopted",
+	[KVT_C_DISK_BYTES_WRITTEN] = "disk_bytes_written",
+	[KVT_C_DISK_BYTES_READ] = "disk_bytes_read",
+	[KVT_C_DISK_ADMIT_REJECTS] = "disk_admit_rejects",
+	[KVT_C_DISK_CSUM_ERRORS] = "disk_checksum_errors",
+	[KVT_C_DISK_EVICTIONS] = "disk_evictions",
+	[KVT_C_DISK_WRITE_DROPS] = "disk_write_drops",
+	[KVT_C_PROMOTE_REQUESTS] = "promote_requests",
+	[KVT_C_PROMOTE_DROPS] = "promote_drops",
 };
 
 const char *kvt_counter_name(enum kvt_counter c)

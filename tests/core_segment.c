@@ -204,8 +204,9 @@ static const struct field fields[] = {
 	F("regions[leases].off", regions[2].off, 8, 4096, 1),
 	F("regions[index].size", regions[3].size, 8, 64, 1),
 	F("regions[slots].off", regions[4].off, 8, 4096, 1),
-	F("regions[arena].off", regions[5].off, 8, 1ULL << 40, 1),
-	F("regions[arena].size", regions[5].size, 8, 1ULL << 40, 1),
+	F("regions[disk].off", regions[5].off, 8, 4096, 1),
+	F("regions[arena].off", regions[6].off, 8, 1ULL << 40, 1),
+	F("regions[arena].size", regions[6].size, 8, 1ULL << 40, 1),
 	F("checksum", checksum, 8, 1, 1),
 	F("n_slots", geo.n_slots, 4, 1u << 31, 0),
 };

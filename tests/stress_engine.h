@@ -848,7 +848,7 @@ static inline void se_sched_loop(struct se_worker *w)
  * race).  So the threads' handles are pointed at the creator's mapping,
  * after attach, with the handle's private layout; the size assertion makes
  * any change of the handle fail to compile here instead of going stale. */
-_Static_assert(sizeof(struct kvt_seg) == 528,
+_Static_assert(sizeof(struct kvt_seg) == 584,
 	       "struct kvt_seg changed: update se_share_mapping()");
 
 static inline void se_share_mapping(kvt_seg *s, const kvt_seg *p)
@@ -864,6 +864,9 @@ static inline void se_share_mapping(kvt_seg *s, const kvt_seg *p)
 	s->buckets = p->buckets;
 	s->slots = p->slots;
 	s->arena = p->arena;
+	s->disk = p->disk;
+	s->drings = p->drings;
+	s->dents = p->dents;
 	s->my_counters = (uint64_t *)(s->counters + (uint64_t)block * s->d.counter_block);
 	munmap(old, s->size);
 }

@@ -83,6 +83,9 @@ struct kvt_tier {
 	kvt__hash_chain_fn *hash_chain;  /* this CPU's kernel (kvt_hash.h) */
 	struct op ops[KVT_MAX_OPS];
 	uint32_t op_hint;
+	/* Disk chunks this handle asked back lately (kvt_lookup_ex), by index
+	 * entry: a scheduler asking again each step queues a chunk once. */
+	struct { uint32_t pos, seq; uint64_t ns; } asked[256];
 };
 
 static _Thread_local char tier_err[320];
@@ -390,8 +393,10 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 	kvt_tier *t;
 	int r;
 
-	if (api_version != KVT_API_VERSION)
-		return terr(-ENOTSUP, "kvtier.h speaks API version %u, this library %u",
+	/* Version 1 callers differ only in what they do not call: the
+	 * structs they pass have the same size (disk_chunks was reserved). */
+	if (api_version < 1 || api_version > KVT_API_VERSION)
+		return terr(-ENOTSUP, "kvtier.h speaks API version %u, this library 1..%u",
 			    api_version, KVT_API_VERSION);
 	if (!cfg || !out)
 		return terr(-EINVAL, "open: NULL argument");
@@ -399,9 +404,15 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 		return terr(-EINVAL, "config.size: %zu, expected %zu", cfg->size, sizeof(*cfg));
 	if (cfg->flags & ~KVT_F_MASK)
 		return terr(-EINVAL, "config.flags: unknown bits 0x%x", cfg->flags & ~KVT_F_MASK);
-	for (int i = 0; i < 4; i++)
+	for (int i = 0; i < 3; i++)
 		if (cfg->reserved[i])
 			return terr(-EINVAL, "config.reserved[%d]: must be 0", i);
+	if (cfg->disk_chunks > (1u << 30))
+		return terr(-EINVAL, "config.disk_chunks: %llu above 2^30",
+			    (unsigned long long)cfg->disk_chunks);
+	if (cfg->disk_chunks && !(cfg->flags & KVT_F_CREATE))
+		return terr(-EINVAL, "config.disk_chunks: only with KVT_F_CREATE (the disk index "
+			    "is sized when the segment is made)");
 	if (cfg->n_groups > KVT_MAX_GROUPS || (cfg->n_groups && !cfg->groups))
 		return terr(-EINVAL, "config.n_groups: %u (1..%u, with groups)",
 			    cfg->n_groups, KVT_MAX_GROUPS);
@@ -450,6 +461,7 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 				  t->env.tier_bytes, cfg->n_slots, &g);
 		if (r)
 			goto out_free;
+		g.disk_chunks = (uint32_t)cfg->disk_chunks;
 		kvt_geometry_fingerprint(&g, &t->fingerprint);
 		/* Without a world (a scheduler or client that did not say) the
 		 * fingerprint cannot be predicted: the segment's is adopted. */
@@ -997,6 +1009,67 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
 	return r < 0 ? terr_core(r, "lookup") : r;
 }
 
+/* Whether this handle asked for index entry (pos, seq) within 200 ms. */
+static int asked_lately(kvt_tier *t, const struct kvt_disk_ref *r, uint64_t now)
+{
+	uint32_t i = (r->pos ^ (r->pos >> 8)) & 255u;
+
+	if (t->asked[i].pos == r->pos && t->asked[i].seq == r->seq &&
+	    now - t->asked[i].ns < 200000000ULL)
+		return 1;
+	t->asked[i].pos = r->pos;
+	t->asked[i].seq = r->seq;
+	t->asked[i].ns = now;
+	return 0;
+}
+
+int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
+		  struct kvt_lookup_res *res)
+{
+	kvt_lease_id lease = 0;
+	uint32_t pending = 0, requested = 0;
+	int r;
+
+	if (!t || !res || (n && !keys))
+		return terr(-EINVAL, "lookup_ex: NULL argument");
+	if (res->size < sizeof(*res))
+		return terr(-EINVAL, "lookup_ex: res->size %zu, expected %zu", res->size,
+			    sizeof(*res));
+	if (flags & ~KVT_LOOKUP_F_MASK)
+		return terr(-EINVAL, "lookup_ex: unknown flag bits 0x%x", flags & ~KVT_LOOKUP_F_MASK);
+	uint64_t t0 = now_ns();
+	r = kvt_seg_lookup(t->seg, keys, n, &lease);
+	if (r < 0)
+		return terr_core(r, "lookup");
+	kvt_seg *s = t->seg;
+	uint32_t hits = (uint32_t)r;
+	uint32_t cap = kvt_seg_geometry(s)->lease_max_chunks;
+	if (hits < n && kvt_disk_online(s)) {
+		/* The chunks after the hits: on disk (ask for them), or in
+		 * DRAM already (promoted, or being written) behind one that
+		 * is not yet. */
+		for (uint32_t i = hits; i < n && hits + pending < cap; i++) {
+			struct kvt_disk_ref ref;
+			if (kvt_disk_find(s, &keys[i], &ref)) {
+				if ((flags & KVT_LOOKUP_PROMOTE) && !asked_lately(t, &ref, t0) &&
+				    kvt_disk_request(s, &ref) == 0)
+					requested++;
+			} else if (kvt_seg_peek(s, &keys[i], 1) != 1) {
+				break;
+			}
+			pending++;
+		}
+	}
+	kvt_hist_add(s, KVT_H_LOOKUP, now_ns() - t0);
+	res->lease = lease;
+	res->hits = hits;
+	res->pending = pending;
+	res->requested = requested;
+	res->reserved0 = 0;
+	memset(res->reserved, 0, sizeof(res->reserved));
+	return (int)hits;
+}
+
 int kvt_release(kvt_tier *t, kvt_lease_id lease)
 {
 	int r;
@@ -1037,11 +1110,16 @@ int kvt_stats(kvt_tier *t, struct kvt_stats *o)
 	if (!t)
 		return terr(-EINVAL, "stats: NULL handle");
 	g = kvt_seg_geometry(t->seg);
-	if (!o || o->size < sizeof(*o))
-		return terr(-EINVAL, "stats: size must be sizeof(struct kvt_stats)");
+	if (!o || (o->size != sizeof(*o) && o->size != KVT_STATS_V1_SIZE))
+		return terr(-EINVAL, "stats: size must be sizeof(struct kvt_stats) (%zu, or %u "
+			    "for API version 1)", sizeof(*o), KVT_STATS_V1_SIZE);
+	struct kvt_stats full;
+	size_t want = o->size;
+	struct kvt_stats *caller = o;
+	o = &full;
 	kvt_counters_read(t->seg, c);
 	kvt_occupancy_read(t->seg, &occ);
-	memset((uint8_t *)o + sizeof(o->size), 0, sizeof(*o) - sizeof(o->size));
+	memset(o, 0, sizeof(*o));
 	o->lookups = c[KVT_C_LOOKUPS];
 	o->lookup_chunks = c[KVT_C_LOOKUP_CHUNKS];
 	o->hit_chunks = c[KVT_C_HIT_CHUNKS];
@@ -1066,8 +1144,27 @@ int kvt_stats(kvt_tier *t, struct kvt_stats *o)
 	o->chunk_bytes = kvt_seg_chunk_bytes(t->seg);
 	o->chunk_tokens = g->chunk_tokens;
 	o->world = g->world;
+	struct kvt_disk_status ds;
+	if (kvt_disk_capacity(t->seg) && kvt_disk_status_read(t->seg, &ds) == 0) {
+		o->disk_chunks = ds.chunks;
+		o->disk_used = ds.used;
+		o->disk_online = (uint32_t)ds.online;
+	}
+	o->disk_writes = c[KVT_C_DISK_WRITES];
+	o->disk_reads = c[KVT_C_DISK_READS];
+	o->disk_bytes_written = c[KVT_C_DISK_BYTES_WRITTEN];
+	o->disk_bytes_read = c[KVT_C_DISK_BYTES_READ];
+	o->disk_checksum_errors = c[KVT_C_DISK_CSUM_ERRORS];
+	o->disk_admit_rejects = c[KVT_C_DISK_ADMIT_REJECTS];
+	o->disk_evictions = c[KVT_C_DISK_EVICTIONS];
+	o->promote_requests = c[KVT_C_PROMOTE_REQUESTS];
+	o->promote_drops = c[KVT_C_PROMOTE_DROPS];
+	o->size = want;
+	memcpy(caller, o, want);
 	return 0;
 }
+_Static_assert(offsetof(struct kvt_stats, disk_chunks) == KVT_STATS_V1_SIZE,
+	       "KVT_STATS_V1_SIZE is the version-1 struct");
 
 int kvt_unlink(const char *name, const char *dir)
 {

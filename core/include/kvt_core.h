@@ -64,6 +64,11 @@ struct kvt_geometry {
 				    * rank never saved its shard) is reclaimed
 				    * after this; 0 = default (5000): ranks of
 				    * one engine save a chunk in the same step */
+	uint32_t disk_chunks;      /* chunks the disk tier's index holds (the
+				    * disk engine's file, see kvt_disk_*); 0 =
+				    * no disk tier.  Capacity: not part of the
+				    * fingerprint */
+	uint32_t reserved0;        /* must be 0 */
 };
 
 /* Bytes of one shard of one chunk (what one rank writes), as stored:
@@ -275,6 +280,14 @@ enum kvt_counter {
 	KVT_C_LOST_CLAIMS,  /* write_end found its claim gone: must stay 0 */
 	KVT_C_PIN_REPAIRS,  /* pin counts recounted after a death */
 	KVT_C_ADOPTED,      /* half-done steps of dead processes finished by a waiter */
+	/* The disk tier (counted by the disk engine, requests by lookups). */
+	KVT_C_DISK_BYTES_WRITTEN, KVT_C_DISK_BYTES_READ,
+	KVT_C_DISK_ADMIT_REJECTS, /* READY chunks the admission policy kept off the disk */
+	KVT_C_DISK_CSUM_ERRORS,   /* reads whose checksum did not match: a miss, never served */
+	KVT_C_DISK_EVICTIONS,     /* chunks dropped from a full disk */
+	KVT_C_DISK_WRITE_DROPS,   /* demotions abandoned: the slot changed under the write, or an I/O error */
+	KVT_C_PROMOTE_REQUESTS,   /* disk chunks lookups asked back */
+	KVT_C_PROMOTE_DROPS,      /* promotions not done: ring full, no slot, stale request */
 	KVT_C__COUNT
 };
 const char *kvt_counter_name(enum kvt_counter c);
@@ -362,6 +375,80 @@ int kvt_seg_drain(kvt_seg *s, int on);
 int kvt_seg_draining(const kvt_seg *s);
 /* The name the handle attached by. */
 const char *kvt_seg_name(const kvt_seg *s);
+
+/* ---- the disk tier's index ------------------------------------------
+ * A segment created with geometry.disk_chunks > 0 holds the disk tier's
+ * index (key -> extent of the disk file, with the extent's generation),
+ * written by one process only, the disk engine, which must own the
+ * segment (kvt_seg_own), and read by every lookup; and one request ring
+ * per table entry, through which lookups ask the engine to read chunks
+ * back into the arena (promotion).  The file, its records, checksums and
+ * the I/O are the engine's (tier/kvt_disk.h); core only holds what every
+ * process must see.  See diskidx.c for the protocol. */
+struct kvt_disk_ref {
+	uint32_t pos;    /* index entry */
+	uint32_t seq;    /* its sequence word when read (low 32 bits) */
+	uint32_t extent; /* extent of the disk file */
+	uint32_t egen;   /* the extent's generation */
+};
+/* The engine's published state. */
+struct kvt_disk_status {
+	uint64_t online;       /* 1 while an engine runs (with a fresh heartbeat) */
+	uint64_t pid;          /* the engine's pid (diagnostic) */
+	uint64_t heartbeat_ns; /* CLOCK_MONOTONIC of its last loop */
+	uint64_t chunks;       /* extents of its file */
+	uint64_t used;         /* extents holding a chunk */
+	uint64_t inflight;     /* I/Os submitted, not completed (queue depth) */
+	uint64_t direct;       /* 1: O_DIRECT, 0: buffered */
+	uint64_t epoch;        /* engine starts on this segment */
+	char path[256];        /* the file or device (diagnostic) */
+};
+/* Index entries the segment holds; 0: no disk tier. */
+uint32_t kvt_disk_capacity(const kvt_seg *s);
+/* 1 while an engine is online: its state says so and its heartbeat is at
+ * most 2 s old (a dead engine's index is not offered to lookups). */
+int kvt_disk_online(const kvt_seg *s);
+/* Finds key in the disk index: 1 (and *ref), 0 (absent, or being changed
+ * right now: a miss is always safe).  Lock-free, never blocks. */
+int kvt_disk_find(const kvt_seg *s, const kvt_key *key, struct kvt_disk_ref *ref);
+/* Asks the engine to read ref's chunk back (through the handle's own
+ * ring).  0, -EAGAIN (ring full: counted as a promotion drop), -EPERM (no
+ * table entry), -ENODEV (no disk tier in this segment). */
+int kvt_disk_request(kvt_seg *s, const struct kvt_disk_ref *ref);
+int kvt_disk_status_read(const kvt_seg *s, struct kvt_disk_status *out);
+
+/* Engine side: each needs the owner (-EPERM otherwise). */
+/* Empties the index and the rings (engine start); publishes online. */
+int kvt_disk_engine_start(kvt_seg *s, const struct kvt_disk_status *st);
+/* Publishes the gauges and the heartbeat (online stays as it is). */
+void kvt_disk_engine_publish(kvt_seg *s, const struct kvt_disk_status *st);
+/* Offline: lookups stop offering disk chunks; the index is emptied. */
+void kvt_disk_engine_stop(kvt_seg *s);
+/* Inserts key -> (extent, egen): 0 and *pos, -EEXIST (key there: *pos),
+ * -ENOSPC (both buckets full). */
+int kvt_disk_put(kvt_seg *s, const kvt_key *key, uint32_t extent, uint32_t egen,
+		 uint32_t *pos);
+/* Removes entry pos (no-op when empty). */
+void kvt_disk_del(kvt_seg *s, uint32_t pos);
+/* Takes up to max requests from the rings: each is checked against the
+ * index (stale ones are dropped and counted) and comes back as a ref with
+ * its key.  Returns the count. */
+int kvt_disk_take_requests(kvt_seg *s, struct kvt_disk_ref *refs, kvt_key *keys,
+			   uint32_t max);
+
+/* Keys present in DRAM (READY or being filled), from keys[0] on, without
+ * pinning or counting anything: what a lookup that waits for promotions
+ * will find next.  Lock-free. */
+int kvt_seg_peek(kvt_seg *s, const kvt_key *keys, uint32_t n);
+/* The slot's key and life, for the disk engine's demotion scan: 1 when the
+ * slot is READY (its state word in *w), else 0. */
+int kvt_slot_ready(const kvt_seg *s, uint32_t slot, kvt_key *key, uint32_t *depth,
+		   uint32_t *ref, uint64_t *w);
+/* Whether slot is still READY in the life of state word w (the data read
+ * since kvt_slot_ready was stable). */
+int kvt_slot_same_life(const kvt_seg *s, uint32_t slot, uint64_t w);
+/* The CLOCK hand (a monotonic counter: slot = hand mod n_slots). */
+uint64_t kvt_seg_clock_hand(const kvt_seg *s);
 
 /* A process's start time (clock ticks since boot), 0 when /proc does not
  * show it.  Diagnostics only: liveness never depends on it. */

@@ -40,7 +40,10 @@
 extern "C" {
 #endif
 
-#define KVT_API_VERSION 1
+/* 2: kvt_lookup_ex (the disk tier's "ask again"), kvt_config.disk_chunks,
+ * the disk fields of kvt_stats.  A caller built against version 1 keeps
+ * working unchanged: the library speaks both. */
+#define KVT_API_VERSION 2
 
 typedef struct kvt_tier kvt_tier;
 
@@ -105,7 +108,11 @@ struct kvt_config {
 	uint32_t n_slots;          /* chunks; 0: from tier_bytes */
 	uint32_t n_instances;      /* 0: $KVTIER_INSTANCES, else 1 */
 	uint64_t tier_bytes;       /* 0: $KVTIER_TIER_GIB, else 1 GiB */
-	uint64_t reserved[4];      /* must be 0 */
+	uint64_t disk_chunks;      /* chunks the disk tier's index can hold
+				    * (kvtierd sets it from its disk file);
+				    * 0: no disk tier.  API version 2; a
+				    * version-1 caller has 0 here */
+	uint64_t reserved[3];      /* must be 0 */
 };
 
 /* Opens (and with KVT_F_CREATE creates) the tier; the handshake checks the
@@ -158,6 +165,39 @@ int kvt_hash_tokens(const kvt_tier *t, const uint32_t *tokens, size_t n_tokens,
  * lease.  Returns the number of hit chunks and *lease (0 when none), or
  * -ENOSPC (lease table full; nothing pinned).  Never blocks. */
 int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease);
+
+/* A lookup that also reports the disk tier (API version 2).
+ *
+ * The hits are the longest READY prefix, pinned under res->lease exactly
+ * as kvt_lookup pins them.  res->pending counts the chunks right after
+ * the hits that are not in DRAM yet but will be soon: the disk tier holds
+ * them, or they are being read back (or were, and sit behind a chunk that
+ * still is).  With KVT_LOOKUP_PROMOTE the call asks the disk tier (kvtierd)
+ * to read those chunks back into the arena, asynchronously; it never waits
+ * for the disk.  The scheduler then decides, per request: load the hits
+ * now (pending chunks are recomputed), or release the lease and ask again
+ * next step, when the promoted chunks are hits -- vLLM's "load
+ * asynchronously / ask again" shape.  Asking again within ~200 ms does not
+ * queue the same chunk twice.  A promotion can fail (a checksum mismatch,
+ * no free slot): the chunk then stops being pending, so a scheduler that
+ * asks again always converges; it should still bound its wait (a step
+ * count or a deadline).  pending is 0 when the segment has no disk tier or
+ * its engine is not running.  Returns res->hits, or -ENOSPC (lease table
+ * full; nothing pinned, nothing asked), -EINVAL (NULL, bad flags or size).
+ * Never blocks. */
+#define KVT_LOOKUP_PROMOTE 0x1u
+#define KVT_LOOKUP_F_MASK  0x1u
+struct kvt_lookup_res {
+	size_t size;          /* sizeof(struct kvt_lookup_res) */
+	kvt_lease_id lease;   /* the hits' lease, 0 when no hit */
+	uint32_t hits;        /* READY chunks pinned under lease */
+	uint32_t pending;     /* chunks after the hits coming from the disk */
+	uint32_t requested;   /* of those, asked back by this call */
+	uint32_t reserved0;
+	uint64_t reserved[2];
+};
+int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
+		  struct kvt_lookup_res *res);
 
 /* Saves n chunks of this rank's KV: for chunk i, keys[i] at prefix depth
  * first_depth + i, from the blocks listed in tables[g][i * bpc(g) ..] where
@@ -218,7 +258,17 @@ struct kvt_stats {
 	uint64_t leases_live;
 	uint64_t chunk_bytes; /* one rank's shard of one chunk */
 	uint32_t chunk_tokens, world;
+	/* API version 2 (a version-1 caller's smaller size gets the fields
+	 * above only): the disk tier. */
+	uint64_t disk_chunks, disk_used;       /* index capacity, chunks on disk */
+	uint64_t disk_writes, disk_reads;      /* chunks demoted, promoted */
+	uint64_t disk_bytes_written, disk_bytes_read;
+	uint64_t disk_checksum_errors, disk_admit_rejects, disk_evictions;
+	uint64_t promote_requests, promote_drops;
+	uint32_t disk_online, reserved0;
 };
+/* Size of struct kvt_stats in API version 1. */
+#define KVT_STATS_V1_SIZE 192
 int kvt_stats(kvt_tier *t, struct kvt_stats *out);
 
 /* Removes the segment `name`: <dir>/kvtier.<name> when dir is given, else
