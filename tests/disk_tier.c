@@ -1,0 +1,684 @@
+/* disk_tier.c - the disk tier: demotion, eviction, promotion byte for
+ * byte, restart, checksums, a full disk, the buffered fallback, bad
+ * configurations, admission policies, a kill -9 of the engine during its
+ * writes, and kvt_lookup_ex's "ask again".
+ *
+ * Files go in the working directory (CTest runs in the build tree: a real
+ * file system) and, for the buffered fallback, in /dev/shm.  A test that
+ * needs O_DIRECT where the working directory has none, or io_uring where
+ * the kernel refuses it, exits 77.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "kvt_test.h"
+#include "kvt_disk.h"
+#include "kvtier.h"
+#include "kvt_tier_int.h"
+
+static char seg_name[64], file_path[256], shm_path[256];
+
+/* 16 tokens x 256 B x 1 layer = 4 KiB shards (O_DIRECT-sized), world 2. */
+static struct kvt_geometry geo(uint32_t slots, uint32_t disk, uint32_t bpt)
+{
+	struct kvt_geometry g = kvt_test_geo(2, slots);
+
+	g.groups[0].bytes_per_token = bpt;
+	g.disk_chunks = disk;
+	return g;
+}
+
+static kvt_seg *make_seg(uint32_t slots, uint32_t disk, uint32_t bpt, int own)
+{
+	struct kvt_geometry g = geo(slots, disk, bpt);
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = seg_name,
+					 .role = KVT_ROLE_CLIENT };
+	kvt_seg *s = kvt_test_create(seg_name, &g, &a);
+
+	if (own)
+		assert_int_equal(kvt_seg_own(s), 0);
+	return s;
+}
+
+static int engine(kvt_seg *s, const char *path, uint64_t bytes, uint32_t direct,
+		  uint32_t admit, kvt_disk **d, char *err, size_t len)
+{
+	struct kvt_disk_opts o = { .size = sizeof(o), .path = path, .bytes = bytes,
+				   .direct = direct, .admit = admit, .depth = 32 };
+	return kvt_disk_open(s, &o, d, err, len);
+}
+
+static int uring_refused(int r, const char *err)
+{
+	return (r == -ENOSYS || r == -EPERM) && strstr(err, "io_uring");
+}
+
+/* Opens an engine or skips the test when the host lacks io_uring. */
+static kvt_disk *engine_or_skip(kvt_seg *s, const char *path, uint64_t bytes,
+				uint32_t direct, uint32_t admit)
+{
+	char err[512];
+	kvt_disk *d = NULL;
+	int r = engine(s, path, bytes, direct, admit, &d, err, sizeof(err));
+
+	if (uring_refused(r, err)) {
+		fprintf(stderr, "skip: %s\n", err);
+		return NULL;
+	}
+	if (r)
+		fprintf(stderr, "kvt_disk_open: %d %s\n", r, err);
+	assert_int_equal(r, 0);
+	return d;
+}
+
+/* Saves keys [from, to) stamped on every shard. */
+static void save_range(kvt_seg *s, uint64_t from, uint64_t to)
+{
+	for (uint64_t i = from; i < to; i++) {
+		kvt_key k = kvt_test_key(i);
+		for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++) {
+			struct kvt_wref w;
+			int r = kvt_write_begin(s, &k, (uint32_t)(i % 7), sh, &w);
+			if (r == KVT_SKIP)
+				continue;
+			assert_int_equal(r, 0);
+			kvt_test_stamp(s, w.slot, sh, &k);
+			assert_true(kvt_write_end(s, &w, 1) >= 0);
+		}
+	}
+}
+
+static int in_dram(kvt_seg *s, uint64_t i)
+{
+	kvt_key k = kvt_test_key(i);
+
+	return kvt_seg_peek(s, &k, 1) == 1;
+}
+
+/* Pins key i and checks every shard byte for byte: 1 exact, 0 absent. */
+static int dram_exact(kvt_seg *s, uint64_t i)
+{
+	kvt_key k = kvt_test_key(i);
+	uint64_t lease;
+	uint32_t slot;
+	uint64_t gen;
+	int r = kvt_seg_lookup(s, &k, 1, &lease);
+
+	assert_true(r >= 0);
+	if (r == 0)
+		return 0;
+	assert_int_equal(kvt_lease_slots(s, lease, &slot, &gen, 1), 1);
+	for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++)
+		assert_true(kvt_test_stamped(s, slot, sh, &k));
+	assert_int_equal(kvt_lease_release(s, lease), 0);
+	return 1;
+}
+
+static void request(kvt_seg *s, uint64_t i)
+{
+	kvt_key k = kvt_test_key(i);
+	struct kvt_disk_ref ref;
+
+	assert_int_equal(kvt_disk_find(s, &k, &ref), 1);
+	assert_int_equal(kvt_disk_request(s, &ref), 0);
+}
+
+static int on_disk(kvt_seg *s, uint64_t i)
+{
+	kvt_key k = kvt_test_key(i);
+
+	return kvt_disk_find(s, &k, NULL);
+}
+
+static void drain(kvt_disk *d, int all)
+{
+	assert_int_equal(kvt_disk_drain(d, all, 30LL * 1000000000LL), 0);
+}
+
+static int setup(void **state)
+{
+	(void)state;
+	snprintf(seg_name, sizeof(seg_name), "%s", kvt_test_name("disk"));
+	snprintf(file_path, sizeof(file_path), "kvtier-disk-test-%d.img", (int)getpid());
+	snprintf(shm_path, sizeof(shm_path), "/dev/shm/kvtier-disk-test-%d.img", (int)getpid());
+	unlink(file_path);
+	unlink(shm_path);
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	(void)state;
+	kvt_seg_unlink(seg_name, NULL);
+	unlink(file_path);
+	unlink(shm_path);
+	return 0;
+}
+
+/* Demote 32 chunks, evict them from DRAM, promote them back: the bytes
+ * are the bytes saved; then a restart (a new segment, the same file)
+ * replays the records and serves them again. */
+static void test_round_trip_and_restart(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(48, 1024, 256, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 8u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	struct kvt_disk_info info;
+
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	kvt_disk_info(d, &info);
+	if (!info.direct) {
+		fprintf(stderr, "skip: no O_DIRECT in the working directory\n");
+		kvt_disk_close(d);
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	assert_true(kvt_disk_online(s));
+	save_range(s, 0, 32);
+	drain(d, 1);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_WRITES), 32);
+	for (uint64_t i = 0; i < 32; i++)
+		assert_true(on_disk(s, i));
+	/* Fillers push every demoted chunk out of the 48 slots. */
+	save_range(s, 1000, 1048);
+	for (uint64_t i = 0; i < 32; i++)
+		assert_false(in_dram(s, i));
+	for (uint64_t i = 0; i < 32; i++)
+		request(s, i);
+	drain(d, 0);
+	for (uint64_t i = 0; i < 32; i++)
+		assert_int_equal(dram_exact(s, i), 1);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_READS), 32);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_CSUM_ERRORS), 0);
+	uint64_t bytes = 32ULL * 2 * kvt_seg_chunk_bytes(s);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_BYTES_READ), bytes);
+	struct kvt_hist_snap h;
+	assert_int_equal(kvt_hist_read(s, UINT32_MAX, KVT_H_DISK_READ, &h), 0);
+	assert_int_equal(h.count, 32);
+	kvt_test_assert_check(s);
+	drain(d, 1);
+	kvt_disk_info(d, &info);
+	uint64_t used = info.used;
+	assert_true(used >= 32);
+	kvt_disk_close(d);
+	assert_false(kvt_disk_online(s));
+	assert_false(on_disk(s, 0)); /* offline: the index is emptied */
+	kvt_seg_detach(s);
+
+	/* Restart: a new segment, the same file. */
+	s = make_seg(48, 1024, 256, 1);
+	d = engine_or_skip(s, file_path, 8u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.replayed, used);
+	for (uint64_t i = 0; i < 32; i++) {
+		assert_true(on_disk(s, i));
+		request(s, i);
+	}
+	drain(d, 0);
+	for (uint64_t i = 0; i < 32; i++)
+		assert_int_equal(dram_exact(s, i), 1);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* A corrupted extent is counted, dropped, and never served. */
+static void test_checksum_mismatch(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(16, 1024, 256, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+	struct kvt_disk_info info;
+	struct kvt_disk_ref ref;
+
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	save_range(s, 0, 4);
+	drain(d, 1);
+	save_range(s, 100, 116); /* evict them */
+	kvt_key k = kvt_test_key(2);
+	assert_int_equal(kvt_disk_find(s, &k, &ref), 1);
+	kvt_disk_info(d, &info);
+	int fd = open(file_path, O_RDWR);
+	assert_true(fd >= 0);
+	uint64_t garbage = 0xbadbadbadULL;
+	/* one word in the second shard of the extent */
+	assert_int_equal(pwrite(fd, &garbage, 8, (off_t)(info.data_off +
+		ref.extent * info.extent_bytes + info.shard_bytes + 24)), 8);
+	fsync(fd);
+	close(fd);
+	for (uint64_t i = 0; i < 4; i++)
+		request(s, i);
+	drain(d, 0);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_CSUM_ERRORS), 1);
+	assert_false(in_dram(s, 2));
+	assert_false(on_disk(s, 2));
+	for (uint64_t i = 0; i < 4; i++)
+		if (i != 2)
+			assert_int_equal(dram_exact(s, i), 1);
+	kvt_test_assert_check(s);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* A disk of 8 chunks takes 40: it evicts from itself, never fails. */
+static void test_full_disk(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(64, 1024, 256, 1);
+	uint64_t chunks = 0;
+	char err[256];
+	uint64_t eb = 2 * kvt_seg_shard_bytes(s);
+	/* the smallest file of 8 chunks */
+	uint64_t bytes = (1u << 20) + 8 * eb;
+
+	assert_int_equal(kvt_disk_plan(file_path, bytes, kvt_seg_shard_bytes(s), 2, &chunks,
+				       err, sizeof(err)), 0);
+	assert_int_equal(chunks, 8);
+	kvt_disk *d = engine_or_skip(s, file_path, bytes, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	for (uint64_t b = 0; b < 5; b++) {
+		save_range(s, b * 8, b * 8 + 8);
+		drain(d, 1);
+	}
+	struct kvt_disk_info info;
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.chunks, 8);
+	assert_int_equal(info.used, 8);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_WRITES), 40);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_EVICTIONS), 32);
+	uint32_t found = 0;
+	for (uint64_t i = 0; i < 40; i++)
+		found += (uint32_t)on_disk(s, i);
+	assert_int_equal(found, 8);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* tmpfs: buffered with a warning under direct=auto, a refusal naming the
+ * path under direct=on; the round trip works buffered. */
+static void test_tmpfs_buffered(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(16, 1024, 256, 1);
+	char err[512];
+	kvt_disk *d = NULL;
+	int r = engine(s, shm_path, 4u << 20, KVT_DIRECT_ON, KVT_ADMIT_ALL, &d, err, sizeof(err));
+
+	if (uring_refused(r, err)) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	assert_int_equal(r, -EOPNOTSUPP);
+	assert_non_null(strstr(err, shm_path));
+	assert_non_null(strstr(err, "tmpfs"));
+	d = engine_or_skip(s, shm_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	struct kvt_disk_info info;
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.direct, 0);
+	save_range(s, 0, 8);
+	drain(d, 1);
+	save_range(s, 100, 116);
+	for (uint64_t i = 0; i < 8; i++) {
+		assert_false(in_dram(s, i));
+		request(s, i);
+	}
+	drain(d, 0);
+	for (uint64_t i = 0; i < 8; i++)
+		assert_int_equal(dram_exact(s, i), 1);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* Bad configurations are refused with a message naming what is wrong,
+ * and nothing on disk is lost. */
+static void test_bad_config(void **state)
+{
+	(void)state;
+	char err[512];
+	kvt_disk *d = NULL;
+	int r;
+
+	/* no disk index in the segment */
+	kvt_seg *s = make_seg(16, 0, 256, 1);
+	r = engine(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	assert_int_equal(r, -ENODEV);
+	assert_non_null(strstr(err, "no disk index"));
+	kvt_seg_detach(s);
+
+	/* not the owner */
+	s = make_seg(16, 1024, 256, 0);
+	r = engine(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	assert_int_equal(r, -EPERM);
+	assert_int_equal(kvt_seg_own(s), 0);
+
+	/* too small */
+	r = engine(s, file_path, 64u << 10, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	if (uring_refused(r, err)) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	assert_int_equal(r, -ENOSPC);
+	assert_non_null(strstr(err, file_path));
+	assert_non_null(strstr(err, "too small"));
+	unlink(file_path);
+
+	/* a file that is something else is not overwritten */
+	int fd = open(file_path, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	assert_true(fd >= 0);
+	assert_int_equal(write(fd, "precious data", 13), 13);
+	close(fd);
+	r = engine(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	assert_int_equal(r, -EINVAL);
+	assert_non_null(strstr(err, "not a kvtier disk file"));
+	struct stat st;
+	assert_int_equal(stat(file_path, &st), 0);
+	assert_int_equal(st.st_size, 13);
+	unlink(file_path);
+
+	/* a disk file of another layout: refused, then formatted on reset */
+	kvt_seg_detach(s);
+	s = make_seg(16, 1024, 512, 1); /* 8 KiB shards */
+	d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+	s = make_seg(16, 1024, 256, 1);
+	r = engine(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	assert_int_equal(r, -ESTALE);
+	assert_non_null(strstr(err, "another model or KV layout"));
+	struct kvt_disk_opts o = { .size = sizeof(o), .path = file_path, .bytes = 4u << 20,
+				   .reset = 1 };
+	assert_int_equal(kvt_disk_open(s, &o, &d, err, sizeof(err)), 0);
+	kvt_disk_close(d);
+
+	/* a size that differs from the file's */
+	r = engine(s, file_path, 6u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	assert_int_equal(r, -ESTALE);
+	assert_non_null(strstr(err, "asked"));
+
+	/* a disk larger than the segment's index */
+	unlink(file_path);
+	r = engine(s, file_path, 64u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err, sizeof(err));
+	assert_int_equal(r, -ENOSPC);
+	assert_non_null(strstr(err, "disk index"));
+	unlink(file_path);
+
+	/* read-only: an immutable file (root ignores modes), else mode 0400 */
+	fd = open(file_path, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	assert_true(fd >= 0);
+	int ro = 0;
+	if (geteuid() == 0) {
+		int fl = 0;
+		if (ioctl(fd, FS_IOC_GETFLAGS, &fl) == 0) {
+			fl |= FS_IMMUTABLE_FL;
+			ro = ioctl(fd, FS_IOC_SETFLAGS, &fl) == 0;
+		}
+	} else {
+		ro = fchmod(fd, 0400) == 0;
+	}
+	close(fd);
+	if (ro) {
+		r = engine(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err,
+			   sizeof(err));
+		if (geteuid() == 0) {
+			fd = open(file_path, O_RDONLY);
+			int fl = 0;
+			if (fd >= 0 && ioctl(fd, FS_IOC_GETFLAGS, &fl) == 0) {
+				fl &= ~FS_IMMUTABLE_FL;
+				ioctl(fd, FS_IOC_SETFLAGS, &fl);
+			}
+			if (fd >= 0)
+				close(fd);
+		}
+		assert_true(r == -EACCES || r == -EPERM || r == -EROFS);
+		assert_non_null(strstr(err, file_path));
+		assert_non_null(strstr(err, "read-only"));
+	} else {
+		fprintf(stderr, "note: no read-only file could be made here; case not run\n");
+	}
+	unlink(file_path);
+	kvt_seg_detach(s);
+}
+
+/* Admission: second-hit writes only chunks hit (or seen before); none
+ * writes nothing but still serves what is there. */
+static void test_admission(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(64, 1024, 256, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_AUTO,
+				     KVT_ADMIT_SECOND_HIT);
+
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	save_range(s, 0, 8);
+	drain(d, 1);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_WRITES), 0);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_ADMIT_REJECTS), 8);
+	/* hit keys 0..3 */
+	for (uint64_t i = 0; i < 4; i++)
+		assert_int_equal(dram_exact(s, i), 1);
+	drain(d, 1);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_WRITES), 4);
+	for (uint64_t i = 0; i < 8; i++)
+		assert_int_equal(on_disk(s, i), i < 4);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_ADMIT_REJECTS), 8); /* once per life */
+	kvt_disk_close(d);
+
+	d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_NONE);
+	save_range(s, 200, 208);
+	drain(d, 1);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_WRITES), 4);
+	assert_true(on_disk(s, 0)); /* replayed, still served */
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* kill -9 of the engine while it writes: after a restart every chunk it
+ * serves is byte-exact; torn ones are checksum misses. */
+static void test_kill9_during_writes(void **state)
+{
+	(void)state;
+	const uint32_t rounds = 12, per = 40;
+	uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)getpid();
+	kvt_seg *s;
+
+	{
+		/* io_uring at all? (the child would only die of it) */
+		kvt_seg *t = make_seg(16, 1024, 256, 1);
+		kvt_disk *d = engine_or_skip(t, file_path, 4u << 20, KVT_DIRECT_AUTO,
+					     KVT_ADMIT_ALL);
+		if (!d) {
+			kvt_seg_detach(t);
+			KVT_TEST_SKIP();
+		}
+		kvt_disk_close(d);
+		kvt_seg_detach(t);
+		unlink(file_path);
+	}
+	s = make_seg(512, 1024, 4096, 0); /* 64 KiB shards */
+	for (uint32_t round = 0; round < rounds; round++) {
+		save_range(s, (uint64_t)round * per, (uint64_t)(round + 1) * per);
+		pid_t pid = fork();
+		assert_true(pid >= 0);
+		if (pid == 0) {
+			kvt_seg *c;
+			if (kvt_test_attach(seg_name, KVT_ROLE_CLIENT, 0, 0, 0, &c) ||
+			    kvt_seg_own(c))
+				_exit(3);
+			struct kvt_disk_opts o = { .size = sizeof(o), .path = file_path,
+						   .bytes = 96u << 20, .depth = 16 };
+			kvt_disk *d;
+			char err[256];
+			if (kvt_disk_open(c, &o, &d, err, sizeof(err))) {
+				fprintf(stderr, "child: %s\n", err);
+				_exit(4);
+			}
+			for (;;)
+				kvt_disk_poll(d);
+		}
+		/* Kill it while it writes: once its first write of this round
+		 * completed, after 0..3 ms more. */
+		uint64_t before = kvt_test_counter(s, KVT_C_DISK_WRITES);
+		struct timespec tick = { 0, 100000 };
+		for (int k = 0; k < 100000 && kvt_test_counter(s, KVT_C_DISK_WRITES) == before; k++)
+			nanosleep(&tick, NULL);
+		seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+		struct timespec ts = { 0, (long)((seed >> 33) % 3000000) };
+		nanosleep(&ts, NULL);
+		kill(pid, SIGKILL);
+		int st;
+		assert_int_equal(waitpid(pid, &st, 0), pid);
+		assert_true(WIFSIGNALED(st));
+		kvt_seg_reap(s);
+	}
+	uint64_t written = kvt_test_counter(s, KVT_C_DISK_WRITES);
+	kvt_seg_detach(s);
+
+	/* Restart on a fresh segment: promote everything the records name. */
+	s = make_seg(512, 1024, 4096, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 96u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_NONE);
+	struct kvt_disk_info info;
+	kvt_disk_info(d, &info);
+	fprintf(stderr, "kill -9 x %u: %llu chunks written, %llu replayed\n", rounds,
+		(unsigned long long)written, (unsigned long long)info.replayed);
+	uint32_t asked = 0, served = 0;
+	for (uint64_t i = 0; i < (uint64_t)rounds * per; i++)
+		if (on_disk(s, i)) {
+			request(s, i);
+			asked++;
+			if (asked % 64 == 0)
+				drain(d, 0);
+		}
+	drain(d, 0);
+	for (uint64_t i = 0; i < (uint64_t)rounds * per; i++)
+		served += (uint32_t)dram_exact(s, i); /* asserts every byte */
+	uint64_t bad = kvt_test_counter(s, KVT_C_DISK_CSUM_ERRORS);
+	fprintf(stderr, "restart: %u asked, %u served byte-exact, %llu checksum misses\n", asked,
+		served, (unsigned long long)bad);
+	assert_int_equal(asked, info.replayed);
+	assert_int_equal(served + bad, asked);
+	assert_true(served > 0);
+	assert_true(written >= rounds);
+	kvt_test_assert_check(s);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* kvt_lookup_ex: hits, then the disk chunks pending; asked again after
+ * the engine promoted them, they are hits. */
+static void test_lookup_ex_ask_again(void **state)
+{
+	(void)state;
+	struct kvt_group_desc gd = { .n_layers = 1, .bytes_per_token = 256,
+				     .tokens_per_block = 16 };
+	struct kvt_config c = {
+		.size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE | KVT_F_NO_ENV,
+		.role = KVT_TIER_CLIENT, .instance = 0, .rank = -1, .world = 2,
+		.chunk_tokens = 16, .segment = seg_name, .model = "disk-test", .dma = "host",
+		.n_groups = 1, .groups = &gd, .n_slots = 24, .disk_chunks = 1024 };
+	kvt_tier *t;
+	int r = kvt_open(&c, &t);
+
+	if (r)
+		fprintf(stderr, "open: %s\n", kvt_last_error());
+	assert_int_equal(r, 0);
+	kvt_seg *s = kvt__tier_seg(t);
+	assert_int_equal(kvt_seg_own(s), 0);
+	kvt_disk *d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	if (!d) {
+		kvt_close(t);
+		KVT_TEST_SKIP();
+	}
+	kvt_key keys[12];
+	for (uint64_t i = 0; i < 12; i++)
+		keys[i] = kvt_test_key(i);
+	save_range(s, 0, 12);
+	drain(d, 1);
+	save_range(s, 500, 524); /* 4..11 (and more) leave DRAM */
+	/* keep 0..3 in DRAM */
+	save_range(s, 0, 4);
+	struct kvt_lookup_res res = { .size = sizeof(res) };
+	r = kvt_lookup_ex(t, keys, 12, 0, &res);
+	assert_true(r >= 0);
+	uint32_t h0 = res.hits;
+	assert_int_equal(res.hits + res.pending, 12);
+	assert_int_equal(res.requested, 0);
+	if (res.lease)
+		assert_int_equal(kvt_release(t, res.lease), 0);
+	r = kvt_lookup_ex(t, keys, 12, KVT_LOOKUP_PROMOTE, &res);
+	assert_int_equal(res.requested, res.pending);
+	assert_true(res.pending > 0);
+	if (res.lease)
+		assert_int_equal(kvt_release(t, res.lease), 0);
+	/* asking again at once queues nothing twice */
+	r = kvt_lookup_ex(t, keys, 12, KVT_LOOKUP_PROMOTE, &res);
+	assert_int_equal(res.requested, 0);
+	if (res.lease)
+		assert_int_equal(kvt_release(t, res.lease), 0);
+	drain(d, 0);
+	r = kvt_lookup_ex(t, keys, 12, KVT_LOOKUP_PROMOTE, &res);
+	assert_int_equal(r, 12);
+	assert_int_equal(res.hits, 12);
+	assert_int_equal(res.pending, 0);
+	assert_true(h0 < 12);
+	uint32_t slots[12];
+	uint64_t gens[12];
+	assert_int_equal(kvt_lease_slots(s, res.lease, slots, gens, 12), 12);
+	for (uint32_t i = 0; i < 12; i++)
+		for (uint32_t sh = 0; sh < 2; sh++)
+			assert_true(kvt_test_stamped(s, slots[i], sh, &keys[i]));
+	assert_int_equal(kvt_release(t, res.lease), 0);
+	struct kvt_stats st = { .size = sizeof(st) };
+	assert_int_equal(kvt_stats(t, &st), 0);
+	assert_int_equal(st.disk_online, 1);
+	assert_true(st.disk_reads >= 12 - h0);
+	assert_true(st.promote_requests >= 12 - h0);
+	struct kvt_stats v1 = { .size = KVT_STATS_V1_SIZE };
+	assert_int_equal(kvt_stats(t, (struct kvt_stats *)&v1), 0);
+	/* bad flags */
+	assert_int_equal(kvt_lookup_ex(t, keys, 12, 0x80, &res), -EINVAL);
+	kvt_disk_close(d);
+	/* engine offline: nothing pending */
+	r = kvt_lookup_ex(t, keys + 12 - 1, 1, KVT_LOOKUP_PROMOTE, &res);
+	assert_int_equal(res.pending, 0);
+	if (res.lease)
+		kvt_release(t, res.lease);
+	kvt_close(t);
+}
+
+int main(int argc, char **argv)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_setup_teardown(test_round_trip_and_restart, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_checksum_mismatch, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_full_disk, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_tmpfs_buffered, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_bad_config, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_admission, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_kill9_during_writes, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_lookup_ex_ask_again, setup, teardown),
+	};
+
+	kvt_test_select(argc, argv, NULL);
+	return kvt_test_result(cmocka_run_group_tests(tests, NULL, NULL));
+}

@@ -1,0 +1,1403 @@
+/* disk.c - the disk tier's engine (kvt_disk.h).
+ *
+ * The file:
+ *
+ *   0          superblock (4 KiB): magic, layout (fingerprint, shards,
+ *              shard and payload bytes), chunks, offsets, checksum
+ *   4096       record table: one 64 B record per extent (key, depth,
+ *              extent generation, payload checksum, write sequence, the
+ *              record's own checksum), written in 4 KiB blocks
+ *   data_off   extents: extent e at data_off + e x extent_bytes holds one
+ *              chunk, shard s at + s x shard_bytes (1 MiB aligned)
+ *
+ * Demotion (arena -> disk) runs ahead of eviction: the scan starts at the
+ * CLOCK hand, where the next evictions happen, and walks one lap of the
+ * arena; a READY chunk not on disk that the admission policy takes is
+ * written from its arena slot (fixed buffers: no copy), with no pin: the
+ * slot's life is checked again when the write completed, and a chunk
+ * evicted meanwhile is dropped (a torn copy is never published).  So
+ * eviction never waits for the disk and the disk never holds a slot.
+ *
+ * Visibility and crashes.  A chunk enters the segment's index (where
+ * lookups see it) only after its write completed and its slot was found
+ * in the same life; its record is written after that.  Every read back is
+ * checked against the record's checksum (XXH3-64 over the payload, seeded
+ * with the key): a mismatch is counted and is a miss, never served.  So a
+ * kill -9 or a power cut at any point leaves at worst records that point
+ * at data that is not theirs, which fail the checksum; no fsync is needed
+ * for correctness, and none is on the data path.  At start the record
+ * table is replayed into the index (the newest record of a key wins); a
+ * chunk is verified when it is first read, as every read is.
+ *
+ * Promotion (disk -> arena): lookups put requests in their rings
+ * (kvt_lookup_ex); the engine takes them, allocates the slot and claims
+ * every shard through the normal write protocol (kvt_write_begin), reads
+ * the extent into the claimed sub-slots, verifies and publishes the chunk
+ * READY with kvt_write_end -- the protocol the ranks use, so nothing in
+ * core's state machine changed.  An extent being read is not evicted from
+ * the disk.
+ *
+ * A full disk evicts: a CLOCK over extents (a promotion request sets the
+ * extent's reference), never an error to the engine.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <linux/magic.h>
+#include <liburing.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "kvt_disk.h"
+
+#define DISK_MAGIC   "KVTDISK1"
+#define DISK_VERSION 1u
+#define SB_BYTES     4096u
+#define META_BLOCK   4096u
+#define REC_PER_BLK  (META_BLOCK / 64u)
+#define DATA_ALIGN   (1u << 20)
+#define DIO_ALIGN    4096u
+#define PIECE_MAX    (1ULL << 30)
+#define GHOST_N      65536u
+#ifndef RAMFS_MAGIC
+#define RAMFS_MAGIC  0x858458f6
+#endif
+
+struct dsuper {
+	char magic[8];
+	uint32_t version, sb_bytes;
+	uint64_t bytes;          /* file bytes the layout uses */
+	uint64_t chunks;
+	uint64_t extent_bytes;
+	uint64_t shard_bytes;
+	uint64_t payload;        /* unrounded bytes of one shard */
+	uint32_t n_shards, pad0;
+	uint64_t meta_off, data_off;
+	kvt_key fingerprint;
+	uint64_t created_ns;
+	uint64_t csum;           /* XXH3-64 of the bytes before it */
+};
+
+#define REC_VALID 0x1u
+#define REC_MAGIC 0x4b565452u /* "RTVK" */
+struct drec {
+	uint32_t magic, flags;
+	uint64_t key_lo, key_hi;
+	uint32_t depth, egen;
+	uint64_t csum;           /* payload checksum */
+	uint64_t seq;            /* write sequence: the newest record of a key wins */
+	uint64_t pad;
+	uint64_t rcsum;          /* XXH3-64 of the 56 bytes before it */
+};
+_Static_assert(sizeof(struct drec) == 64, "record is 64 bytes");
+
+/* Per extent, in memory only. */
+struct dext {
+	uint32_t pos;    /* index entry while published */
+	uint16_t busy;   /* I/Os using it (a read back, a write) */
+	uint8_t ref;     /* disk CLOCK reference */
+	uint8_t used;    /* holds a published chunk */
+	uint32_t egen;
+	uint32_t free_next;
+};
+
+enum job_kind { J_FREE = 0, J_DEMOTE, J_PROMOTE, J_META };
+
+struct job {
+	uint32_t kind;
+	uint32_t left;       /* I/Os outstanding */
+	int err;
+	uint32_t slot, extent, depth, block;
+	uint64_t w;          /* demote: the slot's state word at the scan */
+	uint64_t csum;
+	uint64_t t0;
+	kvt_key key;
+	struct kvt_disk_ref ref;
+	struct kvt_wref *wr; /* promote: n_shards claims */
+};
+
+struct kvt_disk {
+	kvt_seg *s;
+	struct kvt_disk_opts o;
+	char path[256];
+	int fd, efd;
+	int direct, fixed, file_reg;
+	struct io_uring ring;
+	int ring_ok;
+	struct dsuper sb;
+	uint64_t n;            /* extents */
+	uint64_t shard_bytes, payload, extent_bytes;
+	uint32_t n_shards, n_slots;
+	struct drec *rec;      /* n_blocks x 4 KiB, aligned */
+	uint64_t n_blocks;
+	uint8_t *dirty, *blk_busy;
+	uint64_t n_dirty, meta_cursor;
+	struct dext *ext;
+	uint64_t free_head, free_tail, n_free;  /* FIFO of free extents, via free_next */
+	uint64_t disk_hand;
+	uint64_t used;
+	uint64_t seq;
+	struct job *jobs;
+	uint32_t n_jobs, jobs_live;
+	uint32_t inflight;     /* I/Os submitted, not completed */
+	uint32_t queued;       /* SQEs prepared, not submitted */
+	uint64_t cursor;       /* demotion scan, in CLOCK-hand units */
+	uint64_t lap_idle;     /* slots scanned since the scan last started a write */
+	uint32_t *seen;        /* per slot: low gen + 1 of the life handled */
+	uint8_t *rejected;     /* per slot: that life was refused admission */
+	uint64_t *ghost;       /* second-hit: keys seen before */
+	/* fixed buffers: buffer index of (shard, piece) */
+	uint64_t piece;        /* bytes of one piece (a multiple of shard_bytes) */
+	uint32_t pieces_per_part;
+	uint8_t *arena_part[KVT_MAX_WORLD];
+	uint64_t replayed;
+	uint64_t last_publish;
+	XXH3_state_t *xs;
+	int warned_io;
+};
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t round_up(uint64_t x, uint64_t a)
+{
+	return (x + a - 1) / a * a;
+}
+
+static int eset(char *err, size_t len, int code, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+static int eset(char *err, size_t len, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (err && len) {
+		va_start(ap, fmt);
+		vsnprintf(err, len, fmt, ap);
+		va_end(ap);
+	}
+	return code;
+}
+
+static void dlog(const kvt_disk *d, int level, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static void dlog(const kvt_disk *d, int level, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (d->o.log)
+		d->o.log(level, msg, d->o.log_arg);
+	else
+		fprintf(stderr, "kvtier disk: %s: %s\n", level ? "warning" : "info", msg);
+}
+
+const char *kvt_disk_admit_name(uint32_t a)
+{
+	switch (a) {
+	case KVT_ADMIT_ALL: return "all";
+	case KVT_ADMIT_SECOND_HIT: return "second-hit";
+	case KVT_ADMIT_NONE: return "none";
+	default: return "?";
+	}
+}
+
+int kvt_disk_admit_parse(const char *s, uint32_t *out)
+{
+	for (uint32_t a = 0; a <= KVT_ADMIT_NONE; a++)
+		if (s && !strcmp(s, kvt_disk_admit_name(a))) {
+			*out = a;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+int kvt_disk_direct_parse(const char *s, uint32_t *out)
+{
+	static const char *const names[] = { "auto", "on", "off" };
+
+	for (uint32_t i = 0; i < 3; i++)
+		if (s && !strcmp(s, names[i])) {
+			*out = i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+/* ---- layout ---- */
+
+static uint64_t data_off_for(uint64_t chunks)
+{
+	return round_up(SB_BYTES + round_up(chunks * sizeof(struct drec), META_BLOCK), DATA_ALIGN);
+}
+
+static uint64_t chunks_for(uint64_t bytes, uint64_t extent_bytes)
+{
+	if (!extent_bytes || bytes < DATA_ALIGN + extent_bytes)
+		return 0;
+	uint64_t n = (bytes - DATA_ALIGN) / (extent_bytes + sizeof(struct drec));
+	while (n && data_off_for(n) + n * extent_bytes > bytes)
+		n--;
+	while (data_off_for(n + 1) + (n + 1) * extent_bytes <= bytes)
+		n++;
+	return n > (1u << 30) ? (1u << 30) : n;
+}
+
+static uint64_t sb_csum(const struct dsuper *sb)
+{
+	return XXH3_64bits(sb, offsetof(struct dsuper, csum));
+}
+
+static uint64_t rec_csum(const struct drec *r)
+{
+	return XXH3_64bits(r, offsetof(struct drec, rcsum));
+}
+
+static int read_super(int fd, struct dsuper *sb)
+{
+	void *buf;
+	int ok = 0;
+
+	if (posix_memalign(&buf, DIO_ALIGN, SB_BYTES))
+		return 0;
+	if (pread(fd, buf, SB_BYTES, 0) == (ssize_t)SB_BYTES) {
+		memcpy(sb, buf, sizeof(*sb));
+		ok = !memcmp(sb->magic, DISK_MAGIC, 8) && sb->csum == sb_csum(sb);
+	}
+	free(buf);
+	return ok;
+}
+
+/* The file's size: a block device's, else st_size. */
+static int file_size(int fd, const struct stat *st, uint64_t *out)
+{
+	if (S_ISBLK(st->st_mode))
+		return ioctl(fd, BLKGETSIZE64, out) ? -errno : 0;
+	*out = (uint64_t)st->st_size;
+	return 0;
+}
+
+int kvt_disk_plan(const char *path, uint64_t bytes, uint64_t shard_bytes, uint32_t n_shards,
+		  uint64_t *chunks, char *err, size_t len)
+{
+	uint64_t eb = shard_bytes * n_shards;
+
+	if (!path || !*path)
+		return eset(err, len, -EINVAL, "disk: no path");
+	if (!bytes) {
+		struct stat st;
+		struct dsuper sb;
+		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			return eset(err, len, -errno, "disk %s: %s (give a size to create it)",
+				    path, strerror(errno));
+		if (fstat(fd, &st) || file_size(fd, &st, &bytes)) {
+			int e = -errno;
+			close(fd);
+			return eset(err, len, e, "disk %s: %s", path, strerror(-e));
+		}
+		if (read_super(fd, &sb) && sb.extent_bytes == eb)
+			bytes = sb.bytes;
+		close(fd);
+	}
+	*chunks = chunks_for(bytes, eb);
+	if (*chunks < 1)
+		return eset(err, len, -ENOSPC, "disk %s: %llu bytes hold no chunk of %llu bytes "
+			    "(%u shard(s) of %llu) with the record table: give it at least "
+			    "%llu bytes", path, (unsigned long long)bytes, (unsigned long long)eb,
+			    n_shards, (unsigned long long)shard_bytes,
+			    (unsigned long long)(data_off_for(1) + eb));
+	return 0;
+}
+
+/* ---- extents ---- */
+
+static void free_push(kvt_disk *d, uint32_t e)
+{
+	d->ext[e].free_next = UINT32_MAX;
+	if (d->n_free)
+		d->ext[d->free_tail].free_next = e;
+	else
+		d->free_head = e;
+	d->free_tail = e;
+	d->n_free++;
+}
+
+static void mark_dirty(kvt_disk *d, uint32_t e)
+{
+	uint64_t b = e / REC_PER_BLK;
+
+	if (!d->dirty[b]) {
+		d->dirty[b] = 1;
+		d->n_dirty++;
+	}
+}
+
+/* Forgets extent e's chunk: out of the index, record invalid. */
+static void extent_drop(kvt_disk *d, uint32_t e)
+{
+	struct dext *x = &d->ext[e];
+
+	if (x->used) {
+		kvt_disk_del(d->s, x->pos);
+		x->used = 0;
+		d->used--;
+	}
+	memset(&d->rec[e], 0, sizeof(d->rec[e]));
+	mark_dirty(d, e);
+}
+
+/* A free extent, evicting from the disk when it is full: UINT32_MAX when
+ * every extent is busy. */
+static uint32_t extent_alloc(kvt_disk *d)
+{
+	if (d->n_free) {
+		uint32_t e = (uint32_t)d->free_head;
+		d->free_head = d->ext[e].free_next;
+		d->n_free--;
+		return e;
+	}
+	for (uint64_t k = 0; k < 2 * d->n + 1; k++) {
+		uint32_t e = (uint32_t)(d->disk_hand++ % d->n);
+		struct dext *x = &d->ext[e];
+		if (x->busy)
+			continue;
+		if (x->ref) {
+			x->ref = 0;
+			continue;
+		}
+		if (x->used) {
+			extent_drop(d, e);
+			kvt_counter_add(d->s, KVT_C_DISK_EVICTIONS, 1);
+		}
+		return e;
+	}
+	return UINT32_MAX;
+}
+
+/* ---- checksums ---- */
+
+static uint64_t payload_csum(kvt_disk *d, uint32_t slot, const kvt_key *k)
+{
+	XXH3_64bits_reset_withSeed(d->xs, k->lo ^ k->hi);
+	for (uint32_t sh = 0; sh < d->n_shards; sh++)
+		XXH3_64bits_update(d->xs, kvt_slot_shard_ptr(d->s, slot, sh), d->payload);
+	return XXH3_64bits_digest(d->xs);
+}
+
+/* ---- submission ---- */
+
+static struct io_uring_sqe *sqe_get(kvt_disk *d)
+{
+	struct io_uring_sqe *q = io_uring_get_sqe(&d->ring);
+
+	if (!q && io_uring_submit(&d->ring) >= 0) {
+		d->queued = 0;
+		q = io_uring_get_sqe(&d->ring);
+	}
+	return q;
+}
+
+static int buf_index(const kvt_disk *d, uint32_t slot, uint32_t shard)
+{
+	uint64_t off = (uint64_t)slot * d->shard_bytes;
+
+	return (int)(shard * d->pieces_per_part + off / d->piece);
+}
+
+/* Queues one shard's I/O of job j: 0, or -EBUSY (no SQE). */
+static int queue_io(kvt_disk *d, uint32_t j, int write, uint32_t slot, uint32_t shard,
+		    uint32_t extent)
+{
+	struct io_uring_sqe *q = sqe_get(d);
+	void *p = kvt_slot_shard_ptr(d->s, slot, shard);
+	uint64_t off = d->sb.data_off + (uint64_t)extent * d->extent_bytes +
+		       (uint64_t)shard * d->shard_bytes;
+	int fd = d->file_reg ? 0 : d->fd;
+	unsigned len = (unsigned)(d->direct ? d->shard_bytes : d->payload);
+
+	if (!q)
+		return -EBUSY;
+	if (d->fixed) {
+		if (write)
+			io_uring_prep_write_fixed(q, fd, p, len, off, buf_index(d, slot, shard));
+		else
+			io_uring_prep_read_fixed(q, fd, p, len, off, buf_index(d, slot, shard));
+	} else if (write) {
+		io_uring_prep_write(q, fd, p, len, off);
+	} else {
+		io_uring_prep_read(q, fd, p, len, off);
+	}
+	if (d->file_reg)
+		q->flags |= IOSQE_FIXED_FILE;
+	io_uring_sqe_set_data64(q, ((uint64_t)j << 32) | len);
+	d->queued++;
+	d->inflight++;
+	d->jobs[j].left++;
+	return 0;
+}
+
+static uint32_t job_get(kvt_disk *d, uint32_t kind)
+{
+	for (uint32_t j = 0; j < d->n_jobs; j++)
+		if (d->jobs[j].kind == J_FREE) {
+			struct job *b = &d->jobs[j];
+			struct kvt_wref *wr = b->wr;
+			memset(b, 0, sizeof(*b));
+			b->wr = wr;
+			b->kind = kind;
+			d->jobs_live++;
+			return j;
+		}
+	return UINT32_MAX;
+}
+
+static void job_put(kvt_disk *d, uint32_t j)
+{
+	d->jobs[j].kind = J_FREE;
+	d->jobs_live--;
+}
+
+/* Room for one more chunk's I/O. */
+static int io_room(const kvt_disk *d)
+{
+	return d->inflight == 0 || d->inflight + d->n_shards <= d->o.depth;
+}
+
+/* ---- demotion ---- */
+
+/* The ghost table: a direct-mapped set of keys seen (and refused) before,
+ * by a hash of the whole key (keys are hashes, but not every caller's). */
+static uint64_t ghost_hash(const kvt_key *k)
+{
+	return XXH3_64bits(k, sizeof(*k)) | 1;
+}
+
+static int ghost_has(kvt_disk *d, const kvt_key *k)
+{
+	uint64_t h = ghost_hash(k);
+
+	return d->ghost[(h >> 1) % GHOST_N] == h;
+}
+
+static void ghost_add(kvt_disk *d, const kvt_key *k)
+{
+	uint64_t h = ghost_hash(k);
+
+	d->ghost[(h >> 1) % GHOST_N] = h;
+}
+
+/* Starts a demotion of slot x (READY in life w) to a free extent:
+ * 1 started, 0 not now (no extent, no SQE), -1 nothing to do. */
+static int demote_start(kvt_disk *d, uint32_t x, const kvt_key *k, uint32_t depth, uint64_t w)
+{
+	uint32_t e = extent_alloc(d), j;
+
+	if (e == UINT32_MAX)
+		return 0;
+	j = job_get(d, J_DEMOTE);
+	if (j == UINT32_MAX) {
+		free_push(d, e);
+		return 0;
+	}
+	struct job *b = &d->jobs[j];
+	b->slot = x;
+	b->w = w;
+	b->extent = e;
+	b->key = *k;
+	b->depth = depth;
+	/* The checksum of what the write will carry: the slot is READY, so
+	 * its payload does not change in this life (checked at the end). */
+	b->csum = payload_csum(d, x, k);
+	b->t0 = mono_ns();
+	d->ext[e].busy++;
+	for (uint32_t sh = 0; sh < d->n_shards; sh++)
+		if (queue_io(d, j, 1, x, sh, e)) {
+			b->err = -EBUSY;
+			break;
+		}
+	if (!b->left) {
+		d->ext[e].busy--;
+		free_push(d, e);
+		job_put(d, j);
+		return 0;
+	}
+	return 1;
+}
+
+static void demote_done(kvt_disk *d, uint32_t j)
+{
+	struct job *b = &d->jobs[j];
+	struct dext *x = &d->ext[b->extent];
+	uint32_t pos;
+
+	x->busy--;
+	if (b->err || !kvt_slot_same_life(d->s, b->slot, b->w)) {
+		/* An I/O error, or the slot was evicted during the write:
+		 * what reached the disk may be torn.  Never published. */
+		kvt_counter_add(d->s, KVT_C_DISK_WRITE_DROPS, 1);
+		if (b->err && b->err != -EBUSY && !d->warned_io++)
+			dlog(d, 1, "%s: write failed: %s (chunks are dropped, not published)",
+			     d->path, strerror(-b->err));
+		free_push(d, b->extent);
+		job_put(d, j);
+		return;
+	}
+	x->egen++;
+	int r = kvt_disk_put(d->s, &b->key, b->extent, x->egen, &pos);
+	if (r) {
+		kvt_counter_add(d->s, KVT_C_DISK_WRITE_DROPS, 1);
+		free_push(d, b->extent);
+		job_put(d, j);
+		return;
+	}
+	struct drec *rc = &d->rec[b->extent];
+	memset(rc, 0, sizeof(*rc));
+	rc->magic = REC_MAGIC;
+	rc->flags = REC_VALID;
+	rc->key_lo = b->key.lo;
+	rc->key_hi = b->key.hi;
+	rc->depth = b->depth;
+	rc->egen = x->egen;
+	rc->csum = b->csum;
+	rc->seq = ++d->seq;
+	rc->rcsum = rec_csum(rc);
+	mark_dirty(d, b->extent);
+	x->pos = pos;
+	x->used = 1;
+	x->ref = 0;
+	d->used++;
+	kvt_counter_add(d->s, KVT_C_DISK_WRITES, 1);
+	kvt_counter_add(d->s, KVT_C_DISK_BYTES_WRITTEN, d->payload * d->n_shards);
+	kvt_hist_add(d->s, KVT_H_DISK_WRITE, mono_ns() - b->t0);
+	job_put(d, j);
+}
+
+/* Looks at slot x for demotion: 1 started, 0 stop scanning, -1 next. */
+static int demote_consider(kvt_disk *d, uint32_t x)
+{
+	kvt_key k;
+	uint32_t depth, ref;
+	uint64_t w;
+
+	if (!kvt_slot_ready(d->s, x, &k, &depth, &ref, &w))
+		return -1;
+	uint32_t g = (uint32_t)(w >> 24) + 1;
+	if (!g)
+		g = 1;
+	if (d->seen[x] == g && !d->rejected[x])
+		return -1;
+	if (kvt_disk_find(d->s, &k, NULL)) {
+		d->seen[x] = g;
+		d->rejected[x] = 0;
+		return -1;
+	}
+	/* second-hit: hit in DRAM since it was saved (the CLOCK reference a
+	 * lookup sets), or a new life of a key refused before (it was
+	 * evicted and came back: asked for twice). */
+	if (d->o.admit == KVT_ADMIT_SECOND_HIT && ref < 2 &&
+	    (d->seen[x] == g || !ghost_has(d, &k))) {
+		if (d->seen[x] != g) {
+			kvt_counter_add(d->s, KVT_C_DISK_ADMIT_REJECTS, 1);
+			ghost_add(d, &k);
+		}
+		d->seen[x] = g;
+		d->rejected[x] = 1;
+		return -1;
+	}
+	int r = demote_start(d, x, &k, depth, w);
+	if (r == 1) {
+		d->seen[x] = g;
+		d->rejected[x] = 0;
+	}
+	return r;
+}
+
+static int demote_scan(kvt_disk *d)
+{
+	uint64_t h = kvt_seg_clock_hand(d->s), n = d->n_slots;
+	int started = 0;
+
+	if (d->o.admit == KVT_ADMIT_NONE)
+		return 0;
+	if (d->cursor < h || d->cursor >= h + n)
+		d->cursor = h; /* behind the hand, or a lap done: start at the hand */
+	for (uint32_t k = 0; k < d->o.scan && d->cursor < h + n; k++) {
+		if (!io_room(d) || d->jobs_live >= d->n_jobs)
+			break;
+		int r = demote_consider(d, (uint32_t)(d->cursor % n));
+		if (r == 0)
+			break;
+		d->cursor++;
+		if (r == 1) {
+			started++;
+			d->lap_idle = 0;
+		} else {
+			d->lap_idle++;
+		}
+	}
+	return started;
+}
+
+/* ---- promotion ---- */
+
+static void promote_abort(kvt_disk *d, struct job *b, uint32_t claimed)
+{
+	for (uint32_t sh = 0; sh < claimed; sh++)
+		kvt_write_end(d->s, &b->wr[sh], 0);
+}
+
+static int promote_start(kvt_disk *d, const struct kvt_disk_ref *ref, const kvt_key *k)
+{
+	uint32_t e = ref->extent, j, sh;
+	struct drec *rc;
+
+	if (e >= d->n || !d->ext[e].used || d->ext[e].egen != ref->egen ||
+	    d->ext[e].pos != ref->pos) {
+		kvt_counter_add(d->s, KVT_C_PROMOTE_DROPS, 1);
+		return 0;
+	}
+	rc = &d->rec[e];
+	if (rc->key_lo != k->lo || rc->key_hi != k->hi) {
+		kvt_counter_add(d->s, KVT_C_PROMOTE_DROPS, 1);
+		return 0;
+	}
+	d->ext[e].ref = 1;
+	j = job_get(d, J_PROMOTE);
+	if (j == UINT32_MAX)
+		return -1;
+	struct job *b = &d->jobs[j];
+	b->extent = e;
+	b->key = *k;
+	b->ref = *ref;
+	b->csum = rc->csum;
+	b->t0 = mono_ns();
+	for (sh = 0; sh < d->n_shards; sh++) {
+		int r = kvt_write_begin(d->s, k, rc->depth, sh, &b->wr[sh]);
+		if (r == KVT_SKIP && sh == 0) {
+			job_put(d, j); /* in DRAM already, or being saved */
+			return 0;
+		}
+		if (r) {
+			/* no slot (-ENOSPC), or a rank writes a shard of it
+			 * right now: let the save have it */
+			promote_abort(d, b, sh);
+			kvt_counter_add(d->s, KVT_C_PROMOTE_DROPS, 1);
+			job_put(d, j);
+			return 0;
+		}
+	}
+	b->slot = b->wr[0].slot;
+	d->ext[e].busy++;
+	for (sh = 0; sh < d->n_shards; sh++)
+		if (queue_io(d, j, 0, b->slot, sh, e)) {
+			b->err = -EBUSY;
+			break;
+		}
+	if (!b->left) {
+		d->ext[e].busy--;
+		promote_abort(d, b, d->n_shards);
+		job_put(d, j);
+		return -1;
+	}
+	return 1;
+}
+
+static void promote_done(kvt_disk *d, uint32_t j)
+{
+	struct job *b = &d->jobs[j];
+	struct dext *x = &d->ext[b->extent];
+	int ok = 0;
+
+	x->busy--;
+	if (!b->err) {
+		ok = payload_csum(d, b->slot, &b->key) == b->csum;
+		if (!ok) {
+			kvt_counter_add(d->s, KVT_C_DISK_CSUM_ERRORS, 1);
+			dlog(d, 1, "%s: extent %u: checksum mismatch (key %016llx%016llx): a miss, "
+			     "the chunk is dropped from the disk", d->path, b->extent,
+			     (unsigned long long)b->key.hi, (unsigned long long)b->key.lo);
+			if (x->used && x->pos == b->ref.pos && x->egen == b->ref.egen) {
+				extent_drop(d, b->extent);
+				free_push(d, b->extent);
+			}
+		}
+	} else if (b->err != -EBUSY && !d->warned_io++) {
+		dlog(d, 1, "%s: read failed: %s", d->path, strerror(-b->err));
+	}
+	for (uint32_t sh = 0; sh < d->n_shards; sh++)
+		kvt_write_end(d->s, &b->wr[sh], ok);
+	if (ok) {
+		kvt_counter_add(d->s, KVT_C_DISK_READS, 1);
+		kvt_counter_add(d->s, KVT_C_DISK_BYTES_READ, d->payload * d->n_shards);
+		kvt_hist_add(d->s, KVT_H_DISK_READ, mono_ns() - b->t0);
+	} else {
+		kvt_counter_add(d->s, KVT_C_PROMOTE_DROPS, 1);
+	}
+	job_put(d, j);
+}
+
+static int promote_requests(kvt_disk *d)
+{
+	struct kvt_disk_ref refs[64];
+	kvt_key keys[64];
+	int started = 0;
+
+	while (io_room(d) && d->jobs_live < d->n_jobs) {
+		uint32_t room = d->n_jobs - d->jobs_live;
+		int n = kvt_disk_take_requests(d->s, refs, keys, room < 64 ? room : 64);
+		if (n <= 0)
+			break;
+		for (int i = 0; i < n; i++) {
+			int r = promote_start(d, &refs[i], &keys[i]);
+			if (r < 0)
+				kvt_counter_add(d->s, KVT_C_PROMOTE_DROPS, 1);
+			else
+				started += r;
+		}
+	}
+	return started;
+}
+
+/* ---- records ---- */
+
+static int meta_flush(kvt_disk *d)
+{
+	int started = 0;
+
+	for (uint64_t k = 0; k < d->n_blocks && d->n_dirty && d->inflight < d->o.depth; k++) {
+		uint64_t b = d->meta_cursor++ % d->n_blocks;
+		if (!d->dirty[b] || d->blk_busy[b])
+			continue;
+		uint32_t j = job_get(d, J_META);
+		if (j == UINT32_MAX)
+			break;
+		struct io_uring_sqe *q = sqe_get(d);
+		if (!q) {
+			job_put(d, j);
+			break;
+		}
+		int fd = d->file_reg ? 0 : d->fd;
+		io_uring_prep_write(q, fd, (uint8_t *)d->rec + b * META_BLOCK, META_BLOCK,
+				    d->sb.meta_off + b * META_BLOCK);
+		if (d->file_reg)
+			q->flags |= IOSQE_FIXED_FILE;
+		io_uring_sqe_set_data64(q, ((uint64_t)j << 32) | META_BLOCK);
+		d->jobs[j].block = (uint32_t)b;
+		d->jobs[j].left = 1;
+		d->queued++;
+		d->inflight++;
+		d->dirty[b] = 0;
+		d->n_dirty--;
+		d->blk_busy[b] = 1;
+		started++;
+	}
+	return started;
+}
+
+/* ---- completions ---- */
+
+static int reap(kvt_disk *d)
+{
+	struct io_uring_cqe *cqes[64];
+	int done = 0;
+
+	for (;;) {
+		unsigned n = io_uring_peek_batch_cqe(&d->ring, cqes, 64);
+		if (!n)
+			break;
+		for (unsigned i = 0; i < n; i++) {
+			uint64_t ud = io_uring_cqe_get_data64(cqes[i]);
+			uint32_t j = (uint32_t)(ud >> 32), want = (uint32_t)ud;
+			int res = cqes[i]->res;
+			if (j >= d->n_jobs || d->jobs[j].kind == J_FREE)
+				continue;
+			struct job *b = &d->jobs[j];
+			if (res < 0 && !b->err)
+				b->err = res;
+			else if (res >= 0 && (uint32_t)res != want && !b->err)
+				b->err = -EIO; /* short: past the end, or a device error */
+			d->inflight--;
+			if (--b->left)
+				continue;
+			done++;
+			switch (b->kind) {
+			case J_DEMOTE: demote_done(d, j); break;
+			case J_PROMOTE: promote_done(d, j); break;
+			case J_META:
+				d->blk_busy[b->block] = 0;
+				if (b->err) {
+					mark_dirty(d, b->block * REC_PER_BLK);
+					if (!d->warned_io++)
+						dlog(d, 1, "%s: record write failed: %s", d->path,
+						     strerror(-b->err));
+				}
+				job_put(d, j);
+				break;
+			}
+		}
+		io_uring_cq_advance(&d->ring, n);
+	}
+	return done;
+}
+
+static void publish(kvt_disk *d)
+{
+	struct kvt_disk_status st;
+
+	memset(&st, 0, sizeof(st));
+	st.chunks = d->n;
+	st.used = d->used;
+	st.inflight = d->inflight;
+	st.direct = (uint64_t)d->direct;
+	kvt_disk_engine_publish(d->s, &st);
+}
+
+int kvt_disk_poll(kvt_disk *d)
+{
+	int work = 0;
+	uint64_t v;
+
+	if (!d)
+		return -EINVAL;
+	if (d->efd >= 0)
+		while (read(d->efd, &v, sizeof(v)) == (ssize_t)sizeof(v))
+			;
+	work += reap(d);
+	/* Records first: they are small, and a chunk's record lagging its
+	 * data is a chunk lost at a crash. */
+	work += meta_flush(d);
+	work += promote_requests(d);
+	work += demote_scan(d);
+	if (d->queued) {
+		int r = io_uring_submit(&d->ring);
+		if (r >= 0)
+			d->queued = 0;
+	}
+	uint64_t now = mono_ns();
+	if (work || now - d->last_publish > 50000000ULL) {
+		publish(d);
+		d->last_publish = now;
+	}
+	return work;
+}
+
+int kvt_disk_event_fd(const kvt_disk *d)
+{
+	return d ? d->efd : -1;
+}
+
+int kvt_disk_drain(kvt_disk *d, int demote_all, int64_t timeout_ns)
+{
+	uint64_t t0 = mono_ns();
+
+	if (!d)
+		return -EINVAL;
+	if (demote_all)
+		d->lap_idle = 0;
+	for (;;) {
+		int w = kvt_disk_poll(d);
+		if (w < 0)
+			return w;
+		if (!d->inflight && !d->n_dirty && !d->jobs_live && !d->queued &&
+		    (!demote_all || d->o.admit == KVT_ADMIT_NONE || d->lap_idle >= d->n_slots))
+			return 0;
+		if (timeout_ns >= 0 && mono_ns() - t0 > (uint64_t)timeout_ns)
+			return -ETIMEDOUT;
+		if (d->inflight) {
+			struct io_uring_cqe *c;
+			struct __kernel_timespec ts = { 0, 1000000 };
+			io_uring_wait_cqe_timeout(&d->ring, &c, &ts);
+		}
+	}
+}
+
+/* ---- open and close ---- */
+
+static int open_file(kvt_disk *d, char *err, size_t len)
+{
+	const struct kvt_disk_opts *o = &d->o;
+	struct statfs sf;
+	struct stat st;
+	int flags = O_RDWR | O_CLOEXEC, fd;
+
+	fd = open(o->path, flags | O_CREAT, 0600);
+	if (fd < 0)
+		return eset(err, len, -errno, "disk %s: %s%s", o->path, strerror(errno),
+			    errno == EACCES || errno == EROFS || errno == EPERM ? " (the disk tier needs to write "
+			    "it: a read-only file or file system cannot hold it)" : "");
+	if (fstat(fd, &st) || fstatfs(fd, &sf)) {
+		int e = -errno;
+		close(fd);
+		return eset(err, len, e, "disk %s: %s", o->path, strerror(-e));
+	}
+	if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+		close(fd);
+		return eset(err, len, -EINVAL, "disk %s: neither a regular file nor a block device",
+			    o->path);
+	}
+	d->fd = fd;
+	/* O_DIRECT: refused by the open (EINVAL) on file systems without it;
+	 * on tmpfs and ramfs, which recent kernels let open it, there is no
+	 * device behind the page cache: direct I/O there is a copy through
+	 * the same memory, so it counts as refused too. */
+	const char *why = NULL;
+	if ((unsigned long)sf.f_type == TMPFS_MAGIC || (unsigned long)sf.f_type == RAMFS_MAGIC)
+		why = "a memory file system (tmpfs) has no O_DIRECT";
+	else if (d->shard_bytes % DIO_ALIGN)
+		why = "a chunk shard is not a multiple of 4096 bytes, which O_DIRECT needs";
+	if (!why && o->direct != KVT_DIRECT_OFF) {
+		int dfd = open(o->path, O_RDWR | O_CLOEXEC | O_DIRECT);
+		if (dfd < 0)
+			why = errno == EINVAL ? "the file system refuses O_DIRECT" : strerror(errno);
+		else {
+			close(fd);
+			d->fd = dfd;
+			d->direct = 1;
+		}
+	}
+	if (!d->direct && o->direct == KVT_DIRECT_ON)
+		return eset(err, len, -EOPNOTSUPP, "disk %s: direct I/O was forced (direct=on) "
+			    "but %s; use direct=auto or off, or a path on an NVMe file system",
+			    o->path, why ? why : "it is off");
+	if (!d->direct && o->direct == KVT_DIRECT_AUTO)
+		dlog(d, 1, "%s: buffered I/O through the page cache: %s", o->path, why);
+	return 0;
+}
+
+/* Reads or formats the superblock and the record table. */
+static int file_layout(kvt_disk *d, char *err, size_t len)
+{
+	const struct kvt_disk_opts *o = &d->o;
+	struct stat st;
+	uint64_t have;
+	kvt_key fp;
+	int fresh;
+
+	kvt_seg_fingerprint(d->s, &fp);
+	if (fstat(d->fd, &st) || file_size(d->fd, &st, &have))
+		return eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
+	fresh = !read_super(d->fd, &d->sb);
+	if (!fresh) {
+		const struct dsuper *sb = &d->sb;
+		char why[200] = "";
+		if (sb->version != DISK_VERSION)
+			snprintf(why, sizeof(why), "format version %u", sb->version);
+		else if (sb->fingerprint.lo != fp.lo || sb->fingerprint.hi != fp.hi ||
+			 sb->n_shards != d->n_shards || sb->shard_bytes != d->shard_bytes ||
+			 sb->payload != d->payload)
+			snprintf(why, sizeof(why), "another model or KV layout (fingerprint "
+				 "%016llx, the segment's %016llx; %u x %llu-byte shards, the "
+				 "segment's %u x %llu)", (unsigned long long)sb->fingerprint.lo,
+				 (unsigned long long)fp.lo, sb->n_shards,
+				 (unsigned long long)sb->shard_bytes, d->n_shards,
+				 (unsigned long long)d->shard_bytes);
+		else if (o->bytes && sb->bytes != o->bytes)
+			snprintf(why, sizeof(why), "a size of %llu bytes, %llu asked",
+				 (unsigned long long)sb->bytes, (unsigned long long)o->bytes);
+		else if (sb->bytes > have || sb->chunks != chunks_for(sb->bytes, d->extent_bytes) ||
+			 sb->data_off != data_off_for(sb->chunks) || sb->meta_off != SB_BYTES)
+			snprintf(why, sizeof(why), "a damaged header (size or offsets)");
+		if (why[0]) {
+			if (!o->reset)
+				return eset(err, len, -ESTALE, "disk %s holds %s: start with the "
+					    "reset option to format it (its chunks are lost)",
+					    o->path, why);
+			dlog(d, 1, "%s holds %s: reset: formatting it", o->path, why);
+			fresh = 1;
+		}
+	} else if (have && !o->reset) {
+		/* Something that is not ours, and not empty: refuse to
+		 * overwrite it unless told. */
+		uint8_t probe[512];
+		ssize_t got = pread(d->fd, probe, sizeof(probe), 0);
+		int zero = got > 0;
+		for (ssize_t i = 0; i < got && zero; i++)
+			zero = !probe[i];
+		if (!zero && S_ISBLK(st.st_mode))
+			return eset(err, len, -EINVAL, "disk %s is a block device with data that "
+				    "is not a kvtier disk tier: start with the reset option to "
+				    "format it", o->path);
+		if (!zero)
+			return eset(err, len, -EINVAL, "disk %s is not a kvtier disk file (%llu "
+				    "bytes of something else): remove it, or start with the reset "
+				    "option to format it", o->path, (unsigned long long)have);
+	}
+	if (fresh) {
+		uint64_t bytes = o->bytes ? o->bytes : have;
+		if (!bytes)
+			return eset(err, len, -EINVAL, "disk %s is empty: give its size", o->path);
+		if (S_ISBLK(st.st_mode) && bytes > have)
+			return eset(err, len, -ENOSPC, "disk %s: the device has %llu bytes, %llu "
+				    "asked", o->path, (unsigned long long)have,
+				    (unsigned long long)bytes);
+		uint64_t n = chunks_for(bytes, d->extent_bytes);
+		if (n < 1)
+			return eset(err, len, -ENOSPC, "disk %s: %llu bytes are too small: they "
+				    "hold no chunk of %llu bytes with the record table (at least "
+				    "%llu bytes)", o->path, (unsigned long long)bytes,
+				    (unsigned long long)d->extent_bytes,
+				    (unsigned long long)(data_off_for(1) + d->extent_bytes));
+		if (S_ISREG(st.st_mode)) {
+			/* Formatting: whatever was there goes (a fresh file, or
+			 * reset asked for). */
+			if (ftruncate(d->fd, 0))
+				return eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
+			int r = posix_fallocate(d->fd, 0, (off_t)bytes);
+			if (r == EOPNOTSUPP || r == EINVAL)
+				r = ftruncate(d->fd, (off_t)bytes) ? errno : 0;
+			if (r) {
+				if (ftruncate(d->fd, 0)) {
+					/* best effort: leave no half-sized file */
+				}
+				return eset(err, len, -r, "disk %s: allocating %llu bytes: %s%s",
+					    o->path, (unsigned long long)bytes, strerror(r),
+					    r == ENOSPC ? " (the file system is short of room)" : "");
+			}
+		}
+		memset(&d->sb, 0, sizeof(d->sb));
+		memcpy(d->sb.magic, DISK_MAGIC, 8);
+		d->sb.version = DISK_VERSION;
+		d->sb.sb_bytes = SB_BYTES;
+		d->sb.bytes = bytes;
+		d->sb.chunks = n;
+		d->sb.extent_bytes = d->extent_bytes;
+		d->sb.shard_bytes = d->shard_bytes;
+		d->sb.payload = d->payload;
+		d->sb.n_shards = d->n_shards;
+		d->sb.meta_off = SB_BYTES;
+		d->sb.data_off = data_off_for(n);
+		d->sb.fingerprint = fp;
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		d->sb.created_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+		d->sb.csum = sb_csum(&d->sb);
+	}
+	d->n = d->sb.chunks;
+	if (d->n > kvt_disk_capacity(d->s))
+		return eset(err, len, -ENOSPC, "disk %s holds %llu chunks, the segment's disk "
+			    "index %u: recreate the segment for this disk", o->path,
+			    (unsigned long long)d->n, kvt_disk_capacity(d->s));
+	d->n_blocks = (d->n + REC_PER_BLK - 1) / REC_PER_BLK;
+	if (posix_memalign((void **)&d->rec, DIO_ALIGN, d->n_blocks * META_BLOCK))
+		return eset(err, len, -ENOMEM, "disk: out of memory");
+	memset(d->rec, 0, d->n_blocks * META_BLOCK);
+	if (fresh) {
+		/* Superblock and an empty record table, synchronously. */
+		void *sbuf;
+		if (posix_memalign(&sbuf, DIO_ALIGN, SB_BYTES))
+			return eset(err, len, -ENOMEM, "disk: out of memory");
+		memset(sbuf, 0, SB_BYTES);
+		memcpy(sbuf, &d->sb, sizeof(d->sb));
+		ssize_t w = pwrite(d->fd, sbuf, SB_BYTES, 0);
+		free(sbuf);
+		for (uint64_t off = 0; w == SB_BYTES && off < d->n_blocks * META_BLOCK;) {
+			uint64_t piece = d->n_blocks * META_BLOCK - off;
+			if (piece > (1u << 20))
+				piece = 1u << 20;
+			if (pwrite(d->fd, (uint8_t *)d->rec + off, piece, SB_BYTES + off) !=
+			    (ssize_t)piece)
+				w = -1;
+			off += piece;
+		}
+		if (w != SB_BYTES || fdatasync(d->fd))
+			return eset(err, len, -errno ? -errno : -EIO, "disk %s: formatting: %s",
+				    o->path, strerror(errno ? errno : EIO));
+		dlog(d, 0, "%s: formatted: %llu chunks of %llu bytes", o->path,
+		     (unsigned long long)d->n, (unsigned long long)d->extent_bytes);
+		return 0;
+	}
+	for (uint64_t off = 0; off < d->n_blocks * META_BLOCK;) {
+		uint64_t piece = d->n_blocks * META_BLOCK - off;
+		if (piece > (1u << 20))
+			piece = 1u << 20;
+		ssize_t got = pread(d->fd, (uint8_t *)d->rec + off, piece, SB_BYTES + off);
+		if (got != (ssize_t)piece)
+			return eset(err, len, got < 0 ? -errno : -EIO, "disk %s: reading the "
+				    "record table: %s", o->path, got < 0 ? strerror(errno) : "short");
+		off += piece;
+	}
+	return 0;
+}
+
+/* Replays the record table into the index; the rest goes free. */
+static void replay(kvt_disk *d)
+{
+	uint64_t bad = 0;
+
+	for (uint64_t e = 0; e < d->n; e++) {
+		struct drec *rc = &d->rec[e];
+		if (rc->magic != REC_MAGIC || !(rc->flags & REC_VALID) || rc->rcsum != rec_csum(rc)) {
+			if (rc->magic || rc->flags)
+				bad++;
+			memset(rc, 0, sizeof(*rc));
+			continue;
+		}
+		kvt_key k = { rc->key_lo, rc->key_hi };
+		uint32_t pos;
+		if (rc->seq > d->seq)
+			d->seq = rc->seq;
+		d->ext[e].egen = rc->egen;
+		int r = kvt_disk_put(d->s, &k, (uint32_t)e, rc->egen, &pos);
+		if (r == -EEXIST) {
+			/* Two records of one key: the newer one wins. */
+			struct kvt_disk_ref old;
+			if (kvt_disk_find(d->s, &k, &old) && d->rec[old.extent].seq < rc->seq) {
+				uint32_t oe = old.extent;
+				d->ext[oe].used = 0;
+				d->used--;
+				kvt_disk_del(d->s, old.pos);
+				memset(&d->rec[oe], 0, sizeof(d->rec[oe]));
+				mark_dirty(d, oe);
+				r = kvt_disk_put(d->s, &k, (uint32_t)e, rc->egen, &pos);
+			}
+		}
+		if (r) {
+			memset(rc, 0, sizeof(*rc));
+			mark_dirty(d, (uint32_t)e);
+			continue;
+		}
+		d->ext[e].pos = pos;
+		d->ext[e].used = 1;
+		d->used++;
+	}
+	for (uint64_t e = 0; e < d->n; e++)
+		if (!d->ext[e].used)
+			free_push(d, (uint32_t)e);
+	d->replayed = d->used;
+	if (bad)
+		dlog(d, 1, "%s: %llu damaged record(s) ignored", d->path, (unsigned long long)bad);
+}
+
+static int ring_setup(kvt_disk *d, char *err, size_t len)
+{
+	struct io_uring_params p;
+	int r;
+
+	memset(&p, 0, sizeof(p));
+	r = io_uring_queue_init_params(d->o.depth, &d->ring, &p);
+	if (r < 0)
+		return eset(err, len, r, "disk %s: io_uring refused: %s%s", d->o.path, strerror(-r),
+			    r == -ENOSYS || r == -EPERM ? " (a seccomp profile or "
+			    "kernel.io_uring_disabled forbids it, or the kernel is too old): the "
+			    "disk tier needs io_uring" : "");
+	d->ring_ok = 1;
+	if (io_uring_register_files(&d->ring, &d->fd, 1) == 0)
+		d->file_reg = 1;
+	/* The arena as fixed buffers: per shard part, pieces of at most 1 GiB
+	 * cut at sub-slot boundaries (a sub-slot never straddles two). */
+	uint64_t per = PIECE_MAX / d->shard_bytes;
+	if (per) {
+		uint64_t part = (uint64_t)d->n_slots * d->shard_bytes;
+		d->piece = per * d->shard_bytes;
+		d->pieces_per_part = (uint32_t)((part + d->piece - 1) / d->piece);
+		uint64_t nb = (uint64_t)d->pieces_per_part * d->n_shards;
+		struct iovec *iov = nb <= 16384 ? calloc(nb, sizeof(*iov)) : NULL;
+		if (iov) {
+			for (uint32_t sh = 0; sh < d->n_shards; sh++) {
+				uint8_t *base = kvt_slot_shard_ptr(d->s, 0, sh);
+				for (uint32_t k = 0; k < d->pieces_per_part; k++) {
+					uint64_t off = (uint64_t)k * d->piece;
+					struct iovec *v = &iov[sh * d->pieces_per_part + k];
+					v->iov_base = base + off;
+					v->iov_len = part - off < d->piece ? part - off : d->piece;
+				}
+			}
+			r = io_uring_register_buffers(&d->ring, iov, (unsigned)nb);
+			free(iov);
+			if (r == 0)
+				d->fixed = 1;
+			else
+				dlog(d, 1, "%s: the arena could not be registered with io_uring "
+				     "(%s): plain reads and writes instead of fixed buffers%s",
+				     d->o.path, strerror(-r), r == -ENOMEM ? " (raise the memlock "
+				     "limit)" : "");
+		}
+	}
+	d->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (d->efd >= 0 && io_uring_register_eventfd(&d->ring, d->efd)) {
+		close(d->efd);
+		d->efd = -1;
+	}
+	return 0;
+}
+
+int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
+		  char *err, size_t len)
+{
+	kvt_disk *d;
+	int r;
+
+	if (!s || !o || !out || o->size < sizeof(*o) || !o->path || !*o->path)
+		return eset(err, len, -EINVAL, "disk: bad options (no path?)");
+	if (!kvt_disk_capacity(s))
+		return eset(err, len, -ENODEV, "disk %s: the segment '%s' has no disk index (it "
+			    "was made without a disk tier): recreate it with one", o->path,
+			    kvt_seg_name(s));
+	if (o->direct > KVT_DIRECT_OFF || o->admit > KVT_ADMIT_NONE || o->depth > 4096 ||
+	    o->reserved)
+		return eset(err, len, -EINVAL, "disk: bad option (direct %u, admit %u, depth %u)",
+			    o->direct, o->admit, o->depth);
+	if (strlen(o->path) >= sizeof(d->path))
+		return eset(err, len, -ENAMETOOLONG, "disk: path longer than %zu bytes",
+			    sizeof(d->path) - 1);
+	if (kvt_seg_owner(s) != getpid())
+		return eset(err, len, -EPERM, "disk: the engine runs in the segment's owner "
+			    "(kvt_seg_own)");
+	d = calloc(1, sizeof(*d));
+	if (!d)
+		return eset(err, len, -ENOMEM, "disk: out of memory");
+	d->s = s;
+	d->o = *o;
+	if (!d->o.depth)
+		d->o.depth = 64;
+	if (!d->o.scan)
+		d->o.scan = 4096;
+	d->fd = d->efd = -1;
+	snprintf(d->path, sizeof(d->path), "%s", o->path);
+	d->n_shards = kvt_seg_n_shards(s);
+	d->shard_bytes = kvt_seg_shard_bytes(s);
+	d->payload = kvt_seg_chunk_bytes(s);
+	d->extent_bytes = d->shard_bytes * d->n_shards;
+	d->n_slots = kvt_seg_geometry(s)->n_slots;
+	d->xs = XXH3_createState();
+	if (!d->xs) {
+		r = eset(err, len, -ENOMEM, "disk: out of memory");
+		goto fail;
+	}
+	if ((r = open_file(d, err, len)) || (r = file_layout(d, err, len)))
+		goto fail;
+	d->ext = calloc(d->n, sizeof(*d->ext));
+	d->dirty = calloc(d->n_blocks, 1);
+	d->blk_busy = calloc(d->n_blocks, 1);
+	d->seen = calloc(d->n_slots, sizeof(*d->seen));
+	d->rejected = calloc(d->n_slots, 1);
+	d->ghost = calloc(GHOST_N, sizeof(*d->ghost));
+	d->n_jobs = d->o.depth;
+	d->jobs = calloc(d->n_jobs, sizeof(*d->jobs));
+	if (!d->ext || !d->dirty || !d->blk_busy || !d->seen || !d->rejected || !d->ghost ||
+	    !d->jobs) {
+		r = eset(err, len, -ENOMEM, "disk: out of memory");
+		goto fail;
+	}
+	for (uint32_t j = 0; j < d->n_jobs; j++) {
+		d->jobs[j].wr = calloc(d->n_shards, sizeof(struct kvt_wref));
+		if (!d->jobs[j].wr) {
+			r = eset(err, len, -ENOMEM, "disk: out of memory");
+			goto fail;
+		}
+	}
+	if ((r = ring_setup(d, err, len)))
+		goto fail;
+	struct kvt_disk_status st;
+	memset(&st, 0, sizeof(st));
+	st.chunks = d->n;
+	st.direct = (uint64_t)d->direct;
+	snprintf(st.path, sizeof(st.path), "%s", d->path);
+	r = kvt_disk_engine_start(s, &st);
+	if (r) {
+		eset(err, len, r, "disk: %s", kvt_core_last_error());
+		goto fail;
+	}
+	replay(d);
+	d->cursor = kvt_seg_clock_hand(s);
+	publish(d);
+	dlog(d, 0, "%s: %llu chunks of %llu bytes (%.1f GiB), %llu replayed; %s I/O, %s, depth "
+	     "%u, admission %s", d->path, (unsigned long long)d->n,
+	     (unsigned long long)d->extent_bytes,
+	     (double)(d->n * d->extent_bytes) / (double)(1ULL << 30),
+	     (unsigned long long)d->replayed, d->direct ? "direct" : "buffered",
+	     d->fixed ? "fixed buffers" : "plain buffers", d->o.depth,
+	     kvt_disk_admit_name(d->o.admit));
+	*out = d;
+	return 0;
+fail:
+	kvt_disk_close(d);
+	return r;
+}
+
+void kvt_disk_info(const kvt_disk *d, struct kvt_disk_info *o)
+{
+	memset(o, 0, sizeof(*o));
+	if (!d)
+		return;
+	o->chunks = d->n;
+	o->used = d->used;
+	o->inflight = d->inflight;
+	o->extent_bytes = d->extent_bytes;
+	o->file_bytes = d->sb.bytes;
+	o->direct = (uint32_t)d->direct;
+	o->fixed_buffers = (uint32_t)d->fixed;
+	o->admit = d->o.admit;
+	o->depth = d->o.depth;
+	o->replayed = d->replayed;
+	o->data_off = d->sb.data_off;
+	o->shard_bytes = d->shard_bytes;
+}
+
+void kvt_disk_close(kvt_disk *d)
+{
+	if (!d)
+		return;
+	if (d->ring_ok) {
+		/* Finish what is in flight (their slots and claims), then the
+		 * records; no new work is taken. */
+		uint32_t admit = d->o.admit;
+		d->o.admit = KVT_ADMIT_NONE;
+		uint64_t t0 = mono_ns();
+		while ((d->inflight || d->n_dirty) && mono_ns() - t0 < 30000000000ULL) {
+			reap(d);
+			meta_flush(d);
+			if (d->queued && io_uring_submit(&d->ring) >= 0)
+				d->queued = 0;
+			if (d->inflight) {
+				struct io_uring_cqe *c;
+				struct __kernel_timespec ts = { 0, 10000000 };
+				io_uring_wait_cqe_timeout(&d->ring, &c, &ts);
+			}
+		}
+		d->o.admit = admit;
+		if (d->fd >= 0)
+			fdatasync(d->fd);
+		if (kvt_seg_owner(d->s) == getpid())
+			kvt_disk_engine_stop(d->s);
+		io_uring_queue_exit(&d->ring);
+	}
+	if (d->jobs)
+		for (uint32_t j = 0; j < d->n_jobs; j++)
+			free(d->jobs[j].wr);
+	free(d->jobs);
+	free(d->ext);
+	free(d->dirty);
+	free(d->blk_busy);
+	free(d->seen);
+	free(d->rejected);
+	free(d->ghost);
+	free(d->rec);
+	if (d->xs)
+		XXH3_freeState(d->xs);
+	if (d->efd >= 0)
+		close(d->efd);
+	if (d->fd >= 0)
+		close(d->fd);
+	free(d);
+}
