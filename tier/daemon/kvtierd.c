@@ -64,6 +64,7 @@
 #include "kvt_size.h"
 #include "kvt_tier_int.h"
 #include "kvt_config.h"
+#include "kvt_disk.h"
 #include "snap.h"
 
 #ifndef KVTIER_VERSION
@@ -87,6 +88,12 @@ struct opts {
 	uint16_t http_port;
 	int no_http, recreate, unlink_at_exit, no_lock, group, prefault_off;
 	double drain_timeout_s, reap_interval_s, write_only_window_s;
+	/* the disk tier */
+	const char *disk_path;
+	uint64_t disk_bytes;      /* --disk-gib; 0: the existing file's size */
+	uint32_t disk_direct, disk_admit, disk_depth;
+	int disk_reset;
+	uint64_t disk_chunks;     /* planned from the file: the segment's index */
 };
 
 static struct {
@@ -95,6 +102,7 @@ static struct {
 	kvt_tier *tier;
 	kvt_seg *seg;            /* the tier's; main thread */
 	kvt_seg *obs;            /* observer; HTTP thread */
+	kvt_disk *disk;          /* the disk tier's engine; main thread */
 	struct MHD_Daemon *http;
 	struct kvtd_ctx ctx;
 	pthread_mutex_t mu;      /* write_only */
@@ -160,7 +168,8 @@ enum {
 	O_GROUP, O_REPLICATED, O_NUMA_NODES, O_HUGEPAGES, O_EXPECT_INSTANCES,
 	O_EXPECT_SCHEDULERS, O_HTTP, O_NO_HTTP, O_RECREATE, O_UNLINK, O_DRAIN_TIMEOUT,
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
-	O_VERSION, O_VLLM_BLOCK,
+	O_VERSION, O_VLLM_BLOCK, O_DISK, O_DISK_GIB, O_DISK_DIRECT, O_DISK_ADMIT,
+	O_DISK_DEPTH, O_DISK_RESET,
 };
 
 static const struct option LONGOPTS[] = {
@@ -195,6 +204,12 @@ static const struct option LONGOPTS[] = {
 	{ "no-lock", no_argument, NULL, O_NO_LOCK },
 	{ "group-access", no_argument, NULL, O_GROUP_ACCESS },
 	{ "vllm-block-size", required_argument, NULL, O_VLLM_BLOCK },
+	{ "disk", required_argument, NULL, O_DISK },
+	{ "disk-gib", required_argument, NULL, O_DISK_GIB },
+	{ "disk-direct", required_argument, NULL, O_DISK_DIRECT },
+	{ "disk-admit", required_argument, NULL, O_DISK_ADMIT },
+	{ "disk-depth", required_argument, NULL, O_DISK_DEPTH },
+	{ "disk-reset", no_argument, NULL, O_DISK_RESET },
 	{ "version", no_argument, NULL, O_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -246,7 +261,16 @@ static void usage(FILE *f)
 "  --no-lock               do not mlock the arena\n"
 "  --log FILE              log file (and stderr); reopened on SIGHUP\n"
 "  --config FILE           `key = value` lines with the long option names;\n"
-"                          flags override it, it overrides KVTIER_* variables\n",
+"                          flags override it, it overrides KVTIER_* variables\n"
+"disk tier (NVMe, below DRAM; driven by this daemon through io_uring)\n"
+"  --disk PATH             file (created) or block device for evicted chunks\n"
+"  --disk-gib G            its size (default: the existing file's)\n"
+"  --disk-admit POLICY     all | second-hit | none (default all)\n"
+"  --disk-direct MODE      auto | on | off: O_DIRECT (default auto: buffered\n"
+"                          with a warning where the file system has none)\n"
+"  --disk-depth N          I/Os in flight (default 64)\n"
+"  --disk-reset            format a disk file of another layout or size (its\n"
+"                          chunks are lost)\n",
 		DEFAULT_PORT);
 }
 
@@ -398,6 +422,24 @@ static int apply(struct opts *o, int c, const char *arg)
 	case O_NO_LOCK: o->no_lock = 1; return 0;
 	case O_GROUP_ACCESS: o->group = 1; return 0;
 	case O_VLLM_BLOCK: return parse_u32("vllm-block-size", arg, 1, 1u << 16, &o->vllm_block);
+	case O_DISK:
+		if (!*arg)
+			return bad("disk", arg, "a file or block device path");
+		o->disk_path = arg;
+		return 0;
+	case O_DISK_GIB:
+		if (parse_secs("disk-gib", arg, 1.0 / 1024, 1 << 24, &gib))
+			return -EINVAL;
+		o->disk_bytes = (uint64_t)(gib * (double)(1ULL << 30));
+		return 0;
+	case O_DISK_DIRECT:
+		return kvt_disk_direct_parse(arg, &o->disk_direct) ?
+		       bad("disk-direct", arg, "expected auto, on or off") : 0;
+	case O_DISK_ADMIT:
+		return kvt_disk_admit_parse(arg, &o->disk_admit) ?
+		       bad("disk-admit", arg, "expected all, second-hit or none") : 0;
+	case O_DISK_DEPTH: return parse_u32("disk-depth", arg, 1, 4096, &o->disk_depth);
+	case O_DISK_RESET: o->disk_reset = 1; return 0;
 	default: return -EINVAL;
 	}
 }
@@ -634,6 +676,8 @@ static void config_fill(const struct opts *o, struct kvt_config *c, uint32_t fla
 	c->n_instances = o->instances;
 	c->n_slots = o->slots;
 	c->tier_bytes = o->tier_bytes;
+	if (flags & KVT_F_CREATE)
+		c->disk_chunks = o->disk_chunks;
 	c->n_groups = o->n_groups;
 	for (uint32_t i = 0; i < o->n_groups; i++) {
 		groups[i] = o->groups[i];
@@ -661,14 +705,12 @@ static uint64_t wall_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
-/* Slots the options ask for, as kvt_open derives them (tier bytes over
- * one chunk of every shard). */
-static uint64_t wanted_slots(const struct opts *o, const struct kvt_tier_env *env)
+/* The geometry's layout part, as kvt_open derives it from the options. */
+static void layout_geometry(const struct opts *o, const struct kvt_tier_env *env,
+			    struct kvt_geometry *gp)
 {
 	struct kvt_geometry g;
 
-	if (o->slots)
-		return o->slots;
 	memset(&g, 0, sizeof(g));
 	g.chunk_tokens = env->chunk_tokens;
 	g.world = env->world;
@@ -679,8 +721,44 @@ static uint64_t wanted_slots(const struct opts *o, const struct kvt_tier_env *en
 		g.groups[i].layers = o->groups[i].n_layers;
 		g.groups[i].bytes_per_token = o->groups[i].bytes_per_token;
 	}
+	*gp = g;
+}
+
+/* Slots the options ask for, as kvt_open derives them (tier bytes over
+ * one chunk of every shard). */
+static uint64_t wanted_slots(const struct opts *o, const struct kvt_tier_env *env)
+{
+	struct kvt_geometry g;
+
+	if (o->slots)
+		return o->slots;
+	layout_geometry(o, env, &g);
 	uint64_t per = kvt_geometry_shard_bytes(&g) * (o->replicated ? 1 : env->world);
 	return per ? env->tier_bytes / per : 0;
+}
+
+/* The disk file's chunks: the disk index the segment needs. */
+static int disk_plan(struct opts *o, const struct kvt_tier_env *env)
+{
+	struct kvt_geometry g;
+	char err[512];
+
+	layout_geometry(o, env, &g);
+	int r = kvt_disk_plan(o->disk_path, o->disk_bytes,
+			      kvt_geometry_shard_bytes(&g), o->replicated ? 1 : env->world,
+			      &o->disk_chunks, err, sizeof(err));
+	if (r)
+		LOG_ERR("%s", err);
+	return r;
+}
+
+static void disk_log(int level, const char *msg, void *arg)
+{
+	(void)arg;
+	if (level)
+		LOG_WARN("disk tier: %s", msg);
+	else
+		LOG_INFO("disk tier: %s", msg);
 }
 
 static int owned_refusal(const char *name, int pid)
@@ -718,6 +796,10 @@ again:
 		else if (want && g->n_slots != want)
 			snprintf(why, sizeof(why), "capacity: the segment has %u slots, %llu asked",
 				 g->n_slots, (unsigned long long)want);
+		else if (o->disk_chunks > g->disk_chunks)
+			snprintf(why, sizeof(why), "disk tier: the segment's disk index holds %u "
+				 "chunks, the disk %llu", g->disk_chunks,
+				 (unsigned long long)o->disk_chunks);
 		if (!why[0]) {
 			*warm = 1;
 			return 0;
@@ -1082,7 +1164,9 @@ static int drain(const struct opts *o, int sfd)
 			return 1;
 		}
 		struct pollfd p = { .fd = sfd, .events = POLLIN };
-		if (poll(&p, 1, 50) > 0) {
+		if (D.disk)
+			kvt_disk_poll(D.disk); /* promotions for the leases still live */
+		if (poll(&p, 1, D.disk ? 5 : 50) > 0) {
 			struct signalfd_siginfo si;
 			if (read(sfd, &si, sizeof(si)) == sizeof(si) && si.ssi_signo == SIGINT) {
 				LOG_WARN("second interrupt: exiting without waiting");
@@ -1130,6 +1214,8 @@ int main(int argc, char **argv)
 	}
 	snprintf(D.name, sizeof(D.name), "%s", env.segment);
 	snprintf(D.model, sizeof(D.model), "%s", env.model);
+	if (o.disk_path && disk_plan(&o, &env))
+		return 2;
 
 	/* Signals go to the signalfd; blocked before any thread starts so
 	 * libmicrohttpd's thread inherits the mask. */
@@ -1164,6 +1250,18 @@ int main(int argc, char **argv)
 		kvt_close(D.tier);
 		return 1;
 	}
+	if (o.disk_path) {
+		struct kvt_disk_opts dop = {
+			.size = sizeof(dop), .path = o.disk_path, .bytes = o.disk_bytes,
+			.direct = o.disk_direct, .admit = o.disk_admit, .depth = o.disk_depth,
+			.reset = (uint32_t)o.disk_reset, .log = disk_log };
+		r = kvt_disk_open(D.seg, &dop, &D.disk, err, sizeof(err));
+		if (r) {
+			LOG_ERR("%s", err);
+			kvt_close(D.tier);
+			return 1;
+		}
+	}
 	{
 		struct kvt_seg_attach_opts a = {
 			.size = sizeof(a), .name = D.name, .dir = D.dir[0] ? D.dir : NULL,
@@ -1196,12 +1294,18 @@ int main(int argc, char **argv)
 		 D.ctx.expect_instances, g->world, o.expect_schedulers ? " and their schedulers" : "");
 	sd_notify_("READY=1");
 
-	uint64_t next_watch = 0;
+	uint64_t next_watch = 0, next_reap = 0;
 	int rc = 0;
 	for (;;) {
-		struct pollfd p = { .fd = sfd, .events = POLLIN };
-		int n = poll(&p, 1, (int)(o.reap_interval_s * 1000));
-		if (n > 0) {
+		/* With a disk tier the loop turns every millisecond (promotion
+		 * requests arrive in the segment, with no wake-up) and at
+		 * every I/O completion. */
+		struct pollfd p[2] = { { .fd = sfd, .events = POLLIN },
+				       { .fd = kvt_disk_event_fd(D.disk), .events = POLLIN } };
+		int busy = D.disk ? kvt_disk_poll(D.disk) : 0;
+		int n = poll(p, D.disk && p[1].fd >= 0 ? 2 : 1,
+			     D.disk ? (busy ? 0 : 1) : (int)(o.reap_interval_s * 1000));
+		if (n > 0 && (p[0].revents & POLLIN)) {
 			struct signalfd_siginfo si;
 			if (read(sfd, &si, sizeof(si)) != sizeof(si))
 				continue;
@@ -1218,6 +1322,9 @@ int main(int argc, char **argv)
 			}
 			continue;
 		}
+		if (mono_ns() < next_reap)
+			continue;
+		next_reap = mono_ns() + (uint64_t)(o.reap_interval_s * 1e9);
 		reap_once();
 		if (mono_ns() >= next_watch) {
 			watch_write_only(&o);
@@ -1226,6 +1333,11 @@ int main(int argc, char **argv)
 	}
 	if (D.http)
 		MHD_stop_daemon(D.http);
+	if (D.disk) {
+		kvt_disk_close(D.disk); /* its I/O finished, its records written */
+		D.disk = NULL;
+		LOG_INFO("disk tier closed");
+	}
 	kvt_seg_detach(D.obs);
 	if (o.unlink_at_exit) {
 		r = kvt_unlink(D.name, D.dir[0] ? D.dir : NULL);

@@ -78,6 +78,7 @@ int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
 	for (int h = 0; h < KVT_H__COUNT; h++)
 		kvt_hist_read(s, UINT32_MAX, (enum kvt_hist)h, &o->hist[h]);
 	o->owner_pid = kvt_seg_owner(s);
+	o->has_disk = kvt_disk_capacity(s) > 0 && kvt_disk_status_read(s, &o->disk) == 0;
 	o->ents = calloc(o->n_entries ? o->n_entries : 1, sizeof(*o->ents));
 	if (!o->ents)
 		return -ENOMEM;
@@ -164,6 +165,14 @@ static const struct {
 	[KVT_C_LOST_CLAIMS] = { "lost_claims", "Shard claims found gone at write end (must stay 0)" },
 	[KVT_C_PIN_REPAIRS] = { "pin_repairs", "Pin counts recounted after a death" },
 	[KVT_C_ADOPTED] = { "adopted_steps", "Half-done steps of dead processes finished by a waiter" },
+	[KVT_C_DISK_BYTES_WRITTEN] = { "disk_written_bytes", "Payload bytes the disk tier wrote (demotions)" },
+	[KVT_C_DISK_BYTES_READ] = { "disk_read_bytes", "Payload bytes the disk tier read back (promotions)" },
+	[KVT_C_DISK_ADMIT_REJECTS] = { "disk_admission_rejects", "READY chunks the admission policy kept off the disk" },
+	[KVT_C_DISK_CSUM_ERRORS] = { "disk_checksum_errors", "Disk reads whose checksum did not match: misses, never served" },
+	[KVT_C_DISK_EVICTIONS] = { "disk_evictions", "Chunks dropped from a full disk tier" },
+	[KVT_C_DISK_WRITE_DROPS] = { "disk_write_drops", "Demotions abandoned (the slot was evicted during the write, or an I/O error)" },
+	[KVT_C_PROMOTE_REQUESTS] = { "promote_requests", "Disk chunks lookups asked back into DRAM" },
+	[KVT_C_PROMOTE_DROPS] = { "promote_drops", "Promotions not done (stale request, no free slot, ring full, bad checksum)" },
 };
 
 static const char *const hist_help[KVT_H__COUNT] = {
@@ -343,6 +352,18 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 	kvtd_printf(&b, "kvtier_owner_up %d\n", s->owner_pid ? 1 : 0);
 	prom_head(&b, "kvtier_draining", "gauge", "1 while the owner drains (new attaches refused)");
 	kvtd_printf(&b, "kvtier_draining %d\n", (c->draining || s->draining) ? 1 : 0);
+	if (s->has_disk) {
+		prom_head(&b, "kvtier_disk_up", "gauge", "1 while the disk tier's engine runs");
+		kvtd_printf(&b, "kvtier_disk_up %llu\n", (unsigned long long)s->disk.online);
+		prom_head(&b, "kvtier_disk_chunks_capacity", "gauge", "Chunks the disk tier's file holds");
+		kvtd_printf(&b, "kvtier_disk_chunks_capacity %llu\n", (unsigned long long)s->disk.chunks);
+		prom_head(&b, "kvtier_disk_chunks", "gauge", "Chunks on the disk tier");
+		kvtd_printf(&b, "kvtier_disk_chunks %llu\n", (unsigned long long)s->disk.used);
+		prom_head(&b, "kvtier_disk_queue_depth", "gauge", "Disk tier I/Os in flight");
+		kvtd_printf(&b, "kvtier_disk_queue_depth %llu\n", (unsigned long long)s->disk.inflight);
+		prom_head(&b, "kvtier_disk_direct", "gauge", "1: O_DIRECT, 0: buffered through the page cache");
+		kvtd_printf(&b, "kvtier_disk_direct %llu\n", (unsigned long long)s->disk.direct);
+	}
 	if (c->start_wall_ns) {
 		prom_head(&b, "kvtier_daemon_start_time_seconds", "gauge",
 			  "When this kvtierd started (Unix time)");
@@ -520,6 +541,15 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 		    (unsigned long long)s->occ.ready, (unsigned long long)s->occ.evicting,
 		    (unsigned long long)s->occ.pinned, (unsigned long long)s->occ.leases_live,
 		    (unsigned long long)(s->occ.ready * s->shard_bytes * s->n_shards));
+	if (s->has_disk) {
+		kvtd_printf(&b, ",\"disk\":{\"online\":%s,\"path\":",
+			    s->disk.online ? "true" : "false");
+		json_str(&b, s->disk.path);
+		kvtd_printf(&b, ",\"chunks\":%llu,\"used\":%llu,\"inflight\":%llu,\"direct\":%s,"
+			    "\"index_capacity\":%u}", (unsigned long long)s->disk.chunks,
+			    (unsigned long long)s->disk.used, (unsigned long long)s->disk.inflight,
+			    s->disk.direct ? "true" : "false", s->geo.disk_chunks);
+	}
 	kvtd_printf(&b, ",\"counters\":{");
 	for (int i = 0; i < KVT_C__COUNT; i++)
 		kvtd_printf(&b, "%s\"%s\":%llu", i ? "," : "", kvt_counter_name((enum kvt_counter)i),
@@ -650,6 +680,16 @@ char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
 	kvtd_printf(&b, "hit rate   %.1f%% of chunks looked up (%llu of %llu), %llu tokens hit\n",
 		    lc ? 100.0 * (double)hc / (double)lc : 0.0, (unsigned long long)hc,
 		    (unsigned long long)lc, (unsigned long long)s->ctr[KVT_C_HIT_TOKENS]);
+	if (s->has_disk)
+		kvtd_printf(&b, "disk       %s  %llu of %llu chunks (%s)  %s  %llu in flight  "
+			    "%llu written  %llu read back  %llu checksum errors\n",
+			    s->disk.online ? "up" : "DOWN", (unsigned long long)s->disk.used,
+			    (unsigned long long)s->disk.chunks,
+			    hbytes(t3, sizeof(t3), (double)(s->disk.used * s->shard_bytes * s->n_shards)),
+			    s->disk.direct ? "direct" : "buffered", (unsigned long long)s->disk.inflight,
+			    (unsigned long long)s->ctr[KVT_C_DISK_WRITES],
+			    (unsigned long long)s->ctr[KVT_C_DISK_READS],
+			    (unsigned long long)s->ctr[KVT_C_DISK_CSUM_ERRORS]);
 	kvtd_printf(&b, "\nranks\n");
 	for (uint32_t i = 0; i < g->n_instances; i++) {
 		const struct kvtd_inst *in = &s->inst[i];

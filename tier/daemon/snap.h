@@ -44,6 +44,8 @@ struct kvtd_snap {
 	struct kvtd_inst inst[KVT_MAX_INSTANCES];
 	int owner_pid;                 /* 0: no live owner */
 	int draining;
+	int has_disk;                  /* the segment has a disk tier's index */
+	struct kvt_disk_status disk;   /* its engine's status (has_disk) */
 };
 
 /* The daemon's view, added to what the segment says. */
