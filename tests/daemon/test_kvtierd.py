@@ -481,3 +481,94 @@ def test_bad_settings_are_refused(name, procs):
     assert st["geometry"]["slots"] == 32
     assert d3.stop() == 0
     assert "removed (--unlink)" in d3.log()
+
+
+def test_disk_tier_end_to_end(name, procs, tmp_path):
+    """kvtierd with a disk tier: ranks save, the daemon demotes in the
+    background, newer saves evict the chunks from DRAM, the scheduler's
+    kvt_lookup_ex reports them pending and asks them back, asks again until
+    they are hits, the ranks load the very bytes they saved; a restart
+    replays the disk; bad disk settings are refused with the path named."""
+    disk = str(tmp_path / "kvtier-disk.img")
+    extra = ["--disk", disk, "--disk-gib", "0.02", "--disk-admit", "all"]
+    d = Daemon(name, extra=extra, instances=1, slots=16)
+    procs.append(d)
+    assert "disk tier: %s" % disk in d.log()
+    ranks = [Rank(name, 0, r) for r in (0, 1)]
+    procs.extend(ranks)
+    for r in ranks:
+        assert r.cmd(cmd="save", seed=5, chunks=8)["count"] == 8
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_disk_writes_total") >= 8,
+          "the daemon to demote the 8 chunks")
+    for seed in (6, 7, 8, 9):  # 32 newer chunks through 16 slots
+        for r in ranks:
+            r.cmd(cmd="save", seed=seed, chunks=8)
+    s = scheduler(name, 0)
+    procs.append(s)
+    keys = s.hash_tokens(prompt(8, seed=5))
+    first = s.lookup_ex(keys)
+    assert first.hits < 8 and first.hits + first.pending == 8, (first.hits, first.pending)
+    assert first.requested == first.pending
+    first.release()
+    steps = 0
+
+    def promoted():
+        nonlocal steps
+        steps += 1
+        s.step([])
+        got = s.lookup_ex(keys)
+        if got.hits == 8:
+            return got
+        got.release()
+        return None
+
+    lease = until(promoted, "the disk chunks to be promoted (asking again each step)")
+    lid = lease.hand_off()
+    s.step([lease])
+    for r in ranks:
+        assert r.cmd(cmd="load", lease=lid, chunks=8)["sha"] == expected_sha(r.r, 5, 8), \
+            "rank %d loaded other bytes than it saved" % r.r
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_disk_reads_total") >= 8 - first.hits
+    assert metric(m, "kvtier_disk_read_bytes_total") > 0
+    assert metric(m, "kvtier_promote_requests_total") >= 8 - first.hits
+    assert metric(m, "kvtier_disk_checksum_errors_total") == 0
+    assert metric(m, "kvtier_disk_up") == 1
+    assert metric(m, "kvtier_disk_chunks") >= 8
+    assert metric(m, "kvtier_disk_read_duration_seconds_count") >= 8 - first.hits
+    if shutil.which("promtool"):
+        p = subprocess.run(["promtool", "check", "metrics"], input=m, capture_output=True,
+                           text=True, timeout=30)
+        assert p.returncode == 0, p.stdout + p.stderr
+    st = json.loads(d.get("/status")[1])
+    assert st["disk"]["online"] and st["disk"]["path"] == disk
+    used = st["disk"]["used"]
+    for r in ranks:
+        r.close()
+    s.close()
+    assert d.stop() == 0
+    assert "disk tier closed" in d.log()
+
+    # restart: the disk's records are replayed
+    d2 = Daemon(name, extra=extra, instances=1, slots=16)
+    procs.append(d2)
+    assert "%d replayed" % used in d2.log(), d2.log()
+    assert d2.stop() == 0
+
+    # refusals: direct forced on tmpfs; a file too small
+    shm = "/dev/shm/kvtier-disk-%d.img" % os.getpid()
+    try:
+        bad = Daemon(name, extra=["--disk", shm, "--disk-gib", "0.01", "--disk-direct", "on"],
+                     instances=1, slots=16, expect=False)
+        procs.append(bad)
+        assert bad.p.wait(timeout=T) == 1
+        assert shm in bad.log() and "tmpfs" in bad.log()
+    finally:
+        if os.path.exists(shm):
+            os.unlink(shm)
+    small = str(tmp_path / "small.img")
+    bad = Daemon(name, extra=["--disk", small, "--disk-gib", "0.001"], instances=1, slots=16,
+                 expect=False)
+    procs.append(bad)
+    assert bad.p.wait(timeout=T) == 2
+    assert small in bad.log() and "hold no chunk" in bad.log()

@@ -12,7 +12,7 @@ import threading
 
 #: The version of kvtier.h this binding was written against; passed to
 #: kvt_open_v, which refuses a version the library does not speak.
-API_VERSION = 1
+API_VERSION = 2
 
 # Roles (kvtier.h KVT_TIER_*).
 TIER_RANK = 1
@@ -66,7 +66,8 @@ class kvt_config(ctypes.Structure):
         ("n_slots", c_u32),
         ("n_instances", c_u32),
         ("tier_bytes", c_u64),
-        ("reserved", c_u64 * 4),
+        ("disk_chunks", c_u64),
+        ("reserved", c_u64 * 3),
     ]
 
 
@@ -88,10 +89,34 @@ STATS_FIELDS = (
 )
 
 
+STATS_DISK_FIELDS = (
+    "disk_chunks", "disk_used", "disk_writes", "disk_reads",
+    "disk_bytes_written", "disk_bytes_read", "disk_checksum_errors",
+    "disk_admit_rejects", "disk_evictions", "promote_requests", "promote_drops",
+)
+
+
 class kvt_stats(ctypes.Structure):
     _fields_ = ([("size", ctypes.c_size_t)]
                 + [(name, c_u64) for name in STATS_FIELDS]
-                + [("chunk_tokens", c_u32), ("world", c_u32)])
+                + [("chunk_tokens", c_u32), ("world", c_u32)]
+                + [(name, c_u64) for name in STATS_DISK_FIELDS]
+                + [("disk_online", c_u32), ("reserved0", c_u32)])
+
+
+LOOKUP_PROMOTE = 0x1
+
+
+class kvt_lookup_res(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("lease", c_u64),
+        ("hits", c_u32),
+        ("pending", c_u32),
+        ("requested", c_u32),
+        ("reserved0", c_u32),
+        ("reserved", c_u64 * 2),
+    ]
 
 
 _P = ctypes.POINTER
@@ -106,6 +131,8 @@ _PROTOTYPES = {
     "kvt_hash_tokens": (ctypes.c_int, [_tier_p, _P(c_u32), ctypes.c_size_t,
                                        _P(kvt_key), _P(kvt_key), ctypes.c_size_t]),
     "kvt_lookup": (ctypes.c_int, [_tier_p, _P(kvt_key), c_u32, _P(kvt_lease_id)]),
+    "kvt_lookup_ex": (ctypes.c_int, [_tier_p, ctypes.c_void_p, c_u32, c_u32,
+                                     _P(kvt_lookup_res)]),
     "kvt_save": (ctypes.c_int, [_tier_p, _P(kvt_key), c_u32, c_u32, _tables_p,
                                 _P(kvt_op)]),
     "kvt_load": (ctypes.c_int, [_tier_p, kvt_lease_id, c_u32, _tables_p, _P(kvt_op)]),

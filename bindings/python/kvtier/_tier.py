@@ -335,13 +335,16 @@ class Lease:
     last rank's load releases it; a request aborted inside the block, or
     never loaded, unpins."""
 
-    __slots__ = ("_tier", "id", "hits", "keys", "_loading", "_released", "__weakref__")
+    __slots__ = ("_tier", "id", "hits", "keys", "pending", "requested", "_loading",
+                 "_released", "__weakref__")
 
-    def __init__(self, tier, lease_id, hits, keys=None):
+    def __init__(self, tier, lease_id, hits, keys=None, pending=0, requested=0):
         self._tier = tier
         self.id = lease_id
         self.hits = hits
         self.keys = keys
+        self.pending = pending
+        self.requested = requested
         self._loading = False
         self._released = lease_id == 0
 
@@ -782,6 +785,23 @@ class Tier:
         if r < 0:
             _raise(r, func)
         return Lease(self, self._lease_out.value, r)
+
+    def lookup_ex(self, keys, promote=True):
+        """kvt_lookup_ex: like lookup, and the disk tier's view.  The Lease
+        also has pending (chunks right after the hits that the disk tier
+        holds or is reading back) and requested (of those, asked back by
+        this call; promote=False only reports).  When pending > 0 a
+        scheduler may release the lease and ask again next step."""
+        func = "kvt_lookup_ex"
+        h = self._handle(func)
+        addr, n, keep = _key_array(keys, func)
+        res = L.kvt_lookup_res()
+        res.size = ctypes.sizeof(res)
+        r = L.lib().kvt_lookup_ex(h, addr, n, L.LOOKUP_PROMOTE if promote else 0,
+                                  ctypes.byref(res))
+        if r < 0:
+            _raise(r, func)
+        return Lease(self, res.lease, res.hits, pending=res.pending, requested=res.requested)
 
     def _release_id(self, lease_id):
         func = "kvt_release"

@@ -19,6 +19,7 @@ STRUCTS = {
     "kvt_config": L.kvt_config,
     "kvt_group_buffers": L.kvt_group_buffers,
     "kvt_stats": L.kvt_stats,
+    "kvt_lookup_res": L.kvt_lookup_res,
 }
 
 
@@ -27,7 +28,7 @@ def test_library_exports_the_api():
     assert os.path.exists(kvtier.library_path())
     for name in L.SYMBOLS:
         assert hasattr(lib, name), name
-    assert kvtier.API_VERSION == 1
+    assert kvtier.API_VERSION == 2
 
 
 def test_open_refuses_another_api_version():
