@@ -63,7 +63,8 @@
 
 #include "kvtier.h"
 #include "trace.h"
-#include "kvt_core.h" /* KVT_NAME_MAX */
+#include "kvt_core.h" /* KVT_NAME_MAX; the disk engine's handle */
+#include "kvt_disk.h"
 
 #define KEY_HI         0x6b76747265706c79ULL /* "kvtreply" */
 #define CHUNK_TOKENS   512u                  /* one Mooncake trace block */
@@ -83,6 +84,10 @@ struct opts {
 	uint32_t block_tokens;
 	int json;
 	int keep;
+	const char *disk;       /* --disk: a disk tier on this file */
+	uint64_t disk_bytes;    /* its size: what holds disk_chunks */
+	uint32_t disk_chunks;
+	uint32_t disk_admit;
 };
 
 /* ---- the trace: bench/trace.c ---- */
@@ -344,10 +349,13 @@ struct pct {
 struct result {
 	uint64_t requests, chunks, hbm_hits, asked, hits, saves_asked, saves_written;
 	uint64_t verified, bad_stamps, load_errors, save_errors;
-	struct lat lookup, load, save;
+	struct lat lookup, load, save, promote;
 	double seconds;
 	struct kvt_stats st;
 	struct sim lru, opt;
+	/* with a disk tier */
+	uint64_t disk_pending, disk_hits, dram_hits_alone, dram_asked_alone;
+	struct sim lru_all, opt_all, inf;
 };
 
 struct stamp {
@@ -416,9 +424,59 @@ static int fail(const char *what, int r)
 	return r;
 }
 
-static int replay_run(const struct opts *o, const struct trace *t, const uint32_t *start,
-		      struct result *res)
+/* The disk tier's engine, in this process: a second attachment of the
+ * segment through core (a CLIENT entry that owns the segment), as kvtierd
+ * holds it.  Between requests the replay lets it finish its writes (an
+ * engine that keeps up with the saves) and, for a request with chunks
+ * pending on disk, its reads: the promotion latency is the request's
+ * wait from its first lookup to the lookup that hits them. */
+struct disk_run {
+	kvt_seg *seg;
+	kvt_disk *d;
+};
+
+static int disk_start(const struct opts *o, struct disk_run *dr)
 {
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = o->segment, .dir = "/dev/shm",
+					 .role = KVT_ROLE_CLIENT };
+	char err[512];
+	int r = kvt_seg_attach(&a, &dr->seg);
+
+	if (!r)
+		r = kvt_seg_own(dr->seg);
+	if (r) {
+		fprintf(stderr, "kvtier-bench replay: disk engine's handle: %s\n",
+			kvt_core_last_error());
+		return r;
+	}
+	/* an empty disk: the run starts from nothing (a file left by an
+	 * earlier run would be replayed, and its chunks hit) */
+	if (unlink(o->disk) && errno != ENOENT) {
+		fprintf(stderr, "kvtier-bench replay: %s: %s\n", o->disk, strerror(errno));
+		return -errno;
+	}
+	struct kvt_disk_opts dop = { .size = sizeof(dop), .path = o->disk, .bytes = o->disk_bytes,
+				     .admit = o->disk_admit, .reset = 1 };
+	r = kvt_disk_open(dr->seg, &dop, &dr->d, err, sizeof(err));
+	if (r)
+		fprintf(stderr, "kvtier-bench replay: %s\n", err);
+	return r;
+}
+
+static void disk_stop(const struct opts *o, struct disk_run *dr)
+{
+	kvt_disk_close(dr->d);
+	if (dr->d && !o->keep)
+		unlink(o->disk);
+	if (dr->seg)
+		kvt_seg_detach(dr->seg);
+	memset(dr, 0, sizeof(*dr));
+}
+
+static int replay_run(const struct opts *o, const struct trace *t, const uint32_t *start,
+		      struct result *res, int with_disk)
+{
+	struct disk_run dr = { 0 };
 	const uint32_t bpc = CHUNK_TOKENS / o->block_tokens;
 	const uint64_t block_bytes = (uint64_t)o->block_tokens * o->bytes_per_token;
 	const uint64_t n_blocks = (uint64_t)(t->max_len ? t->max_len : 1) * bpc;
@@ -434,13 +492,15 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 	int r;
 
 	res->lookup.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
+	res->promote.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
 	res->load.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
 	res->save.ns = calloc(t->n_req ? t->n_req : 1, sizeof(uint64_t));
 	perm = malloc(n_blocks * sizeof(*perm));
 	keys = malloc((size_t)(t->max_len ? t->max_len : 1) * sizeof(*keys));
 	if (posix_memalign((void **)&dev, 4096, n_blocks * block_bytes))
 		dev = NULL;
-	if (!res->lookup.ns || !res->load.ns || !res->save.ns || !perm || !keys || !dev) {
+	if (!res->lookup.ns || !res->load.ns || !res->save.ns || !res->promote.ns || !perm ||
+	    !keys || !dev) {
 		r = -ENOMEM;
 		fprintf(stderr, "kvtier-bench replay: out of memory\n");
 		goto out_free;
@@ -474,11 +534,17 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 	cfg.n_groups = 1;
 	cfg.groups = &gd;
 	cfg.n_slots = o->capacity;
+	if (with_disk) {
+		cfg.disk_chunks = o->disk_chunks;
+		cfg.segment_dir = "/dev/shm"; /* where the engine's handle finds it */
+	}
 	r = kvt_open(&cfg, &tier);
 	if (r) {
 		fail("open", r);
 		goto out_free;
 	}
+	if (with_disk && (r = disk_start(o, &dr)))
+		goto out_close;
 	base = (uint64_t)(uintptr_t)dev;
 	gb.layer_base = &base;
 	gb.block_stride = block_bytes;
@@ -507,14 +573,44 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 		}
 		for (uint32_t j = 0; j < ask; j++)
 			keys[j] = (kvt_key){ .lo = t->raw[c[s + j]], .hi = KEY_HI };
+		struct kvt_lookup_res lx = { .size = sizeof(lx) };
 		a = now_ns();
-		hits = kvt_lookup(tier, keys, ask, &lease);
+		if (with_disk) {
+			hits = kvt_lookup_ex(tier, keys, ask, KVT_LOOKUP_PROMOTE, &lx);
+			lease = lx.lease;
+		} else {
+			hits = kvt_lookup(tier, keys, ask, &lease);
+		}
 		b = now_ns();
 		if (hits < 0) {
 			r = fail("lookup", hits);
 			goto out_close;
 		}
 		lat_add(&res->lookup, b - a, ask);
+		if (with_disk && lx.pending) {
+			/* ask again once the engine read them back */
+			int h0 = hits;
+			res->disk_pending += lx.pending;
+			for (int round = 0; round < 4 && lx.pending; round++) {
+				if (lease)
+					kvt_release(tier, lease);
+				lease = 0;
+				if ((r = kvt_disk_drain(dr.d, 0, 30LL * 1000000000LL))) {
+					fprintf(stderr, "kvtier-bench replay: disk: %s\n", strerror(-r));
+					goto out_close;
+				}
+				hits = kvt_lookup_ex(tier, keys, ask, KVT_LOOKUP_PROMOTE, &lx);
+				if (hits < 0) {
+					r = fail("lookup", hits);
+					goto out_close;
+				}
+				lease = lx.lease;
+				if (!lx.requested)
+					break;
+			}
+			lat_add(&res->promote, now_ns() - a, (uint32_t)(hits - h0));
+			res->disk_hits += (uint32_t)(hits - h0);
+		}
 		res->asked += ask;
 		res->hits += (uint32_t)hits;
 		r = kvt_step(tier, lease ? &lease : NULL, lease ? 1 : 0);
@@ -578,6 +674,10 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 			lat_add(&res->save, b - a, miss);
 			if (r < 0)
 				res->save_errors++;
+			if (with_disk && (r = kvt_disk_drain(dr.d, 1, 30LL * 1000000000LL))) {
+				fprintf(stderr, "kvtier-bench replay: disk: %s\n", strerror(-r));
+				goto out_close;
+			}
 		}
 	}
 	res->seconds = (double)(now_ns() - t0) / 1e9;
@@ -587,6 +687,7 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 	if (r)
 		fail("stats", r);
 out_close:
+	disk_stop(o, &dr);
 	kvt_close(tier);
 	if (!o->keep)
 		remove_segment(o->segment);
@@ -629,6 +730,22 @@ static void print_text(const struct opts *o, const struct trace *t, struct resul
 	if (o->hbm_chunks)
 		printf("  %-26s %15.2f%%\n", "HBM + kvtier, of all", pc(res->hbm_hits + res->hits,
 									  res->chunks));
+	if (o->disk) {
+		uint64_t all = (uint64_t)o->capacity + o->disk_chunks;
+		printf("\n  with a disk tier of %u chunks (admission %s), DRAM + disk = %" PRIu64
+		       " chunks:\n", o->disk_chunks, kvt_disk_admit_name(o->disk_admit), all);
+		printf("  %-34s %7.2f%%\n", "kvtier DRAM alone (real API)",
+		       pc(res->dram_hits_alone, res->dram_asked_alone));
+		printf("  %-34s %7.2f%%   (%.2f%% of asked chunks from disk)\n",
+		       "kvtier DRAM + disk (real API)", pc(res->hits, res->asked),
+		       pc(res->disk_hits, res->asked));
+		printf("  %-34s %7.2f%% %15.2f%%\n", "LRU (offline, DRAM + disk)",
+		       pc(res->lru_all.prefix_hits, res->asked), pc(res->lru_all.chunk_hits, res->asked));
+		printf("  %-34s %7.2f%% %15.2f%%\n", "Belady (offline, DRAM + disk)",
+		       pc(res->opt_all.prefix_hits, res->asked), pc(res->opt_all.chunk_hits, res->asked));
+		printf("  %-34s %7.2f%% %15.2f%%\n", "infinite cache (every repeat hits)",
+		       pc(res->inf.prefix_hits, res->asked), pc(res->inf.chunk_hits, res->asked));
+	}
 	printf("\n  %-8s %9s %9s %9s %9s %9s %12s\n", "latency", "p50 µs", "p90 µs", "p99 µs",
 	       "max µs", "calls", "chunks/call");
 	struct { const char *name; struct pct *p; } rows[] = {
@@ -637,6 +754,20 @@ static void print_text(const struct opts *o, const struct trace *t, struct resul
 		printf("  %-8s %9.1f %9.1f %9.1f %9.1f %9" PRIu64 " %12.1f\n", rows[i].name,
 		       rows[i].p->p50, rows[i].p->p90, rows[i].p->p99, rows[i].p->max, rows[i].p->n,
 		       rows[i].p->mean_chunks);
+	if (o->disk) {
+		struct pct pp = lat_pct(&res->promote);
+		printf("  %-8s %9.1f %9.1f %9.1f %9.1f %9" PRIu64 " %12.1f\n", "promote",
+		       pp.p50, pp.p90, pp.p99, pp.max, pp.n, pp.mean_chunks);
+		printf("  (promote: a request with chunks on disk, from its first lookup to the\n"
+		       "  lookup that hits them: the disk reads, checksums and publication)\n");
+		printf("\n  disk counters: written %" PRIu64 ", read back %" PRIu64 ", evicted %"
+		       PRIu64 ", admission rejects %" PRIu64 ", checksum errors %" PRIu64
+		       ", promote requests %" PRIu64 ", promote drops %" PRIu64 "\n",
+		       (uint64_t)res->st.disk_writes, (uint64_t)res->st.disk_reads,
+		       (uint64_t)res->st.disk_evictions, (uint64_t)res->st.disk_admit_rejects,
+		       (uint64_t)res->st.disk_checksum_errors, (uint64_t)res->st.promote_requests,
+		       (uint64_t)res->st.promote_drops);
+	}
 	printf("\n  tier counters: saved %" PRIu64 ", save skips %" PRIu64 ", no space %" PRIu64
 	       ", evictions %" PRIu64 ", loaded %" PRIu64 ", stale unpins %" PRIu64
 	       ", double unpins %" PRIu64 "\n", (uint64_t)res->st.saved_chunks,
@@ -693,6 +824,23 @@ static void print_json(const struct opts *o, const struct trace *t, struct resul
 	       (uint64_t)res->st.double_unpins);
 	printf("\"save_chunks_asked\":%" PRIu64 ",\"save_chunks_written\":%" PRIu64 ",",
 	       res->saves_asked, res->saves_written);
+	if (o->disk) {
+		struct pct pp = lat_pct(&res->promote);
+		double n = res->asked ? (double)res->asked : 1.0;
+		printf("\"disk\":{\"chunks\":%u,\"admission\":\"%s\",\"dram_alone_prefix_hit_rate\":"
+		       "%.6f,\"prefix_hit_rate\":%.6f,\"from_disk_rate\":%.6f,"
+		       "\"lru_prefix_hit_rate\":%.6f,\"belady_prefix_hit_rate\":%.6f,"
+		       "\"infinite_prefix_hit_rate\":%.6f,\"writes\":%" PRIu64 ",\"reads\":%"
+		       PRIu64 ",\"checksum_errors\":%" PRIu64 ",", o->disk_chunks,
+		       kvt_disk_admit_name(o->disk_admit),
+		       res->dram_asked_alone ? (double)res->dram_hits_alone / (double)res->dram_asked_alone : 0.0,
+		       (double)res->hits / n, (double)res->disk_hits / n,
+		       (double)res->lru_all.prefix_hits / n, (double)res->opt_all.prefix_hits / n,
+		       (double)res->inf.prefix_hits / n, (uint64_t)res->st.disk_writes,
+		       (uint64_t)res->st.disk_reads, (uint64_t)res->st.disk_checksum_errors);
+		json_pct("promote", &pp, 1);
+		printf("},");
+	}
 	printf("\"verified_blocks\":%" PRIu64 ",\"wrong_blocks\":%" PRIu64 ",\"failed_loads\":%"
 	       PRIu64 ",\"failed_saves\":%" PRIu64 "}\n", res->verified, res->bad_stamps,
 	       res->load_errors, res->save_errors);
@@ -723,7 +871,14 @@ static void usage(FILE *f)
 		"  --block-tokens T       the engine's block size; divides 512 (default 16)\n"
 		"  --segment NAME         segment name (default kvt-replay-<pid>)\n"
 		"  --keep                 do not remove the segment at the end\n"
-		"  --json                 one JSON object instead of the table\n", DEFAULT_TRACE);
+		"  --json                 one JSON object instead of the table\n"
+		"  --disk FILE            also run with a disk tier on FILE (formatted; the\n"
+		"                         engine runs in this process and keeps up between\n"
+		"                         requests): DRAM + disk beside DRAM alone, LRU and\n"
+		"                         Belady at the combined capacity, the infinite\n"
+		"                         cache; promotion latency\n"
+		"  --disk-chunks N        its capacity in chunks (default 16 x --capacity)\n"
+		"  --disk-admit POLICY    all | second-hit | none (default all)\n", DEFAULT_TRACE);
 }
 
 static int parse_u32_opt(const char *name, const char *s, uint32_t min, uint32_t *out)
@@ -753,6 +908,9 @@ static int parse_opts(int argc, char **argv, struct opts *o)
 		{ "segment", required_argument, NULL, 's' },
 		{ "keep", no_argument, NULL, 'k' },
 		{ "json", no_argument, NULL, 'j' },
+		{ "disk", required_argument, NULL, 'D' },
+		{ "disk-chunks", required_argument, NULL, 'N' },
+		{ "disk-admit", required_argument, NULL, 'A' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -787,6 +945,15 @@ static int parse_opts(int argc, char **argv, struct opts *o)
 			break;
 		case 'k': o->keep = 1; break;
 		case 'j': o->json = 1; break;
+		case 'D': o->disk = optarg; break;
+		case 'N': if (parse_u32_opt("disk-chunks", optarg, 1, &o->disk_chunks)) return 2; break;
+		case 'A':
+			if (kvt_disk_admit_parse(optarg, &o->disk_admit)) {
+				fprintf(stderr, "kvtier-bench replay: --disk-admit %s: expected all, "
+					"second-hit or none\n", optarg);
+				return 2;
+			}
+			break;
 		case 'h': usage(stdout); return 1;
 		default: usage(stderr); return 2;
 		}
@@ -797,6 +964,8 @@ static int parse_opts(int argc, char **argv, struct opts *o)
 		fprintf(stderr, "kvtier-bench replay: one trace only\n");
 		return 2;
 	}
+	if (o->disk && !o->disk_chunks)
+		o->disk_chunks = o->capacity > (1u << 30) / 16 ? (1u << 30) : o->capacity * 16;
 	if (CHUNK_TOKENS % o->block_tokens) {
 		fprintf(stderr, "kvtier-bench replay: --block-tokens %u does not divide %u\n",
 			o->block_tokens, CHUNK_TOKENS);
@@ -868,7 +1037,44 @@ int kvt_bench_replay(int argc, char **argv)
 		goto out;
 	}
 	res.hbm_hits = 0; /* counted again by the replay, per request */
-	r = replay_run(&o, &t, start, &res);
+	if (o.disk) {
+		/* the file's size for the chunks asked; the index gets what it holds */
+		uint64_t payload = (uint64_t)CHUNK_TOKENS * o.bytes_per_token, got = 0;
+		uint64_t shard = payload < 4096 ? (payload + 63) / 64 * 64 : (payload + 4095) / 4096 * 4096;
+		char err[512];
+		o.disk_bytes = (2ULL << 20) + (uint64_t)o.disk_chunks * (shard + 64);
+		if (kvt_disk_plan(o.disk, o.disk_bytes, shard, 1, &got, err, sizeof(err)) ||
+		    got > (1u << 30)) {
+			fprintf(stderr, "kvtier-bench replay: %s\n", err);
+			r = 2;
+			goto out;
+		}
+		o.disk_chunks = (uint32_t)got;
+		/* DRAM alone first, then DRAM + disk; offline references at the
+		 * combined capacity and without a limit */
+		struct result alone;
+		uint64_t all = (uint64_t)o.capacity + o.disk_chunks;
+		memset(&alone, 0, sizeof(alone));
+		r = replay_run(&o, &t, start, &alone, 0);
+		free(alone.lookup.ns);
+		free(alone.load.ns);
+		free(alone.save.ns);
+		free(alone.promote.ns);
+		if (r) {
+			r = 1;
+			goto out;
+		}
+		res.dram_hits_alone = alone.hits;
+		res.dram_asked_alone = alone.asked;
+		if (sim_lru(&t, start, (uint32_t)(all > UINT32_MAX ? UINT32_MAX : all), &res.lru_all) ||
+		    sim_belady(&t, start, (uint32_t)(all > UINT32_MAX ? UINT32_MAX : all), &res.opt_all) ||
+		    sim_lru(&t, start, t.n_ids ? t.n_ids : 1, &res.inf)) {
+			fprintf(stderr, "kvtier-bench replay: out of memory\n");
+			r = 1;
+			goto out;
+		}
+	}
+	r = replay_run(&o, &t, start, &res, o.disk != NULL);
 	if (r) {
 		r = 1;
 		goto out;
@@ -887,6 +1093,7 @@ out:
 	free(res.lookup.ns);
 	free(res.load.ns);
 	free(res.save.ns);
+	free(res.promote.ns);
 	free(start);
 	trace_free(&t);
 	return r;

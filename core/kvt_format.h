@@ -348,7 +348,7 @@ _Static_assert(sizeof(struct kvt_bucket) == KVT_CACHELINE, "bucket is one line")
  * [63..32 extent gen][31..0 extent + 1]; 0 = empty.  seq is the entry's
  * seqlock word: odd while the engine changes the entry. */
 #define KVT_DISK_WAYS   8u
-#define KVT_DRING_CELLS 128u
+#define KVT_DRING_CELLS 512u /* a lookup's default lease_max_chunks */
 #define KVT_DISK_ONLINE_NS 2000000000ULL
 struct kvt_disk_shm {
 	kvt_a64 online;

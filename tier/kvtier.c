@@ -1009,17 +1009,20 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
 	return r < 0 ? terr_core(r, "lookup") : r;
 }
 
-/* Whether this handle asked for index entry (pos, seq) within 200 ms. */
-static int asked_lately(kvt_tier *t, const struct kvt_disk_ref *r, uint64_t now)
+/* Whether this handle asked for index entry (pos, seq) within 200 ms;
+ * with mark, records that it asks now. */
+static int asked_lately(kvt_tier *t, const struct kvt_disk_ref *r, uint64_t now, int mark)
 {
 	uint32_t i = (r->pos ^ (r->pos >> 8)) & 255u;
 
 	if (t->asked[i].pos == r->pos && t->asked[i].seq == r->seq &&
 	    now - t->asked[i].ns < 200000000ULL)
 		return 1;
-	t->asked[i].pos = r->pos;
-	t->asked[i].seq = r->seq;
-	t->asked[i].ns = now;
+	if (mark) {
+		t->asked[i].pos = r->pos;
+		t->asked[i].seq = r->seq;
+		t->asked[i].ns = now;
+	}
 	return 0;
 }
 
@@ -1051,9 +1054,11 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 		for (uint32_t i = hits; i < n && hits + pending < cap; i++) {
 			struct kvt_disk_ref ref;
 			if (kvt_disk_find(s, &keys[i], &ref)) {
-				if ((flags & KVT_LOOKUP_PROMOTE) && !asked_lately(t, &ref, t0) &&
-				    kvt_disk_request(s, &ref) == 0)
+				if ((flags & KVT_LOOKUP_PROMOTE) && !asked_lately(t, &ref, t0, 0) &&
+				    kvt_disk_request(s, &ref) == 0) {
+					asked_lately(t, &ref, t0, 1);
 					requested++;
+				}
 			} else if (kvt_seg_peek(s, &keys[i], 1) != 1) {
 				break;
 			}
