@@ -6,6 +6,7 @@
  *   kvtier-bench preempt [options]    the long preemption stress (bench/preempt.c)
  *   kvtier-bench lookup [options]     hashing and lookups, C and Python (bench/lookup.c)
  *   kvtier-bench chaos [options]      kill -9 trials over a running workload (bench/chaos.c)
+ *   kvtier-bench disk [options]       the disk tier against fio (bench/disk.c)
  */
 #include <stdio.h>
 #include <string.h>
@@ -16,6 +17,7 @@ int kvt_bench_replay(int argc, char **argv);
 int kvt_bench_preempt(int argc, char **argv);
 int kvt_bench_lookup(int argc, char **argv);
 int kvt_bench_chaos(int argc, char **argv);
+int kvt_bench_disk(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -29,6 +31,7 @@ static void usage(FILE *f)
 		"  preempt    core's protocols under preemption: delays, slow writers, checks\n"
 		"  lookup     hash + lookup per request, C and Python, against XXH3 and a ZMQ lookup\n"
 		"  chaos      kill -9 trials over a running workload: 0 corrupted, 0 leaked\n"
+		"  disk       the disk tier's demotion and promotion GB/s against fio\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -51,6 +54,8 @@ int main(int argc, char **argv)
 		return kvt_bench_lookup(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "chaos"))
 		return kvt_bench_chaos(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "disk"))
+		return kvt_bench_disk(argc - 1, argv + 1);
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;

@@ -1,0 +1,397 @@
+/* disk.c - kvtier-bench disk: the disk tier's demotion and promotion
+ * bandwidth, against fio on the same file, block size and queue depth.
+ *
+ *   1. A segment of N chunks (world W shards of S bytes each) is filled
+ *      with stamped chunks, and the disk engine (tier/disk.c, the code
+ *      kvtierd runs) demotes all of them: write GB/s = N x W x S over the
+ *      time from the engine's first submission to its last record.
+ *   2. A fresh segment of the same layout, the engine restarted on the
+ *      same file (the records replayed, not timed), every chunk asked
+ *      back through the request rings as lookups ask: read GB/s over the
+ *      time until the last chunk is READY (reads, checksums, publication).
+ *      Every promoted chunk is then checked word by word.
+ *   3. fio (ioengine=io_uring, direct=1 unless the engine ran buffered) on
+ *      the same file's data area: sequential writes, then reads, block size
+ *      S, the same queue depth, the same bytes.  Its bandwidth is the
+ *      device's ceiling; the ratio kvtier / fio is the figure (goal >= 0.9).
+ * With --no-fio (or no fio installed) step 3 is skipped and said so.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <json-c/json.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvt_core.h"
+#include "kvt_disk.h"
+
+struct dopts {
+	const char *file;
+	uint32_t chunks, world, depth, direct;
+	uint64_t shard;
+	int fio, json, keep;
+};
+
+static uint64_t mono(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t stamp_word(uint64_t key, uint32_t shard, uint64_t i)
+{
+	uint64_t z = key * 0x9e3779b97f4a7c15ULL ^ ((uint64_t)shard << 56) ^ (i << 8);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	return z ^ (z >> 31);
+}
+
+static kvt_key bkey(uint64_t i)
+{
+	kvt_key k = { i * 0x9e3779b97f4a7c15ULL + 1, 0x6b7674646973ULL };
+	return k;
+}
+
+static int make_seg(const char *name, const struct dopts *o, uint32_t disk_chunks,
+		    kvt_seg **out)
+{
+	struct kvt_geometry g;
+
+	memset(&g, 0, sizeof(g));
+	g.chunk_tokens = 256;
+	g.world = o->world;
+	g.n_instances = 1;
+	g.mode = KVT_MODE_SHARDED;
+	g.n_groups = 1;
+	g.groups[0].layers = 8;
+	g.groups[0].bytes_per_token = (uint32_t)(o->shard / (256 * 8));
+	g.model_id.lo = 0x6469736b;
+	g.n_slots = o->chunks;
+	g.disk_chunks = disk_chunks;
+	struct kvt_seg_create_opts c = { .size = sizeof(c), .name = name, .geo = &g,
+					 .flags = KVT_SEG_F_REPLACE | KVT_SEG_F_PREFAULT };
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+					 .role = KVT_ROLE_CLIENT };
+	int r = kvt_seg_create(&c, &a, out);
+
+	if (!r)
+		r = kvt_seg_own(*out);
+	if (r)
+		fprintf(stderr, "kvtier-bench disk: segment: %s\n", kvt_core_last_error());
+	return r;
+}
+
+static int fill(kvt_seg *s, uint32_t n)
+{
+	for (uint64_t i = 0; i < n; i++) {
+		kvt_key k = bkey(i);
+		for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++) {
+			struct kvt_wref w;
+			int r = kvt_write_begin(s, &k, 0, sh, &w);
+			if (r) {
+				fprintf(stderr, "kvtier-bench disk: fill: %s\n", kvt_core_last_error());
+				return r < 0 ? r : -EIO;
+			}
+			uint64_t *q = kvt_slot_shard_ptr(s, w.slot, sh);
+			for (uint64_t j = 0; j < kvt_seg_chunk_bytes(s) / 8; j++)
+				q[j] = stamp_word(k.lo, sh, j);
+			if (kvt_write_end(s, &w, 1) < 0)
+				return -EIO;
+		}
+	}
+	return 0;
+}
+
+/* Every chunk READY and stamped: the count of wrong ones. */
+static uint64_t verify(kvt_seg *s, uint32_t n)
+{
+	uint64_t bad = 0;
+
+	for (uint64_t i = 0; i < n; i++) {
+		kvt_key k = bkey(i);
+		uint64_t lease, gen;
+		uint32_t slot;
+		if (kvt_seg_lookup(s, &k, 1, &lease) != 1 ||
+		    kvt_lease_slots(s, lease, &slot, &gen, 1) != 1) {
+			bad++;
+			continue;
+		}
+		for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++) {
+			const uint64_t *q = kvt_slot_shard_ptr(s, slot, sh);
+			for (uint64_t j = 0; j < kvt_seg_chunk_bytes(s) / 8; j++)
+				if (q[j] != stamp_word(k.lo, sh, j)) {
+					bad++;
+					sh = kvt_seg_n_shards(s);
+					break;
+				}
+		}
+		kvt_lease_release(s, lease);
+	}
+	return bad;
+}
+
+static int engine(kvt_seg *s, const struct dopts *o, uint64_t bytes, kvt_disk **d)
+{
+	char err[512];
+	struct kvt_disk_opts dop = { .size = sizeof(dop), .path = o->file, .bytes = bytes,
+				     .direct = o->direct, .depth = o->depth, .reset = 1 };
+	int r = kvt_disk_open(s, &dop, d, err, sizeof(err));
+
+	if (r)
+		fprintf(stderr, "kvtier-bench disk: %s\n", err);
+	return r;
+}
+
+/* fio on the file's data area: bandwidth in bytes/s, or < 0. */
+static double fio_run(const struct dopts *o, int write, int direct, uint64_t off, uint64_t bytes)
+{
+	char cmd[2048], *buf = NULL;
+	size_t len = 0, cap = 0;
+	double bw = -1;
+
+	snprintf(cmd, sizeof(cmd), "fio --name=kvtier-%s --filename='%s' --rw=%s --bs=%" PRIu64
+		 " --direct=%d --ioengine=io_uring --iodepth=%u --offset=%" PRIu64 " --size=%"
+		 PRIu64 " --numjobs=1 --output-format=json 2>/dev/null", write ? "write" : "read",
+		 o->file, write ? "write" : "read", o->shard, direct, o->depth, off, bytes);
+	FILE *p = popen(cmd, "r");
+	if (!p)
+		return -1;
+	for (;;) {
+		if (len + 4096 > cap) {
+			cap = cap ? cap * 2 : 65536;
+			char *nb = realloc(buf, cap);
+			if (!nb)
+				break;
+			buf = nb;
+		}
+		size_t got = fread(buf + len, 1, cap - len - 1, p);
+		if (!got)
+			break;
+		len += got;
+	}
+	int st = pclose(p);
+	if (buf && WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+		buf[len] = 0;
+		/* fio may print notes before the JSON */
+		char *j = strchr(buf, '{');
+		struct json_object *root = j ? json_tokener_parse(j) : NULL, *jobs, *job, *dir, *b;
+		if (root && json_object_object_get_ex(root, "jobs", &jobs) &&
+		    json_object_array_length(jobs) > 0 &&
+		    (job = json_object_array_get_idx(jobs, 0)) &&
+		    json_object_object_get_ex(job, write ? "write" : "read", &dir) &&
+		    json_object_object_get_ex(dir, "bw_bytes", &b))
+			bw = json_object_get_double(b);
+		if (root)
+			json_object_put(root);
+	}
+	free(buf);
+	return bw;
+}
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: kvtier-bench disk [options]\n"
+		"\n"
+		"The disk tier's demotion (arena -> disk) and promotion (disk -> arena, checksums\n"
+		"verified, chunks published) bandwidth through the engine kvtierd runs, and fio\n"
+		"(io_uring, direct) on the same file, block size and depth as the ceiling.\n"
+		"\n"
+		"  --file PATH       the disk file (default kvtier-bench-disk.img here; formatted,\n"
+		"                    removed at the end unless --keep)\n"
+		"  --chunks N        chunks (default 512)\n"
+		"  --world W         shards per chunk (default 4)\n"
+		"  --shard-kib K     bytes of one shard: one I/O (default 1024)\n"
+		"  --depth D         I/Os in flight (default 64)\n"
+		"  --direct MODE     auto | on | off (default auto)\n"
+		"  --no-fio          skip the fio ceiling\n"
+		"  --keep            keep the file\n"
+		"  --json            one JSON object\n");
+}
+
+int kvt_bench_disk(int argc, char **argv)
+{
+	static const struct option lo[] = {
+		{ "file", required_argument, NULL, 'f' }, { "chunks", required_argument, NULL, 'n' },
+		{ "world", required_argument, NULL, 'w' }, { "shard-kib", required_argument, NULL, 's' },
+		{ "depth", required_argument, NULL, 'd' }, { "direct", required_argument, NULL, 'D' },
+		{ "no-fio", no_argument, NULL, 'F' }, { "keep", no_argument, NULL, 'k' },
+		{ "json", no_argument, NULL, 'j' }, { "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 } };
+	struct dopts o = { .file = "kvtier-bench-disk.img", .chunks = 512, .world = 4,
+			   .depth = 64, .shard = 1 << 20, .fio = 1 };
+	char name[64];
+	int c, rc = 1;
+	unsigned long v;
+
+	optind = 1;
+	while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+		switch (c) {
+		case 'f': o.file = optarg; break;
+		case 'n': o.chunks = (uint32_t)strtoul(optarg, NULL, 10); break;
+		case 'w': o.world = (uint32_t)strtoul(optarg, NULL, 10); break;
+		case 's':
+			v = strtoul(optarg, NULL, 10);
+			o.shard = (uint64_t)v << 10;
+			break;
+		case 'd': o.depth = (uint32_t)strtoul(optarg, NULL, 10); break;
+		case 'D':
+			if (kvt_disk_direct_parse(optarg, &o.direct)) {
+				fprintf(stderr, "kvtier-bench disk: --direct %s: auto, on or off\n", optarg);
+				return 2;
+			}
+			break;
+		case 'F': o.fio = 0; break;
+		case 'k': o.keep = 1; break;
+		case 'j': o.json = 1; break;
+		case 'h': usage(stdout); return 0;
+		default: usage(stderr); return 2;
+		}
+	}
+	if (!o.chunks || o.chunks > (1u << 20) || !o.world || o.world > 64 || !o.depth ||
+	    o.depth > 4096 || o.shard < 16384 || o.shard % 16384 || o.shard > (256u << 20)) {
+		fprintf(stderr, "kvtier-bench disk: chunks 1..2^20, world 1..64, depth 1..4096, "
+			"--shard-kib a multiple of 16 (16..262144)\n");
+		return 2;
+	}
+	snprintf(name, sizeof(name), "kvt-bench-disk-%d", (int)getpid());
+	uint64_t eb = o.shard * o.world, bytes = (4ULL << 20) + (uint64_t)o.chunks * (eb + 64);
+	uint64_t total = (uint64_t)o.chunks * eb;
+	kvt_seg *s = NULL;
+	kvt_disk *d = NULL;
+	struct kvt_disk_info info;
+	uint64_t plan = 0;
+	char err[512];
+
+	if (kvt_disk_plan(o.file, bytes, o.shard, o.world, &plan, err, sizeof(err))) {
+		fprintf(stderr, "kvtier-bench disk: %s\n", err);
+		return 2;
+	}
+	unlink(o.file);
+	/* the file holds `plan` >= chunks chunks: the index holds them all */
+	if (make_seg(name, &o, (uint32_t)plan, &s) || fill(s, o.chunks))
+		goto out;
+	if (engine(s, &o, bytes, &d))
+		goto out;
+	kvt_disk_info(d, &info);
+
+	/* 1. demotion */
+	uint64_t t0 = mono();
+	int r = kvt_disk_drain(d, 1, 600LL * 1000000000LL);
+	double wsec = (double)(mono() - t0) / 1e9;
+	uint64_t w[KVT_C__COUNT];
+	kvt_counters_read(s, w);
+	if (r || w[KVT_C_DISK_WRITES] != o.chunks) {
+		fprintf(stderr, "kvtier-bench disk: demotion wrote %" PRIu64 " of %u chunks (%s)\n",
+			w[KVT_C_DISK_WRITES], o.chunks, r ? strerror(-r) : "drops");
+		goto out;
+	}
+	kvt_disk_close(d);
+	d = NULL;
+	kvt_seg_detach(s);
+	s = NULL;
+
+	/* 2. promotion, after a restart on a fresh segment */
+	if (make_seg(name, &o, (uint32_t)plan, &s))
+		goto out;
+	if (engine(s, &o, bytes, &d))
+		goto out;
+	struct kvt_disk_info info2;
+	kvt_disk_info(d, &info2);
+	if (info2.replayed != o.chunks) {
+		fprintf(stderr, "kvtier-bench disk: restart replayed %" PRIu64 " of %u chunks\n",
+			info2.replayed, o.chunks);
+		goto out;
+	}
+	t0 = mono();
+	uint32_t next = 0;
+	uint64_t rd[KVT_C__COUNT];
+	for (;;) {
+		while (next < o.chunks) {
+			kvt_key k = bkey(next);
+			struct kvt_disk_ref ref;
+			if (!kvt_disk_find(s, &k, &ref)) {
+				fprintf(stderr, "kvtier-bench disk: chunk %u not on disk\n", next);
+				goto out;
+			}
+			if (kvt_disk_request(s, &ref))
+				break; /* ring full: let the engine take some */
+			next++;
+		}
+		kvt_disk_poll(d);
+		kvt_counters_read(s, rd);
+		if (rd[KVT_C_DISK_READS] + rd[KVT_C_DISK_CSUM_ERRORS] >= o.chunks &&
+		    next == o.chunks)
+			break;
+		if (mono() - t0 > 600ULL * 1000000000ULL) {
+			fprintf(stderr, "kvtier-bench disk: promotion timed out\n");
+			goto out;
+		}
+		struct pollfd p = { .fd = kvt_disk_event_fd(d), .events = POLLIN };
+		if (p.fd >= 0)
+			poll(&p, 1, 1);
+	}
+	double rsec = (double)(mono() - t0) / 1e9;
+	uint64_t bad = verify(s, o.chunks) + rd[KVT_C_DISK_CSUM_ERRORS];
+	kvt_disk_close(d);
+	d = NULL;
+
+	/* 3. fio */
+	double fw = -1, fr = -1;
+	int have_fio = o.fio && system("command -v fio >/dev/null 2>&1") == 0;
+	if (have_fio) {
+		fw = fio_run(&o, 1, (int)info.direct, info.data_off, total);
+		fr = fio_run(&o, 0, (int)info.direct, info.data_off, total);
+	}
+	double kw = (double)total / wsec, kr = (double)total / rsec;
+	if (o.json) {
+		printf("{\"bench\":\"disk\",\"chunks\":%u,\"world\":%u,\"shard_bytes\":%" PRIu64
+		       ",\"depth\":%u,\"direct\":%s,\"fixed_buffers\":%s,\"bytes\":%" PRIu64
+		       ",\"write_gbps\":%.3f,\"read_gbps\":%.3f,\"fio_write_gbps\":%.3f,"
+		       "\"fio_read_gbps\":%.3f,\"write_ratio\":%.3f,\"read_ratio\":%.3f,"
+		       "\"wrong_chunks\":%" PRIu64 "}\n", o.chunks, o.world, o.shard, o.depth,
+		       info.direct ? "true" : "false", info.fixed_buffers ? "true" : "false", total,
+		       kw / 1e9, kr / 1e9, fw / 1e9, fr / 1e9, fw > 0 ? kw / fw : 0,
+		       fr > 0 ? kr / fr : 0, bad);
+	} else {
+		printf("kvtier-bench disk: %s, %u chunks x %u shards x %" PRIu64 " KiB = %.2f GiB, "
+		       "depth %u, %s I/O, %s\n", o.file, o.chunks, o.world, o.shard >> 10,
+		       (double)total / (double)(1ULL << 30), o.depth,
+		       info.direct ? "direct" : "buffered (page cache!)",
+		       info.fixed_buffers ? "fixed buffers" : "plain buffers");
+		printf("  %-28s %10s %10s %8s\n", "", "kvtier", "fio", "ratio");
+		if (have_fio) {
+			printf("  %-28s %8.2f GB/s %6.2f GB/s %7.3f\n", "demotion (write)", kw / 1e9,
+			       fw / 1e9, fw > 0 ? kw / fw : 0);
+			printf("  %-28s %8.2f GB/s %6.2f GB/s %7.3f\n", "promotion (read + verify)",
+			       kr / 1e9, fr / 1e9, fr > 0 ? kr / fr : 0);
+		} else {
+			printf("  %-28s %8.2f GB/s   (no fio: %s)\n", "demotion (write)", kw / 1e9,
+			       o.fio ? "not installed" : "--no-fio");
+			printf("  %-28s %8.2f GB/s\n", "promotion (read + verify)", kr / 1e9);
+		}
+		printf("  promoted chunks checked word by word: %u, wrong: %" PRIu64 "\n", o.chunks, bad);
+		printf("  fio: ioengine=io_uring direct=%u rw=write/read bs=%" PRIu64 " iodepth=%u "
+		       "on the same file's data area\n", info.direct, o.shard, o.depth);
+	}
+	rc = bad ? 1 : 0;
+out:
+	kvt_disk_close(d);
+	if (s)
+		kvt_seg_detach(s);
+	kvt_seg_unlink(name, NULL);
+	if (!o.keep)
+		unlink(o.file);
+	return rc;
+}
