@@ -11,9 +11,12 @@
  *      time until the last chunk is READY (reads, checksums, publication).
  *      Every promoted chunk is then checked word by word.
  *   3. fio (ioengine=io_uring, direct=1 unless the engine ran buffered) on
- *      the same file's data area: sequential writes, then reads, block size
- *      S, the same queue depth, the same bytes.  Its bandwidth is the
- *      device's ceiling; the ratio kvtier / fio is the figure (goal >= 0.9).
+ *      the same file (the second half of its data area, so that it never
+ *      overwrites what kvtier reads back): sequential writes right after
+ *      kvtier's, reads right after kvtier's, block size S, the same queue
+ *      depth, the same bytes; each read after a second's rest.  Its
+ *      bandwidth is the device's ceiling; the ratio kvtier / fio is the
+ *      figure (goal >= 0.9).  --repeat rounds, medians.
  * With --no-fio (or no fio installed) step 3 is skipped and said so.
  */
 #ifndef _GNU_SOURCE
@@ -39,6 +42,7 @@ struct dopts {
 	uint32_t chunks, world, depth, direct;
 	uint64_t shard;
 	int fio, json, keep;
+	uint32_t repeat;
 };
 
 static uint64_t mono(void)
@@ -61,6 +65,17 @@ static kvt_key bkey(uint64_t i)
 {
 	kvt_key k = { i * 0x9e3779b97f4a7c15ULL + 1, 0x6b7674646973ULL };
 	return k;
+}
+
+static double median(double *v, uint32_t n)
+{
+	for (uint32_t i = 1; i < n; i++)
+		for (uint32_t j = i; j > 0 && v[j - 1] > v[j]; j--) {
+			double t = v[j];
+			v[j] = v[j - 1];
+			v[j - 1] = t;
+		}
+	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 static int make_seg(const char *name, const struct dopts *o, uint32_t disk_chunks,
@@ -215,6 +230,8 @@ static void usage(FILE *f)
 		"  --shard-kib K     bytes of one shard: one I/O (default 1024)\n"
 		"  --depth D         I/Os in flight (default 64)\n"
 		"  --direct MODE     auto | on | off (default auto)\n"
+		"  --repeat R        rounds, each kvtier write, read, then fio write, read;\n"
+		"                    medians reported (default 3)\n"
 		"  --no-fio          skip the fio ceiling\n"
 		"  --keep            keep the file\n"
 		"  --json            one JSON object\n");
@@ -228,9 +245,10 @@ int kvt_bench_disk(int argc, char **argv)
 		{ "depth", required_argument, NULL, 'd' }, { "direct", required_argument, NULL, 'D' },
 		{ "no-fio", no_argument, NULL, 'F' }, { "keep", no_argument, NULL, 'k' },
 		{ "json", no_argument, NULL, 'j' }, { "help", no_argument, NULL, 'h' },
+		{ "repeat", required_argument, NULL, 'r' },
 		{ NULL, 0, NULL, 0 } };
 	struct dopts o = { .file = "kvtier-bench-disk.img", .chunks = 512, .world = 4,
-			   .depth = 64, .shard = 1 << 20, .fio = 1 };
+			   .depth = 64, .shard = 1 << 20, .fio = 1, .repeat = 3 };
 	char name[64];
 	int c, rc = 1;
 	unsigned long v;
@@ -255,18 +273,23 @@ int kvt_bench_disk(int argc, char **argv)
 		case 'F': o.fio = 0; break;
 		case 'k': o.keep = 1; break;
 		case 'j': o.json = 1; break;
+		case 'r': o.repeat = (uint32_t)strtoul(optarg, NULL, 10); break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
 	}
 	if (!o.chunks || o.chunks > (1u << 20) || !o.world || o.world > 64 || !o.depth ||
-	    o.depth > 4096 || o.shard < 16384 || o.shard % 16384 || o.shard > (256u << 20)) {
+	    o.depth > 4096 || o.shard < 16384 || o.shard % 16384 || o.shard > (256u << 20) ||
+	    !o.repeat || o.repeat > 16) {
 		fprintf(stderr, "kvtier-bench disk: chunks 1..2^20, world 1..64, depth 1..4096, "
-			"--shard-kib a multiple of 16 (16..262144)\n");
+			"--shard-kib a multiple of 16 (16..262144), --repeat 1..16\n");
 		return 2;
 	}
 	snprintf(name, sizeof(name), "kvt-bench-disk-%d", (int)getpid());
-	uint64_t eb = o.shard * o.world, bytes = (4ULL << 20) + (uint64_t)o.chunks * (eb + 64);
+	/* twice the chunks: kvtier's chunks in the first half of the data
+	 * area, fio's in the second (each read then follows the other's write,
+	 * and fio never overwrites what kvtier reads back) */
+	uint64_t eb = o.shard * o.world, bytes = (4ULL << 20) + 2ULL * o.chunks * (eb + 64);
 	uint64_t total = (uint64_t)o.chunks * eb;
 	kvt_seg *s = NULL;
 	kvt_disk *d = NULL;
@@ -278,83 +301,110 @@ int kvt_bench_disk(int argc, char **argv)
 		fprintf(stderr, "kvtier-bench disk: %s\n", err);
 		return 2;
 	}
-	unlink(o.file);
 	/* the file holds `plan` >= chunks chunks: the index holds them all */
 	if (make_seg(name, &o, (uint32_t)plan, &s) || fill(s, o.chunks))
 		goto out;
-	if (engine(s, &o, bytes, &d))
-		goto out;
-	kvt_disk_info(d, &info);
-
-	/* 1. demotion */
-	uint64_t t0 = mono();
-	int r = kvt_disk_drain(d, 1, 600LL * 1000000000LL);
-	double wsec = (double)(mono() - t0) / 1e9;
-	uint64_t w[KVT_C__COUNT];
-	kvt_counters_read(s, w);
-	if (r || w[KVT_C_DISK_WRITES] != o.chunks) {
-		fprintf(stderr, "kvtier-bench disk: demotion wrote %" PRIu64 " of %u chunks (%s)\n",
-			w[KVT_C_DISK_WRITES], o.chunks, r ? strerror(-r) : "drops");
-		goto out;
-	}
-	kvt_disk_close(d);
-	d = NULL;
-	kvt_seg_detach(s);
-	s = NULL;
-
-	/* 2. promotion, after a restart on a fresh segment */
-	if (make_seg(name, &o, (uint32_t)plan, &s))
-		goto out;
-	if (engine(s, &o, bytes, &d))
-		goto out;
-	struct kvt_disk_info info2;
-	kvt_disk_info(d, &info2);
-	if (info2.replayed != o.chunks) {
-		fprintf(stderr, "kvtier-bench disk: restart replayed %" PRIu64 " of %u chunks\n",
-			info2.replayed, o.chunks);
-		goto out;
-	}
-	t0 = mono();
-	uint32_t next = 0;
-	uint64_t rd[KVT_C__COUNT];
-	for (;;) {
-		while (next < o.chunks) {
-			kvt_key k = bkey(next);
-			struct kvt_disk_ref ref;
-			if (!kvt_disk_find(s, &k, &ref)) {
-				fprintf(stderr, "kvtier-bench disk: chunk %u not on disk\n", next);
-				goto out;
-			}
-			if (kvt_disk_request(s, &ref))
-				break; /* ring full: let the engine take some */
-			next++;
-		}
-		kvt_disk_poll(d);
-		kvt_counters_read(s, rd);
-		if (rd[KVT_C_DISK_READS] + rd[KVT_C_DISK_CSUM_ERRORS] >= o.chunks &&
-		    next == o.chunks)
-			break;
-		if (mono() - t0 > 600ULL * 1000000000ULL) {
-			fprintf(stderr, "kvtier-bench disk: promotion timed out\n");
+	int have_fio = o.fio && system("command -v fio >/dev/null 2>&1") == 0;
+	double ws[16], rs[16], fws[16], frs[16];
+	uint64_t bad = 0;
+	for (uint32_t rep = 0; rep < o.repeat; rep++) {
+		/* 1. demotion: a new file, every chunk of the filled segment */
+		unlink(o.file);
+		if (engine(s, &o, bytes, &d))
+			goto out;
+		kvt_disk_info(d, &info);
+		uint64_t w0[KVT_C__COUNT], w[KVT_C__COUNT];
+		kvt_counters_read(s, w0);
+		uint64_t t0 = mono();
+		int r = kvt_disk_drain(d, 1, 600LL * 1000000000LL);
+		ws[rep] = (double)total / ((double)(mono() - t0) / 1e9);
+		kvt_counters_read(s, w);
+		if (r || w[KVT_C_DISK_WRITES] - w0[KVT_C_DISK_WRITES] != o.chunks) {
+			fprintf(stderr, "kvtier-bench disk: demotion wrote %" PRIu64 " of %u chunks "
+				"(%s)\n", w[KVT_C_DISK_WRITES] - w0[KVT_C_DISK_WRITES], o.chunks,
+				r ? strerror(-r) : "drops");
 			goto out;
 		}
-		struct pollfd p = { .fd = kvt_disk_event_fd(d), .events = POLLIN };
-		if (p.fd >= 0)
-			poll(&p, 1, 1);
-	}
-	double rsec = (double)(mono() - t0) / 1e9;
-	uint64_t bad = verify(s, o.chunks) + rd[KVT_C_DISK_CSUM_ERRORS];
-	kvt_disk_close(d);
-	d = NULL;
+		kvt_disk_close(d);
+		d = NULL;
 
-	/* 3. fio */
-	double fw = -1, fr = -1;
-	int have_fio = o.fio && system("command -v fio >/dev/null 2>&1") == 0;
-	if (have_fio) {
-		fw = fio_run(&o, 1, (int)info.direct, info.data_off, total);
-		fr = fio_run(&o, 0, (int)info.direct, info.data_off, total);
+		/* 2. promotion, after a restart on a fresh segment */
+		kvt_seg *sr = NULL;
+		char sname[64];
+		snprintf(sname, sizeof(sname), "%.40s-r", name);
+		if (make_seg(sname, &o, (uint32_t)plan, &sr))
+			goto out;
+		if (engine(sr, &o, bytes, &d)) {
+			kvt_seg_detach(sr);
+			kvt_seg_unlink(sname, NULL);
+			goto out;
+		}
+		struct kvt_disk_info info2;
+		kvt_disk_info(d, &info2);
+		if (info2.replayed != o.chunks) {
+			fprintf(stderr, "kvtier-bench disk: restart replayed %" PRIu64 " of %u "
+				"chunks\n", info2.replayed, o.chunks);
+			kvt_disk_close(d);
+			d = NULL;
+			kvt_seg_detach(sr);
+			kvt_seg_unlink(sname, NULL);
+			goto out;
+		}
+		/* 3a. fio's write, on the second half, while kvtier's data rests */
+		fws[rep] = frs[rep] = -1;
+		if (have_fio)
+			fws[rep] = fio_run(&o, 1, (int)info.direct, info.data_off + total, total);
+		sleep(1); /* both reads start after a second's rest */
+		t0 = mono();
+		uint32_t next = 0;
+		uint64_t rd[KVT_C__COUNT];
+		int ok = 1;
+		for (;;) {
+			while (next < o.chunks) {
+				kvt_key k = bkey(next);
+				struct kvt_disk_ref ref;
+				if (!kvt_disk_find(sr, &k, &ref)) {
+					fprintf(stderr, "kvtier-bench disk: chunk %u not on disk\n", next);
+					ok = 0;
+					break;
+				}
+				if (kvt_disk_request(sr, &ref))
+					break; /* ring full: let the engine take some */
+				next++;
+			}
+			kvt_disk_poll(d);
+			kvt_counters_read(sr, rd);
+			if (!ok || (rd[KVT_C_DISK_READS] + rd[KVT_C_DISK_CSUM_ERRORS] >= o.chunks &&
+				    next == o.chunks))
+				break;
+			if (mono() - t0 > 600ULL * 1000000000ULL) {
+				fprintf(stderr, "kvtier-bench disk: promotion timed out\n");
+				ok = 0;
+				break;
+			}
+			struct pollfd p = { .fd = kvt_disk_event_fd(d), .events = POLLIN };
+			if (p.fd >= 0)
+				poll(&p, 1, 1);
+		}
+		rs[rep] = (double)total / ((double)(mono() - t0) / 1e9);
+		if (ok)
+			bad += verify(sr, o.chunks) + rd[KVT_C_DISK_CSUM_ERRORS];
+		kvt_disk_close(d);
+		d = NULL;
+		kvt_seg_detach(sr);
+		kvt_seg_unlink(sname, NULL);
+		if (!ok)
+			goto out;
+
+		/* 3b. fio's read of what it wrote */
+		if (have_fio) {
+			sleep(1);
+			frs[rep] = fio_run(&o, 0, (int)info.direct, info.data_off + total, total);
+		}
 	}
-	double kw = (double)total / wsec, kr = (double)total / rsec;
+	double kw = median(ws, o.repeat), kr = median(rs, o.repeat);
+	double fw = median(fws, o.repeat), fr = median(frs, o.repeat);
+
 	if (o.json) {
 		printf("{\"bench\":\"disk\",\"chunks\":%u,\"world\":%u,\"shard_bytes\":%" PRIu64
 		       ",\"depth\":%u,\"direct\":%s,\"fixed_buffers\":%s,\"bytes\":%" PRIu64
@@ -366,10 +416,11 @@ int kvt_bench_disk(int argc, char **argv)
 		       fr > 0 ? kr / fr : 0, bad);
 	} else {
 		printf("kvtier-bench disk: %s, %u chunks x %u shards x %" PRIu64 " KiB = %.2f GiB, "
-		       "depth %u, %s I/O, %s\n", o.file, o.chunks, o.world, o.shard >> 10,
+		       "depth %u, %s I/O, %s; medians of %u rounds\n", o.file, o.chunks, o.world,
+		       o.shard >> 10,
 		       (double)total / (double)(1ULL << 30), o.depth,
 		       info.direct ? "direct" : "buffered (page cache!)",
-		       info.fixed_buffers ? "fixed buffers" : "plain buffers");
+		       info.fixed_buffers ? "fixed buffers" : "plain buffers", o.repeat);
 		printf("  %-28s %10s %10s %8s\n", "", "kvtier", "fio", "ratio");
 		if (have_fio) {
 			printf("  %-28s %8.2f GB/s %6.2f GB/s %7.3f\n", "demotion (write)", kw / 1e9,
@@ -381,9 +432,17 @@ int kvt_bench_disk(int argc, char **argv)
 			       o.fio ? "not installed" : "--no-fio");
 			printf("  %-28s %8.2f GB/s\n", "promotion (read + verify)", kr / 1e9);
 		}
-		printf("  promoted chunks checked word by word: %u, wrong: %" PRIu64 "\n", o.chunks, bad);
+		printf("  promoted chunks checked word by word: %u x %u rounds, wrong: %" PRIu64 "\n",
+		       o.chunks, o.repeat, bad);
+		if (o.repeat > 1) {
+			printf("  rounds (GB/s, sorted):");
+			for (uint32_t i = 0; i < o.repeat; i++)
+				printf(" w %.2f/%.2f r %.2f/%.2f%s", ws[i] / 1e9, fws[i] / 1e9, rs[i] / 1e9,
+				       frs[i] / 1e9, i + 1 < o.repeat ? "," : "\n");
+		}
 		printf("  fio: ioengine=io_uring direct=%u rw=write/read bs=%" PRIu64 " iodepth=%u "
-		       "on the same file's data area\n", info.direct, o.shard, o.depth);
+		       "on the same file (the second half of its data area)\n", info.direct,
+		       o.shard, o.depth);
 	}
 	rc = bad ? 1 : 0;
 out:

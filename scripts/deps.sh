@@ -11,7 +11,7 @@ pkgs=(
   libnuma-dev                           # numa/: mbind, get_mempolicy, move_pages
   libjson-c-dev                         # kvtier-size reads config.json, kvtier-bench replay its trace
   libxxhash-dev                         # key hashing (XXH3-128)
-  liburing-dev                          # optional disk tier
+  liburing-dev                          # the disk tier (io_uring: kvtierd, kvtier-bench disk)
   libmicrohttpd-dev                     # kvtierd's HTTP server (/healthcheck, /metrics)
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV

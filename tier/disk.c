@@ -163,7 +163,8 @@ struct kvt_disk {
 	uint32_t pieces_per_part;
 	uint8_t *arena_part[KVT_MAX_WORLD];
 	uint64_t replayed;
-	uint64_t last_publish;
+	uint64_t last_publish, last_meta;
+	int closing;
 	XXH3_state_t *xs;
 	int warned_io;
 };
@@ -209,38 +210,6 @@ static void dlog(const kvt_disk *d, int level, const char *fmt, ...)
 		d->o.log(level, msg, d->o.log_arg);
 	else
 		fprintf(stderr, "kvtier disk: %s: %s\n", level ? "warning" : "info", msg);
-}
-
-const char *kvt_disk_admit_name(uint32_t a)
-{
-	switch (a) {
-	case KVT_ADMIT_ALL: return "all";
-	case KVT_ADMIT_SECOND_HIT: return "second-hit";
-	case KVT_ADMIT_NONE: return "none";
-	default: return "?";
-	}
-}
-
-int kvt_disk_admit_parse(const char *s, uint32_t *out)
-{
-	for (uint32_t a = 0; a <= KVT_ADMIT_NONE; a++)
-		if (s && !strcmp(s, kvt_disk_admit_name(a))) {
-			*out = a;
-			return 0;
-		}
-	return -EINVAL;
-}
-
-int kvt_disk_direct_parse(const char *s, uint32_t *out)
-{
-	static const char *const names[] = { "auto", "on", "off" };
-
-	for (uint32_t i = 0; i < 3; i++)
-		if (s && !strcmp(s, names[i])) {
-			*out = i;
-			return 0;
-		}
-	return -EINVAL;
 }
 
 /* ---- layout ---- */
@@ -417,6 +386,15 @@ static struct io_uring_sqe *sqe_get(kvt_disk *d)
 	return q;
 }
 
+/* One chunk's I/Os go to the kernel as soon as they are queued: the next
+ * chunk's checksum (CPU) then overlaps this chunk's I/O instead of
+ * delaying it to the end of the round. */
+static void submit(kvt_disk *d)
+{
+	if (d->queued && io_uring_submit(&d->ring) >= 0)
+		d->queued = 0;
+}
+
 static int buf_index(const kvt_disk *d, uint32_t slot, uint32_t shard)
 {
 	uint64_t off = (uint64_t)slot * d->shard_bytes;
@@ -541,6 +519,7 @@ static int demote_start(kvt_disk *d, uint32_t x, const kvt_key *k, uint32_t dept
 		job_put(d, j);
 		return 0;
 	}
+	submit(d);
 	return 1;
 }
 
@@ -719,6 +698,7 @@ static int promote_start(kvt_disk *d, const struct kvt_disk_ref *ref, const kvt_
 		job_put(d, j);
 		return -1;
 	}
+	submit(d);
 	return 1;
 }
 
@@ -780,10 +760,21 @@ static int promote_requests(kvt_disk *d)
 
 /* ---- records ---- */
 
+/* Records go out at most every META_MS while data I/O is in flight (a
+ * block holds 64 records: rewriting it at every completion would put a
+ * small write between every two large ones), at once when the data I/O
+ * is idle.  A crash loses at most the chunks of the last META_MS: never
+ * served wrong, only missing. */
+#define META_MS 5
 static int meta_flush(kvt_disk *d)
 {
 	int started = 0;
+	uint64_t now = mono_ns();
 
+	if (!d->n_dirty || (d->inflight && now - d->last_meta < META_MS * 1000000ULL &&
+			    !d->closing))
+		return 0;
+	d->last_meta = now;
 	for (uint64_t k = 0; k < d->n_blocks && d->n_dirty && d->inflight < d->o.depth; k++) {
 		uint64_t b = d->meta_cursor++ % d->n_blocks;
 		if (!d->dirty[b] || d->blk_busy[b])
@@ -1363,6 +1354,7 @@ void kvt_disk_close(kvt_disk *d)
 		 * records; no new work is taken. */
 		uint32_t admit = d->o.admit;
 		d->o.admit = KVT_ADMIT_NONE;
+		d->closing = 1;
 		uint64_t t0 = mono_ns();
 		while ((d->inflight || d->n_dirty) && mono_ns() - t0 < 30000000000ULL) {
 			reap(d);

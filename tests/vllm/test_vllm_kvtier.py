@@ -278,59 +278,103 @@ def test_tensor_parallel_2(model):
             pass
 
 
-def test_kvtierd_owns_the_segment(model):
-    """The operator's path: kvtierd creates and owns the segment with the
-    connector's layout (--vllm-block-size), the engine attaches to it
-    (kvtier_create false), /healthcheck turns 200 once its rank is up, and
-    the daemon's /metrics count the engine's hits."""
-    import socket
-    import urllib.request
-    build = os.environ.get("KVTIER_BUILD", os.path.join(REPO, "build"))
-    name = "vllm-kvtierd-%d" % os.getpid()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = subprocess.Popen([os.path.join(build, "tier", "daemon", "kvtierd"), "--segment", name,
-                          "--model-config", os.path.join(model, "config.json"), "--tp", "1",
-                          "--vllm-block-size", "32", "--tier-gib", "0.25",
-                          "--model", "tiny-llama/bf16", "--http", "127.0.0.1:%d" % port,
-                          "--unlink"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+class Kvtierd:
+    """kvtierd owning a segment in the connector's layout (--vllm-block-size)."""
 
-    def get(path):
+    def __init__(self, model, name, extra=()):
+        import socket
+        build = os.environ.get("KVTIER_BUILD", os.path.join(REPO, "build"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.p = subprocess.Popen(
+            [os.path.join(build, "tier", "daemon", "kvtierd"), "--segment", name,
+             "--model-config", os.path.join(model, "config.json"), "--tp", "1",
+             "--vllm-block-size", "32", "--model", "tiny-llama/bf16",
+             "--http", "127.0.0.1:%d" % self.port, "--unlink"] + list(extra),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while self.get("/healthcheck/segment")[0] != 200:
+            assert self.p.poll() is None, self.p.stdout.read()
+            assert time.monotonic() < deadline, "kvtierd did not come up"
+            time.sleep(0.1)
+
+    def get(self, path):
+        import urllib.request
         try:
-            with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
+            with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.port, path),
+                                        timeout=5) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
         except OSError:
             return 0, ""
 
+    def metric(self, name):
+        _, text = self.get("/metrics")
+        vals = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ")
+                or ln.startswith(name + "{")]
+        assert vals, "no %s in /metrics" % name
+        return vals[0]
+
+    def stop(self):
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            return self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def test_kvtierd_owns_the_segment(model):
+    """The operator's path: kvtierd creates and owns the segment with the
+    connector's layout (--vllm-block-size), the engine attaches to it
+    (kvtier_create false), /healthcheck turns 200 once its rank is up, and
+    the daemon's /metrics count the engine's hits."""
+    name = "vllm-kvtierd-%d" % os.getpid()
+    d = Kvtierd(model, name, ["--tier-gib", "0.25"])
     e = None
     try:
-        deadline = time.monotonic() + 60
-        while get("/healthcheck/segment")[0] != 200:
-            assert d.poll() is None, d.stdout.read()
-            assert time.monotonic() < deadline, "kvtierd did not come up"
-            time.sleep(0.1)
-        assert get("/healthcheck")[0] == 503  # no rank yet
+        assert d.get("/healthcheck")[0] == 503  # no rank yet
         e = Engine(model, {"kvtier_segment": name, "kvtier_create": False,
                            "kvtier_model": "tiny-llama/bf16"})
-        assert get("/healthcheck")[0] == 200
+        assert d.get("/healthcheck")[0] == 200
         a = e.generate([LONG])
         for p in OTHERS:
             e.generate([p])
         assert e.generate([LONG]) == a
-        code, text = get("/metrics")
-        hits = [float(ln.split()[-1]) for ln in text.splitlines()
-                if ln.startswith('kvtier_instance_hit_tokens_total{engine="0"}')]
-        assert hits and hits[0] >= 32 * CHUNK, hits
+        assert d.metric('kvtier_instance_hit_tokens_total{engine="0"}') >= 32 * CHUNK
     finally:
         if e is not None:
             e.close()
-        d.send_signal(signal.SIGTERM)
-        try:
-            d.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            d.kill()
-            d.wait()
+        d.stop()
+
+
+def test_kvtierd_disk_tier(model, tmp_path):
+    """kvtierd with a disk tier under a DRAM tier too small for the traffic:
+    the long prompt's chunks are demoted, evicted from DRAM by the others,
+    and when it comes back the connector's lookup finds them on disk, answers
+    vLLM "ask again" (None) while kvtierd reads them back, then loads them:
+    the output is the same, and the daemon counts the promotions."""
+    name = "vllm-disk-%d" % os.getpid()
+    d = Kvtierd(model, name, ["--slots", "48", "--disk", str(tmp_path / "kvtier.disk"),
+                              "--disk-gib", "0.0625"])
+    e = None
+    try:
+        e = Engine(model, {"kvtier_segment": name, "kvtier_create": False,
+                           "kvtier_model": "tiny-llama/bf16", "kvtier_disk_wait_ms": 5000})
+        a = e.generate([LONG])
+        for p in OTHERS:             # 102 chunks through 48 slots: LONG leaves DRAM
+            e.generate([p])
+        assert d.metric("kvtier_disk_writes_total") >= 37
+        h0 = d.metric('kvtier_instance_hit_tokens_total{engine="0"}')
+        assert e.generate([LONG]) == a
+        assert d.metric("kvtier_promote_requests_total") > 0
+        assert d.metric("kvtier_disk_reads_total") > 0
+        assert d.metric("kvtier_disk_checksum_errors_total") == 0
+        hit = d.metric('kvtier_instance_hit_tokens_total{engine="0"}') - h0
+        assert hit >= 32 * CHUNK, hit  # the prefix came back: DRAM and promoted chunks
+    finally:
+        if e is not None:
+            e.close()
+        d.stop()

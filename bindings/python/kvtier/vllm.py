@@ -54,8 +54,17 @@ layout (one copy for all ranks).  Data-parallel replicas are instances.
 
 Configuration: kv_connector_extra_config keys (kvtier_segment,
 kvtier_segment_dir, kvtier_instance, kvtier_instances, kvtier_chunk_tokens,
-kvtier_tier_gib, kvtier_create, kvtier_dma, kvtier_model), else the
-KVTIER_* variables, else defaults (README, "vLLM").
+kvtier_tier_gib, kvtier_create, kvtier_dma, kvtier_model,
+kvtier_disk_wait_ms), else the KVTIER_* variables, else defaults (README,
+"vLLM").
+
+The disk tier.  When the segment has one (kvtierd --disk) the scheduler's
+lookup is kvt_lookup_ex: chunks right after the DRAM hits that sit on disk
+are asked back, and the request is answered "ask again" (None: vLLM's
+scheduler skips it this step and asks next step) until they are hits, or
+until it has waited kvtier_disk_wait_ms (default 500; 0: never wait, load
+what is in DRAM).  Waiting costs the request its place for a step or a
+few; recomputing those chunks costs their prefill.
 """
 
 import os
@@ -169,6 +178,10 @@ class _Settings:
         self.tier_gib = _opt(extra, "kvtier_tier_gib", "KVTIER_TIER_GIB", 1.0, float)
         self.create = _opt(extra, "kvtier_create", "KVTIER_CREATE", True, _bool)
         self.dma = _opt(extra, "kvtier_dma", "KVTIER_DMA", None)
+        self.disk_wait_ms = _opt(extra, "kvtier_disk_wait_ms", "KVTIER_DISK_WAIT_MS", 500.0,
+                                 float)
+        if self.disk_wait_ms < 0:
+            raise ValueError("kvtier: kvtier_disk_wait_ms=%r must be >= 0" % self.disk_wait_ms)
         mc = vllm_config.model_config
         default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
         self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model)
@@ -277,6 +290,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._tier = s.open("scheduler")
         self._reqs = {}       # req_id -> Request
         self._pending = {}    # req_id -> (lease id, first chunk, hits): looked up, not loaded
+        self._waiting = {}    # req_id -> monotonic time it first waited for the disk tier
         self._to_load = {}    # req_id -> (lease, first chunk, n chunks): allocated this step
         self._blocks = {}     # req_id -> block ids (group 0), as vLLM allocated them
         self._saved = {}      # req_id -> chunks saved (from chunk 0)
@@ -318,11 +332,22 @@ class KvtierConnector(KVConnectorBase_V1):
         if usable <= first:
             return 0, False
         keys = self._keys(request, first, usable - first)
+        rid = request.request_id
         try:
-            lease = self._tier.lookup(keys)
+            if s.disk_wait_ms > 0:
+                lease = self._tier.lookup_ex(keys)
+            else:
+                lease = self._tier.lookup(keys)
         except kvtier.KvtierError as e:
-            logger.warning("kvtier: lookup of %s: %s", request.request_id, e)
+            logger.warning("kvtier: lookup of %s: %s", rid, e)
             return 0, False
+        if getattr(lease, "pending", 0):
+            now = time.monotonic()
+            t0 = self._waiting.setdefault(rid, now)
+            if (now - t0) * 1000.0 < s.disk_wait_ms:
+                lease.release()  # asked back from disk: ask again next step
+                return None, False
+        self._waiting.pop(rid, None)
         if not lease.hits:
             return 0, False
         lid = lease.hand_off()
@@ -414,6 +439,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         rid = request.request_id
         self._release_pending(rid)
+        self._waiting.pop(rid, None)
         tl = self._to_load.pop(rid, None)
         if tl:
             self._tier.release(tl[0])
