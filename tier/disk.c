@@ -155,6 +155,7 @@ struct kvt_disk {
 	uint32_t queued;       /* SQEs prepared, not submitted */
 	uint64_t cursor;       /* demotion scan, in CLOCK-hand units */
 	uint64_t lap_idle;     /* slots scanned since the scan last started a write */
+	uint64_t idle_hand, idle_ns; /* the hand and time when a lap found nothing */
 	uint32_t *seen;        /* per slot: low gen + 1 of the life handled */
 	uint8_t *rejected;     /* per slot: that life was refused admission */
 	uint64_t *ghost;       /* second-hit: keys seen before */
@@ -618,6 +619,15 @@ static int demote_scan(kvt_disk *d)
 
 	if (d->o.admit == KVT_ADMIT_NONE)
 		return 0;
+	/* A lap that started nothing, and no slot allocated since: nothing
+	 * new can be READY.  Look again after 100 ms (a chunk refused by
+	 * second-hit may have been hit since). */
+	uint64_t now = mono_ns();
+	if (d->lap_idle >= n) {
+		if (h == d->idle_hand && now - d->idle_ns < 100000000ULL)
+			return 0;
+		d->lap_idle = 0;
+	}
 	if (d->cursor < h || d->cursor >= h + n)
 		d->cursor = h; /* behind the hand, or a lap done: start at the hand */
 	for (uint32_t k = 0; k < d->o.scan && d->cursor < h + n; k++) {
@@ -630,8 +640,9 @@ static int demote_scan(kvt_disk *d)
 		if (r == 1) {
 			started++;
 			d->lap_idle = 0;
-		} else {
-			d->lap_idle++;
+		} else if (++d->lap_idle == n) {
+			d->idle_hand = h; /* a lap with nothing to write */
+			d->idle_ns = now;
 		}
 	}
 	return started;
