@@ -65,7 +65,7 @@ run disk.pml "-DPART=1" clean
 run disk.pml "-DPART=1 -DPUTS=3" clean
 run disk.pml "-DPART=2 -DLIVES=3" clean
 run disk.pml "-DPART=1 -DNO_SEQCHECK" "assert:((lo==v)"
-run disk.pml "-DPART=2 -DNO_LIFECHECK" "assert:(((c0==g)"
+run disk.pml "-DPART=2 -DNO_LIFECHECK" "assert:((c0==g)"
 if [ "${1:-}" = long ]; then
 	run slot.pml "-DNSH=1 -DNW=3 -DITER=1 -DAUX_ITER=1" clean 28
 	run slot.pml "-DNSH=1 -DNW=2 -DITER=2 -DAUX_ITER=2" clean 28
