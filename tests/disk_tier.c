@@ -389,6 +389,16 @@ static void test_bad_config(void **state)
 	assert_int_equal(st.st_size, 13);
 	unlink(file_path);
 
+	/* ... but a file of zeros (an operator's fallocate) is taken */
+	fd = open(file_path, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	assert_true(fd >= 0);
+	assert_int_equal(posix_fallocate(fd, 0, 4u << 20), 0);
+	close(fd);
+	assert_int_equal(engine(s, file_path, 0, KVT_DIRECT_AUTO, KVT_ADMIT_ALL, &d, err,
+				sizeof(err)), 0);
+	kvt_disk_close(d);
+	unlink(file_path);
+
 	/* a disk file of another layout: refused, then formatted on reset */
 	kvt_seg_detach(s);
 	s = make_seg(16, 1024, 512, 1); /* 8 KiB shards */

@@ -1021,28 +1021,35 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 			snprintf(why, sizeof(why), "a damaged header (size or offsets)");
 		if (why[0]) {
 			if (!o->reset)
-				return eset(err, len, -ESTALE, "disk %s holds %s: start with the "
-					    "reset option to format it (its chunks are lost)",
+				return eset(err, len, -ESTALE, "disk %s holds %s: format it with "
+					    "reset (kvtierd --disk-reset; its chunks are lost)",
 					    o->path, why);
 			dlog(d, 1, "%s holds %s: reset: formatting it", o->path, why);
 			fresh = 1;
 		}
 	} else if (have && !o->reset) {
 		/* Something that is not ours, and not empty: refuse to
-		 * overwrite it unless told. */
-		uint8_t probe[512];
-		ssize_t got = pread(d->fd, probe, sizeof(probe), 0);
-		int zero = got > 0;
+		 * overwrite it unless told.  (An aligned buffer: the
+		 * descriptor may be O_DIRECT.) */
+		uint8_t *probe;
+		if (posix_memalign((void **)&probe, DIO_ALIGN, DIO_ALIGN))
+			return eset(err, len, -ENOMEM, "disk: out of memory");
+		ssize_t got = pread(d->fd, probe, DIO_ALIGN, 0);
+		int zero = got > 0 || (got == 0 && have == 0);
 		for (ssize_t i = 0; i < got && zero; i++)
 			zero = !probe[i];
+		free(probe);
+		if (got < 0)
+			return eset(err, len, -errno, "disk %s: reading its first block: %s",
+				    o->path, strerror(errno));
 		if (!zero && S_ISBLK(st.st_mode))
 			return eset(err, len, -EINVAL, "disk %s is a block device with data that "
-				    "is not a kvtier disk tier: start with the reset option to "
-				    "format it", o->path);
+				    "is not a kvtier disk tier: format it with reset (kvtierd "
+				    "--disk-reset)", o->path);
 		if (!zero)
 			return eset(err, len, -EINVAL, "disk %s is not a kvtier disk file (%llu "
-				    "bytes of something else): remove it, or start with the reset "
-				    "option to format it", o->path, (unsigned long long)have);
+				    "bytes of something else): remove it, or format it with reset "
+				    "(kvtierd --disk-reset)", o->path, (unsigned long long)have);
 	}
 	if (fresh) {
 		uint64_t bytes = o->bytes ? o->bytes : have;
