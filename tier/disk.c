@@ -376,24 +376,23 @@ static uint64_t payload_csum(kvt_disk *d, uint32_t slot, const kvt_key *k)
 
 /* ---- submission ---- */
 
+/* Hands the queued SQEs to the kernel.  What it did not take (a partial
+ * submit) stays counted, so that the next round submits it. */
+static void submit(kvt_disk *d)
+{
+	if (d->queued && io_uring_submit(&d->ring) >= 0)
+		d->queued = io_uring_sq_ready(&d->ring);
+}
+
 static struct io_uring_sqe *sqe_get(kvt_disk *d)
 {
 	struct io_uring_sqe *q = io_uring_get_sqe(&d->ring);
 
-	if (!q && io_uring_submit(&d->ring) >= 0) {
-		d->queued = 0;
+	if (!q) {
+		submit(d);
 		q = io_uring_get_sqe(&d->ring);
 	}
 	return q;
-}
-
-/* One chunk's I/Os go to the kernel as soon as they are queued: the next
- * chunk's checksum (CPU) then overlaps this chunk's I/O instead of
- * delaying it to the end of the round. */
-static void submit(kvt_disk *d)
-{
-	if (d->queued && io_uring_submit(&d->ring) >= 0)
-		d->queued = 0;
 }
 
 static int buf_index(const kvt_disk *d, uint32_t slot, uint32_t shard)
@@ -520,6 +519,8 @@ static int demote_start(kvt_disk *d, uint32_t x, const kvt_key *k, uint32_t dept
 		job_put(d, j);
 		return 0;
 	}
+	/* the chunk's I/Os go to the kernel now: the next chunk's checksum
+	 * (CPU) overlaps them instead of delaying them to the round's end */
 	submit(d);
 	return 1;
 }
@@ -672,6 +673,14 @@ static int promote_start(kvt_disk *d, const struct kvt_disk_ref *ref, const kvt_
 		return 0;
 	}
 	d->ext[e].ref = 1;
+	/* In DRAM already (READY, or a rank saving it right now): nothing to
+	 * do.  Checked first, so that the engine does not join a rank's fill
+	 * of the chunk (between this check and the claims below a rank can
+	 * still start one; then both step aside from one shard each at worst
+	 * and the fill timeout reclaims the slot: a lost save, never wrong
+	 * bytes). */
+	if (kvt_seg_peek(d->s, k, 1) == 1)
+		return 0;
 	j = job_get(d, J_PROMOTE);
 	if (j == UINT32_MAX)
 		return -1;
@@ -754,7 +763,15 @@ static int promote_requests(kvt_disk *d)
 	int started = 0;
 
 	while (io_room(d) && d->jobs_live < d->n_jobs) {
+		/* take only what fits: each promotion is n_shards reads, and
+		 * the I/Os in flight stay within the depth (the completion
+		 * ring is sized by it) */
 		uint32_t room = d->n_jobs - d->jobs_live;
+		uint32_t fit = (d->o.depth - d->inflight) / d->n_shards;
+		if (!fit)
+			fit = 1; /* io_room: nothing in flight */
+		if (room > fit)
+			room = fit;
 		int n = kvt_disk_take_requests(d->s, refs, keys, room < 64 ? room : 64);
 		if (n <= 0)
 			break;
@@ -890,11 +907,7 @@ int kvt_disk_poll(kvt_disk *d)
 	work += meta_flush(d);
 	work += promote_requests(d);
 	work += demote_scan(d);
-	if (d->queued) {
-		int r = io_uring_submit(&d->ring);
-		if (r >= 0)
-			d->queued = 0;
-	}
+	submit(d);
 	uint64_t now = mono_ns();
 	if (work || now - d->last_publish > 50000000ULL) {
 		publish(d);
@@ -1369,7 +1382,10 @@ void kvt_disk_close(kvt_disk *d)
 		return;
 	if (d->ring_ok) {
 		/* Finish what is in flight (their slots and claims), then the
-		 * records; no new work is taken. */
+		 * records; no new work is taken.  A read still in flight after
+		 * the timeout keeps its claims: the kernel may still write into
+		 * those sub-slots, so they must not be handed to a new life; the
+		 * reaper drops them once this process is gone. */
 		uint32_t admit = d->o.admit;
 		d->o.admit = KVT_ADMIT_NONE;
 		d->closing = 1;
@@ -1377,8 +1393,7 @@ void kvt_disk_close(kvt_disk *d)
 		while ((d->inflight || d->n_dirty) && mono_ns() - t0 < 30000000000ULL) {
 			reap(d);
 			meta_flush(d);
-			if (d->queued && io_uring_submit(&d->ring) >= 0)
-				d->queued = 0;
+			submit(d);
 			if (d->inflight) {
 				struct io_uring_cqe *c;
 				struct __kernel_timespec ts = { 0, 10000000 };
