@@ -174,6 +174,7 @@ static int teardown(void **state)
 {
 	(void)state;
 	kvt_seg_unlink(seg_name, NULL);
+	kvt_unlink(seg_name, NULL); /* kvt_open's: it may be on a hugetlbfs mount */
 	unlink(file_path);
 	unlink(shm_path);
 	return 0;
