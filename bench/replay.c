@@ -1038,9 +1038,11 @@ int kvt_bench_replay(int argc, char **argv)
 	}
 	res.hbm_hits = 0; /* counted again by the replay, per request */
 	if (o.disk) {
-		/* the file's size for the chunks asked; the index gets what it holds */
-		uint64_t payload = (uint64_t)CHUNK_TOKENS * o.bytes_per_token, got = 0;
-		uint64_t shard = payload < 4096 ? (payload + 63) / 64 * 64 : (payload + 4095) / 4096 * 4096;
+		/* the file's size for the chunks asked; the index gets what it
+		 * holds.  One chunk = one shard of the replay's geometry. */
+		struct kvt_geometry g = { .chunk_tokens = CHUNK_TOKENS, .world = 1, .n_groups = 1,
+					  .groups = { { 1, o.bytes_per_token } } };
+		uint64_t shard = kvt_geometry_shard_bytes(&g), got = 0;
 		char err[512];
 		o.disk_bytes = (2ULL << 20) + (uint64_t)o.disk_chunks * (shard + 64);
 		if (kvt_disk_plan(o.disk, o.disk_bytes, shard, 1, &got, err, sizeof(err)) ||
