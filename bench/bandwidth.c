@@ -65,6 +65,7 @@
 
 #include "kvt_core.h"
 #include "bench_util.h"
+#include "safe_kill.h"
 #include "kvt_dma.h"
 #include "kvt_numa.h"
 #include "hip.h"
@@ -1202,7 +1203,7 @@ static int run_conf(const struct opts *o, struct conf *cf, struct shared *sh,
 			perror("bandwidth: fork");
 			/* the barrier would wait forever for the missing ranks */
 			for (uint32_t i = 0; i < r; i++)
-				kill(pids[i], SIGKILL);
+				kvt_kill_pid(pids[i], SIGKILL);
 			for (uint32_t i = 0; i < r; i++)
 				waitpid(pids[i], NULL, 0);
 			kvt_seg_detach(s);

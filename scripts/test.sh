@@ -8,7 +8,7 @@
 #
 # Two long jobs run beside the rest, to keep the suite well inside CI's
 # time on two cores: the vLLM environment's installation (network and
-# disk, from the start) and the Promela model check (one core, ~8 min,
+# disk, from the start) and the Promela model check (about a minute on two cores,
 # once the normal build is there).  Their results are waited for and
 # reported like everything else.
 set -euo pipefail

@@ -148,7 +148,7 @@ static inline void ch_kill_all(struct chaos_state *t)
 {
 	for (uint32_t i = 0; i <= t->o->world; i++)
 		if (t->pids[i] > 0) {
-			kill(t->pids[i], SIGKILL);
+			kvt_kill_pid(t->pids[i], SIGKILL);
 			waitpid(t->pids[i], NULL, 0);
 			t->pids[i] = 0;
 		}
@@ -185,7 +185,7 @@ static inline int ch_trial(struct chaos_state *t, uint32_t trial, uint64_t *rng,
 	for (uint32_t i = 0; i <= world; i++)
 		if (victims & (1u << i)) {
 			int ws = 0;
-			kill(t->pids[i], SIGKILL);
+			kvt_kill_pid(t->pids[i], SIGKILL);
 			if (waitpid(t->pids[i], &ws, 0) != t->pids[i])
 				CH_FAIL(t, "trial %u: waitpid: %s", trial, strerror(errno));
 			t->pids[i] = 0;

@@ -70,7 +70,7 @@ static void test_own_exclusive(void **st)
 	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_OBSERVER, 0, 0, 0, &t), 0);
 	kvt_seg_detach(t);
 	/* the owner dies mid-drain: its drain is void, the next owner takes over */
-	kill(pid, SIGKILL);
+	kvt_kill_pid(pid, SIGKILL);
 	assert_int_equal(waitpid(pid, &status, 0), pid);
 	close(wfd);
 	assert_int_equal(kvt_seg_owner(s), 0);

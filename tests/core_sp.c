@@ -53,8 +53,8 @@ static int teardown(void **st)
 {
 	(void)st;
 	/* a holder left by a failed test */
-	if (atomic_load(&T->host_pid) > 0)
-		kill(atomic_load(&T->host_pid), SIGKILL);
+	if (atomic_load(&T->host_pid) > 1)
+		kvt_kill_pid(atomic_load(&T->host_pid), SIGKILL);
 	atomic_store(&T->host_pid, 0);
 	while (waitpid(-1, NULL, WNOHANG) > 0)
 		;
@@ -327,6 +327,12 @@ static int holder_body(void)
 	if (kvt_seg_lookup(h, &k0, 1, &l) != 1)
 		return 12;
 	atomic_store(&T->ns_pid, (int)getpid());
+	/* Ready only once our pid in the test's namespace is known: in
+	 * ch_pidns the parent stores it after fork() returns, which may be
+	 * after this point; a test that read 0 there would kill(0, ...) its
+	 * own process group (ctest and CI with it). */
+	while (atomic_load(&T->host_pid) <= 1)
+		sched_yield();
 	atomic_store(&T->ready, 1);
 	for (;;)
 		pause();
@@ -379,7 +385,7 @@ static void holder_checks(kvt_seg *p, pid_t child)
 	kvt_test_assert_check(p);
 	assert_int_equal(pins_total(p), 1);
 	assert_int_equal(att(KVT_ROLE_RANK, 0, 1, &o), -EBUSY);
-	kill(atomic_load(&T->host_pid), SIGKILL);
+	kvt_kill_pid(atomic_load(&T->host_pid), SIGKILL);
 	atomic_store(&T->host_pid, 0);
 	(void)sp_waitpid(child, 30000);
 }
@@ -470,7 +476,7 @@ static void test_emfile_reaper(void **st)
 		fail_msg("kvt_check at the descriptor limit: %s", msg);
 	assert_int_equal(pins_total(p), 1);
 	assert_int_equal(att(KVT_ROLE_RANK, 0, 1, &o), -EBUSY);
-	kill(atomic_load(&T->host_pid), SIGKILL);
+	kvt_kill_pid(atomic_load(&T->host_pid), SIGKILL);
 	atomic_store(&T->host_pid, 0);
 	(void)sp_waitpid(c, 30000);
 	emfile_n = fill_fds(fds, 256);
@@ -610,7 +616,7 @@ static void test_frozen_by_dead_reap(void **st)
 	pid_t e = spawn(1, ch_lease_holder, (void *)1);
 	wait_ready(e);
 	freeze_by_dead(1);
-	kill(e, SIGKILL);
+	kvt_kill_pid(e, SIGKILL);
 	atomic_store(&T->host_pid, 0);
 	(void)sp_waitpid(e, 30000);
 	/* The reaper meets E's lease (on the frozen slot) before the dead

@@ -208,13 +208,25 @@ static int scenario(void *arg)
 
 /* ---- the parent ---- */
 
-static void reap_orphans(pid_t group)
+/* Waits for the scenario (leader of its own group), then kills what it
+ * left in the group, then reaps it.  The group is signalled while its
+ * leader is still an unreaped zombie, so the group id cannot have been
+ * reused by a stranger (safe_kill.h).  Returns the scenario's wait status,
+ * or -1 when it had to be killed after ms. */
+static int wait_and_reap_group(pid_t leader, int ms)
 {
-	int st;
+	int st, r = 0;
 
-	kill(-group, SIGKILL);
-	while (waitpid(-1, &st, 0) > 0)
+	if (kvt_wait_zombie(leader, ms)) {
+		kvt_kill_pid(leader, SIGKILL);
+		r = -1;
+	}
+	kvt_kill_group(leader, SIGKILL);
+	if (waitpid(leader, &st, 0) != leader)
+		st = -2;
+	while (waitpid(-1, NULL, 0) > 0)
 		;
+	return r ? r : st;
 }
 
 /* Saves fresh keys on every shard, looks each up, checks the bytes, loads
@@ -278,8 +290,8 @@ static void run_one(int point, int skip)
 		sp_me = 1;
 		_exit(scenario(NULL));
 	}
-	int st = sp_waitpid(c, 120000);
-	reap_orphans(c);
+	(void)setpgid(c, c); /* as the child does: whichever runs first */
+	int st = wait_and_reap_group(c, 120000);
 	if (getenv("SPK_DEBUG"))
 		fprintf(stderr, "%s/%d: status %d, hits %llu\n", name, skip, st,
 			(unsigned long long)atomic_load(&sp_ctl->hits[point]));

@@ -57,7 +57,7 @@ static int teardown(void **state)
 
 	for (uint32_t i = 0; i <= SE_MAX_WORLD; i++)
 		if (t->pids[i] > 0) {
-			kill(t->pids[i], SIGKILL);
+			kvt_kill_pid(t->pids[i], SIGKILL);
 			waitpid(t->pids[i], NULL, 0);
 		}
 	if (t->seg)

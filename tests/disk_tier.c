@@ -552,7 +552,7 @@ static void test_kill9_during_writes(void **state)
 		seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
 		struct timespec ts = { 0, (long)((seed >> 33) % 3000000) };
 		nanosleep(&ts, NULL);
-		kill(pid, SIGKILL);
+		kvt_kill_pid(pid, SIGKILL);
 		int st;
 		assert_int_equal(waitpid(pid, &st, 0), pid);
 		assert_true(WIFSIGNALED(st));

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "kvt_core.h"
+#include "safe_kill.h"
 
 /* A small sharded geometry: 16-token chunks of 16 B/token -> 256-B shards. */
 static inline struct kvt_geometry kvt_test_geo(uint32_t world, uint32_t slots)

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "kvt_sp.h"
+#include "safe_kill.h"
 
 #ifndef KVT_SCHEDULE_POINTS
 #error "sp_ctl.h needs core built with KVT_SCHEDULE_POINTS (link kvtier_core_sp)"
@@ -210,7 +211,7 @@ static inline int sp_waitpid(pid_t pid, unsigned ms)
 			return -2;
 		sp_sleep_us(100);
 	} while (sp_now_ms() < end);
-	kill(pid, SIGKILL);
+	kvt_kill_pid(pid, SIGKILL);
 	waitpid(pid, &status, 0);
 	return -1;
 }

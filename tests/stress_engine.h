@@ -40,6 +40,7 @@
 #ifndef STRESS_ENGINE_H
 #define STRESS_ENGINE_H
 
+#include "safe_kill.h"
 #include <errno.h>
 #include <inttypes.h>
 #include <sched.h>

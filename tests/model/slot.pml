@@ -37,6 +37,9 @@
 #ifndef ITER
 #define ITER 1     /* operations per writer */
 #endif
+#ifndef ITER0
+#define ITER0 ITER /* operations of writer 0 (the others do ITER) */
+#endif
 #ifndef AUX_ITER
 #define AUX_ITER 1 /* operations of the evictor and of the sweeper */
 #endif
@@ -172,7 +175,7 @@ proctype writer_p(byte id)
 	bool ok, isfull, dr;
 
 	do
-	:: it < ITER ->
+	:: (id == 0 && it < ITER0) || (id != 0 && it < ITER) ->
 		it++;
 		if
 		:: atomic { st == FREE -> st = FILLING; owner = id + 1; g = gen;
@@ -228,7 +231,9 @@ proctype writer_p(byte id)
 			if :: (ready & BIT(sh)) ->
 				atomic { if :: cent[sh] == id + 1 && cgen[sh] == g -> cent[sh] = 0
 					    :: else fi };
+#ifndef NO_JOIN_RECLAIM
 				reclaim(g);
+#endif
 				goto next
 			   :: else fi
 #endif

@@ -88,7 +88,10 @@ class Engine:
 
     def kill(self):
         """kill -9 of the whole engine: its front end, engine core and
-        workers (one process group)."""
+        workers (one process group).  Only while the leader is unreaped:
+        its pid, the group's id, cannot have been reused then."""
+        if self.p.returncode is not None or self.p.pid <= 1:
+            return
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
