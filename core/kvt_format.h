@@ -406,8 +406,9 @@ struct kvt_seg {
 	uint32_t bucket_mask;
 	uint32_t lease_scan;      /* private lease allocation cursor */
 	uint32_t sweep_peek;      /* slots looked ahead for a deeper victim */
-	int fd;                   /* the segment file: holds our entry lock and
-				   * probes the others'; -1 after fork() */
+	int fd;                   /* the segment file, never mapped (the mapping
+				   * is another open): holds our entry and owner
+				   * locks, probes the others'; -1 after fork() */
 	uint32_t reaping;         /* entry we hold locked to reap, or UINT32_MAX */
 	uint32_t forked;          /* inherited across fork(): inert */
 	uint32_t owns;            /* holds the owner lock (owner.c) */

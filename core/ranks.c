@@ -26,7 +26,10 @@
  * fork: a child inherits the open file description, hence the lock.  The
  * atfork child handler (segment.c) closes every handle's descriptor in the
  * child and makes the handle inert there, so a dead parent's entries do
- * not stay alive through a child that never attached them.
+ * not stay alive through a child that never attached them.  The locked
+ * description is never mapped (the mapping is a second open, map_path in
+ * segment.c): a mapping keeps its file alive in every child that inherits
+ * it, and with it any lock on that file (test_fork_child_keeps_no_lock).
  *
  * Attach takes entry e's lock first; holding it, it owns the entry, and
  * whatever the owner word says (ATTACHED, CLAIMING or REAPING of a dead

@@ -409,6 +409,13 @@ int kvt_seg_unlink(const char *name, const char *dir)
  * it the OFD lock that says the parent's entry lives (ranks.c).  So the
  * child handler closes those descriptors in the child and makes the
  * handles inert there: the entry stays the parent's, and dies with it.
+ * The mapping is made through another open of the file (map_path), so the
+ * mapping a child inherits keeps no locked description alive: until
+ * layout 5 the locked descriptor itself was mapped, and an idle child of
+ * a dead rank (Python's multiprocessing fork, a worker pool) kept the rank
+ * "alive", unreaped, and a dead kvtierd's ownership.  (The child may
+ * still read the segment through the mapping, e.g. its counters; it can
+ * no longer be taken for its parent.)
  * This list is the one piece of process-wide state in core: fork is a
  * process-wide event. */
 static pthread_mutex_t handles_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -667,6 +674,33 @@ static int map_fd(int fd, uint64_t size, uint64_t align, uint8_t **base)
 	return 0;
 }
 
+/* Maps the file open as `fd` through a second open of the same path: the
+ * mapping keeps its open file description alive for as long as the
+ * mapping lives, in this process and in any child that inherits it, so
+ * that description must never carry a lock.  Entry and owner locks live
+ * on `fd` alone, which is never mapped (ranks.c, owner.c): a fork child
+ * that keeps the mapping keeps no liveness token of the parent's.  The
+ * second open must find the same inode (dev, ino) as `fd`, or the name
+ * was replaced in between: -ESTALE. */
+static int map_path(int fd, const char *path, int is_shm, uint64_t size, uint64_t align,
+		    uint8_t **base)
+{
+	struct stat a, b;
+	int mfd, r;
+
+	mfd = seg_open(path, is_shm, O_RDWR | O_NOFOLLOW, 0);
+	if (mfd < 0)
+		return mfd;
+	if (fstat(fd, &a) < 0 || fstat(mfd, &b) < 0)
+		r = -errno;
+	else if (a.st_dev != b.st_dev || a.st_ino != b.st_ino)
+		r = -ESTALE;
+	else
+		r = map_fd(mfd, size, align, base);
+	close(mfd);
+	return r;
+}
+
 static uint64_t map_align(const struct stat *st)
 {
 	uint64_t blk = (uint64_t)st->st_blksize;
@@ -743,11 +777,13 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out)
 	snprintf(s->name, sizeof(s->name), "%s", a->name);
 	s->size = (uint64_t)st.st_size;
 	s->fd = fd;
-	r = map_fd(fd, s->size, map_align(&st), &s->base);
+	r = map_path(fd, path, is_shm, s->size, map_align(&st), &s->base);
 	if (r) {
 		close(fd);
 		free(s);
-		return kvt__err(r, "attach '%s': mmap: %s", a->name, strerror(-r));
+		return kvt__err(r, "attach '%s': mmap: %s", a->name,
+				r == -ESTALE ? "the file was replaced while attaching; try again"
+					     : strerror(-r));
 	}
 	s->hdr = (struct kvt_hdr *)s->base;
 	/* A0: pairs with R0 in kvt_seg_create; the header is complete. */
@@ -990,7 +1026,7 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	r = reserve(fd, c->name, 0, reg[KVT_R_ARENA].off, is_huge);
 	if (r)
 		goto out_close;
-	r = fstat(fd, &st) < 0 ? -errno : map_fd(fd, total, map_align(&st), &base);
+	r = fstat(fd, &st) < 0 ? -errno : map_path(fd, path, is_shm, total, map_align(&st), &base);
 	if (r) {
 		if (is_huge && r == -ENOMEM)
 			r = kvt__err(-ENOSPC, "create '%s': reserving %s of huge pages "

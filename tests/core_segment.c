@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -389,6 +390,81 @@ static void test_dead_rank_reattach(void **st)
 	kvt_seg_detach(s);
 }
 
+/* A rank that fork()s an idle child and is killed: the child, which keeps
+ * the inherited mapping, keeps none of its parent's liveness.  The dead
+ * rank is reaped (its claim dropped), its rank attachable again, its
+ * ownership takeable, all while the child lives.  Until the locks moved to
+ * a descriptor that is never mapped, the child's mapping kept the locked
+ * open file alive: reap found nobody dead, the attach got -EBUSY. */
+static pid_t fork_pids[2]; /* killed by the teardown if an assertion failed */
+
+static int teardown_fork(void **st)
+{
+	for (int i = 0; i < 2; i++)
+		if (fork_pids[i] > 1) {
+			kvt_kill_pid(fork_pids[i], SIGKILL);
+			(void)waitpid(fork_pids[i], NULL, 0);
+			fork_pids[i] = 0;
+		}
+	(void)prctl(PR_SET_CHILD_SUBREAPER, 0);
+	return teardown(st);
+}
+
+static void test_fork_child_keeps_no_lock(void **st)
+{
+	(void)st;
+	struct kvt_geometry g = kvt_test_geo(2, 16);
+	kvt_seg *s = kvt_test_create(NAME, &g, NULL), *r = NULL;
+	int pfd[2], status;
+	pid_t grandchild = 0;
+
+	/* the orphaned grandchild is reparented to us, so we can reap it */
+	assert_int_equal(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+	assert_int_equal(pipe(pfd), 0);
+	pid_t pid = fork();
+	if (pid == 0) {
+		kvt_seg *c = NULL;
+		struct kvt_wref w;
+		kvt_key k = kvt_test_key(5);
+		close(pfd[0]);
+		if (kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 1, 2, &c) || kvt_seg_own(c))
+			_exit(1);
+		if (kvt_write_begin(c, &k, 0, 1, &w))
+			_exit(2);
+		pid_t idle = fork();
+		if (idle == 0) {
+			for (;;)
+				pause();
+		}
+		if (idle < 0 || write(pfd[1], &idle, sizeof(idle)) != sizeof(idle))
+			_exit(3);
+		for (;;)
+			pause();
+	}
+	fork_pids[0] = pid;
+	close(pfd[1]);
+	assert_int_equal(read(pfd[0], &grandchild, sizeof(grandchild)), sizeof(grandchild));
+	close(pfd[0]);
+	assert_true(grandchild > 1);
+	fork_pids[1] = grandchild;
+	assert_int_equal(kvt_seg_owner(s), pid);
+	assert_int_equal(kvt_seg_reap(s), 0); /* alive: nothing to reap */
+	kvt_kill_pid(pid, SIGKILL);
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	fork_pids[0] = 0;
+	assert_int_equal(kill(grandchild, 0), 0); /* the child lives on */
+	assert_int_equal(kvt_seg_owner(s), 0);
+	assert_int_equal(kvt_seg_reap(s), 1);
+	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 1, 2, &r), 0);
+	assert_int_equal(kvt_seg_own(s), 0);
+	kvt_test_assert_check(s);
+	kvt_kill_pid(grandchild, SIGKILL);
+	assert_int_equal(waitpid(grandchild, &status, 0), grandchild);
+	fork_pids[1] = 0;
+	kvt_seg_detach(r);
+	kvt_seg_detach(s);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -400,6 +476,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_truncated_and_foreign, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_identity, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_dead_rank_reattach, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_fork_child_keeps_no_lock, setup, teardown_fork),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
