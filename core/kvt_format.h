@@ -412,6 +412,7 @@ struct kvt_seg {
 	uint32_t reaping;         /* entry we hold locked to reap, or UINT32_MAX */
 	uint32_t forked;          /* inherited across fork(): inert */
 	uint32_t owns;            /* holds the owner lock (owner.c) */
+	uint32_t leave_to_reaper; /* detach keeps the entry (kvt_seg_leave_to_reaper) */
 	uint32_t lid_tag;         /* lease ids: segment tag (20 bits, nonzero) */
 	uint32_t lid_idx_bits;    /* ... bits of idx + 1 */
 	uint64_t lid_gen_mask;    /* ... mask of the gen bits */

@@ -30,6 +30,9 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <time.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -95,6 +98,34 @@ int kvt_seg_own(kvt_seg *s)
 	/* release: OW1 */
 	kat_store(&s->hdr->owner, KVT_OWNER(1, s->pid), KVT_REL);
 	return 0;
+}
+
+int kvt_seg_own_wait(kvt_seg *s, int ms)
+{
+	struct timespec tick = { 0, 10000000 };
+	int r;
+
+	for (int waited = 0;; waited += 10) {
+		r = kvt_seg_own(s);
+		if (r != -EBUSY || waited >= ms)
+			break;
+		/* A hint, never a verdict: the lock says who lives.  An owner
+		 * whose pid this namespace sees is a live process: no point in
+		 * waiting.  One it cannot see is dead with writes still in
+		 * flight (its ring holds the lock until they land), or lives in
+		 * another PID namespace: waited for, up to ms. */
+		int pid = owner_pid_word(s);
+		if (pid > 0 && (kill(pid, 0) == 0 || errno == EPERM))
+			break;
+		nanosleep(&tick, NULL);
+	}
+	if (r == -EBUSY && ms > 0) {
+		char first[256];
+		snprintf(first, sizeof(first), "%s", kvt_core_last_error());
+		kvt__err(r, "%s (waited up to %d ms: a dead owner's I/O still in flight keeps "
+			 "it owned until the device finished it)", first, ms);
+	}
+	return r;
 }
 
 int kvt_seg_owner(const kvt_seg *s)

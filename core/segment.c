@@ -1119,12 +1119,22 @@ out_close:
 	return r;
 }
 
+int kvt_seg_lock_fd(const kvt_seg *s) { return s ? s->fd : -1; }
+
+void kvt_seg_leave_to_reaper(kvt_seg *s)
+{
+	if (s)
+		s->leave_to_reaper = 1;
+}
+
 int kvt_seg_detach(kvt_seg *s)
 {
 	if (!s)
 		return kvt__err(-EINVAL, "detach: NULL handle");
 	handle_unregister(s);
-	if (s->entry != UINT32_MAX)
+	/* Left to the reaper: no F_UNLCK, no EMPTY; closing our descriptor
+	 * below drops the lock only if nothing else holds the description. */
+	if (s->entry != UINT32_MAX && !s->leave_to_reaper)
 		kvt__entry_release(s);
 	munmap(s->base, s->size);
 	if (s->fd >= 0)

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -529,8 +530,10 @@ static void test_kill9_during_writes(void **state)
 		assert_true(pid >= 0);
 		if (pid == 0) {
 			kvt_seg *c;
+			/* the last round's engine is dead, its ring's teardown
+			 * may not be over: own once it is */
 			if (kvt_test_attach(seg_name, KVT_ROLE_CLIENT, 0, 0, 0, &c) ||
-			    kvt_seg_own(c))
+			    kvt_seg_own_wait(c, 30000))
 				_exit(3);
 			struct kvt_disk_opts o = { .size = sizeof(o), .path = file_path,
 						   .bytes = 96u << 20, .depth = 16 };
@@ -622,6 +625,358 @@ static void test_evicted_during_write(void **state)
 	/* B back from disk, byte for byte (A leaves the slot free) */
 	save_range(s, 7, 8);
 	promote_check(s, d, 9, 10);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* ---- a slow block device: a loop device throttled by blkio ----
+ *
+ * Root, a free loop device and the cgroup-v1 blkio throttle are needed
+ * (else the test skips): reads of the device by a process in the cgroup
+ * run at THROTTLE_BPS, so a promotion read stays in flight for seconds,
+ * long after its submitter was killed. */
+#define THROTTLE_BPS 65536
+static char loop_dev[128], loop_img[256], blk_cg[128];
+
+static void slow_device_teardown(void)
+{
+	char cmd[512];
+
+	if (loop_dev[0]) {
+		snprintf(cmd, sizeof(cmd), "losetup -d %s 2>/dev/null", loop_dev);
+		if (system(cmd)) {
+			/* best effort */
+		}
+		loop_dev[0] = 0;
+	}
+	if (loop_img[0])
+		unlink(loop_img);
+	loop_img[0] = 0;
+	if (blk_cg[0])
+		(void)rmdir(blk_cg);
+	blk_cg[0] = 0;
+}
+
+static int write_file(const char *path, const char *text)
+{
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	ssize_t n = fd < 0 ? -1 : write(fd, text, strlen(text));
+
+	if (fd >= 0)
+		close(fd);
+	return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+/* Makes the device and the cgroup; 0, or -1 (skip: why on stderr). */
+static int slow_device(uint64_t bytes)
+{
+	char cmd[512], line[128], path[256];
+	struct stat st;
+	FILE *p;
+
+	if (geteuid() != 0 || access("/dev/loop-control", W_OK) ||
+	    access("/sys/fs/cgroup/blkio/cgroup.procs", W_OK)) {
+		fprintf(stderr, "skip: needs root, loop devices and the blkio cgroup (v1)\n");
+		return -1;
+	}
+	snprintf(loop_img, sizeof(loop_img), "kvtier-disk-loop-%d.img", (int)getpid());
+	int fd = open(loop_img, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (fd < 0 || ftruncate(fd, (off_t)bytes)) {
+		fprintf(stderr, "skip: %s: %s\n", loop_img, strerror(errno));
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	close(fd);
+	snprintf(cmd, sizeof(cmd), "losetup -f --show %s 2>&1", loop_img);
+	p = popen(cmd, "r");
+	if (!p || !fgets(line, sizeof(line), p) || strncmp(line, "/dev/loop", 9)) {
+		fprintf(stderr, "skip: losetup: %s\n", p ? line : strerror(errno));
+		if (p)
+			pclose(p);
+		return -1;
+	}
+	pclose(p);
+	line[strcspn(line, "\n")] = 0;
+	snprintf(loop_dev, sizeof(loop_dev), "%s", line);
+	if (stat(loop_dev, &st) || !S_ISBLK(st.st_mode))
+		return -1;
+	snprintf(blk_cg, sizeof(blk_cg), "/sys/fs/cgroup/blkio/kvtier-test-%d", (int)getpid());
+	if (mkdir(blk_cg, 0755) && errno != EEXIST)
+		return -1;
+	snprintf(path, sizeof(path), "%s/blkio.throttle.read_bps_device", blk_cg);
+	snprintf(line, sizeof(line), "%u:%u %u", major(st.st_rdev), minor(st.st_rdev),
+		 THROTTLE_BPS);
+	if (write_file(path, line)) {
+		fprintf(stderr, "skip: %s: %s\n", path, strerror(errno));
+		return -1;
+	}
+	return 0;
+}
+
+/* An engine killed with a promotion read in flight into a claimed slot:
+ * the claim -- its entry -- lives until the read landed, so the slot is
+ * never handed to another key under it.  Deterministic: the device is
+ * throttled, so the read is still queued when the kill comes, for ~2 s.
+ * The decisive checks: right after the kill the dead engine's entry is
+ * not reaped (its ring holds the lock descriptor, kvt_seg_lock_fd), and
+ * once it is, every chunk then saved into the slot is byte-exact.  Before
+ * the ring held the descriptor, the reaper freed the slot at once, the
+ * next key was saved into it, and the old read overwrote it: served as
+ * that key's bytes. */
+static pid_t slow_engine;
+
+static int teardown_slow(void **state)
+{
+	if (slow_engine > 1) {
+		kvt_kill_pid(slow_engine, SIGKILL);
+		(void)waitpid(slow_engine, NULL, 0);
+	}
+	slow_engine = 0;
+	slow_device_teardown();
+	return teardown(state);
+}
+
+/* Demotes A (key 7) on the slow device through an in-process engine, and
+ * lets B (key 9) take the one slot; returns the segment (no owner left). */
+static kvt_seg *slow_setup(struct kvt_disk_opts *o)
+{
+	char err[512];
+	kvt_seg *s = make_seg(1, 1024, 4096, 0), *t;
+	kvt_disk *d;
+
+	assert_int_equal(kvt_test_attach(seg_name, KVT_ROLE_CLIENT, 0, 0, 0, &t), 0);
+	assert_int_equal(kvt_seg_own(t), 0);
+	*o = (struct kvt_disk_opts){ .size = sizeof(*o), .path = loop_dev,
+				     .direct = KVT_DIRECT_ON, .admit = KVT_ADMIT_ALL, .depth = 8 };
+	int r = kvt_disk_open(t, o, &d, err, sizeof(err));
+	if (uring_refused(r, err)) {
+		kvt_seg_detach(t);
+		kvt_seg_detach(s);
+		return NULL;
+	}
+	if (r)
+		fprintf(stderr, "kvt_disk_open: %s\n", err);
+	assert_int_equal(r, 0); /* a block device gets O_DIRECT (not taken for tmpfs) */
+	save_range(s, 7, 8);     /* A, demoted */
+	drain(d, 1);
+	assert_true(on_disk(s, 7));
+	save_range(s, 9, 10);    /* B takes A's slot */
+	assert_false(in_dram(s, 7));
+	kvt_disk_close(d);
+	kvt_seg_detach(t);       /* no owner now */
+	o->admit = KVT_ADMIT_NONE;
+	return s;
+}
+
+/* Child side: joins the throttled cgroup, owns, opens the engine. */
+static kvt_disk *slow_child_engine(struct kvt_disk_opts *o, kvt_seg **c)
+{
+	char procs[256], err[512];
+	kvt_disk *d;
+
+	snprintf(procs, sizeof(procs), "%s/cgroup.procs", blk_cg);
+	if (write_file(procs, "0"))
+		_exit(2);
+	if (kvt_test_attach(seg_name, KVT_ROLE_CLIENT, 0, 0, 0, c) || kvt_seg_own_wait(*c, 30000))
+		_exit(3);
+	if (kvt_disk_open(*c, o, &d, err, sizeof(err))) {
+		fprintf(stderr, "child: %s\n", err);
+		_exit(4);
+	}
+	return d;
+}
+
+/* Parent side: asks for A and waits for its read to be in flight. */
+static void slow_wait_inflight(kvt_seg *s)
+{
+	struct kvt_disk_status ds;
+
+	assert_true(on_disk(s, 7)); /* replayed */
+	request(s, 7);
+	for (int i = 0; i < 30000; i++) {
+		assert_int_equal(kvt_disk_status_read(s, &ds), 0);
+		if (ds.inflight > 0)
+			break;
+		usleep(1000);
+	}
+	assert_true(ds.inflight > 0);
+	assert_false(in_dram(s, 9)); /* B was evicted for it */
+}
+
+/* The slot of the read in flight is not to be had, by key 11 or anyone;
+ * once the device finished, the entry is reaped and key 11 saved exact. */
+static void slow_check_claim_outlives_read(kvt_seg *s)
+{
+	kvt_key k11 = kvt_test_key(11);
+	struct kvt_wref w;
+	int r = kvt_write_begin(s, &k11, 0, 0, &w);
+
+	if (r >= 0)
+		fail_msg("a slot was handed to key 11 under an in-flight read into it "
+			 "(kvt_write_begin %d, slot %u)", r, w.slot);
+	assert_false(in_dram(s, 11));
+	int reaped = 0;
+	for (int i = 0; i < 60000 && !reaped; i++) {
+		reaped = kvt_seg_reap(s);
+		assert_true(reaped >= 0);
+		if (!reaped)
+			usleep(1000);
+	}
+	assert_int_equal(reaped, 1);
+	kvt_test_assert_check(s);
+	save_range(s, 11, 12);
+	assert_int_equal(dram_exact(s, 11), 1);
+}
+
+static void test_kill_with_read_in_flight(void **state)
+{
+	(void)state;
+	struct kvt_disk_opts o;
+	int pfd[2], st;
+	char c;
+
+	if (slow_device(16u << 20))
+		KVT_TEST_SKIP();
+	/* one slot, 2 x 64 KiB shards: a chunk's read takes ~2 s throttled */
+	kvt_seg *s = slow_setup(&o);
+	if (!s)
+		KVT_TEST_SKIP();
+	assert_int_equal(pipe(pfd), 0);
+	slow_engine = fork();
+	assert_true(slow_engine >= 0);
+	if (slow_engine == 0) {
+		kvt_seg *h;
+		close(pfd[0]);
+		kvt_disk *d = slow_child_engine(&o, &h);
+		if (write(pfd[1], "r", 1) != 1)
+			_exit(5);
+		for (;;)
+			kvt_disk_poll(d);
+	}
+	close(pfd[1]);
+	assert_int_equal(read(pfd[0], &c, 1), 1);
+	close(pfd[0]);
+	slow_wait_inflight(s);
+	kvt_kill_pid(slow_engine, SIGKILL);
+	assert_int_equal(waitpid(slow_engine, &st, 0), slow_engine);
+	slow_engine = 0;
+	/* Dead, its read queued at the device: its entry, and the claim on
+	 * the slot, must stay. */
+	assert_int_equal(kvt_seg_reap(s), 0);
+	slow_check_claim_outlives_read(s);
+	kvt_seg_detach(s);
+}
+
+/* The same read outlives a close that gave up waiting for it (a hung
+ * device, close_wait_ms): the engine's process lives on, its handle
+ * detached, and still the claim stays until the read landed.  Before,
+ * the detach released the entry and aborted the claim at once. */
+static void test_close_timeout_leaves_claims(void **state)
+{
+	(void)state;
+	struct kvt_disk_opts o;
+	int pfd[2], back[2];
+	char c;
+
+	if (slow_device(16u << 20))
+		KVT_TEST_SKIP();
+	kvt_seg *s = slow_setup(&o);
+	if (!s)
+		KVT_TEST_SKIP();
+	assert_int_equal(pipe(pfd), 0);
+	assert_int_equal(pipe(back), 0);
+	slow_engine = fork();
+	assert_true(slow_engine >= 0);
+	if (slow_engine == 0) {
+		kvt_seg *h;
+		close(pfd[0]);
+		close(back[1]);
+		o.close_wait_ms = 50;
+		kvt_disk *d = slow_child_engine(&o, &h);
+		if (write(pfd[1], "r", 1) != 1)
+			_exit(5);
+		struct kvt_disk_status ds;
+		do {
+			kvt_disk_poll(d);
+			kvt_disk_status_read(h, &ds);
+		} while (!ds.inflight);
+		kvt_disk_close(d); /* gives up after 50 ms */
+		kvt_seg_detach(h);
+		if (write(pfd[1], "c", 1) != 1)
+			_exit(6);
+		if (read(back[0], &c, 1) < 0) /* lives until told */
+			_exit(7);
+		_exit(0);
+	}
+	close(pfd[1]);
+	close(back[0]);
+	assert_int_equal(read(pfd[0], &c, 1), 1);
+	request(s, 7);
+	assert_int_equal(read(pfd[0], &c, 1), 1);
+	assert_int_equal(c, 'c');
+	close(pfd[0]);
+	assert_false(in_dram(s, 9));
+	slow_check_claim_outlives_read(s);
+	close(back[1]);
+	int st;
+	assert_int_equal(waitpid(slow_engine, &st, 0), slow_engine);
+	slow_engine = 0;
+	assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+	kvt_seg_detach(s);
+}
+
+/* One engine per disk file: a second engine (another process, its own
+ * segment) is refused, naming the first's pid, with reset too, and the
+ * first engine's chunks stay intact.  Before, both were accepted and
+ * reset formatted the file under the first. */
+static void test_one_engine_per_file(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(48, 1024, 256, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 8u << 20, KVT_DIRECT_AUTO, KVT_ADMIT_ALL);
+	int st;
+
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	save_range(s, 0, 8);
+	drain(d, 1);
+	pid_t pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		char name[96], err[512], want[32];
+		snprintf(name, sizeof(name), "%s-second", seg_name);
+		struct kvt_geometry g = geo(48, 1024, 256);
+		struct kvt_seg_create_opts co = { .size = sizeof(co), .name = name,
+						  .geo = &g, .flags = KVT_SEG_F_REPLACE };
+		struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+						 .role = KVT_ROLE_CLIENT };
+		kvt_seg *t;
+		kvt_disk *e;
+		if (kvt_seg_create(&co, &a, &t) || kvt_seg_own(t))
+			_exit(2);
+		snprintf(want, sizeof(want), "pid %d", (int)getppid());
+		struct kvt_disk_opts o = { .size = sizeof(o), .path = file_path };
+		int r = kvt_disk_open(t, &o, &e, err, sizeof(err));
+		int ok = r == -EBUSY && strstr(err, want) && strstr(err, "in use");
+		if (!ok)
+			fprintf(stderr, "second engine: %d %s\n", r, err);
+		o.reset = 1;
+		o.bytes = 8u << 20;
+		r = kvt_disk_open(t, &o, &e, err, sizeof(err));
+		ok = ok && r == -EBUSY;
+		if (r != -EBUSY)
+			fprintf(stderr, "second engine, reset: %d %s\n", r, err);
+		kvt_seg_detach(t);
+		kvt_seg_unlink(name, NULL);
+		_exit(ok ? 0 : 1);
+	}
+	assert_int_equal(waitpid(pid, &st, 0), pid);
+	assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+	save_range(s, 1000, 1048); /* push 0..7 out of DRAM */
+	promote_check(s, d, 0, 8);
 	kvt_disk_close(d);
 	kvt_seg_detach(s);
 }
@@ -718,6 +1073,9 @@ int main(int argc, char **argv)
 		cmocka_unit_test_setup_teardown(test_bad_config, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_admission, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_kill9_during_writes, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_kill_with_read_in_flight, setup, teardown_slow),
+		cmocka_unit_test_setup_teardown(test_close_timeout_leaves_claims, setup, teardown_slow),
+		cmocka_unit_test_setup_teardown(test_one_engine_per_file, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_evicted_during_write, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_lookup_ex_ask_again, setup, teardown),
 	};

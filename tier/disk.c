@@ -948,6 +948,59 @@ int kvt_disk_drain(kvt_disk *d, int demote_all, int64_t timeout_ns)
 
 /* ---- open and close ---- */
 
+static void disk_lock_at(struct flock *fl, short type, off_t byte)
+{
+	memset(fl, 0, sizeof(*fl));
+	fl->l_type = type;
+	fl->l_whence = SEEK_SET;
+	fl->l_start = byte;
+	fl->l_len = 1;
+}
+
+/* One engine per disk file, before anything is read or formatted.
+ *
+ * The guarantee is an OFD write lock on byte 0 of d->fd.  d->fd is also
+ * registered with the ring (ring_setup), so the lock outlives a dead
+ * engine for as long as its writes to the file can still land: a new
+ * engine (or --disk-reset) cannot start on the file under them.  An OFD
+ * lock has no pid, so a classic process lock on byte 1 carries the
+ * holder's name (F_GETLK reports its pid); it goes with the process, so a
+ * conflict on byte 0 with nobody on byte 1 is a dead engine's I/O still in
+ * flight (or its ring's teardown, which the kernel finishes asynchronously,
+ * a few ms after a kill): waited for, up to LOCK_WAIT_MS.  d->fd is the
+ * only descriptor of the file this process keeps open (a close of any
+ * other would drop the process lock); a clean close unlocks explicitly
+ * (close_file). */
+#define LOCK_WAIT_MS 10000
+static int lock_file(kvt_disk *d, char *err, size_t len)
+{
+	struct flock fl;
+
+	for (int waited = 0;; waited += 10) {
+		disk_lock_at(&fl, F_WRLCK, 0);
+		if (fcntl(d->fd, F_OFD_SETLK, &fl) == 0)
+			break;
+		int e = errno;
+		if (e != EAGAIN && e != EACCES)
+			return eset(err, len, -e, "disk %s: F_OFD_SETLK: %s", d->o.path, strerror(e));
+		disk_lock_at(&fl, F_WRLCK, 1);
+		if (fcntl(d->fd, F_GETLK, &fl) == 0 && fl.l_type != F_UNLCK && fl.l_pid > 0)
+			return eset(err, len, -EBUSY, "disk %s is in use by another disk engine "
+				    "(pid %d; one engine per disk file)", d->o.path, (int)fl.l_pid);
+		if (waited >= LOCK_WAIT_MS)
+			return eset(err, len, -EBUSY, "disk %s is in use: a disk engine that died "
+				    "still has I/O in flight on it after %d s (a slow or hung "
+				    "device), or another engine of this process holds it; start "
+				    "again once the device has finished", d->o.path,
+				    LOCK_WAIT_MS / 1000);
+		struct timespec ts = { 0, 10000000 };
+		nanosleep(&ts, NULL);
+	}
+	disk_lock_at(&fl, F_WRLCK, 1);
+	(void)fcntl(d->fd, F_SETLK, &fl); /* the name only: best effort */
+	return 0;
+}
+
 static int open_file(kvt_disk *d, char *err, size_t len)
 {
 	const struct kvt_disk_opts *o = &d->o;
@@ -976,7 +1029,10 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 	 * device behind the page cache: direct I/O there is a copy through
 	 * the same memory, so it counts as refused too. */
 	const char *why = NULL;
-	if ((unsigned long)sf.f_type == TMPFS_MAGIC || (unsigned long)sf.f_type == RAMFS_MAGIC)
+	/* A block device's node lives on devtmpfs, whose f_type is tmpfs's:
+	 * the file system test is for regular files only. */
+	if (S_ISREG(st.st_mode) && ((unsigned long)sf.f_type == TMPFS_MAGIC ||
+				    (unsigned long)sf.f_type == RAMFS_MAGIC))
 		why = "a memory file system (tmpfs) has no O_DIRECT";
 	else if (d->shard_bytes % DIO_ALIGN)
 		why = "a chunk shard is not a multiple of 4096 bytes, which O_DIRECT needs";
@@ -996,7 +1052,7 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 			    o->path, why ? why : "it is off");
 	if (!d->direct && o->direct == KVT_DIRECT_AUTO)
 		dlog(d, 1, "%s: buffered I/O through the page cache: %s", o->path, why);
-	return 0;
+	return lock_file(d, err, len);
 }
 
 /* Reads or formats the superblock and the record table. */
@@ -1223,8 +1279,25 @@ static int ring_setup(kvt_disk *d, char *err, size_t len)
 			    "kernel.io_uring_disabled forbids it, or the kernel is too old): the "
 			    "disk tier needs io_uring" : "");
 	d->ring_ok = 1;
-	if (io_uring_register_files(&d->ring, &d->fd, 1) == 0)
-		d->file_reg = 1;
+	/* Registered files: the disk file (index 0, every I/O goes through
+	 * it) and the segment handle's lock descriptor (index 1, never used
+	 * for I/O).  The ring holds both until its last request finished, even
+	 * after this process died: so the engine's entry -- hence its shard
+	 * claims on the sub-slots being read into -- and its lock on the disk
+	 * file live exactly as long as a read or a write can still land
+	 * (kvt_seg_lock_fd).  Without it, a kill -9 with a read in flight let
+	 * the reaper hand the claimed slot to another key before the read
+	 * wrote it: served as the other key's bytes. */
+	int files[2] = { d->fd, kvt_seg_lock_fd(d->s) };
+	if (files[1] < 0)
+		return eset(err, len, -EBADF, "disk %s: the segment handle has no lock descriptor "
+			    "(a handle inherited across fork?)", d->o.path);
+	r = io_uring_register_files(&d->ring, files, 2);
+	if (r < 0)
+		return eset(err, len, r, "disk %s: io_uring refused to register its files (%s): "
+			    "the engine's claims could not outlive its reads", d->o.path,
+			    strerror(-r));
+	d->file_reg = 1;
 	/* The arena as fixed buffers: per shard part, pieces of at most 1 GiB
 	 * cut at sub-slot boundaries (a sub-slot never straddles two). */
 	uint64_t per = PIECE_MAX / d->shard_bytes;
@@ -1276,7 +1349,7 @@ int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 			    "was made without a disk tier): recreate it with one", o->path,
 			    kvt_seg_name(s));
 	if (o->direct > KVT_DIRECT_OFF || o->admit > KVT_ADMIT_NONE || o->depth > 4096 ||
-	    o->reserved)
+	    o->close_wait_ms > 3600000)
 		return eset(err, len, -EINVAL, "disk: bad option (direct %u, admit %u, depth %u)",
 			    o->direct, o->admit, o->depth);
 	if (strlen(o->path) >= sizeof(d->path))
@@ -1390,7 +1463,8 @@ void kvt_disk_close(kvt_disk *d)
 		d->o.admit = KVT_ADMIT_NONE;
 		d->closing = 1;
 		uint64_t t0 = mono_ns();
-		while ((d->inflight || d->n_dirty) && mono_ns() - t0 < 30000000000ULL) {
+		uint64_t wait_ns = (d->o.close_wait_ms ? d->o.close_wait_ms : 30000) * 1000000ULL;
+		while ((d->inflight || d->n_dirty) && mono_ns() - t0 < wait_ns) {
 			reap(d);
 			meta_flush(d);
 			submit(d);
@@ -1405,7 +1479,29 @@ void kvt_disk_close(kvt_disk *d)
 			fdatasync(d->fd);
 		if (kvt_seg_owner(d->s) == getpid())
 			kvt_disk_engine_stop(d->s);
+		if (d->inflight) {
+			/* The ring, closed below, keeps the lock descriptor until
+			 * these finished; the handle's detach must not release
+			 * the entry under them either. */
+			dlog(d, 1, "%s: %u I/O(s) still in flight after %.1f s (a hung device?): "
+			     "their claims are left to the reaper, which takes them once the "
+			     "device has finished them", d->path, (unsigned)d->inflight,
+			     (double)wait_ns / 1e9);
+			kvt_seg_leave_to_reaper(d->s);
+		} else {
+			/* Drained: let go of the registered files now rather than
+			 * when the kernel's asynchronous teardown of the ring gets
+			 * to them, and unlock the disk file explicitly (below), so
+			 * that an engine opened right after this close finds the
+			 * file free. */
+			(void)io_uring_unregister_files(&d->ring);
+		}
 		io_uring_queue_exit(&d->ring);
+		if (!d->inflight && d->fd >= 0) {
+			struct flock fl;
+			disk_lock_at(&fl, F_UNLCK, 0);
+			(void)fcntl(d->fd, F_OFD_SETLK, &fl);
+		}
 	}
 	if (d->jobs)
 		for (uint32_t j = 0; j < d->n_jobs; j++)

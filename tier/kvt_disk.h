@@ -35,7 +35,7 @@ struct kvt_disk_opts {
 	uint32_t depth;       /* I/Os in flight, 1..4096; 0: 64 */
 	uint32_t reset;       /* format a file that holds another layout or size */
 	uint32_t scan;        /* slots the demotion scan looks at per poll; 0: 4096 */
-	uint32_t reserved;
+	uint32_t close_wait_ms; /* how long close waits for I/O in flight; 0: 30000 */
 	/* Messages (warnings, the plan); NULL: stderr. level 0 info, 1 warn. */
 	void (*log)(int level, const char *msg, void *arg);
 	void *log_arg;
@@ -75,8 +75,13 @@ int kvt_disk_event_fd(const kvt_disk *d);
  * (< 0: no limit).  0 or -ETIMEDOUT. */
 int kvt_disk_drain(kvt_disk *d, int demote_all, int64_t timeout_ns);
 
-/* Waits for the I/O in flight, writes the records, syncs, publishes the
- * tier offline and closes.  NULL is ignored. */
+/* Waits for the I/O in flight (up to opts.close_wait_ms), writes the
+ * records, syncs, publishes the tier offline and closes.  I/O still in
+ * flight after the wait keeps its shard claims: the kernel may still write
+ * into those sub-slots, so the handle s is marked to leave its entry to
+ * the reaper (kvt_seg_leave_to_reaper; detach it as usual), and the entry
+ * dies -- and is reaped -- only once the device finished.  NULL is
+ * ignored. */
 void kvt_disk_close(kvt_disk *d);
 
 struct kvt_disk_info {

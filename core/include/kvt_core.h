@@ -163,6 +163,26 @@ int kvt_seg_attach(const struct kvt_seg_attach_opts *a, kvt_seg **out);
  * detach only unmaps (the entry stays the parent's). */
 int kvt_seg_detach(kvt_seg *s);
 
+/* Writes into the arena that outlive a process.  A DMA or an I/O started
+ * on a claim's behalf may still land after its submitter died or gave up
+ * (an io_uring read completes after the process is gone; the ring's
+ * teardown is asynchronous).  The handle's liveness token -- its entry and
+ * owner locks -- lives on one open file description, returned here (-1
+ * for an inherited handle): a process that registers it with something
+ * the kernel keeps referenced until its last write landed (io_uring's
+ * registered files: the ring drops them only after every request
+ * finished) keeps its entry alive, hence its claims, exactly that long.
+ * Never close it, never map it, never I/O through it. */
+int kvt_seg_lock_fd(const kvt_seg *s);
+
+/* Marks the handle so that its detach leaves its entry to the reaper: the
+ * claims, pins and leases stay as they are, the lock is not released but
+ * only our descriptor of it closed; the entry dies when the last holder of
+ * that description (a ring with I/O in flight) lets go, and is reaped
+ * then.  For a caller that gave up waiting for writes into claimed
+ * sub-slots (kvt_disk_close on a time-out). */
+void kvt_seg_leave_to_reaper(kvt_seg *s);
+
 /* Removes the name (mappings stay valid).  0, -ENOENT, -EINVAL. */
 int kvt_seg_unlink(const char *name, const char *dir);
 
@@ -365,6 +385,12 @@ void kvt_seg_heartbeat(kvt_seg *s);
 /* Takes ownership: 0, -EBUSY (a live process owns it: the message names
  * its pid), -EPERM (no descriptor: an inherited handle). */
 int kvt_seg_own(kvt_seg *s);
+/* kvt_seg_own, retried for up to ms while the owner's pid is not one this
+ * process can see: a dead owner whose ring or driver still holds its lock
+ * descriptor (kvt_seg_lock_fd) stays the owner until its last write into
+ * the arena landed -- usually milliseconds, the device's latency at most.
+ * An owner this namespace sees alive fails at once (-EBUSY). */
+int kvt_seg_own_wait(kvt_seg *s, int ms);
 /* The owner's pid (1..) when a live process owns the segment, else 0.
  * The caller's own ownership counts. */
 int kvt_seg_owner(const kvt_seg *s);

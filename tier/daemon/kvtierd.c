@@ -1237,7 +1237,9 @@ int main(int argc, char **argv)
 		return r == -EBUSY ? 3 : 1;
 	}
 	D.seg = kvt__tier_seg(D.tier);
-	r = kvt_seg_own(D.seg);
+	/* a killed predecessor stays the owner until its last disk read
+	 * landed (kvt_seg_lock_fd): wait for that, not for a live one */
+	r = kvt_seg_own_wait(D.seg, 30000);
 	if (r) {
 		LOG_ERR("%s", kvt_core_last_error());
 		kvt_close(D.tier);
