@@ -89,6 +89,10 @@ run disk.pml "-DPART=1 -DPUTS=3" clean
 run disk.pml "-DPART=2 -DLIVES=3" clean
 run disk.pml "-DPART=1 -DNO_SEQCHECK" "assert:((lo==v)"
 run disk.pml "-DPART=2 -DNO_LIFECHECK" "assert:((c0==g)"
+# promotion by an engine that dies with its read in flight: the claim lives
+# as long as the ring holds the lock descriptor
+run disk.pml "-DPART=3" clean
+run disk.pml "-DPART=3 -DNO_RING_HOLD" "assert:(pbytes==pkey)"
 if [ "${1:-}" = long ]; then
 	run slot.pml "-DNSH=2 -DNW=2 -DITER=2 -DAUX_ITER=1" clean 28
 	run slot.pml "-DNSH=1 -DNW=3 -DITER=1 -DAUX_ITER=1" clean 28

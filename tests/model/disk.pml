@@ -17,9 +17,22 @@
  *    slot and refills it in life g + 1 (payload written in two halves).
  *    Assertion: a published copy holds life g's payload, both halves.
  *
- * -DNO_SEQCHECK (a reader that skips the second seq read) and
- * -DNO_LIFECHECK (a demotion published without the life re-check) must
- * fail: the model is strong enough to see each check's reason.
+ * 3. Promotion with a dying engine: the engine allocates the slot for key A
+ *    in a new life, claims it, submits the read (the kernel writes the
+ *    slot's bytes later, at a moment of its own), and publishes READY after
+ *    the completion if its claim and life still hold; it may die at any
+ *    step.  Its liveness token (the entry's lock) is held by the process
+ *    and by the ring, which keeps it until its request finished
+ *    (kvt_seg_lock_fd).  A reaper that sees the token gone drops the claim
+ *    and abandons the slot; a writer takes the free slot for key B, writes
+ *    B's bytes and publishes it.  A reader checks any READY slot.
+ *    Assertion: a READY slot holds the bytes of its own key.
+ *
+ * -DNO_SEQCHECK (a reader that skips the second seq read),
+ * -DNO_LIFECHECK (a demotion published without the life re-check) and
+ * -DNO_RING_HOLD (the token dies with the process, as before the ring held
+ * the lock descriptor) must fail: the model is strong enough to see each
+ * check's reason.
  *
  * Promela's interleavings are sequentially consistent; the C code's
  * acquire/release pairs (DW1/DR1 in diskidx.c, the slot's R6/A2) are what
@@ -168,7 +181,72 @@ out:
 	skip
 }
 
-/* The two parts share nothing: checked one at a time (-DPART=1, 2), so
+/* ---- 3. promotion with a dying engine ---- */
+#define KA 1
+#define KB 2
+byte pst = FREE;      /* the slot's state */
+byte pkey = 0;        /* whose life it is */
+byte pbytes = 0;      /* whose bytes it holds */
+bool claim = false;   /* the engine's shard claim */
+bool alive = true;    /* the engine's process */
+bool inflight = false;/* its read, submitted, not landed */
+bool pdone = false;
+
+#ifdef NO_RING_HOLD
+#define TOKEN (alive)
+#else
+#define TOKEN (alive || inflight)
+#endif
+
+proctype promoter()
+{
+	/* allocate + claim (kvt_write_begin); every end state of a process
+	 * that waits for another is a valid one (end labels): what is
+	 * checked is the assertion */
+end:	atomic { pst == FREE -> pst = FILLING; pkey = KA; claim = true };
+	if :: alive = false; goto out :: skip fi;
+	inflight = true;                        /* io_uring_submit */
+	if :: alive = false; goto out :: skip fi;
+	!inflight;                              /* the completion */
+	if :: alive = false; goto out :: skip fi;
+	/* kvt_write_end: its claim still there, in its life */
+	atomic { if :: claim && pst == FILLING && pkey == KA -> pst = READY; claim = false
+		    :: else fi };
+out:
+	skip
+}
+
+proctype kernel()
+{
+	/* the read lands whenever the device gets to it, alive or not */
+end:	atomic { inflight -> pbytes = KA; inflight = false }
+}
+
+proctype reaper()
+{
+	/* the token gone: drop the claim, abandon the FILLING slot */
+end:	atomic { !TOKEN && claim -> claim = false;
+		 if :: pst == FILLING -> pst = FREE; pkey = 0 :: else fi }
+}
+
+proctype writer()
+{
+	/* a rank saving key B into whatever slot is free */
+end:	atomic { pst == FREE -> pst = FILLING; pkey = KB };
+	pbytes = KB;
+	atomic { if :: pst == FILLING && pkey == KB -> pst = READY :: else fi };
+	pdone = true
+}
+
+proctype preader()
+{
+end:	do
+	:: atomic { pst == READY -> assert(pbytes == pkey) }
+	:: pdone && !inflight -> break
+	od
+}
+
+/* The parts share nothing: checked one at a time (-DPART=1, 2, 3), so
  * their states do not multiply. */
 #ifndef PART
 #define PART 1
@@ -180,6 +258,12 @@ init
 		/* readers do not interact: one is every reader */
 		run engine_writer();
 		run reader()
+#elif PART == 3
+		run promoter();
+		run kernel();
+		run reaper();
+		run writer();
+		run preader()
 #else
 		run evictor();
 		run demoter();
