@@ -297,6 +297,8 @@ int kvt_disk_status_read(const kvt_seg *s, struct kvt_disk_status *o)
 	o->inflight = kat_load(&d->inflight, KVT_RLX);
 	o->direct = kat_load(&d->direct, KVT_RLX);
 	o->epoch = kat_load(&d->epoch, KVT_RLX);
+	o->io_errors = kat_load(&d->io_errors, KVT_RLX);
+	o->failed = kat_load(&d->failed, KVT_RLX);
 	/* The path is the engine's to write; copy and terminate (bounds). */
 	memcpy(o->path, (const char *)d->path, sizeof(o->path));
 	o->path[sizeof(o->path) - 1] = 0;
@@ -312,6 +314,8 @@ void kvt_disk_engine_publish(kvt_seg *s, const struct kvt_disk_status *st)
 	kat_store(&d->used, st->used, KVT_RLX);
 	kat_store(&d->inflight, st->inflight, KVT_RLX);
 	kat_store(&d->direct, st->direct, KVT_RLX);
+	kat_store(&d->io_errors, st->io_errors, KVT_RLX);
+	kat_store(&d->failed, st->failed, KVT_RLX);
 	kat_store(&d->heartbeat_ns, kvt__now_ns(), KVT_RLX);
 }
 

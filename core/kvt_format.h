@@ -360,7 +360,9 @@ struct kvt_disk_shm {
 	kvt_a64 direct;
 	kvt_a64 epoch;
 	char path[256];
-	uint8_t pad[KVT_PAGE - 64 - 256];
+	kvt_a64 io_errors; /* I/Os the device failed (after path: older pages read 0) */
+	kvt_a64 failed;    /* 1: the engine took the disk offline for errors */
+	uint8_t pad[KVT_PAGE - 64 - 256 - 16];
 };
 _Static_assert(sizeof(struct kvt_disk_shm) == KVT_PAGE, "disk status is one page");
 struct kvt_dring {

@@ -433,10 +433,15 @@ static void test_fork_child_keeps_no_lock(void **st)
 			_exit(2);
 		pid_t idle = fork();
 		if (idle == 0) {
+			/* says so itself: by now fork's child handler has
+			 * closed its copy of the lock descriptor */
+			pid_t me = getpid();
+			if (write(pfd[1], &me, sizeof(me)) != sizeof(me))
+				_exit(3);
 			for (;;)
 				pause();
 		}
-		if (idle < 0 || write(pfd[1], &idle, sizeof(idle)) != sizeof(idle))
+		if (idle < 0)
 			_exit(3);
 		for (;;)
 			pause();

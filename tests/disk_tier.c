@@ -636,6 +636,7 @@ static void test_evicted_during_write(void **state)
  * run at THROTTLE_BPS, so a promotion read stays in flight for seconds,
  * long after its submitter was killed. */
 #define THROTTLE_BPS 65536
+#define FAIL_AFTER_TEST 16 /* tier/disk.c's FAIL_AFTER */
 static char loop_dev[128], loop_img[256], blk_cg[128];
 
 static void slow_device_teardown(void)
@@ -667,8 +668,10 @@ static int write_file(const char *path, const char *text)
 	return n == (ssize_t)strlen(text) ? 0 : -1;
 }
 
-/* Makes the device and the cgroup; 0, or -1 (skip: why on stderr). */
-static int slow_device(uint64_t bytes)
+/* Makes the device (and, with throttle, the cgroup); 0, or -1 (skip: why
+ * on stderr).  direct_io: the loop device reads its backing file with
+ * O_DIRECT, and a read past the file's end then fails with EIO. */
+static int loop_device(uint64_t bytes, int throttle, int direct_io)
 {
 	char cmd[512], line[128], path[256];
 	struct stat st;
@@ -688,7 +691,8 @@ static int slow_device(uint64_t bytes)
 		return -1;
 	}
 	close(fd);
-	snprintf(cmd, sizeof(cmd), "losetup -f --show %s 2>&1", loop_img);
+	snprintf(cmd, sizeof(cmd), "losetup -f --show %s %s 2>&1",
+		 direct_io ? "--direct-io=on" : "", loop_img);
 	p = popen(cmd, "r");
 	if (!p || !fgets(line, sizeof(line), p) || strncmp(line, "/dev/loop", 9)) {
 		fprintf(stderr, "skip: losetup: %s\n", p ? line : strerror(errno));
@@ -701,6 +705,8 @@ static int slow_device(uint64_t bytes)
 	snprintf(loop_dev, sizeof(loop_dev), "%s", line);
 	if (stat(loop_dev, &st) || !S_ISBLK(st.st_mode))
 		return -1;
+	if (!throttle)
+		return 0;
 	snprintf(blk_cg, sizeof(blk_cg), "/sys/fs/cgroup/blkio/kvtier-test-%d", (int)getpid());
 	if (mkdir(blk_cg, 0755) && errno != EEXIST)
 		return -1;
@@ -713,6 +719,8 @@ static int slow_device(uint64_t bytes)
 	}
 	return 0;
 }
+
+static int slow_device(uint64_t bytes) { return loop_device(bytes, 1, 0); }
 
 /* An engine killed with a promotion read in flight into a claimed slot:
  * the claim -- its entry -- lives until the read landed, so the slot is
@@ -926,6 +934,103 @@ static void test_close_timeout_leaves_claims(void **state)
 	kvt_seg_detach(s);
 }
 
+/* A device that fails reads: the extents past the end of a direct-I/O loop
+ * device's shrunk backing file fail with EIO.  Each failed read drops its
+ * chunk (not pending again: the request is answered), every failure is
+ * counted, FAIL_AFTER in a row take the disk offline (the status says so)
+ * and DRAM keeps serving; the chunks the device can still read were served
+ * exact.  Before, the extents stayed in the index, re-asked for ever, with
+ * one log line and no count. */
+static void test_failing_disk(void **state)
+{
+	(void)state;
+	struct kvt_disk_info info;
+	struct kvt_disk_status ds;
+	char err[512];
+
+	if (loop_device(16u << 20, 0, 1))
+		KVT_TEST_SKIP();
+	kvt_seg *s = make_seg(64, 1024, 256, 1);
+	struct kvt_disk_opts o = { .size = sizeof(o), .path = loop_dev, .direct = KVT_DIRECT_ON,
+				   .admit = KVT_ADMIT_ALL, .depth = 8,
+				   .bytes = 4u << 20 };
+	kvt_disk *d;
+	int r = kvt_disk_open(s, &o, &d, err, sizeof(err));
+	if (uring_refused(r, err)) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	if (r)
+		fprintf(stderr, "kvt_disk_open: %s\n", err);
+	assert_int_equal(r, 0);
+	save_range(s, 0, 60);
+	drain(d, 1);
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.used, 60);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+	/* The device now fails every extent after the fourth. */
+	uint64_t keep = info.data_off + 4 * info.extent_bytes;
+	assert_int_equal(truncate(loop_img, (off_t)keep), 0);
+
+	s = make_seg(64, 1024, 256, 1);
+	o.admit = KVT_ADMIT_NONE;
+	assert_int_equal(kvt_disk_open(s, &o, &d, err, sizeof(err)), 0);
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.replayed, 60);
+	uint32_t good = 0, bad = 0;
+	int good_key[60];
+	for (uint64_t i = 0; i < 60; i++) {
+		kvt_key k = kvt_test_key(i);
+		struct kvt_disk_ref ref;
+		assert_int_equal(kvt_disk_find(s, &k, &ref), 1);
+		good_key[i] = (uint64_t)ref.extent < 4;
+		good += (uint32_t)good_key[i];
+	}
+	bad = 60 - good;
+	assert_true(bad >= FAIL_AFTER_TEST);
+	/* the readable ones: served exact */
+	for (uint64_t i = 0; i < 60; i++)
+		if (good_key[i])
+			request(s, i);
+	drain(d, 0);
+	for (uint64_t i = 0; i < 60; i++)
+		if (good_key[i])
+			assert_int_equal(dram_exact(s, i), 1);
+	/* the others: each read fails */
+	for (uint64_t i = 0; i < 60; i++)
+		if (!good_key[i])
+			request(s, i);
+	drain(d, 0);
+	assert_int_equal(kvt_disk_status_read(s, &ds), 0);
+	fprintf(stderr, "failing disk: %u readable, %u not; %llu I/O errors, failed %llu\n",
+		good, bad, (unsigned long long)ds.io_errors, (unsigned long long)ds.failed);
+	assert_true(ds.io_errors >= FAIL_AFTER_TEST);
+	assert_int_equal(ds.failed, 1);
+	assert_false(kvt_disk_online(s));   /* lookups no longer ask */
+	for (uint64_t i = 0; i < 60; i++) {
+		assert_false(on_disk(s, i));    /* nothing pending for ever */
+		assert_int_equal(in_dram(s, i), good_key[i]);
+	}
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_CSUM_ERRORS), 0);
+	/* DRAM keeps serving */
+	save_range(s, 500, 510);
+	for (uint64_t i = 500; i < 510; i++)
+		assert_int_equal(dram_exact(s, i), 1);
+	kvt_test_assert_check(s);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+
+	/* A device that cannot even read its header: the message says I/O. */
+	assert_int_equal(truncate(loop_img, 0), 0);
+	s = make_seg(64, 1024, 256, 1);
+	r = kvt_disk_open(s, &o, &d, err, sizeof(err));
+	fprintf(stderr, "unreadable device: %d %s\n", r, err);
+	assert_int_equal(r, -EIO);
+	assert_non_null(strstr(err, "Input/output error"));
+	kvt_seg_detach(s);
+}
+
 /* One engine per disk file: a second engine (another process, its own
  * segment) is refused, naming the first's pid, with reset too, and the
  * first engine's chunks stay intact.  Before, both were accepted and
@@ -1076,6 +1181,7 @@ int main(int argc, char **argv)
 		cmocka_unit_test_setup_teardown(test_kill_with_read_in_flight, setup, teardown_slow),
 		cmocka_unit_test_setup_teardown(test_close_timeout_leaves_claims, setup, teardown_slow),
 		cmocka_unit_test_setup_teardown(test_one_engine_per_file, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_failing_disk, setup, teardown_slow),
 		cmocka_unit_test_setup_teardown(test_evicted_during_write, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_lookup_ex_ask_again, setup, teardown),
 	};

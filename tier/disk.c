@@ -152,6 +152,9 @@ struct kvt_disk {
 	struct job *jobs;
 	uint32_t n_jobs, jobs_live;
 	uint32_t inflight;     /* I/Os submitted, not completed */
+	uint64_t io_errors;    /* data and record I/Os the device failed */
+	uint32_t err_run;      /* ... in a row, without a success between */
+	int failed;            /* taken offline for errors: DRAM only */
 	uint32_t queued;       /* SQEs prepared, not submitted */
 	uint64_t cursor;       /* demotion scan, in CLOCK-hand units */
 	uint64_t lap_idle;     /* slots scanned since the scan last started a write */
@@ -167,7 +170,6 @@ struct kvt_disk {
 	uint64_t last_publish, last_meta;
 	int closing;
 	XXH3_state_t *xs;
-	int warned_io;
 };
 
 static uint64_t mono_ns(void)
@@ -461,6 +463,39 @@ static int io_room(const kvt_disk *d)
 	return d->inflight == 0 || d->inflight + d->n_shards <= d->o.depth;
 }
 
+/* ---- a failing device ----
+ *
+ * An extent whose read fails is dropped from the index (a miss from then
+ * on, never asked again); a failed write is never published.  Every
+ * failure is counted (the status page: kvtier_disk_io_errors_total).
+ * FAIL_AFTER failures in a row with no data I/O succeeding between (a
+ * record write that succeeds says little about the data extents) take
+ * the disk offline: the index is emptied (lookups stop asking), no new I/O starts,
+ * what is in flight is still reaped (its claims end properly), and the
+ * node serves DRAM; /healthcheck says "degraded", kvtier_disk_failed is 1.
+ * A restart of kvtierd tries the device again. */
+#define FAIL_AFTER 16
+#define LOG_ERRORS 8
+
+static void io_ok(kvt_disk *d) { d->err_run = 0; }
+
+static void io_error(kvt_disk *d, const char *what, int err)
+{
+	d->io_errors++;
+	d->err_run++;
+	if (d->io_errors <= LOG_ERRORS)
+		dlog(d, 1, "%s: %s failed: %s%s", d->path, what, strerror(-err),
+		     d->io_errors == LOG_ERRORS ? " (further errors are counted, not logged: "
+		     "kvtier_disk_io_errors_total)" : "");
+	if (d->err_run >= FAIL_AFTER && !d->failed) {
+		d->failed = 1;
+		dlog(d, 1, "%s: %u I/O errors in a row (%llu in all): the disk tier is taken "
+		     "offline, the node serves from DRAM; check the device, then restart kvtierd",
+		     d->path, d->err_run, (unsigned long long)d->io_errors);
+		kvt_disk_engine_stop(d->s);
+	}
+}
+
 /* ---- demotion ---- */
 
 /* The ghost table: a direct-mapped set of keys seen (and refused) before,
@@ -532,13 +567,16 @@ static void demote_done(kvt_disk *d, uint32_t j)
 	uint32_t pos;
 
 	x->busy--;
+	if (!b->err)
+		io_ok(d);
 	if (b->err || !kvt_slot_same_life(d->s, b->slot, b->w)) {
 		/* An I/O error, or the slot was evicted during the write:
 		 * what reached the disk may be torn.  Never published. */
 		kvt_counter_add(d->s, KVT_C_DISK_WRITE_DROPS, 1);
-		if (b->err && b->err != -EBUSY && !d->warned_io++)
-			dlog(d, 1, "%s: write failed: %s (chunks are dropped, not published)",
-			     d->path, strerror(-b->err));
+		if (b->err && b->err != -EBUSY)
+			io_error(d, "write (the chunk is dropped, not published)", b->err);
+		else if (!b->err)
+			io_ok(d);
 		free_push(d, b->extent);
 		job_put(d, j);
 		return;
@@ -741,9 +779,19 @@ static void promote_done(kvt_disk *d, uint32_t j)
 				free_push(d, b->extent);
 			}
 		}
-	} else if (b->err != -EBUSY && !d->warned_io++) {
-		dlog(d, 1, "%s: read failed: %s", d->path, strerror(-b->err));
+	} else if (b->err != -EBUSY) {
+		/* The device could not read it: drop it, so that it is a plain
+		 * miss from now on instead of a request asked again forever. */
+		char what[64];
+		snprintf(what, sizeof(what), "read of extent %u", b->extent);
+		io_error(d, what, b->err);
+		if (x->used && x->pos == b->ref.pos && x->egen == b->ref.egen) {
+			extent_drop(d, b->extent);
+			free_push(d, b->extent);
+		}
 	}
+	if (!b->err)
+		io_ok(d);
 	for (uint32_t sh = 0; sh < d->n_shards; sh++)
 		kvt_write_end(d->s, &b->wr[sh], ok);
 	if (ok) {
@@ -864,11 +912,9 @@ static int reap(kvt_disk *d)
 			case J_PROMOTE: promote_done(d, j); break;
 			case J_META:
 				d->blk_busy[b->block] = 0;
-				if (b->err) {
+				if (b->err && b->err != -EBUSY) {
 					mark_dirty(d, b->block * REC_PER_BLK);
-					if (!d->warned_io++)
-						dlog(d, 1, "%s: record write failed: %s", d->path,
-						     strerror(-b->err));
+					io_error(d, "record write", b->err);
 				}
 				job_put(d, j);
 				break;
@@ -888,6 +934,8 @@ static void publish(kvt_disk *d)
 	st.used = d->used;
 	st.inflight = d->inflight;
 	st.direct = (uint64_t)d->direct;
+	st.io_errors = d->io_errors;
+	st.failed = (uint64_t)d->failed;
 	kvt_disk_engine_publish(d->s, &st);
 }
 
@@ -902,12 +950,18 @@ int kvt_disk_poll(kvt_disk *d)
 		while (read(d->efd, &v, sizeof(v)) == (ssize_t)sizeof(v))
 			;
 	work += reap(d);
+	if (d->failed) {
+		/* offline: what is in flight is reaped (above), nothing new
+		 * (lookups no longer ask: the engine is published offline) */
+		goto out;
+	}
 	/* Records first: they are small, and a chunk's record lagging its
 	 * data is a chunk lost at a crash. */
 	work += meta_flush(d);
 	work += promote_requests(d);
 	work += demote_scan(d);
 	submit(d);
+out:;
 	uint64_t now = mono_ns();
 	if (work || now - d->last_publish > 50000000ULL) {
 		publish(d);
@@ -933,6 +987,8 @@ int kvt_disk_drain(kvt_disk *d, int demote_all, int64_t timeout_ns)
 		int w = kvt_disk_poll(d);
 		if (w < 0)
 			return w;
+		if (d->failed && !d->inflight && !d->jobs_live)
+			return 0; /* offline: its records are not written any more */
 		if (!d->inflight && !d->n_dirty && !d->jobs_live && !d->queued &&
 		    (!demote_all || d->o.admit == KVT_ADMIT_NONE || d->lap_idle >= d->n_slots))
 			return 0;
@@ -1464,7 +1520,7 @@ void kvt_disk_close(kvt_disk *d)
 		d->closing = 1;
 		uint64_t t0 = mono_ns();
 		uint64_t wait_ns = (d->o.close_wait_ms ? d->o.close_wait_ms : 30000) * 1000000ULL;
-		while ((d->inflight || d->n_dirty) && mono_ns() - t0 < wait_ns) {
+		while ((d->inflight || (d->n_dirty && !d->failed)) && mono_ns() - t0 < wait_ns) {
 			reap(d);
 			meta_flush(d);
 			submit(d);

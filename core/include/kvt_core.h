@@ -428,6 +428,8 @@ struct kvt_disk_status {
 	uint64_t direct;       /* 1: O_DIRECT, 0: buffered */
 	uint64_t epoch;        /* engine starts on this segment */
 	char path[256];        /* the file or device (diagnostic) */
+	uint64_t io_errors;    /* data and record I/Os the device failed */
+	uint64_t failed;       /* 1: taken offline after errors (DRAM only) */
 };
 /* Index entries the segment holds; 0: no disk tier. */
 uint32_t kvt_disk_capacity(const kvt_seg *s);

@@ -268,7 +268,15 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 			first = 0;
 		}
 	}
-	kvtd_printf(&b, "],\"status\":\"%s\"}\n", ok ? "ok" : "unhealthy");
+	/* A disk taken offline for I/O errors leaves the node serving from
+	 * DRAM: degraded, not unhealthy (a router should keep using it). */
+	int disk_failed = s->has_disk && s->disk.failed;
+	if (s->has_disk)
+		kvtd_printf(&b, "],\"disk\":\"%s\"", disk_failed ? "failed" :
+			    s->disk.online ? "online" : "offline");
+	else
+		kvtd_printf(&b, "]");
+	kvtd_printf(&b, ",\"status\":\"%s\"}\n", !ok ? "unhealthy" : disk_failed ? "degraded" : "ok");
 	*json = buf_done(&b);
 	return ok;
 }
@@ -363,6 +371,13 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 		kvtd_printf(&b, "kvtier_disk_queue_depth %llu\n", (unsigned long long)s->disk.inflight);
 		prom_head(&b, "kvtier_disk_direct", "gauge", "1: O_DIRECT, 0: buffered through the page cache");
 		kvtd_printf(&b, "kvtier_disk_direct %llu\n", (unsigned long long)s->disk.direct);
+		prom_head(&b, "kvtier_disk_failed", "gauge",
+			  "1 when the engine took the disk offline after I/O errors (DRAM only)");
+		kvtd_printf(&b, "kvtier_disk_failed %llu\n", (unsigned long long)s->disk.failed);
+		prom_head(&b, "kvtier_disk_io_errors_total", "counter",
+			  "Disk tier reads and writes the device failed, since the engine started");
+		kvtd_printf(&b, "kvtier_disk_io_errors_total %llu\n",
+			    (unsigned long long)s->disk.io_errors);
 	}
 	if (c->start_wall_ns) {
 		prom_head(&b, "kvtier_daemon_start_time_seconds", "gauge",
@@ -546,9 +561,11 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 			    s->disk.online ? "true" : "false");
 		json_str(&b, s->disk.path);
 		kvtd_printf(&b, ",\"chunks\":%llu,\"used\":%llu,\"inflight\":%llu,\"direct\":%s,"
-			    "\"index_capacity\":%u}", (unsigned long long)s->disk.chunks,
+			    "\"index_capacity\":%u,\"io_errors\":%llu,\"failed\":%s}",
+			    (unsigned long long)s->disk.chunks,
 			    (unsigned long long)s->disk.used, (unsigned long long)s->disk.inflight,
-			    s->disk.direct ? "true" : "false", s->geo.disk_chunks);
+			    s->disk.direct ? "true" : "false", s->geo.disk_chunks,
+			    (unsigned long long)s->disk.io_errors, s->disk.failed ? "true" : "false");
 	}
 	kvtd_printf(&b, ",\"counters\":{");
 	for (int i = 0; i < KVT_C__COUNT; i++)
@@ -682,14 +699,16 @@ char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
 		    (unsigned long long)lc, (unsigned long long)s->ctr[KVT_C_HIT_TOKENS]);
 	if (s->has_disk)
 		kvtd_printf(&b, "disk       %s  %llu of %llu chunks (%s)  %s  %llu in flight  "
-			    "%llu written  %llu read back  %llu checksum errors\n",
-			    s->disk.online ? "up" : "DOWN", (unsigned long long)s->disk.used,
+			    "%llu written  %llu read back  %llu checksum errors  %llu I/O errors\n",
+			    s->disk.failed ? "FAILED" : s->disk.online ? "up" : "DOWN",
+			    (unsigned long long)s->disk.used,
 			    (unsigned long long)s->disk.chunks,
 			    hbytes(t3, sizeof(t3), (double)(s->disk.used * s->shard_bytes * s->n_shards)),
 			    s->disk.direct ? "direct" : "buffered", (unsigned long long)s->disk.inflight,
 			    (unsigned long long)s->ctr[KVT_C_DISK_WRITES],
 			    (unsigned long long)s->ctr[KVT_C_DISK_READS],
-			    (unsigned long long)s->ctr[KVT_C_DISK_CSUM_ERRORS]);
+			    (unsigned long long)s->ctr[KVT_C_DISK_CSUM_ERRORS],
+			    (unsigned long long)s->disk.io_errors);
 	kvtd_printf(&b, "\nranks\n");
 	for (uint32_t i = 0; i < g->n_instances; i++) {
 		const struct kvtd_inst *in = &s->inst[i];
