@@ -572,3 +572,25 @@ def test_disk_tier_end_to_end(name, procs, tmp_path):
     procs.append(bad)
     assert bad.p.wait(timeout=T) == 2
     assert small in bad.log() and "hold no chunk" in bad.log()
+
+
+def test_truncated_segment_exits_cleanly(name, procs):
+    """A process of the service's uid truncates the live segment's file:
+    kvtierd logs what happened and exits 4 instead of dying of SIGBUS
+    silently (exit 135).  Twice: caught by the loop's size check, and by
+    the SIGBUS handler when an HTTP scrape touches the truncated pages
+    before the loop looks (reap interval 60 s)."""
+    path = "/dev/shm/kvtier." + name
+    for extra, how in (([], "loop"), (["--reap-interval", "60"], "sigbus")):
+        d = Daemon(name, extra=extra + ["--unlink"], instances=1, slots=16)
+        procs.append(d)
+        assert os.path.getsize(path) > 4096
+        os.truncate(path, 4096)
+        if how == "sigbus":
+            d.get("/status")  # the HTTP thread reads the segment: SIGBUS
+        assert d.p.wait(timeout=T) == 4, (how, d.p.returncode, d.log())
+        out = d.log() + (d.p.stdout.read() or "")
+        assert "was truncated under the daemon" in out, (how, out)
+        # the loop names the sizes; the handler cannot (async-signal-safe)
+        assert ("its file is 4096 bytes" in out) == (how == "loop"), (how, out)
+        remove_segment(name)

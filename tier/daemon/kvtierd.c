@@ -50,6 +50,7 @@
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/statfs.h>
 #include <sys/un.h>
@@ -158,6 +159,95 @@ static int log_open(void)
 	D.log = stderr;
 	setvbuf(stderr, NULL, _IOLBF, 0);
 	return 0;
+}
+
+/* ---- a truncated segment ----
+ *
+ * Any process of the service's uid can truncate the segment file under
+ * its mappings (`truncate`, a tool that "cleans" /dev/shm); every access
+ * past the new end then raises SIGBUS, which killed the daemon silently
+ * (exit 135) and with it its clients' view.  What the kernel offers
+ * against it, and why it is not more:
+ *   - seals (F_SEAL_SHRINK) exist only for memfd files; a named tmpfs or
+ *     hugetlbfs file carries F_SEAL_SEAL from birth, so a segment that
+ *     engines find by name cannot be sealed (a memfd would have to be
+ *     passed to every engine over a socket: another design);
+ *   - no mapping flag (MAP_POPULATE, mlock, MAP_LOCKED) keeps truncated
+ *     pages: truncation unmaps them from every mapping;
+ *   - mode 0600 and the uid checks (SECURITY.md) keep other users out, not
+ *     the service's own uid.
+ * So the daemon defends what it can: its loop checks the file's size every
+ * reap tick and, when it shrank, logs it and exits 4 without touching the
+ * segment again (an exit, not a drain: every further access may fault);
+ * a SIGBUS inside a segment mapping before that check sees it (any
+ * thread) writes the same message and exits 4 too.  A SIGBUS elsewhere
+ * keeps its default action.  Engines attached to a truncated segment fault
+ * as well: the library installs no signal handler in a host process. */
+#define EXIT_TRUNCATED 4
+static struct {
+	uintptr_t lo[2], hi[2];
+	char msg[512];
+	size_t len;
+	uint64_t size;
+	int fd;
+} G = { .fd = -1 };
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+	uintptr_t a = (uintptr_t)si->si_addr;
+
+	(void)uc;
+	for (int i = 0; i < 2; i++)
+		if (a >= G.lo[i] && a < G.hi[i]) {
+			ssize_t w = write(STDERR_FILENO, G.msg, G.len);
+			(void)w;
+			_exit(EXIT_TRUNCATED);
+		}
+	/* not the segment's: the default action when the access is retried */
+	signal(sig, SIG_DFL);
+}
+
+static void guard_install(kvt_seg *a, kvt_seg *b)
+{
+	static uint8_t alt[65536];
+	stack_t ss = { .ss_sp = alt, .ss_size = sizeof(alt) };
+	struct sigaction sa;
+
+	G.lo[0] = (uintptr_t)kvt_seg_base(a);
+	G.hi[0] = G.lo[0] + kvt_seg_size(a);
+	G.lo[1] = (uintptr_t)kvt_seg_base(b);
+	G.hi[1] = G.lo[1] + kvt_seg_size(b);
+	G.size = kvt_seg_size(a);
+	G.fd = kvt_seg_lock_fd(a);
+	G.len = (size_t)snprintf(G.msg, sizeof(G.msg),
+				 "kvtierd[%d] error: segment '%s': its file was truncated under "
+				 "the daemon (by a process of this uid: truncate, a /dev/shm "
+				 "cleaner); exiting %d without touching it again. Engines "
+				 "attached to it fault too: stop them, remove the segment and "
+				 "start kvtierd again\n", (int)getpid(), D.name, EXIT_TRUNCATED);
+	if (G.len >= sizeof(G.msg))
+		G.len = sizeof(G.msg) - 1;
+	(void)sigaltstack(&ss, NULL);
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_sigaction = on_sigbus;
+	sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+	sigemptyset(&sa.sa_mask);
+	(void)sigaction(SIGBUS, &sa, NULL);
+}
+
+/* The loop's check: the file shorter than the mapping -> exit 4 now. */
+static void guard_check(void)
+{
+	struct stat st;
+
+	if (G.fd < 0 || fstat(G.fd, &st) != 0 || (uint64_t)st.st_size >= G.size)
+		return;
+	LOG_ERR("segment '%s': its file is %lld bytes, the segment %llu: it was truncated "
+		"under the daemon (by a process of this uid: truncate, a /dev/shm cleaner); "
+		"exiting %d without touching it again. Engines attached to it fault too: "
+		"stop them, remove the segment and start kvtierd again", D.name,
+		(long long)st.st_size, (unsigned long long)G.size, EXIT_TRUNCATED);
+	_exit(EXIT_TRUNCATED);
 }
 
 /* ---- options ---- */
@@ -1292,6 +1382,7 @@ int main(int argc, char **argv)
 		kvt_close(D.tier);
 		return 1;
 	}
+	guard_install(D.seg, D.obs);
 	LOG_INFO("up: owner of '%s'; /healthcheck wants %u instance(s) x %u rank(s)%s", D.name,
 		 D.ctx.expect_instances, g->world, o.expect_schedulers ? " and their schedulers" : "");
 	sd_notify_("READY=1");
@@ -1333,6 +1424,7 @@ int main(int argc, char **argv)
 		if (mono_ns() < next_reap)
 			continue;
 		next_reap = mono_ns() + (uint64_t)(o.reap_interval_s * 1e9);
+		guard_check();
 		reap_once();
 		if (mono_ns() >= next_watch) {
 			watch_write_only(&o);
