@@ -22,6 +22,10 @@
  *   do not forbid in C11 or on aarch64; pins CAS on the full state word,
  *   generation included).
  *
+ * Acquire/release pairs: R12/A12 (a slot's key, slots.c), R1/A1 (a final
+ * entry), R2/A3 (the commit and clear of ctl), A3b (the helper's re-read
+ * of ctl after the entry, index_help).
+ *
  * Inserts of a key are serialized through its primary bucket's control
  * word, without a lock:
  *
@@ -173,6 +177,7 @@ static void index_help(kvt_seg *s, uint32_t b1, uint64_t c)
 {
 	uint32_t pos = CTL_POS(c), x = CTL_SLOT(c);
 
+	KVT_SP(INDEX_HELP, s);
 	if (pos < 2 * KVT_BUCKET_WAYS && x < s->geo.n_slots) {
 		struct kvt_slot *sl = kvt__slot(s, x);
 		kvt_key k = { kat_load(&sl->key_lo, KVT_RLX), kat_load(&sl->key_hi, KVT_RLX) };
@@ -182,8 +187,21 @@ static void index_help(kvt_seg *s, uint32_t b1, uint64_t c)
 		 * another's and the exact-match test below fails: harmless. */
 		kvt_a64 *ep = entry_at(s, b1, kb2, pos);
 		uint64_t e = kat_load(ep, KVT_ACQ);
+		/* The stamp is the version's low 16 bits: a helper stalled
+		 * since it read c, for 65,536 inserts on this bucket, could
+		 * find a later insert's tentative entry with the same position,
+		 * slot and stamp, perhaps not yet committed.  So ctl must still
+		 * be c (all 27 version bits) after the entry was read (A3b,
+		 * acquire: ordered after the entry's load).  What remains is a
+		 * stall between this re-read and the CAS below, which compares
+		 * the whole entry word: the insert would have to finish and
+		 * 65,536 x k later inserts to put back the same word -- same
+		 * stamp, position, slot, and the slot's generation's low 15
+		 * bits (32,768 x k reuses of that slot) -- all inside two
+		 * instructions' stall.  (Layout 5 checked the stamp only.) */
 		if ((e & KVT_E_TENT) && KVT_E_SLOT(e) == x &&
-		    KVT_E_TAG(e) == VTAG(CTL_VER(c)) && kb1 == b1) {
+		    KVT_E_TAG(e) == VTAG(CTL_VER(c)) && kb1 == b1 &&
+		    kat_load(&s->buckets[b1].ctl, KVT_ACQ) == c) {
 			uint64_t fin = (e & ~(KVT_E_TENT | (0xffffULL << 32))) |
 				       ((uint64_t)tag << 32);
 			/* R1: release publishes the entry to finders (A1). */

@@ -20,6 +20,7 @@
 	X(ALLOC_INSERTED,   "alloc: index entry final, allocator still in the state word") \
 	X(INDEX_TENTATIVE,  "index insert: tentative entry claimed, before the commit") \
 	X(INDEX_COMMITTED,  "index insert: committed (ctl pending), before finalize") \
+	X(INDEX_HELP,       "index help: a pending ctl read, before its entry is read") \
 	X(FIND_KEYREAD,     "index find: key compared, before the generation re-check") \
 	X(JOIN_FOUND,       "join: slot found FILLING in the index, before the claim") \
 	X(JOIN_CLAIMED,     "join: shard claim taken, before the state re-check") \
