@@ -287,6 +287,7 @@ int kvt_seg_entry_info(const kvt_seg *s, uint32_t e, struct kvt_entry_info *o)
 	}
 	o->pid = KVT_OWNER_PID(w);
 	o->heartbeat_ns = kat_load(&s->ents[e].heartbeat, KVT_RLX);
+	o->start = kat_load(&s->ents[e].start, KVT_RLX);
 	if (!kvt__entry_alive(s, e))
 		o->state = KVT_ENTRY_DEAD;
 	else

@@ -367,6 +367,8 @@ struct kvt_entry_info {
 	uint32_t reserved;
 	uint64_t attach_gen;    /* attaches of this entry since creation */
 	uint64_t heartbeat_ns;  /* CLOCK_MONOTONIC of the holder's last sign */
+	uint64_t start;         /* the holder's start time (/proc/PID/stat field
+				 * 22 as its namespace saw it; 0 unknown) */
 };
 /* A snapshot of entry e (liveness from its lock, as the reaper decides it).
  * 0, -EINVAL (e out of range), -EUCLEAN (a state word out of range). */

@@ -594,3 +594,53 @@ def test_truncated_segment_exits_cleanly(name, procs):
         # the loop names the sizes; the handler cannot (async-signal-safe)
         assert ("its file is 4096 bytes" in out) == (how == "loop"), (how, out)
         remove_segment(name)
+
+
+def test_stopped_rank_is_reported(name, procs):
+    """A live rank stopped by SIGSTOP, then frozen by the cgroup freezer
+    (docker pause): /healthcheck is 503 naming it "stopped" and
+    kvtier_rank_stopped is 1; resumed, 200 again.  Before, a stopped rank
+    looked healthy (only its heartbeat's age grew)."""
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    ranks = [Rank(name, 0, r) for r in (0, 1)]
+    procs.extend(ranks)
+    until(lambda: d.get("/healthcheck")[0] == 200, "200 once both ranks attached")
+
+    def stopped_then_back(stop, resume, how):
+        stop()
+        try:
+            until(lambda: problems(d.port) == (503, [{"instance": 0, "role": "rank", "rank": 1,
+                                                      "state": "stopped",
+                                                      "pid": ranks[1].pid}]),
+                  "503 naming the %s rank" % how)
+            _, m = d.get("/metrics")
+            assert metric(m, "kvtier_rank_stopped", 'engine="0",rank="1"') == 1
+            assert metric(m, "kvtier_rank_stopped", 'engine="0",rank="0"') == 0
+        finally:
+            resume()
+        until(lambda: d.get("/healthcheck")[0] == 200, "200 once the %s rank resumed" % how)
+
+    pid = ranks[1].pid
+    stopped_then_back(lambda: os.kill(pid, signal.SIGSTOP),
+                      lambda: os.kill(pid, signal.SIGCONT), "SIGSTOPped")
+    fz = "/sys/fs/cgroup/freezer"
+    if os.geteuid() != 0 or not os.access(os.path.join(fz, "cgroup.procs"), os.W_OK):
+        return  # no cgroup-v1 freezer to drive here: the SIGSTOP half ran
+    cg = os.path.join(fz, "kvtier-test-%d" % os.getpid())
+    os.makedirs(cg, exist_ok=True)
+    try:
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
+        def state(s):
+            with open(os.path.join(cg, "freezer.state"), "w") as f:
+                f.write(s)
+        stopped_then_back(lambda: state("FROZEN"), lambda: state("THAWED"), "frozen")
+        with open(os.path.join(fz, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+    finally:
+        try:
+            os.rmdir(cg)
+        except OSError:
+            pass

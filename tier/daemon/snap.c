@@ -1,10 +1,12 @@
 /* snap.c - reading a live segment into a snapshot, and its renderings:
  * Prometheus text format 0.0.4, JSON, the kvtier-stat screen (snap.h). */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "snap.h"
 
@@ -58,6 +60,66 @@ static uint64_t clock_ns(clockid_t c)
 	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+/* Reads a small /proc or /sys file into buf; its length, or -1. */
+static ssize_t read_small(const char *path, char *buf, size_t len)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	ssize_t n = fd < 0 ? -1 : read(fd, buf, len - 1);
+
+	if (fd >= 0)
+		close(fd);
+	if (n >= 0)
+		buf[n] = 0;
+	return n;
+}
+
+/* Whether a live holder is stopped: SIGSTOP or ptrace (state T or t in
+ * /proc/PID/stat), or in a frozen cgroup (v2 cgroup.events "frozen 1", v1
+ * freezer.state FROZEN -- docker pause).  A report only, never liveness
+ * (the lock decides that): the pid is the holder's in its own namespace,
+ * so the answer counts only when /proc/PID here is the same process (its
+ * start time, field 22, equals the one the holder wrote).  A holder in
+ * another PID namespace is not looked at.  While stopped, a holder blocks
+ * whoever waits for its next step (README: troubleshooting). */
+static int proc_stopped(int pid, uint64_t start)
+{
+	char path[600], buf[1024], cg[4096];
+	ssize_t n;
+
+	if (pid <= 0 || !start || kvt_proc_start_time(pid) != start)
+		return 0;
+	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+	n = read_small(path, buf, sizeof(buf));
+	char *p = n > 0 ? strrchr(buf, ')') : NULL;
+	if (p && p[1] == ' ' && (p[2] == 'T' || p[2] == 't'))
+		return 1;
+	snprintf(path, sizeof(path), "/proc/%d/cgroup", pid);
+	if (read_small(path, cg, sizeof(cg)) <= 0)
+		return 0;
+	for (char *line = strtok(cg, "\n"); line; line = strtok(NULL, "\n")) {
+		/* "0::/path" (v2) or "N:freezer:/path" (v1) */
+		char *rel = strchr(line, ':');
+		rel = rel ? strchr(rel + 1, ':') : NULL;
+		if (!rel || rel[1] != '/' || strstr(rel, ".."))
+			continue;
+		if (!strncmp(line, "0::", 3)) {
+			/* unified, or hybrid (v2 mounted at unified/) */
+			for (int h = 0; h < 2; h++) {
+				snprintf(path, sizeof(path), "/sys/fs/cgroup%s%.500s/cgroup.events",
+					 h ? "/unified" : "", rel + 1);
+				if (read_small(path, buf, sizeof(buf)) > 0 && strstr(buf, "frozen 1"))
+					return 1;
+			}
+		} else if (strstr(line, ":freezer:")) {
+			snprintf(path, sizeof(path), "/sys/fs/cgroup/freezer%.500s/freezer.state",
+				 rel + 1);
+			if (read_small(path, buf, sizeof(buf)) > 0 && !strncmp(buf, "FROZEN", 6))
+				return 1;
+		}
+	}
+	return 0;
+}
+
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
 {
 	const struct kvt_geometry *g = kvt_seg_geometry(s);
@@ -86,6 +148,8 @@ int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
 		struct kvtd_entry *x = &o->ents[e];
 		if (kvt_seg_entry_info(s, e, &x->info))
 			x->bad = 1;
+		else if (x->info.state == KVT_ENTRY_ATTACHED)
+			x->stopped = proc_stopped(x->info.pid, x->info.start);
 		kvt_seg_entry_counters(s, e, x->ctr);
 		if (x->bad || x->info.instance >= g->n_instances)
 			continue;
@@ -187,6 +251,8 @@ static const char *entry_state_name(const struct kvtd_entry *e)
 {
 	if (e->bad)
 		return "corrupt";
+	if (e->stopped)
+		return "stopped";
 	switch (e->info.state) {
 	case KVT_ENTRY_EMPTY: return "empty";
 	case KVT_ENTRY_ATTACHED: return "attached";
@@ -252,7 +318,7 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 		uint32_t last = c->expect_schedulers ? s->geo.world : s->geo.world - 1;
 		for (uint32_t r = 0; r <= last; r++) {
 			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
-			if (!e->bad && e->info.state == KVT_ENTRY_ATTACHED)
+			if (!e->bad && e->info.state == KVT_ENTRY_ATTACHED && !e->stopped)
 				continue;
 			ok = 0;
 			kvtd_printf(&b, "%s{\"instance\":%u,", first ? "" : ",", i);
@@ -413,6 +479,15 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
 			kvtd_printf(&b, "kvtier_rank_dead{engine=\"%u\",rank=\"%u\"} %d\n", i, r,
 				    e->bad || e->info.state == KVT_ENTRY_DEAD);
+		}
+	prom_head(&b, "kvtier_rank_stopped", "gauge",
+		  "1 when the rank's live process is stopped (SIGSTOP, ptrace) or frozen (cgroup "
+		  "freezer): it blocks whoever waits for its next step");
+	for (uint32_t i = 0; i < n_inst; i++)
+		for (uint32_t r = 0; r < g->world; r++) {
+			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
+			kvtd_printf(&b, "kvtier_rank_stopped{engine=\"%u\",rank=\"%u\"} %d\n", i, r,
+				    e->stopped);
 		}
 	prom_head(&b, "kvtier_rank_heartbeat_age_seconds", "gauge",
 		  "Seconds since the rank's last save/load completion or attach (attached ranks)");

@@ -21,6 +21,7 @@ struct kvtd_entry {
 	struct kvt_entry_info info;
 	uint64_t ctr[KVT_C__COUNT];
 	int bad;                       /* -EUCLEAN from core: state word corrupt */
+	int stopped;                   /* attached, alive, and stopped or frozen */
 };
 
 /* Per engine instance: its ranks' and its scheduler's counters summed. */
