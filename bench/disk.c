@@ -27,15 +27,19 @@
 #include <inttypes.h>
 #include <json-c/json.h>
 #include <poll.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "kvt_core.h"
 #include "kvt_disk.h"
+#include "safe_kill.h"
 
 struct dopts {
 	const char *file;
@@ -452,5 +456,314 @@ out:
 	kvt_seg_unlink(name, NULL);
 	if (!o.keep)
 		unlink(o.file);
+	return rc;
+}
+
+/* ---- kvtier-bench diskkill: the disk tier under kill -9 ----
+ *
+ * One segment (few slots, many more keys: eviction, demotion and promotion
+ * never stop), the disk engine in a process of its own and C client
+ * processes that look keys up, ask the disk for what it holds and save
+ * what nobody has, all on a disk file.  Every hit is checked word for word
+ * against its key's stamp (so every promoted chunk that is looked up is);
+ * the parent kills the engine or a client at random (-9) and starts it
+ * again, reaping as kvtierd would.  At the end, everything killed, reaped
+ * and every READY chunk checked once more, kvt_check clean.  Exit 0 only
+ * with 0 wrong words.
+ */
+struct kstats {
+	_Atomic uint64_t verified, wrong, saved, asked, errors;
+};
+
+static uint64_t rnd(uint64_t *s)
+{
+	*s ^= *s << 13;
+	*s ^= *s >> 7;
+	*s ^= *s << 17;
+	return *s;
+}
+
+/* The wrong words of key i's chunk in slot x (all shards). */
+static uint64_t chunk_wrong(kvt_seg *s, uint32_t x, uint64_t i)
+{
+	kvt_key k = bkey(i);
+	uint64_t bad = 0;
+
+	for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++) {
+		const uint64_t *q = kvt_slot_shard_ptr(s, x, sh);
+		for (uint64_t j = 0; j < kvt_seg_chunk_bytes(s) / 8; j++)
+			bad += q[j] != stamp_word(k.lo, sh, j);
+	}
+	return bad;
+}
+
+/* Looks key i up: 1 (hit, checked), 0 (miss), < 0 error. */
+static int kk_check(kvt_seg *s, uint64_t i, struct kstats *st)
+{
+	kvt_key k = bkey(i);
+	uint64_t lease, gen;
+	uint32_t x;
+	int r = kvt_seg_lookup(s, &k, 1, &lease);
+
+	if (r != 1)
+		return r < 0 ? r : 0;
+	if (kvt_lease_slots(s, lease, &x, &gen, 1) == 1) {
+		uint64_t bad = chunk_wrong(s, x, i);
+		if (bad && atomic_fetch_add(&st->wrong, bad) == 0)
+			fprintf(stderr, "diskkill: key %" PRIu64 " in slot %u: %" PRIu64
+				" wrong words\n", i, x, bad);
+		atomic_fetch_add(&st->verified, 1);
+	}
+	kvt_lease_release(s, lease);
+	return 1;
+}
+
+static int kk_client(const char *name, uint64_t keys, uint64_t seed, struct kstats *st)
+{
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+					 .role = KVT_ROLE_CLIENT };
+	kvt_seg *s;
+
+	if (kvt_seg_attach(&a, &s))
+		return 3;
+	for (;;) {
+		uint64_t i = rnd(&seed) % keys;
+		kvt_key k = bkey(i);
+		struct kvt_disk_ref ref;
+		int r = kk_check(s, i, st);
+		if (r)
+			continue;
+		if (kvt_disk_online(s) && kvt_disk_find(s, &k, &ref) == 1) {
+			if (kvt_disk_request(s, &ref) == 0)
+				atomic_fetch_add(&st->asked, 1);
+			continue;
+		}
+		for (uint32_t sh = 0; sh < kvt_seg_n_shards(s); sh++) {
+			struct kvt_wref w;
+			r = kvt_write_begin(s, &k, 0, sh, &w);
+			if (r)
+				break; /* being saved (skip), or no slot now */
+			uint64_t *q = kvt_slot_shard_ptr(s, w.slot, sh);
+			for (uint64_t j = 0; j < kvt_seg_chunk_bytes(s) / 8; j++)
+				q[j] = stamp_word(k.lo, sh, j);
+			if (kvt_write_end(s, &w, 1) > 0)
+				atomic_fetch_add(&st->saved, 1);
+		}
+	}
+}
+
+static void kk_log(int level, const char *msg, void *arg)
+{
+	(void)arg;
+	if (level > 0) /* the warnings; every restart's plan would flood */
+		fprintf(stderr, "diskkill: engine: %s\n", msg);
+}
+
+static int kk_engine(const char *name, const char *file, uint64_t bytes, uint32_t depth)
+{
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+					 .role = KVT_ROLE_CLIENT };
+	struct kvt_disk_opts dop = { .size = sizeof(dop), .path = file, .bytes = bytes,
+				     .depth = depth, .log = kk_log };
+	char err[512];
+	kvt_seg *s;
+	kvt_disk *d;
+
+	/* the last engine's reads may still hold the segment for a while */
+	if (kvt_seg_attach(&a, &s) || kvt_seg_own_wait(s, 30000)) {
+		fprintf(stderr, "diskkill: engine: %s\n", kvt_core_last_error());
+		return 3;
+	}
+	if (kvt_disk_open(s, &dop, &d, err, sizeof(err))) {
+		fprintf(stderr, "diskkill: engine: %s\n", err);
+		return 4;
+	}
+	for (;;)
+		if (kvt_disk_poll(d) == 0) {
+			struct pollfd p = { .fd = kvt_disk_event_fd(d), .events = POLLIN };
+			(void)poll(&p, p.fd >= 0 ? 1 : 0, 1);
+		}
+}
+
+static pid_t kk_spawn(int who, const char *name, const char *file, uint64_t bytes,
+		      uint64_t keys, uint64_t seed, struct kstats *st)
+{
+	fflush(NULL);
+	pid_t p = fork();
+	if (p == 0)
+		_exit(who < 0 ? kk_engine(name, file, bytes, 16)
+			      : kk_client(name, keys, seed ^ ((uint64_t)who << 40) ^
+					  (uint64_t)getpid(), st));
+	return p;
+}
+
+static void kk_usage(FILE *f)
+{
+	fprintf(f,
+		"usage: kvtier-bench diskkill [options]\n"
+		"\n"
+		"The disk tier under kill -9: an engine process and client processes on one\n"
+		"segment and disk file, the engine or a client killed at random and restarted;\n"
+		"every hit (promoted chunks among them) checked word for word.  Exit 0 only with\n"
+		"0 wrong words and kvt_check clean.\n"
+		"\n"
+		"  --kills N       kills before the end (default 300)\n"
+		"  --clients C     client processes (default 2)\n"
+		"  --slots N       DRAM chunks (default 32)\n"
+		"  --keys N        distinct chunks asked for (default 256)\n"
+		"  --file PATH     the disk file (default kvtier-bench-diskkill.img here; removed)\n"
+		"  --seed S        the run's seed (default: from the clock; printed)\n"
+		"  --json          one JSON object\n");
+}
+
+int kvt_bench_diskkill(int argc, char **argv)
+{
+	static const struct option lo[] = {
+		{ "kills", required_argument, NULL, 'k' }, { "clients", required_argument, NULL, 'c' },
+		{ "slots", required_argument, NULL, 's' }, { "keys", required_argument, NULL, 'n' },
+		{ "file", required_argument, NULL, 'f' }, { "seed", required_argument, NULL, 'S' },
+		{ "json", no_argument, NULL, 'j' }, { "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 } };
+	uint64_t kills = 300, clients = 2, keys = 256, seed = mono() ^ (uint64_t)getpid();
+	struct dopts o = { .file = "kvtier-bench-diskkill.img", .chunks = 32, .world = 2,
+			   .depth = 16, .shard = 64 << 10 };
+	int c, json = 0;
+	char *end;
+
+	optind = 1;
+	while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+		unsigned long long v = optarg ? strtoull(optarg, &end, 0) : 0;
+		int bad = optarg && (!*optarg || *end);
+		switch (c) {
+		case 'k': kills = v; bad |= v < 1 || v > 10000000; break;
+		case 'c': clients = v; bad |= v < 1 || v > 16; break;
+		case 's': o.chunks = (uint32_t)v; bad |= v < 4 || v > 65536; break;
+		case 'n': keys = v; bad |= v < 1 || v > 1000000; break;
+		case 'f': o.file = optarg; bad = 0; break;
+		case 'S': seed = v ? v : 1; break;
+		case 'j': json = 1; break;
+		case 'h': kk_usage(stdout); return 0;
+		default: kk_usage(stderr); return 2;
+		}
+		if (bad) {
+			const char *opt = "?";
+			for (const struct option *x = lo; x->name; x++)
+				if (x->val == c)
+					opt = x->name;
+			fprintf(stderr, "diskkill: --%s '%s': not a number in range\n", opt, optarg);
+			return 2;
+		}
+	}
+	if (optind < argc) {
+		fprintf(stderr, "diskkill: unexpected argument '%s'\n", argv[optind]);
+		return 2;
+	}
+	char name[64];
+	snprintf(name, sizeof(name), "kvtier-bench-diskkill-%d", (int)getpid());
+	/* a disk that holds about half the keys: it evicts too */
+	uint64_t bytes = (keys / 2 + 1) * o.world * o.shard + (1u << 20), disk_chunks;
+	char err[512];
+	kvt_seg *s;
+	unlink(o.file);
+	if (kvt_disk_plan(o.file, bytes, o.shard, o.world, &disk_chunks, err, sizeof(err))) {
+		fprintf(stderr, "diskkill: %s\n", err);
+		return 1;
+	}
+	if (make_seg(name, &o, (uint32_t)disk_chunks, &s))
+		return 1;
+	kvt_seg_detach(s); /* gives ownership up: the engine process owns it */
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+					 .role = KVT_ROLE_CLIENT };
+	if (kvt_seg_attach(&a, &s)) {
+		fprintf(stderr, "diskkill: %s\n", kvt_core_last_error());
+		kvt_seg_unlink(name, NULL);
+		return 1;
+	}
+	struct kstats *st = mmap(NULL, sizeof(*st), PROT_READ | PROT_WRITE,
+				 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (st == MAP_FAILED)
+		return 1;
+	memset(st, 0, sizeof(*st));
+	fprintf(stderr, "diskkill: %" PRIu64 " kills, %" PRIu64 " clients, %u slots, %" PRIu64
+		" keys, seed %#" PRIx64 " (--seed to repeat)\n", kills, clients, o.chunks, keys,
+		seed);
+	pid_t pids[17];
+	uint64_t ekills = 0, ckills = 0, rng = seed, t0 = mono();
+	for (uint64_t w = 0; w <= clients; w++)
+		pids[w] = kk_spawn(w == 0 ? -1 : (int)w, name, o.file, bytes, keys, seed, st);
+	int rc = 0;
+	for (uint64_t n = 0; n < kills && !rc; n++) {
+		struct timespec ts = { 0, (long)(2000000 + rnd(&rng) % 28000000) };
+		nanosleep(&ts, NULL);
+		(void)kvt_seg_reap(s);
+		uint64_t w = rnd(&rng) % 3 == 0 ? 0 : 1 + rnd(&rng) % clients;
+		int wst;
+		/* one that exited by itself (an error) ends the run */
+		for (uint64_t x = 0; x <= clients; x++)
+			if (waitpid(pids[x], &wst, WNOHANG) == pids[x]) {
+				fprintf(stderr, "diskkill: %s %" PRIu64 " exited (status %d)\n",
+					x ? "client" : "engine", x, wst);
+				pids[x] = kk_spawn(x == 0 ? -1 : (int)x, name, o.file, bytes, keys,
+						   seed + n, st);
+				rc = 1;
+			}
+		kvt_kill_pid(pids[w], SIGKILL);
+		(void)waitpid(pids[w], &wst, 0);
+		if (w == 0)
+			ekills++;
+		else
+			ckills++;
+		pids[w] = kk_spawn(w == 0 ? -1 : (int)w, name, o.file, bytes, keys, seed + n, st);
+	}
+	for (uint64_t x = 0; x <= clients; x++) {
+		kvt_kill_pid(pids[x], SIGKILL);
+		(void)waitpid(pids[x], NULL, 0);
+	}
+	/* The dead engine's reads may hold its entry until they land. */
+	for (int i = 0; i < 30000; i++) {
+		struct kvt_disk_status ds;
+		int r = kvt_seg_reap(s);
+		if (r == 0 && kvt_seg_live_ranks(s) >= 0 && kvt_seg_owner(s) == 0 &&
+		    kvt_disk_status_read(s, &ds) == 0)
+			break;
+		usleep(1000);
+	}
+	for (uint64_t i = 0; i < keys; i++)
+		(void)kk_check(s, i, st);
+	char msg[256];
+	int chk = kvt_check(s, msg, sizeof(msg));
+	uint64_t ctr[KVT_C__COUNT];
+	kvt_counters_read(s, ctr);
+	double secs = (double)(mono() - t0) / 1e9;
+	if (json)
+		printf("{\"kills\": %" PRIu64 ", \"engine_kills\": %" PRIu64 ", \"client_kills\": %"
+		       PRIu64 ", \"seconds\": %.1f, \"seed\": %" PRIu64 ", \"verified\": %" PRIu64
+		       ", \"wrong_words\": %" PRIu64 ", \"demoted\": %" PRIu64 ", \"promoted\": %"
+		       PRIu64 ", \"asked\": %" PRIu64 ", \"checksum_errors\": %" PRIu64
+		       ", \"write_drops\": %" PRIu64 ", \"check\": %s}\n", ekills + ckills, ekills,
+		       ckills, secs, seed, (uint64_t)st->verified, (uint64_t)st->wrong,
+		       ctr[KVT_C_DISK_WRITES], ctr[KVT_C_DISK_READS], (uint64_t)st->asked,
+		       ctr[KVT_C_DISK_CSUM_ERRORS], ctr[KVT_C_DISK_WRITE_DROPS],
+		       chk ? "false" : "true");
+	else
+		printf("kvtier-bench diskkill: %" PRIu64 " kills (%" PRIu64 " of the engine, %" PRIu64
+		       " of clients) in %.1f s, seed %#" PRIx64 "\n"
+		       "  %" PRIu64 " chunks demoted, %" PRIu64 " promoted (%" PRIu64 " asked), %" PRIu64
+		       " saved by clients; %" PRIu64 " demotions dropped, %" PRIu64 " checksum misses\n"
+		       "  %" PRIu64 " hits checked word for word: %" PRIu64 " wrong words; kvt_check %s\n",
+		       ekills + ckills, ekills, ckills, secs, seed, ctr[KVT_C_DISK_WRITES],
+		       ctr[KVT_C_DISK_READS], (uint64_t)st->asked, (uint64_t)st->saved,
+		       ctr[KVT_C_DISK_WRITE_DROPS], ctr[KVT_C_DISK_CSUM_ERRORS],
+		       (uint64_t)st->verified, (uint64_t)st->wrong, chk ? msg : "clean");
+	if (st->wrong || chk)
+		rc = 1;
+	if (!ctr[KVT_C_DISK_READS] || !st->verified) {
+		fprintf(stderr, "diskkill: nothing was promoted or checked: the run proves nothing\n");
+		rc = 1;
+	}
+	kvt_seg_detach(s);
+	kvt_seg_unlink(name, NULL);
+	unlink(o.file);
+	munmap(st, sizeof(*st));
 	return rc;
 }

@@ -18,6 +18,7 @@ int kvt_bench_preempt(int argc, char **argv);
 int kvt_bench_lookup(int argc, char **argv);
 int kvt_bench_chaos(int argc, char **argv);
 int kvt_bench_disk(int argc, char **argv);
+int kvt_bench_diskkill(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -32,6 +33,7 @@ static void usage(FILE *f)
 		"  lookup     hash + lookup per request, C and Python, against XXH3 and a ZMQ lookup\n"
 		"  chaos      kill -9 trials over a running workload: 0 corrupted, 0 leaked\n"
 		"  disk       the disk tier's demotion and promotion GB/s against fio\n"
+		"  diskkill   the disk tier under kill -9 of its engine and clients: 0 wrong\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -56,6 +58,8 @@ int main(int argc, char **argv)
 		return kvt_bench_chaos(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "disk"))
 		return kvt_bench_disk(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "diskkill"))
+		return kvt_bench_diskkill(argc - 1, argv + 1);
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;
