@@ -60,6 +60,23 @@
  *     which nobody waits on (it holds that entry's lock, so the entry looks
  *     alive to others until it is reaped); it then repairs, and only its
  *     own live operations journal PIN/UNPIN.
+ * Stopped processes (open).  "No wait on the dead" is not "no wait on
+ * the stopped": a live process stopped between its two stores (SIGSTOP, a
+ * debugger, the cgroup freezer) makes a repairer wait in repair_body, and
+ * a live freezer stopped mid-repair makes unpinners wait in
+ * kvt__slot_unpin, for as long as the stop.  kvtierd reports such a
+ * process (kvtier_rank_stopped).  The bound planned: a freezer records
+ * the pre-freeze pin count in its entry (slot, generation, count) before
+ * its freeze CAS; a repair that waited past a deadline gives up by
+ * CASing its frozen word back to READY with that count (nothing changed
+ * the count while frozen: pins fail, unpins wait), and its caller retries
+ * later (the reaper leaves the dead entry REAPING for the next reap, as a
+ * dying reaper does); a waiter past the deadline takes a stopped freezer's
+ * word over by CAS and restores the count from its record (every write of
+ * a freezer is a CAS from its own frozen word, so a freezer that resumes
+ * finds its repair void).  It needs the pins model extended with a
+ * process that stops for ever before it lands.
+ *
  * Liveness is the entry lock (ranks.c): an entry reaped by a live process
  * (a re-attaching rank that borrows the dead entry's journal) is alive,
  * so a concurrent repair waits for its unpins instead of counting a ref

@@ -16,6 +16,36 @@
  * recent NVIDIA drivers refuse one huge registration and a copy may not
  * straddle two.  Submit finds the piece holding the whole sub-slot span
  * and passes the backend that piece's device-visible address.
+ *
+ * Copies that outlive their process (DESIGN.md, "What outlives a
+ * process").  A rank's claim on a sub-slot lives as long as its entry lock
+ * (core/ranks.c): the kernel drops it in exit_files, when the last
+ * reference to the lock's open file goes.  Which of the rank's DMA can
+ * still write into the arena after that:
+ *   - loads (arena -> GPU) write GPU memory only: nothing lands in the
+ *     arena, whatever the timing;
+ *   - host copies (host.c) run on the rank's own threads: they die with
+ *     it, before exit_files;
+ *   - a GPU save (D2H) in flight at the kill.  NVIDIA: the pinned pages
+ *     stay pinned until the driver tears the context down, in the release
+ *     of the process's /dev/nvidia* descriptors -- also in exit_files, in
+ *     descriptor order, so the entry lock may go first.  AMD: the KFD
+ *     process (its queues, SDMA engines included) is torn down by a
+ *     deferred work item after /dev/kfd's release (kfd_process_wq_release),
+ *     later still.  So a save's copy can land after the reaper freed the
+ *     slot, for the time the driver takes to stop the queue.
+ * Not yet held by a mechanism here (no GPU to verify on): the planned one
+ * is a quarantine of a dead rank's FILLING slots, reclaimed only once its
+ * driver context is gone -- on AMD, /sys/class/kfd/kfd/proc/PID (the KFD
+ * process, removed by that work item) disappearing; on NVIDIA, no such
+ * file exists, and the slots would wait for the device's own view (NVML's
+ * running processes).  A bounded-time quarantine is what it must not be.
+ * So today a GPU save still in flight when its rank is killed is an open
+ * window of the driver's teardown time: if the reaper frees the slot and
+ * another key's save completes in it before the late copy lands, that
+ * key's chunk holds the dead rank's bytes.  The dead rank's own chunk is
+ * never published READY.  The disk engine's reads, by contrast, are held:
+ * its ring keeps the lock descriptor (kvt_seg_lock_fd, tier/disk.c).
  */
 #include "dma_int.h"
 
