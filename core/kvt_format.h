@@ -271,7 +271,9 @@ struct kvt_slot {
 	kvt_a32 ref;      /* CLOCK reference count 0..2 */
 	kvt_a32 owner;    /* entry + 1 of the allocator (diagnostic) */
 	kvt_a32 tag;      /* index tag of key */
-	uint8_t pad[8];
+	kvt_a64 recount;  /* gen28 + 1 of a life whose pin count a repair set
+			   * pessimistically (it gave up waiting for a stopped
+			   * process): recounted by the next kvt_seg_reap */
 	kvt_a64 claim[];  /* n_shards claim words */
 };
 _Static_assert(sizeof(struct kvt_slot) == 64, "slot meta head is one line");
@@ -533,5 +535,10 @@ int kvt__drain_check(const kvt_seg *s);
 void kvt__lease_finish_release(kvt_seg *s, uint32_t idx);
 void kvt__pins_repair(kvt_seg *s, uint32_t slot, uint64_t gen28);
 void kvt__pins_adopt(kvt_seg *s, uint32_t slot, uint64_t frozen_word);
+/* How long a protocol step waits for another live process's next step
+ * before it stops waiting (leases.c: a stopped process). */
+#define KVT_LIVE_WAIT_NS 500000000ULL
+/* Recounts the slots a repair left flagged; the number still flagged. */
+uint32_t kvt__pins_recount(kvt_seg *s);
 
 #endif /* KVT_FORMAT_H */

@@ -45,6 +45,8 @@
 	X(STEP_CHECKED,     "step: lease read ACTIVE and absent, before the miss count") \
 	X(REPAIR_FROZEN,    "pin repair: slot frozen (or adopted), before the wait") \
 	X(REPAIR_COUNTED,   "pin repair: refs counted, before the unfreeze") \
+	X(REPAIR_GAVE_UP,   "pin repair: past its deadline, a live process between its stores counted pessimistically") \
+	X(REPAIR_TAKEOVER,  "pin repair: past its deadline, a live freezer's repair about to be taken over") \
 	X(CLAIM_LOCKED,     "attach: entry lock taken, before the owner word changes") \
 	X(REAP_LOCKED,      "reap: dead entry locked and REAPING, before any repair") \
 	X(REAP_SLOTS,       "reap: slots repaired, before the leases") \

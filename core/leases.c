@@ -60,22 +60,32 @@
  *     which nobody waits on (it holds that entry's lock, so the entry looks
  *     alive to others until it is reaped); it then repairs, and only its
  *     own live operations journal PIN/UNPIN.
- * Stopped processes (open).  "No wait on the dead" is not "no wait on
- * the stopped": a live process stopped between its two stores (SIGSTOP, a
- * debugger, the cgroup freezer) makes a repairer wait in repair_body, and
- * a live freezer stopped mid-repair makes unpinners wait in
- * kvt__slot_unpin, for as long as the stop.  kvtierd reports such a
- * process (kvtier_rank_stopped).  The bound planned: a freezer records
- * the pre-freeze pin count in its entry (slot, generation, count) before
- * its freeze CAS; a repair that waited past a deadline gives up by
- * CASing its frozen word back to READY with that count (nothing changed
- * the count while frozen: pins fail, unpins wait), and its caller retries
- * later (the reaper leaves the dead entry REAPING for the next reap, as a
- * dying reaper does); a waiter past the deadline takes a stopped freezer's
- * word over by CAS and restores the count from its record (every write of
- * a freezer is a CAS from its own frozen word, so a freezer that resumes
- * finds its repair void).  It needs the pins model extended with a
- * process that stops for ever before it lands.
+ * Stopped processes (P2: every wait on a live process is bounded).  "No
+ * wait on the dead" is not "no wait on the stopped": a live process
+ * stopped between its two stores (SIGSTOP, a debugger, the cgroup
+ * freezer) made a repairer wait in repair_body, and a freezer stopped
+ * mid-repair made every unpin of the slot wait, for as long as the stop
+ * (layout 5).  Now each such wait lasts at most KVT_LIVE_WAIT_NS:
+ *   - a repairer past its deadline counts the process it waits for
+ *     pessimistically: a PIN journal of this life as a pin that happened
+ *     (its CAS may have landed before the freeze, its ref not yet
+ *     written), an UNPIN's ref as a pin still held.  The count is then
+ *     never below the truth (a pin too few would let the slot be evicted
+ *     under a reader: -DOPTIMISTIC in pins.pml finds that), at worst one
+ *     too many per process given up on: a slot that cannot be evicted for
+ *     a while.  The slot is flagged (recount = its life) and every
+ *     kvt_seg_reap repairs flagged slots again, exactly once the process
+ *     has moved on (kvt__pins_recount); kvt_check accepts extra pins only
+ *     on a flagged slot.  The dead entry's reap goes on: its journaled
+ *     step is REPAIR, which the count never includes, so releasing its
+ *     leases through their refs stays exact;
+ *   - a waiter past its deadline (an unpinner, a would-be repairer) takes
+ *     a live freezer's word over by CAS, as it adopts a dead one's, and
+ *     repairs itself.  Every write of a freezer is a CAS from its own
+ *     frozen word, so a freezer that resumes finds its repair void.
+ * Schedule points REPAIR_GAVE_UP and REPAIR_TAKEOVER; pins.pml -DSTOPS
+ * checks it (and -DNO_BOUND, layout 5's waits, deadlocks); kvtierd also
+ * reports a stopped rank (kvtier_rank_stopped).
  *
  * Liveness is the entry lock (ranks.c): an entry reaped by a live process
  * (a re-attaching rank that borrows the dead entry's journal) is alive,
@@ -475,11 +485,24 @@ static uint64_t frozen_word(const kvt_seg *s, uint64_t gen)
 
 /* Waits for the live processes between their two stores on slot x,
  * counts the refs and unfreezes with that count.  `mine` is the frozen
- * word we own. */
-static void repair_body(kvt_seg *s, uint32_t x, uint64_t mine)
+ * word we own.
+ *
+ * The wait is bounded (KVT_LIVE_WAIT_NS for the whole repair): a process
+ * still between its stores then is stopped (SIGSTOP, the cgroup freezer)
+ * or very slow, and its step is counted pessimistically -- a PIN journal
+ * of this life as a pin that happened (its CAS may have landed, its ref
+ * not yet written), an UNPIN's ref as still pinned (it is counted).
+ * Either way the count is at least the true one: a pin too many is a
+ * slot that cannot be evicted until the next recount (never a wrong
+ * byte), a pin too few would be an eviction under a reader.  The slot is
+ * then flagged (recount) and kvt_seg_reap repairs it again.  Returns 1
+ * when it gave up on someone, 0 for an exact count. */
+static int repair_body(kvt_seg *s, uint32_t x, uint64_t mine)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t count = 0, w = mine, ref = KVT_REF(x, KVT_GEN(mine));
+	uint64_t g28 = KVT_GEN(mine) & 0xfffffffULL, deadline = kvt__now_ns() + KVT_LIVE_WAIT_NS;
+	int gave_up = 0;
 
 	KVT_SP(REPAIR_FROZEN, s);
 	/* A8: acquire loads of the journals, see the essay. */
@@ -494,6 +517,13 @@ static void repair_body(kvt_seg *s, uint32_t x, uint64_t mine)
 				break;
 			if ((spins & 1023) == 0 && !kvt__entry_alive(s, e))
 				break; /* dead: its outcome is what the count says */
+			if ((spins & 1023) == 1023 && kvt__now_ns() > deadline) {
+				KVT_SP(REPAIR_GAVE_UP, s);
+				gave_up = 1;
+				if (op == KVT_J_PIN && KVT_J_GEN(j) == g28)
+					count++;
+				break;
+			}
 			sched_yield();
 		}
 	}
@@ -513,10 +543,41 @@ static void repair_body(kvt_seg *s, uint32_t x, uint64_t mine)
 	if (count > KVT_PINS_MAX)
 		count = KVT_PINS_MAX;
 	KVT_SP(REPAIR_COUNTED, s);
+	/* The flag before the count it describes (the CAS below is SC). */
+	uint64_t flag = kat_load(&sl->recount, KVT_RLX);
+	if (gave_up)
+		kat_store(&sl->recount, g28 + 1, KVT_RLX);
 	/* Only we change a word frozen by us (pins fail, unpins wait, a
-	 * would-be adopter sees us alive). */
-	if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_READY, KVT_GEN(mine), count), KVT_SC))
+	 * waiter past its deadline takes the word over by CAS, after which
+	 * this CAS fails and our count is void). */
+	if (kat_cas(&sl->state, &w, KVT_SW(KVT_S_READY, KVT_GEN(mine), count), KVT_SC)) {
 		kvt__count(s, KVT_C_PIN_REPAIRS, 1);
+		/* exact now: clear a flag of this life, unless a repair that
+		 * gave up set it again meanwhile */
+		if (!gave_up && flag == g28 + 1)
+			kat_cas(&sl->recount, &flag, 0, KVT_RLX);
+	}
+	return gave_up;
+}
+
+uint32_t kvt__pins_recount(kvt_seg *s)
+{
+	uint32_t left = 0;
+
+	for (uint32_t x = 0; x < s->geo.n_slots; x++) {
+		struct kvt_slot *sl = kvt__slot(s, x);
+		uint64_t f = kat_load(&sl->recount, KVT_RLX);
+		if (!f)
+			continue;
+		uint64_t w = kat_load(&sl->state, KVT_ACQ);
+		if (KVT_ST(w) != KVT_S_READY || (KVT_GEN(w) & 0xfffffffULL) + 1 != f) {
+			kat_cas(&sl->recount, &f, 0, KVT_RLX); /* another life now */
+			continue;
+		}
+		kvt__pins_repair(s, x, f - 1);
+		left += kat_load(&sl->recount, KVT_RLX) != 0;
+	}
+	return left;
 }
 
 void kvt__pins_adopt(kvt_seg *s, uint32_t x, uint64_t w)
@@ -529,7 +590,7 @@ void kvt__pins_adopt(kvt_seg *s, uint32_t x, uint64_t w)
 	if (w != mine && !kat_cas(&sl->state, &w, mine, KVT_SC))
 		return; /* it moved on: the caller looks again */
 	kvt__count(s, KVT_C_ADOPTED, 1);
-	repair_body(s, x, mine);
+	(void)repair_body(s, x, mine);
 }
 
 void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
@@ -541,6 +602,7 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 		return;
 	sl = kvt__slot(s, x);
 	w = kat_load(&sl->state, KVT_ACQ);
+	uint64_t deadline = 0;
 	for (unsigned spins = 0;; spins++) {
 		if (KVT_ST(w) != KVT_S_READY || (KVT_GEN(w) & 0xfffffffULL) != gen28)
 			return; /* pins exist only in READY; another life now */
@@ -550,17 +612,25 @@ void kvt__pins_repair(kvt_seg *s, uint32_t x, uint64_t gen28)
 			if (w != mine && f && f - 1 != s->reaping && kvt__entry_alive(s, f - 1)) {
 				/* A live repairer is on it and waits for no one
 				 * who waits for us (P1): let it finish, then
-				 * repair again (idempotent). */
-				if (spins > 64)
-					sched_yield();
-				w = kat_load(&sl->state, KVT_ACQ);
-				continue;
+				 * repair again (idempotent) -- for a while: a
+				 * repairer stopped mid-repair (SIGSTOP) has its
+				 * repair taken over (its own last CAS then
+				 * fails), repair_body's bound applies to ours. */
+				if (!deadline)
+					deadline = kvt__now_ns() + KVT_LIVE_WAIT_NS;
+				if ((spins & 255) != 255 || kvt__now_ns() < deadline) {
+					if (spins > 64)
+						sched_yield();
+					w = kat_load(&sl->state, KVT_ACQ);
+					continue;
+				}
+				KVT_SP(REPAIR_TAKEOVER, s);
 			}
 			if (w != mine)
 				kvt__count(s, KVT_C_ADOPTED, 1);
 		}
 		if (w == mine || kat_cas(&sl->state, &w, mine, KVT_SC)) {
-			repair_body(s, x, mine);
+			(void)repair_body(s, x, mine);
 			return;
 		}
 	}

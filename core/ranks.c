@@ -363,5 +363,8 @@ int kvt_seg_reap(kvt_seg *s)
 		}
 		ent_unlock(s, e);
 	}
+	/* Pin counts a repair set pessimistically (a stopped process was
+	 * between its stores): counted again, exactly once it has moved. */
+	(void)kvt__pins_recount(s);
 	return reaped;
 }

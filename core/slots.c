@@ -238,7 +238,7 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
-	uint64_t w = kat_load(&sl->state, KVT_RLX);
+	uint64_t w = kat_load(&sl->state, KVT_RLX), deadline = 0;
 	unsigned spins = 0;
 	int blocked = 0;
 
@@ -256,8 +256,14 @@ int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)
 				KVT_SP(UNPIN_FROZEN, s);
 			}
 			uint32_t f = KVT_FREEZER(w);
+			if (!deadline)
+				deadline = kvt__now_ns() + KVT_LIVE_WAIT_NS;
+			/* a dead freezer's repair adopted at once; a live one's
+			 * past the deadline (stopped mid-repair: its own last
+			 * CAS then fails) */
 			if ((spins++ & 63) == 0 &&
-			    (f == 0 || f - 1 == s->entry || !kvt__entry_alive(s, f - 1))) {
+			    (f == 0 || f - 1 == s->entry || !kvt__entry_alive(s, f - 1) ||
+			     kvt__now_ns() > deadline)) {
 				kvt__pins_adopt(s, x, w);
 			} else if (spins > 64) {
 				sched_yield();

@@ -81,7 +81,15 @@ run pins.pml "-DDEATHS=3" clean
 run pins.pml "-DDEATHS=2 -DREATTACH" clean
 run pins.pml "-DDEATHS=3 -DREATTACH" clean
 run pins.pml "-DDEATHS=3 -DLAYOUT1" endstate                          # finding 4
-run pins.pml "-DDEATHS=2 -DREATTACH -DLAYOUT1" "assert:(pins==0)"     # finding 5
+run pins.pml "-DDEATHS=2 -DREATTACH -DLAYOUT1" "assert:(pins<=extra_pins)" # finding 5
+# stopped processes (SIGSTOP, the freezer): every wait on a live process is
+# bounded; unbounded (layout 5) it deadlocks, a give-up that does not count
+# a pending pin lets the slot be evicted under a reader
+run pins.pml "-DDEATHS=2 -DSTOPS=1" clean
+run pins.pml "-DDEATHS=2 -DSTOPS=2" clean
+run pins.pml "-DDEATHS=2 -DSTOPS=1 -DREATTACH" clean
+run pins.pml "-DDEATHS=1 -DSTOPS=1 -DNO_BOUND" endstate
+run pins.pml "-DDEATHS=1 -DSTOPS=1 -DOPTIMISTIC" "assert:(pins>0)"
 # the disk tier: the index entry's seqlock with a dying engine, demotion
 # without a pin
 run disk.pml "-DPART=1" clean
