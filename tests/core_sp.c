@@ -563,20 +563,29 @@ static int ch_release(void *arg)
 	return r;
 }
 
+/* Key 0 saved and pinned by lease *l, and a live process (worker 4,
+ * attached before) that releases *l once told (T->go). */
+static pid_t release_waiter(kvt_seg *p, uint64_t *l)
+{
+	kvt_key k0 = kvt_test_key(0);
+
+	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
+	assert_int_equal(kvt_seg_lookup(p, &k0, 1, l), 1);
+	atomic_store(&T->ready, 0);
+	atomic_store(&T->go, 0);
+	pid_t w = spawn(4, ch_release, l);
+	wait_ready(w);
+	return w;
+}
+
 static void test_frozen_by_dead_release(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0);
-	kvt_key k0 = kvt_test_key(0);
 	char msg[256];
 	uint64_t l;
+	pid_t w = release_waiter(p, &l);
 
-	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
-	assert_int_equal(kvt_seg_lookup(p, &k0, 1, &l), 1);
-	atomic_store(&T->ready, 0);
-	atomic_store(&T->go, 0);
-	pid_t w = spawn(4, ch_release, &l); /* a live process, attached before */
-	wait_ready(w);
 	freeze_by_dead(0);
 	assert_int_not_equal(kvt_check(p, msg, sizeof(msg)), 0);
 	/* Its release never spins on a dead process: it adopts the repair. */
@@ -742,15 +751,9 @@ static void test_stopped_freezer(void **st)
 {
 	(void)st;
 	kvt_seg *p = create(1, 8, 0, 0);
-	kvt_key k0 = kvt_test_key(0);
 	uint64_t l;
+	pid_t w = release_waiter(p, &l);
 
-	assert_int_equal(kvt_test_save_shard(p, 0, 0), 1);
-	assert_int_equal(kvt_seg_lookup(p, &k0, 1, &l), 1);
-	atomic_store(&T->ready, 0);
-	atomic_store(&T->go, 0);
-	pid_t w = spawn(4, ch_release, &l); /* a live process, attached before */
-	wait_ready(w);
 	sp_arm(2, KVT_SP_PIN_DONE, SP_KILL, 0);
 	expect_killed(spawn(2, ch_lookup, (void *)0)); /* dead between its stores */
 	sp_arm(3, KVT_SP_REPAIR_FROZEN, SP_PAUSE, 0);

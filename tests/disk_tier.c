@@ -837,19 +837,26 @@ static void slow_check_claim_outlives_read(kvt_seg *s)
 	assert_int_equal(dram_exact(s, 11), 1);
 }
 
+/* The slow device and the segment of slow_setup, or the test skips. */
+static kvt_seg *slow_begin(struct kvt_disk_opts *o)
+{
+	if (slow_device(16u << 20))
+		KVT_TEST_SKIP();
+	/* one slot, 2 x 64 KiB shards: a chunk's read takes ~2 s throttled */
+	kvt_seg *s = slow_setup(o);
+	if (!s)
+		KVT_TEST_SKIP();
+	return s;
+}
+
 static void test_kill_with_read_in_flight(void **state)
 {
 	(void)state;
 	struct kvt_disk_opts o;
 	int pfd[2], st;
 	char c;
+	kvt_seg *s = slow_begin(&o);
 
-	if (slow_device(16u << 20))
-		KVT_TEST_SKIP();
-	/* one slot, 2 x 64 KiB shards: a chunk's read takes ~2 s throttled */
-	kvt_seg *s = slow_setup(&o);
-	if (!s)
-		KVT_TEST_SKIP();
 	assert_int_equal(pipe(pfd), 0);
 	slow_engine = fork();
 	assert_true(slow_engine >= 0);
@@ -886,12 +893,8 @@ static void test_close_timeout_leaves_claims(void **state)
 	struct kvt_disk_opts o;
 	int pfd[2], back[2];
 	char c;
+	kvt_seg *s = slow_begin(&o);
 
-	if (slow_device(16u << 20))
-		KVT_TEST_SKIP();
-	kvt_seg *s = slow_setup(&o);
-	if (!s)
-		KVT_TEST_SKIP();
 	assert_int_equal(pipe(pfd), 0);
 	assert_int_equal(pipe(back), 0);
 	slow_engine = fork();
