@@ -313,6 +313,16 @@ class Kvtierd:
         except OSError:
             return 0, ""
 
+    def until(self, pred, what, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert self.p.poll() is None, self.p.stdout.read()
+            if time.monotonic() > deadline:
+                self.p.kill()
+                raise AssertionError("timed out waiting for %s; kvtierd's log:\n%s"
+                                     % (what, self.p.stdout.read()))
+            time.sleep(0.1)
+
     def metric(self, name):
         _, text = self.get("/metrics")
         vals = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ")
@@ -367,6 +377,11 @@ def test_kvtierd_disk_tier(model, tmp_path):
         e = Engine(model, {"kvtier_segment": name, "kvtier_create": False,
                            "kvtier_model": "tiny-llama/bf16", "kvtier_disk_wait_ms": 5000})
         a = e.generate([LONG])
+        # LONG's chunks on disk before the others push them out of DRAM:
+        # kvtierd demotes in the background, and on a loaded machine it may
+        # get no CPU while the engine saves (a CI run beside a parallel
+        # build saw 0 writes when the check came right after the others)
+        d.until(lambda: d.metric("kvtier_disk_writes_total") >= 37, "LONG demoted")
         for p in OTHERS:             # 102 chunks through 48 slots: LONG leaves DRAM
             e.generate([p])
         assert d.metric("kvtier_disk_writes_total") >= 37
