@@ -635,7 +635,7 @@ static void test_evicted_during_write(void **state)
  * (else the test skips): reads of the device by a process in the cgroup
  * run at THROTTLE_BPS, so a promotion read stays in flight for seconds,
  * long after its submitter was killed. */
-#define THROTTLE_BPS 65536
+#define THROTTLE_BPS 32768 /* a 128 KiB chunk: ~4 s in flight */
 #define FAIL_AFTER_TEST 16 /* tier/disk.c's FAIL_AFTER */
 static char loop_dev[128], loop_img[256], blk_cg[128];
 
@@ -725,7 +725,7 @@ static int slow_device(uint64_t bytes) { return loop_device(bytes, 1, 0); }
 /* An engine killed with a promotion read in flight into a claimed slot:
  * the claim -- its entry -- lives until the read landed, so the slot is
  * never handed to another key under it.  Deterministic: the device is
- * throttled, so the read is still queued when the kill comes, for ~2 s.
+ * throttled, so the read is still queued when the kill comes, for ~4 s.
  * The decisive checks: right after the kill the dead engine's entry is
  * not reaped (its ring holds the lock descriptor, kvt_seg_lock_fd), and
  * once it is, every chunk then saved into the slot is byte-exact.  Before
@@ -842,7 +842,7 @@ static kvt_seg *slow_begin(struct kvt_disk_opts *o)
 {
 	if (slow_device(16u << 20))
 		KVT_TEST_SKIP();
-	/* one slot, 2 x 64 KiB shards: a chunk's read takes ~2 s throttled */
+	/* one slot, 2 x 64 KiB shards: a chunk's read takes ~4 s throttled */
 	kvt_seg *s = slow_setup(o);
 	if (!s)
 		KVT_TEST_SKIP();
