@@ -538,7 +538,7 @@ void kvt__pins_adopt(kvt_seg *s, uint32_t slot, uint64_t frozen_word);
 /* How long a protocol step waits for another live process's next step
  * before it stops waiting (leases.c: a stopped process). */
 #define KVT_LIVE_WAIT_NS 500000000ULL
-/* Recounts the slots a repair left flagged; the number still flagged. */
-uint32_t kvt__pins_recount(kvt_seg *s);
+/* Repairs again the slots a repair left flagged (kvt_seg_reap). */
+void kvt__pins_recount(kvt_seg *s);
 
 #endif /* KVT_FORMAT_H */

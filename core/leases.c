@@ -560,10 +560,8 @@ static int repair_body(kvt_seg *s, uint32_t x, uint64_t mine)
 	return gave_up;
 }
 
-uint32_t kvt__pins_recount(kvt_seg *s)
+void kvt__pins_recount(kvt_seg *s)
 {
-	uint32_t left = 0;
-
 	for (uint32_t x = 0; x < s->geo.n_slots; x++) {
 		struct kvt_slot *sl = kvt__slot(s, x);
 		uint64_t f = kat_load(&sl->recount, KVT_RLX);
@@ -575,9 +573,7 @@ uint32_t kvt__pins_recount(kvt_seg *s)
 			continue;
 		}
 		kvt__pins_repair(s, x, f - 1);
-		left += kat_load(&sl->recount, KVT_RLX) != 0;
 	}
-	return left;
 }
 
 void kvt__pins_adopt(kvt_seg *s, uint32_t x, uint64_t w)

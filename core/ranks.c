@@ -365,6 +365,6 @@ int kvt_seg_reap(kvt_seg *s)
 	}
 	/* Pin counts a repair set pessimistically (a stopped process was
 	 * between its stores): counted again, exactly once it has moved. */
-	(void)kvt__pins_recount(s);
+	kvt__pins_recount(s);
 	return reaped;
 }

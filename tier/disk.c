@@ -133,7 +133,7 @@ struct kvt_disk {
 	struct kvt_disk_opts o;
 	char path[256];
 	int fd, efd;
-	int direct, fixed, file_reg;
+	int direct, fixed;
 	struct io_uring ring;
 	int ring_ok;
 	struct dsuper sb;
@@ -412,7 +412,7 @@ static int queue_io(kvt_disk *d, uint32_t j, int write, uint32_t slot, uint32_t 
 	void *p = kvt_slot_shard_ptr(d->s, slot, shard);
 	uint64_t off = d->sb.data_off + (uint64_t)extent * d->extent_bytes +
 		       (uint64_t)shard * d->shard_bytes;
-	int fd = d->file_reg ? 0 : d->fd;
+	int fd = 0; /* the disk file: registered file 0 (ring_setup) */
 	unsigned len = (unsigned)(d->direct ? d->shard_bytes : d->payload);
 
 	if (!q)
@@ -427,8 +427,7 @@ static int queue_io(kvt_disk *d, uint32_t j, int write, uint32_t slot, uint32_t 
 	} else {
 		io_uring_prep_read(q, fd, p, len, off);
 	}
-	if (d->file_reg)
-		q->flags |= IOSQE_FIXED_FILE;
+	q->flags |= IOSQE_FIXED_FILE;
 	io_uring_sqe_set_data64(q, ((uint64_t)j << 32) | len);
 	d->queued++;
 	d->inflight++;
@@ -863,11 +862,10 @@ static int meta_flush(kvt_disk *d)
 			job_put(d, j);
 			break;
 		}
-		int fd = d->file_reg ? 0 : d->fd;
+		int fd = 0; /* registered file 0 */
 		io_uring_prep_write(q, fd, (uint8_t *)d->rec + b * META_BLOCK, META_BLOCK,
 				    d->sb.meta_off + b * META_BLOCK);
-		if (d->file_reg)
-			q->flags |= IOSQE_FIXED_FILE;
+		q->flags |= IOSQE_FIXED_FILE;
 		io_uring_sqe_set_data64(q, ((uint64_t)j << 32) | META_BLOCK);
 		d->jobs[j].block = (uint32_t)b;
 		d->jobs[j].left = 1;
@@ -1353,7 +1351,6 @@ static int ring_setup(kvt_disk *d, char *err, size_t len)
 		return eset(err, len, r, "disk %s: io_uring refused to register its files (%s): "
 			    "the engine's claims could not outlive its reads", d->o.path,
 			    strerror(-r));
-	d->file_reg = 1;
 	/* The arena as fixed buffers: per shard part, pieces of at most 1 GiB
 	 * cut at sub-slot boundaries (a sub-slot never straddles two). */
 	uint64_t per = PIECE_MAX / d->shard_bytes;
