@@ -13,6 +13,8 @@ pkgs=(
   libxxhash-dev                         # key hashing (XXH3-128)
   liburing-dev                          # the disk tier (io_uring: kvtierd, kvtier-bench disk)
   libmicrohttpd-dev                     # kvtierd's HTTP server (/healthcheck, /metrics)
+  libinih-dev                           # kvtierd's config file (key = value lines)
+  libssl-dev                            # the disk tier's chunk MAC (ChaCha20-Poly1305, libcrypto)
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV
                                         # and HIP ceiling on AMD, the fake HIP of the tests
@@ -25,6 +27,7 @@ pkgs=(
   curl tmux prometheus                  # kvtierd's tests: HTTP client, a terminal for
                                         # kvtier-stat --watch, promtool and a real server
   python3-venv                          # the vLLM engine tests' virtual environment
+  systemd                               # systemd-analyze: the shipped unit's verify and security checks
 )
 
 missing=()
