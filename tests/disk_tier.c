@@ -21,13 +21,14 @@
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <xxhash.h>
 
 #include "kvt_test.h"
 #include "kvt_disk.h"
 #include "kvtier.h"
 #include "kvt_tier_int.h"
 
-static char seg_name[64], file_path[256], shm_path[256];
+static char seg_name[64], file_path[256], shm_path[256], key_path[256];
 
 /* 16 tokens x 256 B x 1 layer = 4 KiB shards (O_DIRECT-sized), world 2. */
 static struct kvt_geometry geo(uint32_t slots, uint32_t disk, uint32_t bpt)
@@ -166,6 +167,7 @@ static int setup(void **state)
 	snprintf(seg_name, sizeof(seg_name), "%s", kvt_test_name("disk"));
 	snprintf(file_path, sizeof(file_path), "kvtier-disk-test-%d.img", (int)getpid());
 	snprintf(shm_path, sizeof(shm_path), "/dev/shm/kvtier-disk-test-%d.img", (int)getpid());
+	snprintf(key_path, sizeof(key_path), "kvtier-disk-test-%d.blk.key", (int)getpid());
 	unlink(file_path);
 	unlink(shm_path);
 	return 0;
@@ -178,6 +180,12 @@ static int teardown(void **state)
 	kvt_unlink(seg_name, NULL); /* kvt_open's: it may be on a hugetlbfs mount */
 	unlink(file_path);
 	unlink(shm_path);
+	unlink(key_path);
+	for (int i = 0; i < 2; i++) {
+		char k[300];
+		snprintf(k, sizeof(k), "%s.key", i ? shm_path : file_path);
+		unlink(k);
+	}
 	return 0;
 }
 
@@ -277,6 +285,355 @@ static void test_checksum_mismatch(void **state)
 	kvt_test_assert_check(s);
 	kvt_disk_close(d);
 	kvt_seg_detach(s);
+}
+
+/* ---- the attacker: forged chunks, foreign files, links, keys ---- */
+
+/* The record table as an attacker sees it: 128-byte records from byte
+ * 4096, the key at 8 and 16, the record's own plain checksum (XXH3-64 of
+ * the 120 bytes before it) at 120. */
+#define T_REC_OFF(e) (4096 + (off_t)(e) * 128)
+
+static void rec_rewrite(int fd, uint32_t e, const kvt_key *claim, int new_tag)
+{
+	uint8_t rec[128];
+
+	assert_int_equal(pread(fd, rec, 128, T_REC_OFF(e)), 128);
+	if (claim) {
+		memcpy(rec + 8, &claim->lo, 8);
+		memcpy(rec + 16, &claim->hi, 8);
+	}
+	if (new_tag) /* a nonce and tag of the forger's choosing */
+		for (int i = 40; i < 72; i++)
+			rec[i] = (uint8_t)(i * 37 + 11);
+	uint64_t c = XXH3_64bits(rec, 120);
+	memcpy(rec + 120, &c, 8);
+	assert_int_equal(pwrite(fd, rec, 128, T_REC_OFF(e)), 128);
+}
+
+/* Chunks whose bytes or records were rewritten by someone who recomputed
+ * every plain checksum are never served: the MAC binds the payload to the
+ * key, the depth and the layout under a key the forger cannot read.
+ * Three forgeries, then a restart (the records replayed from the file):
+ *   key 2: its extent overwritten with other bytes, the record's nonce and
+ *          tag replaced, the record's checksum recomputed;
+ *   key 3: its extent overwritten with key 4's extent (genuine bytes of
+ *          the tier, under the wrong key);
+ *   key 5's record rewritten to claim key 99 (checksum recomputed).
+ * Each is a counted miss; keys 0, 1, 4, 6, 7 come back exact. */
+static void test_forged_chunks_refused(void **state)
+{
+	(void)state;
+	kvt_seg *s = make_seg(16, 1024, 256, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+	struct kvt_disk_info info;
+	struct kvt_disk_ref r2, r3, r4, r5;
+
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	save_range(s, 0, 8);
+	drain(d, 1);
+	kvt_key k2 = kvt_test_key(2), k3 = kvt_test_key(3), k4 = kvt_test_key(4);
+	kvt_key k5 = kvt_test_key(5), k99 = kvt_test_key(99);
+	assert_int_equal(kvt_disk_find(s, &k2, &r2), 1);
+	assert_int_equal(kvt_disk_find(s, &k3, &r3), 1);
+	assert_int_equal(kvt_disk_find(s, &k4, &r4), 1);
+	assert_int_equal(kvt_disk_find(s, &k5, &r5), 1);
+	kvt_disk_info(d, &info);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+
+	int fd = open(file_path, O_RDWR);
+	assert_true(fd >= 0);
+	size_t eb = info.extent_bytes;
+	uint8_t *buf = malloc(eb);
+	assert_non_null(buf);
+	memset(buf, 0x5a, eb);
+	assert_int_equal(pwrite(fd, buf, eb, (off_t)(info.data_off + r2.extent * eb)), (ssize_t)eb);
+	rec_rewrite(fd, r2.extent, NULL, 1);
+	assert_int_equal(pread(fd, buf, eb, (off_t)(info.data_off + r4.extent * eb)), (ssize_t)eb);
+	assert_int_equal(pwrite(fd, buf, eb, (off_t)(info.data_off + r3.extent * eb)), (ssize_t)eb);
+	rec_rewrite(fd, r5.extent, &k99, 0);
+	free(buf);
+	fsync(fd);
+	close(fd);
+
+	s = make_seg(16, 1024, 256, 1);
+	d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_NONE);
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.replayed, 8); /* the records all look fine */
+	assert_true(on_disk(s, 99));
+	assert_false(on_disk(s, 5));
+	for (uint64_t i = 0; i < 8; i++)
+		if (i != 5)
+			request(s, i);
+	request(s, 99);
+	drain(d, 0);
+	assert_int_equal(kvt_test_counter(s, KVT_C_DISK_CSUM_ERRORS), 3);
+	assert_false(in_dram(s, 2));
+	assert_false(in_dram(s, 3));
+	assert_false(in_dram(s, 99));
+	assert_false(on_disk(s, 2));
+	assert_false(on_disk(s, 3));
+	assert_false(on_disk(s, 99));
+	for (uint64_t i = 0; i < 8; i++)
+		if (i != 2 && i != 3 && i != 5)
+			assert_int_equal(dram_exact(s, i), 1);
+	kvt_test_assert_check(s);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+static int open_err(kvt_seg *s, const char *path, int reset, char *err, size_t len)
+{
+	kvt_disk *d = NULL;
+	struct kvt_disk_opts o = { .size = sizeof(o), .path = path, .bytes = 4u << 20,
+				   .reset = (uint32_t)reset };
+	int r = kvt_disk_open(s, &o, &d, err, len);
+
+	if (!r)
+		kvt_disk_close(d);
+	return r;
+}
+
+static off_t file_bytes(const char *path)
+{
+	struct stat st;
+
+	return lstat(path, &st) ? -1 : st.st_size;
+}
+
+/* The disk file's rules: a file that is not ours alone, a link, a FIFO, a
+ * directory, /dev/null are refused -- with reset too -- and left as they
+ * were; a file the engine makes is 0600 whatever the umask. */
+static void test_disk_file_rules(void **state)
+{
+	(void)state;
+	char err[512], other[300], keyf[300];
+	kvt_seg *s = make_seg(16, 1024, 256, 1);
+	int fd, r;
+
+	snprintf(other, sizeof(other), "%s.victim", file_path);
+	snprintf(keyf, sizeof(keyf), "%s.key", file_path);
+	/* made by the engine: 0600 under umask 0 */
+	mode_t um = umask(0);
+	r = open_err(s, file_path, 0, err, sizeof(err));
+	umask(um);
+	if (uring_refused(r, err)) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	assert_int_equal(r, 0);
+	struct stat st;
+	assert_int_equal(stat(file_path, &st), 0);
+	assert_int_equal(st.st_mode & 0777, 0600);
+	assert_int_equal(stat(keyf, &st), 0);
+	assert_int_equal(st.st_mode & 0777, 0600);
+	assert_int_equal(st.st_size, 32);
+
+	/* widened after the fact: refused, for reading and for writing */
+	static const mode_t bad[] = { 0666, 0644, 0640, 0602 };
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		assert_int_equal(chmod(file_path, bad[i]), 0);
+		r = open_err(s, file_path, 1, err, sizeof(err));
+		assert_int_equal(r, -EPERM);
+		assert_non_null(strstr(err, "chmod 600"));
+		uint64_t chunks;
+		assert_int_equal(kvt_disk_plan(file_path, 0, 8192, 1, &chunks, err, sizeof(err)),
+				 -EPERM);
+	}
+	assert_int_equal(chmod(file_path, 0600), 0);
+	/* the key file too */
+	assert_int_equal(chmod(keyf, 0644), 0);
+	r = open_err(s, file_path, 0, err, sizeof(err));
+	assert_int_equal(r, -EPERM);
+	assert_non_null(strstr(err, "disk key"));
+	assert_int_equal(chmod(keyf, 0600), 0);
+	assert_int_equal(open_err(s, file_path, 0, err, sizeof(err)), 0);
+
+	/* a hard link: another name for the bytes */
+	assert_int_equal(link(file_path, other), 0);
+	assert_int_equal(open_err(s, file_path, 0, err, sizeof(err)), -EMLINK);
+	assert_int_equal(unlink(other), 0);
+
+	/* a symbolic link to a victim file: refused, the victim untouched,
+	 * with reset too */
+	fd = open(other, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	assert_true(fd >= 0);
+	assert_int_equal(write(fd, "precious", 8), 8);
+	close(fd);
+	char lnk[300];
+	snprintf(lnk, sizeof(lnk), "%s.lnk", file_path);
+	unlink(lnk);
+	assert_int_equal(symlink(other, lnk), 0);
+	for (int reset = 0; reset < 2; reset++) {
+		r = open_err(s, lnk, reset, err, sizeof(err));
+		assert_int_equal(r, -ELOOP);
+		assert_non_null(strstr(err, "symbolic link"));
+	}
+	assert_int_equal(file_bytes(other), 8);
+	unlink(lnk);
+	/* a key file that is a link: refused as well */
+	char keyl[320];
+	snprintf(keyl, sizeof(keyl), "%s.key", lnk);
+	unlink(keyl);
+	assert_int_equal(symlink(keyf, keyl), 0);
+	r = open_err(s, lnk, 0, err, sizeof(err));
+	assert_int_equal(r, -ELOOP);
+	unlink(keyl);
+	unlink(lnk);
+
+	/* a FIFO: refused at once (neither the plan nor the open waits for a
+	 * writer), as are a directory and a character device */
+	unlink(other);
+	assert_int_equal(mkfifo(other, 0600), 0);
+	uint64_t chunks;
+	r = kvt_disk_plan(other, 0, 8192, 1, &chunks, err, sizeof(err));
+	assert_int_equal(r, -EINVAL);
+	assert_non_null(strstr(err, "FIFO"));
+	assert_int_equal(open_err(s, other, 1, err, sizeof(err)), -EINVAL);
+	unlink(other);
+	assert_int_equal(mkdir(other, 0700), 0);
+	assert_int_equal(kvt_disk_plan(other, 0, 8192, 1, &chunks, err, sizeof(err)), -EISDIR);
+	assert_non_null(strstr(err, "directory"));
+	assert_true(open_err(s, other, 1, err, sizeof(err)) == -EISDIR);
+	rmdir(other);
+	assert_int_equal(kvt_disk_plan("/dev/null", 0, 8192, 1, &chunks, err, sizeof(err)),
+			 -EINVAL);
+	assert_non_null(strstr(err, "/dev/null"));
+
+	/* one byte short: named as truncated, not as a damaged header */
+	struct kvt_disk_info info;
+	kvt_disk *d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+	kvt_disk_info(d, &info);
+	kvt_disk_close(d);
+	assert_int_equal(truncate(file_path, (off_t)info.file_bytes - 1), 0);
+	r = open_err(s, file_path, 0, err, sizeof(err));
+	assert_int_equal(r, -ESTALE);
+	assert_non_null(strstr(err, "truncated"));
+	kvt_seg_detach(s);
+}
+
+/* The MAC key: a disk without its key, or with another, is refused (its
+ * chunks could not be verified) until reset formats it. */
+static void test_disk_key(void **state)
+{
+	(void)state;
+	char err[512], keyf[300];
+	kvt_seg *s = make_seg(16, 1024, 256, 1);
+	kvt_disk *d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+
+	if (!d) {
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	snprintf(keyf, sizeof(keyf), "%s.key", file_path);
+	save_range(s, 0, 4);
+	drain(d, 1);
+	kvt_disk_close(d);
+	/* missing */
+	char saved[320];
+	snprintf(saved, sizeof(saved), "%s.saved", keyf);
+	assert_int_equal(rename(keyf, saved), 0);
+	assert_int_equal(open_err(s, file_path, 0, err, sizeof(err)), -ENOKEY);
+	assert_non_null(strstr(err, "missing"));
+	assert_int_equal(file_bytes(keyf), -1); /* not made behind the operator's back */
+	/* another key */
+	int fd = open(keyf, O_WRONLY | O_CREAT | O_EXCL, 0600);
+	assert_true(fd >= 0);
+	uint8_t k[32];
+	memset(k, 7, sizeof(k));
+	assert_int_equal(write(fd, k, sizeof(k)), 32);
+	close(fd);
+	assert_int_equal(open_err(s, file_path, 0, err, sizeof(err)), -EKEYREJECTED);
+	assert_non_null(strstr(err, "another MAC key"));
+	/* not a key */
+	assert_int_equal(truncate(keyf, 31), 0);
+	assert_int_equal(open_err(s, file_path, 0, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "31 bytes"));
+	/* the right one back: the chunks are there */
+	assert_int_equal(rename(saved, keyf), 0);
+	kvt_seg_detach(s);
+	s = make_seg(16, 1024, 256, 1);
+	d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+	struct kvt_disk_info info;
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.replayed, 4);
+	kvt_disk_close(d);
+	/* reset with the key gone: a new key, an empty disk */
+	unlink(keyf);
+	assert_int_equal(open_err(s, file_path, 1, err, sizeof(err)), 0);
+	assert_int_equal(file_bytes(keyf), 32);
+	d = engine_or_skip(s, file_path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+	kvt_disk_info(d, &info);
+	assert_int_equal(info.replayed, 0);
+	kvt_disk_close(d);
+	kvt_seg_detach(s);
+}
+
+/* Another uid on the node (nobody, 65534) as the attacker: a disk file it
+ * planted in a shared directory is refused, and it cannot read the disk
+ * file or the key the engine made.  Needs root (setresuid); else 77. */
+static void test_other_uid(void **state)
+{
+	(void)state;
+	char dir[300], path[400], key[420], err[512];
+
+	if (geteuid() != 0) {
+		fprintf(stderr, "skip: needs root to act as another uid\n");
+		KVT_TEST_SKIP();
+	}
+	snprintf(dir, sizeof(dir), "kvtier-disk-shared-%d", (int)getpid());
+	assert_int_equal(mkdir(dir, 0700), 0);
+	assert_int_equal(chmod(dir, 01777), 0);
+	snprintf(path, sizeof(path), "%s/disk.img", dir);
+	snprintf(key, sizeof(key), "%s/disk.img.key", dir);
+	/* the attacker plants the file first, world-writable */
+	pid_t p = fork();
+	assert_true(p >= 0);
+	if (p == 0) {
+		if (setresgid(65534, 65534, 65534) || setresuid(65534, 65534, 65534))
+			_exit(2);
+		umask(0);
+		int fd = open(path, O_RDWR | O_CREAT | O_EXCL, 0666);
+		_exit(fd >= 0 && ftruncate(fd, 4u << 20) == 0 ? 0 : 3);
+	}
+	int stt;
+	assert_int_equal(waitpid(p, &stt, 0), p);
+	assert_true(WIFEXITED(stt) && WEXITSTATUS(stt) == 0);
+	kvt_seg *s = make_seg(16, 1024, 256, 1);
+	int r = open_err(s, path, 1, err, sizeof(err));
+	if (uring_refused(r, err)) {
+		kvt_seg_detach(s);
+		unlink(path);
+		rmdir(dir);
+		KVT_TEST_SKIP();
+	}
+	assert_int_equal(r, -EPERM);
+	assert_non_null(strstr(err, "owned by uid 65534"));
+	assert_int_equal(file_bytes(path), 4u << 20); /* not formatted, not truncated */
+	assert_int_equal(unlink(path), 0);
+	/* made by the engine: the attacker can read neither file */
+	kvt_disk *d = engine_or_skip(s, path, 4u << 20, KVT_DIRECT_OFF, KVT_ADMIT_ALL);
+	save_range(s, 0, 2);
+	drain(d, 1);
+	kvt_disk_close(d);
+	p = fork();
+	assert_true(p >= 0);
+	if (p == 0) {
+		if (setresgid(65534, 65534, 65534) || setresuid(65534, 65534, 65534))
+			_exit(2);
+		int a = open(path, O_RDONLY), b = open(key, O_RDONLY);
+		_exit(a < 0 && errno == EACCES && b < 0 ? 0 : 4);
+	}
+	assert_int_equal(waitpid(p, &stt, 0), p);
+	assert_true(WIFEXITED(stt) && WEXITSTATUS(stt) == 0);
+	kvt_seg_detach(s);
+	unlink(key);
+	unlink(path);
+	rmdir(dir);
 }
 
 /* A disk of 8 chunks takes 40: it evicts from itself, never fails. */
@@ -755,7 +1112,7 @@ static kvt_seg *slow_setup(struct kvt_disk_opts *o)
 
 	assert_int_equal(kvt_test_attach(seg_name, KVT_ROLE_CLIENT, 0, 0, 0, &t), 0);
 	assert_int_equal(kvt_seg_own(t), 0);
-	*o = (struct kvt_disk_opts){ .size = sizeof(*o), .path = loop_dev,
+	*o = (struct kvt_disk_opts){ .size = sizeof(*o), .path = loop_dev, .key_path = key_path,
 				     .direct = KVT_DIRECT_ON, .admit = KVT_ADMIT_ALL, .depth = 8 };
 	int r = kvt_disk_open(t, o, &d, err, sizeof(err));
 	if (uring_refused(r, err)) {
@@ -954,7 +1311,8 @@ static void test_failing_disk(void **state)
 	if (loop_device(16u << 20, 0, 1))
 		KVT_TEST_SKIP();
 	kvt_seg *s = make_seg(64, 1024, 256, 1);
-	struct kvt_disk_opts o = { .size = sizeof(o), .path = loop_dev, .direct = KVT_DIRECT_ON,
+	struct kvt_disk_opts o = { .size = sizeof(o), .path = loop_dev, .key_path = key_path,
+				   .direct = KVT_DIRECT_ON,
 				   .admit = KVT_ADMIT_ALL, .depth = 8,
 				   .bytes = 4u << 20 };
 	kvt_disk *d;
@@ -1176,6 +1534,10 @@ int main(int argc, char **argv)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_round_trip_and_restart, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_checksum_mismatch, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_forged_chunks_refused, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_disk_file_rules, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_disk_key, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_other_uid, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_full_disk, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_tmpfs_buffered, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_bad_config, setup, teardown),

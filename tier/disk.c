@@ -2,11 +2,12 @@
  *
  * The file:
  *
- *   0          superblock (4 KiB): magic, layout (fingerprint, shards,
- *              shard and payload bytes), chunks, offsets, checksum
- *   4096       record table: one 64 B record per extent (key, depth,
- *              extent generation, payload checksum, write sequence, the
- *              record's own checksum), written in 4 KiB blocks
+ *   0          superblock (4 KiB): magic, version, layout (fingerprint,
+ *              shards, shard and payload bytes), chunks, offsets, the MAC
+ *              key's check tag, checksum
+ *   4096       record table: one 128 B record per extent (key, depth,
+ *              extent generation, write sequence, the chunk's MAC nonce
+ *              and tag, the record's own checksum), in 4 KiB blocks
  *   data_off   extents: extent e at data_off + e x extent_bytes holds one
  *              chunk, shard s at + s x shard_bytes (1 MiB aligned)
  *
@@ -21,10 +22,13 @@
  * Visibility and crashes.  A chunk enters the segment's index (where
  * lookups see it) only after its write completed and its slot was found
  * in the same life; its record is written after that.  Every read back is
- * checked against the record's checksum (XXH3-64 over the payload, seeded
- * with the key): a mismatch is counted and is a miss, never served.  So a
+ * verified against the record's tag (a MAC under a key only the tier's uid
+ * can read, over the layout, the key, the depth and the payload:
+ * disk_trust.c): a mismatch is counted and is a miss, never served.  So a
  * kill -9 or a power cut at any point leaves at worst records that point
- * at data that is not theirs, which fail the checksum; no fsync is needed
+ * at data that is not theirs, which fail the MAC -- and so does anything
+ * another user managed to write into the file (its rules keep them out:
+ * disk_trust.c), whatever checksums they recomputed; no fsync is needed
  * for correctness, and none is on the data path.  At start the record
  * table is replayed into the index (the newest record of a key wins); a
  * chunk is verified when it is first read, as every read is.
@@ -61,12 +65,16 @@
 #include <xxhash.h>
 
 #include "kvt_disk.h"
+#include "kvt_disk_trust.h"
 
 #define DISK_MAGIC   "KVTDISK1"
-#define DISK_VERSION 1u
+/* 2: chunks carry a MAC (128-byte records, the key check in the
+ * superblock); version 1 files are refused with their version named. */
+#define DISK_VERSION 2u
 #define SB_BYTES     4096u
 #define META_BLOCK   4096u
-#define REC_PER_BLK  (META_BLOCK / 64u)
+#define REC_BYTES    128u
+#define REC_PER_BLK  (META_BLOCK / REC_BYTES)
 #define DATA_ALIGN   (1u << 20)
 #define DIO_ALIGN    4096u
 #define PIECE_MAX    (1ULL << 30)
@@ -87,6 +95,9 @@ struct dsuper {
 	uint64_t meta_off, data_off;
 	kvt_key fingerprint;
 	uint64_t created_ns;
+	uint8_t key_nonce[KVT_MAC_NONCE_BYTES]; /* the key check: the tag of */
+	uint8_t key_tag[KVT_MAC_TAG_BYTES];     /* KEY_CHECK_LABEL + fingerprint */
+	uint32_t pad1;
 	uint64_t csum;           /* XXH3-64 of the bytes before it */
 };
 
@@ -96,12 +107,15 @@ struct drec {
 	uint32_t magic, flags;
 	uint64_t key_lo, key_hi;
 	uint32_t depth, egen;
-	uint64_t csum;           /* payload checksum */
 	uint64_t seq;            /* write sequence: the newest record of a key wins */
-	uint64_t pad;
-	uint64_t rcsum;          /* XXH3-64 of the 56 bytes before it */
+	uint8_t nonce[KVT_MAC_NONCE_BYTES]; /* the chunk's MAC (chunk_tag) */
+	uint32_t pad0;
+	uint8_t tag[KVT_MAC_TAG_BYTES];
+	uint8_t pad[48];
+	uint64_t rcsum;          /* XXH3-64 of the 120 bytes before it */
 };
-_Static_assert(sizeof(struct drec) == 64, "record is 64 bytes");
+_Static_assert(sizeof(struct drec) == REC_BYTES, "record is 128 bytes");
+_Static_assert(sizeof(struct dsuper) <= SB_BYTES, "superblock fits its block");
 
 /* Per extent, in memory only. */
 struct dext {
@@ -121,7 +135,8 @@ struct job {
 	int err;
 	uint32_t slot, extent, depth, block;
 	uint64_t w;          /* demote: the slot's state word at the scan */
-	uint64_t csum;
+	uint8_t nonce[KVT_MAC_NONCE_BYTES];
+	uint8_t tag[KVT_MAC_TAG_BYTES];
 	uint64_t t0;
 	kvt_key key;
 	struct kvt_disk_ref ref;
@@ -132,6 +147,7 @@ struct kvt_disk {
 	kvt_seg *s;
 	struct kvt_disk_opts o;
 	char path[256];
+	char key_path[256];
 	int fd, efd;
 	int direct, fixed;
 	struct io_uring ring;
@@ -169,7 +185,8 @@ struct kvt_disk {
 	uint64_t replayed;
 	uint64_t last_publish, last_meta;
 	int closing;
-	XXH3_state_t *xs;
+	kvt_mac *mac;
+	uint64_t mac_errors;   /* tags the MAC could not compute (libcrypto failed) */
 };
 
 static uint64_t mono_ns(void)
@@ -244,19 +261,26 @@ static uint64_t rec_csum(const struct drec *r)
 	return XXH3_64bits(r, offsetof(struct drec, rcsum));
 }
 
+enum { SB_NONE = 0, SB_OK, SB_VERSION, SB_DAMAGED };
+
+/* SB_OK: a superblock of this version, checksum right; SB_VERSION: a
+ * kvtier disk of another version (sb->version); SB_DAMAGED: this
+ * version's magic with a wrong checksum; SB_NONE: not a kvtier disk. */
 static int read_super(int fd, struct dsuper *sb)
 {
 	void *buf;
-	int ok = 0;
+	int r = SB_NONE;
 
 	if (posix_memalign(&buf, DIO_ALIGN, SB_BYTES))
-		return 0;
+		return SB_NONE;
 	if (pread(fd, buf, SB_BYTES, 0) == (ssize_t)SB_BYTES) {
 		memcpy(sb, buf, sizeof(*sb));
-		ok = !memcmp(sb->magic, DISK_MAGIC, 8) && sb->csum == sb_csum(sb);
+		if (!memcmp(sb->magic, DISK_MAGIC, 8))
+			r = sb->version != DISK_VERSION ? SB_VERSION :
+			    sb->csum == sb_csum(sb) ? SB_OK : SB_DAMAGED;
 	}
 	free(buf);
-	return ok;
+	return r;
 }
 
 /* The file's size: a block device's, else st_size. */
@@ -278,16 +302,19 @@ int kvt_disk_plan(const char *path, uint64_t bytes, uint64_t shard_bytes, uint32
 	if (!bytes) {
 		struct stat st;
 		struct dsuper sb;
-		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		/* the file rules first: a FIFO is refused, not waited on */
+		int fd = kvt_disk_file_open("disk", path, 0, 0, NULL, &st, err, len);
+		if (fd == -ENOENT)
+			return eset(err, len, fd, "disk %s: no such file (give a size to create it)",
+				    path);
 		if (fd < 0)
-			return eset(err, len, -errno, "disk %s: %s (give a size to create it)",
-				    path, strerror(errno));
-		if (fstat(fd, &st) || file_size(fd, &st, &bytes)) {
+			return fd;
+		if (file_size(fd, &st, &bytes)) {
 			int e = -errno;
 			close(fd);
 			return eset(err, len, e, "disk %s: %s", path, strerror(-e));
 		}
-		if (read_super(fd, &sb) && sb.extent_bytes == eb)
+		if (read_super(fd, &sb) == SB_OK && sb.extent_bytes == eb)
 			bytes = sb.bytes;
 		close(fd);
 	}
@@ -366,14 +393,58 @@ static uint32_t extent_alloc(kvt_disk *d)
 	return UINT32_MAX;
 }
 
-/* ---- checksums ---- */
+/* ---- the chunk MAC (disk_trust.c) ---- */
 
-static uint64_t payload_csum(kvt_disk *d, uint32_t slot, const kvt_key *k)
+/* What a tag is bound to besides the payload: a chunk verifies only under
+ * its own key and depth, in this layout. */
+struct mac_head {
+	char label[8];
+	kvt_key fingerprint, key;
+	uint32_t depth, n_shards;
+	uint64_t payload, shard_bytes;
+};
+
+static int chunk_tag(kvt_disk *d, uint32_t slot, const kvt_key *k, uint32_t depth,
+		     const uint8_t nonce[KVT_MAC_NONCE_BYTES], uint8_t tag[KVT_MAC_TAG_BYTES])
 {
-	XXH3_64bits_reset_withSeed(d->xs, k->lo ^ k->hi);
-	for (uint32_t sh = 0; sh < d->n_shards; sh++)
-		XXH3_64bits_update(d->xs, kvt_slot_shard_ptr(d->s, slot, sh), d->payload);
-	return XXH3_64bits_digest(d->xs);
+	struct mac_head h;
+	int r;
+
+	memset(&h, 0, sizeof(h));
+	memcpy(h.label, "KVTCHUNK", 8);
+	h.fingerprint = d->sb.fingerprint;
+	h.key = *k;
+	h.depth = depth;
+	h.n_shards = d->n_shards;
+	h.payload = d->payload;
+	h.shard_bytes = d->shard_bytes;
+	r = kvt_mac_begin(d->mac, nonce);
+	if (!r)
+		r = kvt_mac_update(d->mac, &h, sizeof(h));
+	for (uint32_t sh = 0; !r && sh < d->n_shards; sh++)
+		r = kvt_mac_update(d->mac, kvt_slot_shard_ptr(d->s, slot, sh), d->payload);
+	if (!r)
+		r = kvt_mac_final(d->mac, tag);
+	if (r)
+		d->mac_errors++;
+	return r;
+}
+
+/* The superblock's key check: the tag of a label and the file's identity
+ * under the key, so that another key (or none) is told at open. */
+static int key_check_tag(kvt_disk *d, const struct dsuper *sb, uint8_t tag[KVT_MAC_TAG_BYTES])
+{
+	int r = kvt_mac_begin(d->mac, sb->key_nonce);
+
+	if (!r)
+		r = kvt_mac_update(d->mac, "KVTKEYCK", 8);
+	if (!r)
+		r = kvt_mac_update(d->mac, &sb->fingerprint, sizeof(sb->fingerprint));
+	if (!r)
+		r = kvt_mac_update(d->mac, &sb->created_ns, sizeof(sb->created_ns));
+	if (!r)
+		r = kvt_mac_final(d->mac, tag);
+	return r;
 }
 
 /* ---- submission ---- */
@@ -537,9 +608,14 @@ static int demote_start(kvt_disk *d, uint32_t x, const kvt_key *k, uint32_t dept
 	b->extent = e;
 	b->key = *k;
 	b->depth = depth;
-	/* The checksum of what the write will carry: the slot is READY, so
-	 * its payload does not change in this life (checked at the end). */
-	b->csum = payload_csum(d, x, k);
+	/* The tag of what the write will carry: the slot is READY, so its
+	 * payload does not change in this life (checked at the end). */
+	if (kvt_mac_nonce(b->nonce) || chunk_tag(d, x, k, depth, b->nonce, b->tag)) {
+		free_push(d, e);
+		job_put(d, j);
+		kvt_counter_add(d->s, KVT_C_DISK_WRITE_DROPS, 1);
+		return -1;
+	}
 	b->t0 = mono_ns();
 	d->ext[e].busy++;
 	for (uint32_t sh = 0; sh < d->n_shards; sh++)
@@ -553,7 +629,7 @@ static int demote_start(kvt_disk *d, uint32_t x, const kvt_key *k, uint32_t dept
 		job_put(d, j);
 		return 0;
 	}
-	/* the chunk's I/Os go to the kernel now: the next chunk's checksum
+	/* the chunk's I/Os go to the kernel now: the next chunk's MAC
 	 * (CPU) overlaps them instead of delaying them to the round's end */
 	submit(d);
 	return 1;
@@ -596,7 +672,8 @@ static void demote_done(kvt_disk *d, uint32_t j)
 	rc->key_hi = b->key.hi;
 	rc->depth = b->depth;
 	rc->egen = x->egen;
-	rc->csum = b->csum;
+	memcpy(rc->nonce, b->nonce, sizeof(rc->nonce));
+	memcpy(rc->tag, b->tag, sizeof(rc->tag));
 	rc->seq = ++d->seq;
 	rc->rcsum = rec_csum(rc);
 	mark_dirty(d, b->extent);
@@ -725,7 +802,9 @@ static int promote_start(kvt_disk *d, const struct kvt_disk_ref *ref, const kvt_
 	b->extent = e;
 	b->key = *k;
 	b->ref = *ref;
-	b->csum = rc->csum;
+	b->depth = rc->depth;
+	memcpy(b->nonce, rc->nonce, sizeof(b->nonce));
+	memcpy(b->tag, rc->tag, sizeof(b->tag));
 	b->t0 = mono_ns();
 	for (sh = 0; sh < d->n_shards; sh++) {
 		int r = kvt_write_begin(d->s, k, rc->depth, sh, &b->wr[sh]);
@@ -767,11 +846,14 @@ static void promote_done(kvt_disk *d, uint32_t j)
 
 	x->busy--;
 	if (!b->err) {
-		ok = payload_csum(d, b->slot, &b->key) == b->csum;
+		uint8_t tag[KVT_MAC_TAG_BYTES];
+		ok = !chunk_tag(d, b->slot, &b->key, b->depth, b->nonce, tag) &&
+		     kvt_mac_equal(tag, b->tag);
 		if (!ok) {
 			kvt_counter_add(d->s, KVT_C_DISK_CSUM_ERRORS, 1);
-			dlog(d, 1, "%s: extent %u: checksum mismatch (key %016llx%016llx): a miss, "
-			     "the chunk is dropped from the disk", d->path, b->extent,
+			dlog(d, 1, "%s: extent %u: MAC mismatch (key %016llx%016llx: torn, "
+			     "damaged or not written by this tier): a miss, the chunk is "
+			     "dropped from the disk", d->path, b->extent,
 			     (unsigned long long)b->key.hi, (unsigned long long)b->key.lo);
 			if (x->used && x->pos == b->ref.pos && x->egen == b->ref.egen) {
 				extent_drop(d, b->extent);
@@ -1060,24 +1142,21 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 	const struct kvt_disk_opts *o = &d->o;
 	struct statfs sf;
 	struct stat st;
-	int flags = O_RDWR | O_CLOEXEC, fd;
+	int fd, r;
 
-	fd = open(o->path, flags | O_CREAT, 0600);
+	/* The file rules (disk_trust.c): no link, no FIFO, ours alone. */
+	fd = kvt_disk_file_open("disk", o->path, 1, 1, NULL, &st, err, len);
 	if (fd < 0)
-		return eset(err, len, -errno, "disk %s: %s%s", o->path, strerror(errno),
-			    errno == EACCES || errno == EROFS || errno == EPERM ? " (the disk tier needs to write "
-			    "it: a read-only file or file system cannot hold it)" : "");
-	if (fstat(fd, &st) || fstatfs(fd, &sf)) {
+		return fd;
+	if (fstatfs(fd, &sf)) {
 		int e = -errno;
 		close(fd);
 		return eset(err, len, e, "disk %s: %s", o->path, strerror(-e));
 	}
-	if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
-		close(fd);
-		return eset(err, len, -EINVAL, "disk %s: neither a regular file nor a block device",
-			    o->path);
-	}
 	d->fd = fd;
+	if ((r = kvt_disk_key_path(o->path, &st, o->key_path, d->key_path, sizeof(d->key_path),
+				   err, len)))
+		return r;
 	/* O_DIRECT: refused by the open (EINVAL) on file systems without it;
 	 * on tmpfs and ramfs, which recent kernels let open it, there is no
 	 * device behind the page cache: direct I/O there is a copy through
@@ -1091,14 +1170,13 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 	else if (d->shard_bytes % DIO_ALIGN)
 		why = "a chunk shard is not a multiple of 4096 bytes, which O_DIRECT needs";
 	if (!why && o->direct != KVT_DIRECT_OFF) {
-		int dfd = open(o->path, O_RDWR | O_CLOEXEC | O_DIRECT);
-		if (dfd < 0)
+		/* on the descriptor checked above: a second open of the path
+		 * could meet another file */
+		int fl = fcntl(fd, F_GETFL);
+		if (fl < 0 || fcntl(fd, F_SETFL, fl | O_DIRECT))
 			why = errno == EINVAL ? "the file system refuses O_DIRECT" : strerror(errno);
-		else {
-			close(fd);
-			d->fd = dfd;
+		else
 			d->direct = 1;
-		}
 	}
 	if (!d->direct && o->direct == KVT_DIRECT_ON)
 		return eset(err, len, -EOPNOTSUPP, "disk %s: direct I/O was forced (direct=on) "
@@ -1109,6 +1187,52 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 	return lock_file(d, err, len);
 }
 
+/* The MAC key (disk_trust.c): read, checked against the superblock's key
+ * check, or made when the disk is formatted.  A disk whose key is missing
+ * or another is refused unless reset, which formats it (*fresh). */
+static int key_setup(kvt_disk *d, int *fresh, char *err, size_t len)
+{
+	const struct kvt_disk_opts *o = &d->o;
+	uint8_t key[KVT_MAC_KEY_BYTES], tag[KVT_MAC_TAG_BYTES];
+	int created, r;
+
+	r = kvt_disk_key_load(d->key_path, 0, key, &created, err, len);
+	if (r == -ENOKEY && !*fresh && !o->reset)
+		return eset(err, len, -ENOKEY, "disk %s was formatted with a MAC key in %s, which "
+			    "is missing: its chunks cannot be verified; restore the key file, or "
+			    "format the disk with reset (kvtierd --disk-reset; its chunks are "
+			    "lost)", o->path, d->key_path);
+	if (r == -ENOKEY) {
+		r = kvt_disk_key_load(d->key_path, 1, key, &created, err, len);
+		if (!r) {
+			dlog(d, 0, "%s: a new MAC key in %s", o->path, d->key_path);
+			*fresh = 1; /* chunks under an old key could not be verified */
+		}
+	}
+	if (r)
+		return r;
+	d->mac = kvt_mac_new(key);
+	kvt_mac_wipe(key, sizeof(key));
+	if (!d->mac)
+		return eset(err, len, -ENOMEM, "disk: the MAC (libcrypto's ChaCha20-Poly1305) "
+			    "could not be set up");
+	if (*fresh)
+		return 0;
+	if (key_check_tag(d, &d->sb, tag))
+		return eset(err, len, -EIO, "disk %s: the key check could not be computed "
+			    "(libcrypto)", o->path);
+	if (kvt_mac_equal(tag, d->sb.key_tag))
+		return 0;
+	if (!o->reset)
+		return eset(err, len, -EKEYREJECTED, "disk %s was formatted with another MAC key "
+			    "than the one in %s: its chunks cannot be verified; give the key it "
+			    "was made with (disk-key), or format it with reset (kvtierd "
+			    "--disk-reset; its chunks are lost)", o->path, d->key_path);
+	dlog(d, 1, "%s was formatted with another MAC key: reset: formatting it", o->path);
+	*fresh = 1;
+	return 0;
+}
+
 /* Reads or formats the superblock and the record table. */
 static int file_layout(kvt_disk *d, char *err, size_t len)
 {
@@ -1116,17 +1240,22 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 	struct stat st;
 	uint64_t have;
 	kvt_key fp;
-	int fresh;
+	int fresh, r;
 
 	kvt_seg_fingerprint(d->s, &fp);
 	if (fstat(d->fd, &st) || file_size(d->fd, &st, &have))
 		return eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
-	fresh = !read_super(d->fd, &d->sb);
+	int sbr = read_super(d->fd, &d->sb);
+	fresh = sbr == SB_NONE;
 	if (!fresh) {
 		const struct dsuper *sb = &d->sb;
 		char why[200] = "";
-		if (sb->version != DISK_VERSION)
-			snprintf(why, sizeof(why), "format version %u", sb->version);
+		if (sbr == SB_VERSION)
+			snprintf(why, sizeof(why), "format version %u (this kvtier writes version "
+				 "%u%s)", sb->version, DISK_VERSION, sb->version < 2 ?
+				 ": version 1 chunks carry no MAC and cannot be verified" : "");
+		else if (sbr == SB_DAMAGED)
+			snprintf(why, sizeof(why), "a damaged superblock (its checksum is wrong)");
 		else if (sb->fingerprint.lo != fp.lo || sb->fingerprint.hi != fp.hi ||
 			 sb->n_shards != d->n_shards || sb->shard_bytes != d->shard_bytes ||
 			 sb->payload != d->payload)
@@ -1139,7 +1268,11 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 		else if (o->bytes && sb->bytes != o->bytes)
 			snprintf(why, sizeof(why), "a size of %llu bytes, %llu asked",
 				 (unsigned long long)sb->bytes, (unsigned long long)o->bytes);
-		else if (sb->bytes > have || sb->chunks != chunks_for(sb->bytes, d->extent_bytes) ||
+		else if (sb->bytes > have)
+			snprintf(why, sizeof(why), "%llu bytes where its header says %llu: the "
+				 "file was truncated (or the device shrank)",
+				 (unsigned long long)have, (unsigned long long)sb->bytes);
+		else if (sb->chunks != chunks_for(sb->bytes, d->extent_bytes) ||
 			 sb->data_off != data_off_for(sb->chunks) || sb->meta_off != SB_BYTES)
 			snprintf(why, sizeof(why), "a damaged header (size or offsets)");
 		if (why[0]) {
@@ -1174,6 +1307,8 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 				    "bytes of something else): remove it, or format it with reset "
 				    "(kvtierd --disk-reset)", o->path, (unsigned long long)have);
 	}
+	if ((r = key_setup(d, &fresh, err, len)))
+		return r;
 	if (fresh) {
 		uint64_t bytes = o->bytes ? o->bytes : have;
 		if (!bytes)
@@ -1194,7 +1329,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 			 * reset asked for). */
 			if (ftruncate(d->fd, 0))
 				return eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
-			int r = posix_fallocate(d->fd, 0, (off_t)bytes);
+			r = posix_fallocate(d->fd, 0, (off_t)bytes);
 			if (r == EOPNOTSUPP || r == EINVAL)
 				r = ftruncate(d->fd, (off_t)bytes) ? errno : 0;
 			if (r) {
@@ -1222,6 +1357,9 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 		struct timespec ts;
 		clock_gettime(CLOCK_REALTIME, &ts);
 		d->sb.created_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+		if (kvt_mac_nonce(d->sb.key_nonce) || key_check_tag(d, &d->sb, d->sb.key_tag))
+			return eset(err, len, -EIO, "disk %s: the key check could not be computed "
+				    "(libcrypto)", o->path);
 		d->sb.csum = sb_csum(&d->sb);
 	}
 	d->n = d->sb.chunks;
@@ -1427,11 +1565,6 @@ int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 	d->payload = kvt_seg_chunk_bytes(s);
 	d->extent_bytes = d->shard_bytes * d->n_shards;
 	d->n_slots = kvt_seg_geometry(s)->n_slots;
-	d->xs = XXH3_createState();
-	if (!d->xs) {
-		r = eset(err, len, -ENOMEM, "disk: out of memory");
-		goto fail;
-	}
 	if ((r = open_file(d, err, len)) || (r = file_layout(d, err, len)))
 		goto fail;
 	d->ext = calloc(d->n, sizeof(*d->ext));
@@ -1567,8 +1700,7 @@ void kvt_disk_close(kvt_disk *d)
 	free(d->rejected);
 	free(d->ghost);
 	free(d->rec);
-	if (d->xs)
-		XXH3_freeState(d->xs);
+	kvt_mac_free(d->mac);
 	if (d->efd >= 0)
 		close(d->efd);
 	if (d->fd >= 0)

@@ -39,6 +39,11 @@ struct kvt_disk_opts {
 	/* Messages (warnings, the plan); NULL: stderr. level 0 info, 1 warn. */
 	void (*log)(int level, const char *msg, void *arg);
 	void *log_arg;
+	/* The chunk MAC's key file (disk_trust.c): NULL: `<path>.key` (a block
+	 * device needs one given).  Made, mode 0600, when the disk is
+	 * formatted; the disk file and the key file must be this euid's,
+	 * with no access for others. */
+	const char *key_path;
 };
 
 /* What a file of `bytes` holds for chunks of n_shards x shard_bytes (its
@@ -58,7 +63,12 @@ int kvt_disk_plan(const char *path, uint64_t bytes, uint64_t shard_bytes, uint32
  * -EACCES/-EROFS (read-only), -ENOSYS/-EPERM (io_uring refused: seccomp
  * or an old kernel), -ENODEV (no disk tier in the segment), -EOPNOTSUPP
  * (direct forced where the file system has no O_DIRECT); the message
- * names the path and the cause.  Blocks (reads the record table). */
+ * -EPERM/-ELOOP/-EISDIR/-EMLINK (the disk file or its key file breaks the
+ * file rules: another owner, access for others, a link, not a file or a
+ * block device), -ENOKEY (the disk's MAC key file is missing) and
+ * -EKEYREJECTED (it holds another key; opts.reset formats the disk);
+ * the message names the path and the cause.  Blocks (reads the record
+ * table). */
 int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 		  char *err, size_t len);
 
