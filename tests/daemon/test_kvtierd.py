@@ -646,3 +646,73 @@ def test_stopped_rank_is_reported(name, procs):
             os.rmdir(cg)
         except OSError:
             pass
+
+
+def test_config_file_and_disk_trust(name, procs, tmp_path):
+    """The config file through libinih: a comment of any length stays a
+    comment (the old reader cut lines at 4,095 bytes and applied the tail);
+    a directory, /dev/zero, a FIFO are refused at once; switches take a
+    value. The disk file's rules and its MAC key, as the daemon reports
+    them."""
+    def run(args, timeout=30):
+        p = subprocess.run([KVTIERD, "--no-http"] + args, capture_output=True, text=True,
+                           timeout=timeout)
+        return p.returncode, p.stdout + p.stderr
+
+    cfg = tmp_path / "kvtierd.conf"
+    # a 5,000-byte comment whose tail, cut at 4,095, would be an unknown key
+    cfg.write_text("#" + "x" * 4094 + "worlds = 2\n# " + "y" * 9000 + "\nsegment = %s\n"
+                   "recreate = yes\nunlink = yes\n" % name)
+    d = Daemon(name, extra=["--config", str(cfg)], instances=2)
+    procs.append(d)
+    assert d.stop() == 0, d.log()
+    assert not os.path.exists("/dev/shm/kvtier." + name)  # `unlink = yes` applied
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, why in ((str(tmp_path), "a directory"), ("/dev/zero", "a character device"),
+                      (str(fifo), "a FIFO")):
+        rc, out = run(["--config", path] + daemon_layout_args(), timeout=10)
+        assert rc == 2 and "not a regular file (%s)" % why in out, out
+    for text, msg in (("recreate\n", "a switch takes a value too"),
+                      ("recreate = maybe\n", "is a switch: yes or no"),
+                      ("[kvtierd]\nworld = 2\n", "no [sections]"),
+                      ("world = " + "1" * 300 + "\n", "at most 198 fit a line")):
+        cfg.write_text(text)
+        rc, out = run(["--config", str(cfg)] + daemon_layout_args())
+        assert rc == 2 and msg in out, (text, out)
+    rc, out = run(["--tier-gib", "nan", "--segment", name] + daemon_layout_args()[:-4])
+    assert rc == 2 and "expected GiB from" in out, out
+
+    # the disk file: planted world-writable, a link, a FIFO: refused, as is
+    # a disk whose key is gone
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(b"")
+    os.chmod(disk, 0o666)
+    layout = daemon_layout_args(instances=1)
+    rc, out = run(["--segment", name, "--unlink", "--disk", str(disk), "--disk-gib", "0.05"]
+                  + layout)
+    assert rc == 1 and "mode 0666" in out and "chmod 600" in out, out
+    disk.unlink()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, disk)
+    rc, out = run(["--segment", name, "--unlink", "--disk", str(disk), "--disk-gib", "0.05",
+                   "--disk-reset"] + layout)
+    assert rc == 1 and "symbolic link" in out, out
+    assert victim.read_bytes() == b"precious"
+    disk.unlink()
+    os.mkfifo(disk)
+    rc, out = run(["--segment", name, "--unlink", "--disk", str(disk)] + layout, timeout=10)
+    assert rc == 2 and "FIFO" in out, out
+    disk.unlink()
+    d = Daemon(name, extra=["--disk", str(disk), "--disk-gib", "0.05", "--unlink"],
+               instances=1)
+    procs.append(d)
+    assert d.stop() == 0, d.log()
+    assert oct(os.stat(disk).st_mode & 0o777) == "0o600"
+    key = str(disk) + ".key"
+    assert os.stat(key).st_size == 32 and os.stat(key).st_mode & 0o077 == 0
+    os.rename(key, key + ".gone")
+    rc, out = run(["--segment", name, "--unlink", "--disk", str(disk)] + layout)
+    assert rc == 1 and "MAC key" in out and "missing" in out, out
+    assert not os.path.exists(key)  # not made behind the operator's back
