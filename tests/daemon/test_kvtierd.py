@@ -716,3 +716,70 @@ def test_config_file_and_disk_trust(name, procs, tmp_path):
     rc, out = run(["--segment", name, "--unlink", "--disk", str(disk)] + layout)
     assert rc == 1 and "MAC key" in out and "missing" in out, out
     assert not os.path.exists(key)  # not made behind the operator's back
+
+
+def test_segment_name_squatting(name, procs, tmp_path):
+    """Another uid (nobody) takes the segment's name in /dev/shm first: a
+    file, a link, a directory. kvtierd cannot remove it there, so it exits
+    5 (no restart loop: the unit's RestartPreventExitStatus) with the cure;
+    in a segment directory of its own nobody can squat, and --recreate
+    replaces whatever is at the name."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    import pwd
+    nobody = pwd.getpwnam("nobody")
+
+    def as_nobody(fn):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+                fn()
+                os._exit(0)
+            except OSError:
+                os._exit(1)
+        return os.waitpid(pid, 0)[1] == 0
+
+    def run(args, env=None):
+        e = dict(os.environ)
+        e.update(env or {})
+        p = subprocess.run([KVTIERD, "--no-http", "--segment", name, "--no-lock"] + args +
+                           daemon_layout_args(instances=1), capture_output=True, text=True,
+                           timeout=30, env=e)
+        return p.returncode, p.stdout + p.stderr
+
+    path = "/dev/shm/kvtier." + name
+    squats = (("a file", lambda: open(path, "w").close()),
+              ("a symbolic link", lambda: os.symlink("/etc/passwd", path)),
+              ("a directory", lambda: os.mkdir(path)))
+    try:
+        for what, make in squats:
+            assert as_nobody(make)
+            rc, out = run(["--recreate", "--unlink"])
+            assert rc == 5, out
+            assert "segment name taken" in out and what in out and "KVTIER_SEGMENT_DIR" in out
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+    finally:
+        if os.path.lexists(path):
+            (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
+
+    # a directory of the service's own: nobody cannot create the name ...
+    own = tmp_path / "segments"
+    own.mkdir(mode=0o750)
+    os.chmod(tmp_path, 0o755)
+    assert not as_nobody(lambda: open(str(own / ("kvtier." + name)), "w").close())
+    # ... and what is at the name is the service's to replace
+    (own / ("kvtier." + name)).mkdir()
+    env = {"KVTIER_SEGMENT_DIR": str(own)}
+    rc, out = run(["--unlink"], env)
+    assert rc == 1 and "--recreate" in out, out
+    d = Daemon(name, extra=["--recreate", "--unlink", "--no-lock", "--segment-dir", str(own)],
+               instances=1)
+    procs.append(d)
+    assert "removed" in d.log()
+    assert os.path.isfile(own / ("kvtier." + name))
+    assert d.stop() == 0

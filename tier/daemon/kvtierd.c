@@ -427,6 +427,82 @@ static int owned_refusal(const char *name, int pid)
 	return -EBUSY;
 }
 
+/* ---- the segment's name: squatting ----
+ *
+ * The segment is `kvtier.<name>` in its directory.  In a directory where
+ * other users can create names -- /dev/shm, mode 1777, the default -- any
+ * of them can take the name first (a file, a link, a directory, a segment
+ * of their own): attaches refuse it (owner rules, SECURITY.md), but the
+ * daemon cannot remove it either (the sticky bit), so it could only fail,
+ * and under systemd restart and fail again.  The cure is a directory only
+ * the service's uid can create names in: the packaged unit uses
+ * /dev/shm/kvtier (0750, kvtier:kvtier, made at boot by its tmpfiles.d
+ * entry, before any user can log in; engines are given the same
+ * KVTIER_SEGMENT_DIR).  There a squat cannot happen, and what is at the
+ * name is ours to replace.  So: in a directory open to others kvtierd
+ * warns at start and, on a squat, exits 5 (RestartPreventExitStatus in the
+ * unit: restarting cannot help) naming the owner and the cure; in a
+ * directory of its own, --recreate removes whatever is at the name. */
+#define EXIT_SQUATTED 5
+
+/* 1 when users other than this uid (and root) can create names in dir. */
+static int dir_open_to_others(const struct stat *st)
+{
+	if (st->st_mode & S_IWOTH)
+		return 1;
+	if ((st->st_mode & S_IWGRP) && st->st_gid != getegid())
+		return 1;
+	return st->st_uid != geteuid() && st->st_uid != 0;
+}
+
+static int segment_name_check(const struct opts *o, const struct kvt_tier_env *env)
+{
+	const char *dir = env->segment_dir[0] ? env->segment_dir : "/dev/shm";
+	char path[PATH_MAX + 80];
+	struct stat ds, st;
+
+	if (stat(dir, &ds) || !S_ISDIR(ds.st_mode))
+		return 0; /* kvt_open says what is wrong with it */
+	int open_dir = dir_open_to_others(&ds);
+	snprintf(path, sizeof(path), "%s/kvtier.%s", dir, env->segment);
+	if (lstat(path, &st)) {
+		if (open_dir)
+			LOG_WARN("segment directory %s: other users can create names in it (mode "
+				 "%04o, owner uid %u), so one could take the name kvtier.%s before a "
+				 "restart; run the service with a directory of its own "
+				 "(KVTIER_SEGMENT_DIR=/dev/shm/kvtier: README, \"Segment directory\")",
+				 dir, (unsigned)(ds.st_mode & 07777), (unsigned)ds.st_uid,
+				 env->segment);
+		return 0;
+	}
+	int foreign = st.st_uid != geteuid() || !S_ISREG(st.st_mode);
+	if (!foreign)
+		return 0;
+	const char *what = S_ISLNK(st.st_mode) ? "a symbolic link" : S_ISDIR(st.st_mode) ?
+			   "a directory" : S_ISREG(st.st_mode) ? "a file" : "a special file";
+	if (open_dir && st.st_uid != geteuid()) {
+		LOG_ERR("segment name taken: %s is %s of uid %u, not this service's (uid %u), in "
+			"%s, where every user can create names and kvtierd cannot remove it; "
+			"remove it as root, and run the service with a segment directory of its "
+			"own (KVTIER_SEGMENT_DIR=/dev/shm/kvtier: README, \"Segment directory\"), "
+			"where this cannot happen", path, what, (unsigned)st.st_uid,
+			(unsigned)geteuid(), dir);
+		return EXIT_SQUATTED;
+	}
+	if (!o->recreate) {
+		LOG_ERR("%s is %s%s, not a segment: start with --recreate to remove it", path, what,
+			st.st_uid != geteuid() ? " of another uid" : "");
+		return 1;
+	}
+	/* Our directory: whatever is at the name goes. */
+	if ((S_ISDIR(st.st_mode) ? rmdir(path) : unlink(path)) && errno != ENOENT) {
+		LOG_ERR("--recreate: removing %s (%s): %s", path, what, strerror(errno));
+		return 1;
+	}
+	LOG_WARN("--recreate: removed %s (%s) at the segment's name", path, what);
+	return 0;
+}
+
 /* Opens what is there with the layout asked (the fingerprint is checked by
  * kvt_open), or creates it.  Sets D.tier. */
 static int segment_start(const struct opts *o, const struct kvt_tier_env *env, int *warm)
@@ -890,6 +966,9 @@ int main(int argc, char **argv)
 		return 1;
 	}
 
+	r = segment_name_check(&o, &env);
+	if (r)
+		return r;
 	r = segment_start(&o, &env, &warm);
 	if (r) {
 		kvt_close(D.tier);
