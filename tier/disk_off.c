@@ -30,6 +30,7 @@ int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 }
 
 int kvt_disk_poll(kvt_disk *d) { (void)d; return -ENOSYS; }
+int kvt_disk_mac_rate(uint64_t b, double s, double *r) { (void)b; (void)s; *r = 0; return -ENOSYS; }
 int kvt_disk_event_fd(const kvt_disk *d) { (void)d; return -1; }
 int kvt_disk_drain(kvt_disk *d, int all, int64_t t) { (void)d; (void)all; (void)t; return -ENOSYS; }
 void kvt_disk_close(kvt_disk *d) { (void)d; }

@@ -54,7 +54,9 @@
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -62,6 +64,7 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
+#include "kvt_disk.h"
 #include "kvt_disk_trust.h"
 
 static int eset(char *err, size_t len, int code, const char *fmt, ...)
@@ -306,6 +309,35 @@ int kvt_mac_final(kvt_mac *m, uint8_t tag[KVT_MAC_TAG_BYTES])
 	    EVP_CIPHER_CTX_ctrl(m->c, EVP_CTRL_AEAD_GET_TAG, KVT_MAC_TAG_BYTES, tag) != 1)
 		return -EIO;
 	return 0;
+}
+
+int kvt_disk_mac_rate(uint64_t bytes, double secs, double *bytes_per_s)
+{
+	uint8_t key[KVT_MAC_KEY_BYTES] = { 1 }, nonce[KVT_MAC_NONCE_BYTES] = { 2 };
+	uint8_t tag[KVT_MAC_TAG_BYTES];
+	uint8_t *buf = malloc(bytes ? bytes : 1);
+	kvt_mac *m = kvt_mac_new(key);
+	struct timespec a, b;
+	double t = 0, done = 0;
+	int r = buf && m ? 0 : -ENOMEM;
+
+	if (!r)
+		memset(buf, 0x6b, bytes);
+	clock_gettime(CLOCK_MONOTONIC, &a);
+	while (!r && t < secs) {
+		r = kvt_mac_begin(m, nonce);
+		if (!r)
+			r = kvt_mac_update(m, buf, bytes);
+		if (!r)
+			r = kvt_mac_final(m, tag);
+		done += (double)bytes;
+		clock_gettime(CLOCK_MONOTONIC, &b);
+		t = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+	}
+	*bytes_per_s = !r && t > 0 ? done / t : 0;
+	kvt_mac_free(m);
+	free(buf);
+	return r;
 }
 
 void kvt_mac_wipe(void *p, size_t n)

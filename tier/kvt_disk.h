@@ -105,6 +105,11 @@ struct kvt_disk_info {
 };
 void kvt_disk_info(const kvt_disk *d, struct kvt_disk_info *out);
 
+/* The chunk MAC's speed on this core (bytes/s over `bytes`-byte chunks,
+ * about `secs` of work): what the engine's one thread spends per byte
+ * written or verified.  0, or -ENOSYS without the disk tier. */
+int kvt_disk_mac_rate(uint64_t bytes, double secs, double *bytes_per_s);
+
 const char *kvt_disk_admit_name(uint32_t admit);
 /* "all", "second-hit", "none": 0 and *out, -EINVAL. */
 int kvt_disk_admit_parse(const char *s, uint32_t *out);
