@@ -1002,8 +1002,8 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 		return r;
 	if ((c->flags & KVT_SEG_F_REPLACE) &&
 	    (is_shm ? shm_unlink(path) : unlink(path)) < 0 && errno != ENOENT)
-		return kvt__err(-errno, "create '%s': cannot remove the existing %s: %s",
-				c->name, path, strerror(errno));
+		return kvt__err(-errno, "create '%s': cannot remove the existing %s%s: %s",
+				c->name, is_shm ? "/dev/shm" : "", path, strerror(errno));
 	fd = seg_open(path, is_shm, O_RDWR | O_CREAT | O_EXCL,
 		      (c->flags & KVT_SEG_F_GROUP) ? 0660 : 0600);
 	if (fd < 0 && dir_at(path, is_shm))

@@ -185,6 +185,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
 			o->tokens = strtoull(optarg, &end, 10);
 			if (errno || *end || *optarg < '1' || *optarg > '9')
 				r = bad("--tokens", optarg, "expected a positive whole number");
+			else if (o->tokens > (1ULL << 50))
+				r = bad("--tokens", optarg, "more than 2^50 tokens (a segment holds "
+					"at most 2^30 chunks of at most 2^20 tokens)");
 			break;
 		}
 		case O_NODES: {

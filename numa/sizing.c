@@ -357,7 +357,8 @@ int kvt_size_compute(const struct kvt_size_req *r, struct kvt_size_plan *out)
 					     "(one chunk is %" PRIu64 " bytes per rank)",
 					     r->tier_bytes, p.chunk_bytes_rank);
 	} else if (r->tokens) {
-		slots = (r->tokens + p.chunk_tokens - 1) / p.chunk_tokens;
+		/* no tokens + chunk - 1: it wraps for counts near 2^64 */
+		slots = r->tokens / p.chunk_tokens + (r->tokens % p.chunk_tokens != 0);
 	} else if (r->n_nodes) {
 		slots = p.max_slots;
 	} else {

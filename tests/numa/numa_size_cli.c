@@ -183,6 +183,13 @@ static void t_errors(void **state)
 	assert_int_equal(o->rc, 2);
 	o = run(NULL, "--tier-gib", "-1", "@llama-3.1-8b.json", NULL);
 	assert_int_equal(o->rc, 2);
+	/* 2^64 - 1 tokens wrapped to a 0-chunk plan that "fits" (exit 1) */
+	o = run(NULL, "--tokens", "18446744073709551615", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 2);
+	has(o->se, "more than 2^50 tokens");
+	o = run(NULL, "--tokens", "1125899906842624", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 2);
+	has(o->se, "at most 2^30");
 	o = run(NULL, "--numa-nodes", "0;1", "@llama-3.1-8b.json", NULL);
 	assert_int_equal(o->rc, 2);
 	has(o->se, "--numa-nodes='0;1'");

@@ -283,6 +283,13 @@ static void t_fit_and_largest(void **state)
 	q = plan(&r);
 	assert_int_equal(q.fits, 0);
 
+	/* A token count near 2^64 is refused, not wrapped to a 0-chunk plan
+	 * that "fits" (tokens + chunk - 1 wrapped before). */
+	struct kvt_size_plan w;
+	r.tokens = UINT64_MAX;
+	assert_int_equal(kvt_size_compute(&r, &w), -EINVAL);
+	assert_non_null(strstr(kvt_numa_last_error(), "at most 2^30"));
+
 	/* Neither tier nor tokens: the plan is the largest tier. */
 	r.tokens = 0;
 	q = plan(&r);

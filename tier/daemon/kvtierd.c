@@ -265,9 +265,14 @@ static int layout_from_model(struct opts *o)
 	rq.tier_bytes = o->tier_bytes;
 	rq.tokens = o->tokens;
 	if (!o->tier_bytes && !o->tokens && !o->slots) {
+		/* as strictly as kvt_open reads it (tier/config.c), named */
 		const char *g = getenv("KVTIER_TIER_GIB");
-		rq.tier_bytes = g && *g ? (uint64_t)(strtod(g, NULL) * (double)(1ULL << 30))
-					: 1ULL << 30;
+		char gerr[160];
+		rq.tier_bytes = 1ULL << 30;
+		if (g && kvt_parse_gib("KVTIER_TIER_GIB", g, &rq.tier_bytes, gerr, sizeof(gerr))) {
+			fprintf(stderr, "kvtierd: %s\n", gerr);
+			return -EINVAL;
+		}
 	}
 	if (o->slots)
 		rq.tokens = (uint64_t)o->slots * rq.chunk_tokens;

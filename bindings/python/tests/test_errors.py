@@ -274,3 +274,20 @@ def test_warnings_name_what_is_ignored(segname, monkeypatch, capfd, tmp_path):
                      model="kvtier-pytest", segment_dir=str(tmp_path)):
         pass
     assert "is not tmpfs or hugetlbfs" in capfd.readouterr().err
+
+
+def test_directory_at_the_name_is_named_with_its_path(segname, monkeypatch):
+    """A directory squatting the segment's name in /dev/shm: the messages
+    give its full path (create with replace printed '/kvtier.<name>')."""
+    import os
+    monkeypatch.setenv("KVTIER_HUGEPAGES", "off")
+    monkeypatch.delenv("KVTIER_SEGMENT_DIR", raising=False)
+    path = "/dev/shm/kvtier." + segname
+    os.mkdir(path)
+    try:
+        for kw in (dict(create=True), dict(create=True, replace=True), {}):
+            with pytest.raises(kvtier.KvtierError) as ei:
+                _open_rank(segname, role="scheduler", rank=None, **kw)
+            assert path in ei.value.message, (kw, ei.value.message)
+    finally:
+        os.rmdir(path)
