@@ -12,9 +12,16 @@ file(READ "${KVT_SRC}/packaging/kvtierd.service.in" unit)
 string(REPLACE "@CMAKE_INSTALL_FULL_SBINDIR@" "${p}/${KVT_SBINDIR}" unit "${unit}")
 string(REPLACE "@CMAKE_INSTALL_FULL_DOCDIR@" "${p}/${KVT_DOCDIR}" unit "${unit}")
 string(REPLACE "@KVTIER_FULL_SYSCONFDIR@" "${etc}" unit "${unit}")
+string(REPLACE "@KVTIER_FULL_SYSUSERSDIR@" "${p}/lib/sysusers.d" unit "${unit}")
+string(REPLACE "@KVTIER_FULL_TMPFILESDIR@" "${p}/lib/tmpfiles.d" unit "${unit}")
 set(udir "$ENV{DESTDIR}${p}/lib/systemd/system")
 file(MAKE_DIRECTORY "${udir}")
 file(WRITE "${udir}/kvtierd.service" "${unit}")
 message(STATUS "Installing: ${udir}/kvtierd.service")
 # file(INSTALL) adds DESTDIR itself
 file(INSTALL "${KVT_SRC}/packaging/kvtierd.conf" DESTINATION "${etc}/kvtier")
+# the service's user (sysusers.d) and its segment directory (tmpfiles.d)
+file(INSTALL "${KVT_SRC}/packaging/kvtier.sysusers.conf" DESTINATION "${p}/lib/sysusers.d"
+     RENAME kvtier.conf)
+file(INSTALL "${KVT_SRC}/packaging/kvtier.tmpfiles.conf" DESTINATION "${p}/lib/tmpfiles.d"
+     RENAME kvtier.conf)

@@ -17,7 +17,8 @@ if [ "$mode" = deb ]; then
   dpkg-deb -c "$deb" >"$tmp/contents"
   for f in ./usr/include/kvtier.h ./usr/sbin/kvtierd ./usr/bin/kvtier-stat \
            ./usr/bin/kvtier-size ./usr/bin/kvtier-bench ./usr/lib/systemd/system/kvtierd.service \
-           ./etc/kvtier/kvtierd.conf; do
+           ./etc/kvtier/kvtierd.conf ./usr/lib/sysusers.d/kvtier.conf \
+           ./usr/lib/tmpfiles.d/kvtier.conf; do
     grep -q " $f\$" "$tmp/contents" || { echo "deb: $f missing"; cat "$tmp/contents"; exit 1; }
   done
   grep -q "libkvtier.so.1" "$tmp/contents" || { echo "deb: libkvtier.so.1 missing"; exit 1; }
@@ -26,6 +27,8 @@ if [ "$mode" = deb ]; then
   grep -q libmicrohttpd "$tmp/depends" || { echo "deb: Depends lacks libmicrohttpd"; exit 1; }
   dpkg-deb -e "$deb" "$tmp/ctl"
   grep -qx /etc/kvtier/kvtierd.conf "$tmp/ctl/conffiles"
+  [ -x "$tmp/ctl/postinst" ] && grep -q "systemd-sysusers" "$tmp/ctl/postinst" \
+    || { echo "deb: no postinst making the service user"; exit 1; }
   dpkg-deb -x "$deb" "$tmp/root"
   grep -q "^ExecStart=/usr/sbin/kvtierd --config /etc/kvtier/kvtierd.conf" \
     "$tmp/root/usr/lib/systemd/system/kvtierd.service"
