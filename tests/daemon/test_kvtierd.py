@@ -783,3 +783,158 @@ def test_segment_name_squatting(name, procs, tmp_path):
     assert "removed" in d.log()
     assert os.path.isfile(own / ("kvtier." + name))
     assert d.stop() == 0
+
+
+def http_raw(port, data, timeout=10.0):
+    """Bytes to the daemon, everything back until it closes: (status,
+    headers with lower-case names, body).  Status 0: closed or reset with no
+    answer, or no answer in timeout."""
+    head = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            try:
+                s.sendall(data)
+            except OSError:
+                pass  # refused mid-request: read what it said
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                head += b
+    except OSError:
+        pass  # a timeout or a reset: what came before it counts
+    top, _, body = head.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        return 0, {}, b""
+    hdrs = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+    return int(parts[1]), hdrs, body
+
+
+def test_http_slow_connection_flood(name, procs):
+    """300 connections that each send one byte of a request line a second
+    (libmicrohttpd alone held 64 and no probe got in) do not keep the
+    probes out: /healthcheck/segment and /healthcheck answer 20 of 20 while
+    the flood goes on; the daemon closes every slow connection within its
+    header deadline (5 s) plus slack, says so in its log once, and is
+    healthy after."""
+    import selectors
+    import threading
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    flood, cap, deadline, slack = 300, 3000, 5.0, 10.0
+    line = b"GET /healthcheck/segment?" + b"a" * 2000 + b" HTTP/1.1\r\n"
+    sel = selectors.DefaultSelector()
+    live = {}  # socket -> [opened, bytes sent]
+    lived, answered_408 = [], [0]
+    opened, reopen, stop = [0], threading.Event(), threading.Event()
+    reopen.set()
+
+    def gone(s, now):
+        sel.unregister(s)
+        lived.append(now - live.pop(s)[0])
+        s.close()
+
+    def attacker():
+        next_tick = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_tick:  # the tick: a byte each, the closed ones again
+                next_tick = now + 1.0
+                for s, st in list(live.items()):
+                    try:
+                        st[1] += s.send(line[st[1]:st[1] + 1])
+                    except OSError:
+                        gone(s, now)
+                while reopen.is_set() and len(live) < flood and opened[0] < cap:
+                    s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
+                    s.setblocking(False)
+                    live[s] = [time.monotonic(), 0]
+                    sel.register(s, selectors.EVENT_READ)
+                    opened[0] += 1
+            for key, _ in sel.select(timeout=0.05):
+                s = key.fileobj
+                try:
+                    b = s.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    b = b""
+                if b.startswith(b"HTTP/1.1 408"):
+                    answered_408[0] += 1
+                if not b:
+                    gone(s, time.monotonic())
+
+    t = threading.Thread(target=attacker, daemon=True)
+    t.start()
+    try:
+        until(lambda: opened[0] >= flood, "the flood's %d connections" % flood)
+        start = time.monotonic()
+        answers, tried = [], 0
+        # 20 probes while it goes on; a probe waits up to 10 s (a loaded
+        # CI machine), the phase at most 60 s (without the front: 0 of 6)
+        while tried < 20 and time.monotonic() - start < 60:
+            path = "/healthcheck/segment" if tried % 2 == 0 else "/healthcheck"
+            req = ("GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path).encode()
+            answers.append(http_raw(d.port, req)[0])
+            tried += 1
+            time.sleep(0.2)
+        ok = sum(1 for c in answers if c in (200, 503))
+        # keep it up past the deadline, so connections meet it
+        while time.monotonic() - start < deadline + 2:
+            time.sleep(0.1)
+        reopen.clear()
+        end = time.monotonic() + deadline + slack
+        while live and time.monotonic() < end:
+            time.sleep(0.1)
+        still = len(live)
+    finally:
+        stop.set()
+        t.join(timeout=T)
+        for s in list(live):
+            s.close()
+    assert ok == 20, "probes answered under the flood: %d of %d (%s)" % (ok, tried, answers)
+    assert still == 0, "%d slow connections still open %.0f s after the flood" % (
+        still, deadline + slack)
+    assert lived and max(lived) <= deadline + slack, "a slow connection lived %.1f s" % max(lived)
+    assert answered_408[0] > 0  # some met the deadline (the others made room)
+    print("flood: %d connections, %d probes answered of %d, longest lived %.1f s, %d got 408"
+          % (opened[0], ok, tried, max(lived), answered_408[0]))
+    assert d.get("/healthcheck/segment")[0] == 200
+    # reported at once, then at most once a minute: one line, not one a connection
+    assert d.log().count("HTTP: connections closed") == 1, d.log()
+    assert d.stop() == 0
+
+
+def test_http_requests_refused(name, procs):
+    """A GET that announces a body (Content-Length 5, or chunked) gets 400;
+    a header block over 8 KiB is refused (431, or closed), never answered;
+    POST gets 405 with Allow; every answer says Connection: close and the
+    daemon closes the connection after it."""
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    get = "GET /healthcheck/segment HTTP/1.1\r\nHost: x\r\n"
+    code, h, body = http_raw(d.port, (get + "\r\n").encode())
+    assert code == 200 and h.get("connection") == "close" and b'"status":"ok"' in body
+    code, h, body = http_raw(d.port, (get + "Content-Length: 0\r\n\r\n").encode())
+    assert code == 200
+    code, h, body = http_raw(d.port, (get + "Content-Length: 5\r\n\r\nhello").encode())
+    assert code == 400 and b"no body expected" in body, (code, body)
+    assert h.get("connection") == "close"
+    code, h, body = http_raw(d.port, (get + "Transfer-Encoding: chunked\r\n\r\n"
+                                      "5\r\nhello\r\n0\r\n\r\n").encode())
+    assert code == 400, (code, body)
+    code, h, _ = http_raw(d.port, b"POST /healthcheck HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Length: 2\r\n\r\nhi")
+    assert code == 405 and h.get("allow") == "GET, HEAD"
+    code, h, body = http_raw(d.port, b"HEAD /healthcheck/segment HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert code == 200 and body == b""
+    big = (get + "X-Big: " + "a" * 9000 + "\r\n\r\n").encode()
+    code, h, body = http_raw(d.port, big)
+    assert code in (0, 431), (code, body[:80])
+    # empty lines before the request line do not make it whole
+    code, _, _ = http_raw(d.port, b"\r\n\r\n" + (get + "\r\n").encode())
+    assert code == 200
+    assert d.get("/healthcheck/segment")[0] == 200
+    assert d.stop() == 0

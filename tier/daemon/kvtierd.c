@@ -18,9 +18,10 @@
  *    ones asked for; otherwise the start is refused with the difference,
  *    and only --recreate replaces it.  A live owner is never replaced: a
  *    second kvtierd on the name is refused with the first one's pid.
- *  * Two threads.  The main thread owns the client handle (reaping,
- *    draining, signals through a signalfd); libmicrohttpd's one polling
- *    thread answers HTTP from an observer handle of its own (no table
+ *  * Threads.  The main thread owns the client handle (reaping,
+ *    draining, signals through a signalfd); the HTTP side (http.c: a
+ *    front thread that admits whole requests, libmicrohttpd's threads
+ *    behind it) answers from an observer handle of its own (no table
  *    entry: a request never changes the segment).  They share the drain
  *    flag (atomic) and the write-only verdicts (a mutex).
  *  * Health: 200 when every expected rank of every expected instance is
@@ -54,7 +55,6 @@
 #include <sys/socket.h>
 #include <sys/statfs.h>
 #include <sys/un.h>
-#include <microhttpd.h>
 #ifdef KVTIER_HAVE_NUMA
 #include <numaif.h>
 #endif
@@ -66,6 +66,7 @@
 #include "kvt_tier_int.h"
 #include "kvt_config.h"
 #include "kvt_disk.h"
+#include "http.h"
 #include "options.h"
 #include "snap.h"
 
@@ -82,7 +83,8 @@ static struct {
 	kvt_seg *seg;            /* the tier's; main thread */
 	kvt_seg *obs;            /* observer; HTTP thread */
 	kvt_disk *disk;          /* the disk tier's engine; main thread */
-	struct MHD_Daemon *http;
+	kvtd_http *http;
+	struct kvtd_pages pages; /* what the HTTP side reads */
 	struct kvtd_ctx ctx;
 	pthread_mutex_t mu;      /* write_only */
 	uint32_t write_only[KVT_MAX_INSTANCES];
@@ -134,8 +136,11 @@ static int log_open(void)
 		return -e;
 	}
 	close(fd);
-	D.log = stderr;
-	setvbuf(stderr, NULL, _IOLBF, 0);
+	if (D.log != stderr) { /* the first open, before any thread: a reopen
+				 * (SIGHUP) changes what the HTTP threads read */
+		D.log = stderr;
+		setvbuf(stderr, NULL, _IOLBF, 0);
+	}
 	return 0;
 }
 
@@ -689,37 +694,13 @@ static void sd_notify_(const char *msg)
 	close(fd);
 }
 
-/* ---- HTTP ---- */
+/* ---- HTTP (http.c) ---- */
 
-static enum MHD_Result reply(struct MHD_Connection *c, unsigned code, char *body,
-			     const char *type)
+/* The daemon's view for a page, on the HTTP threads: D.ctx is set before
+ * they start; the drain flag is atomic; the verdicts are under D.mu. */
+static void http_ctx(void *arg, struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCES])
 {
-	struct MHD_Response *r;
-	enum MHD_Result ret;
-
-	if (!body) {
-		static char oom[] = "out of memory\n";
-		r = MHD_create_response_from_buffer(sizeof(oom) - 1, oom, MHD_RESPMEM_PERSISTENT);
-		code = MHD_HTTP_INTERNAL_SERVER_ERROR;
-		type = "text/plain";
-	} else {
-		r = MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
-	}
-	if (!r) {
-		free(body);
-		return MHD_NO;
-	}
-	MHD_add_response_header(r, "Content-Type", type);
-	MHD_add_response_header(r, "Cache-Control", "no-store");
-	if (code == MHD_HTTP_METHOD_NOT_ALLOWED)
-		MHD_add_response_header(r, "Allow", "GET, HEAD");
-	ret = MHD_queue_response(c, code, r);
-	MHD_destroy_response(r);
-	return ret;
-}
-
-static void ctx_fill(struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCES])
-{
+	(void)arg;
 	*x = D.ctx;
 	x->draining = atomic_load(&D.draining);
 	pthread_mutex_lock(&D.mu);
@@ -728,72 +709,27 @@ static void ctx_fill(struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCES])
 	x->write_only_window = wo;
 }
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
-				  const char *method, const char *version, const char *upload,
-				  size_t *upload_size, void **state)
+static void http_log(int level, const char *msg, void *arg)
 {
-	struct kvtd_snap s;
-	struct kvtd_ctx x;
-	uint32_t wo[KVT_MAX_INSTANCES];
-	(void)cls; (void)version; (void)upload; (void)state;
-
-	if (strcmp(method, "GET") && strcmp(method, "HEAD"))
-		return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, strdup("method not allowed\n"),
-			     "text/plain");
-	if (*upload_size)
-		return reply(conn, MHD_HTTP_BAD_REQUEST, strdup("no body expected\n"), "text/plain");
-	int path = !strcmp(url, "/healthcheck") ? 1 : !strcmp(url, "/metrics") ? 2 :
-		   !strcmp(url, "/status") ? 3 : !strcmp(url, "/healthcheck/segment") ? 4 : 0;
-	if (!path)
-		return reply(conn, MHD_HTTP_NOT_FOUND,
-			     strdup("not found: try /healthcheck, /healthcheck/segment, /metrics, "
-				    "/status\n"), "text/plain");
-	ctx_fill(&x, wo);
-	if (path == 4) {
-		int ok = !x.draining;
-		char *b = NULL;
-		if (asprintf(&b, "{\"segment\":\"%s\",\"status\":\"%s\"}\n", D.name,
-			     ok ? "ok" : "draining") < 0)
-			b = NULL;
-		return reply(conn, ok ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, b,
-			     "application/json");
-	}
-	if (kvtd_snap_read(D.obs, &s))
-		return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, NULL, "text/plain");
-	enum MHD_Result ret;
-	if (path == 1) {
-		char *body = NULL;
-		int ok = kvtd_health(&s, &x, &body);
-		ret = reply(conn, ok ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, body,
-			    "application/json");
-	} else if (path == 2) {
-		ret = reply(conn, MHD_HTTP_OK, kvtd_prometheus(&s, &x),
-			    "text/plain; version=0.0.4; charset=utf-8");
-	} else {
-		ret = reply(conn, MHD_HTTP_OK, kvtd_json(&s, &x, NULL), "application/json");
-	}
-	kvtd_snap_free(&s);
-	return ret;
+	(void)arg;
+	if (level)
+		LOG_WARN("%s", msg);
+	else
+		LOG_INFO("%s", msg);
 }
 
 static int http_start(const struct opts *o)
 {
-	struct sockaddr_in sa;
+	char err[256];
 
-	memset(&sa, 0, sizeof(sa));
-	sa.sin_family = AF_INET;
-	sa.sin_port = htons(o->http_port);
-	inet_pton(AF_INET, o->http_addr, &sa.sin_addr);
-	D.http = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
-				  o->http_port, NULL, NULL, on_request, NULL,
-				  MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
-				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
-				  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
-				  MHD_OPTION_END);
-	if (!D.http) {
-		LOG_ERR("HTTP: cannot listen on %s:%u (in use? --http ADDR:PORT picks another)",
-			o->http_addr, o->http_port);
-		return -EADDRINUSE;
+	D.pages = (struct kvtd_pages){ .obs = D.obs, .segment = D.name, .ctx = http_ctx };
+	struct kvtd_http_opts h = {
+		.size = sizeof(h), .addr = o->http_addr, .port = o->http_port,
+		.page = kvtd_pages_render, .page_arg = &D.pages, .log = http_log };
+	int r = kvtd_http_start(&h, &D.http, err, sizeof(err));
+	if (r) {
+		LOG_ERR("HTTP: %s", err);
+		return r;
 	}
 	LOG_INFO("HTTP on http://%s:%u (/healthcheck /healthcheck/segment /metrics /status)",
 		 o->http_addr, o->http_port);
@@ -958,7 +894,7 @@ int main(int argc, char **argv)
 		return 2;
 
 	/* Signals go to the signalfd; blocked before any thread starts so
-	 * libmicrohttpd's thread inherits the mask. */
+	 * the HTTP threads inherit the mask. */
 	sigemptyset(&set);
 	sigaddset(&set, SIGTERM);
 	sigaddset(&set, SIGINT);
@@ -1085,8 +1021,7 @@ int main(int argc, char **argv)
 			next_watch = mono_ns() + 1000000000ULL;
 		}
 	}
-	if (D.http)
-		MHD_stop_daemon(D.http);
+	kvtd_http_stop(D.http);
 	if (D.disk) {
 		kvt_disk_close(D.disk); /* its I/O finished, its records written */
 		D.disk = NULL;
