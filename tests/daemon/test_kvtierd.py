@@ -911,7 +911,8 @@ def test_http_requests_refused(name, procs):
     """A GET that announces a body (Content-Length 5, or chunked) gets 400;
     a header block over 8 KiB is refused (431, or closed), never answered;
     POST gets 405 with Allow; every answer says Connection: close and the
-    daemon closes the connection after it."""
+    daemon closes the connection after it; empty lines before a request
+    line do not let an unfinished request past the front."""
     d = Daemon(name, instances=1)
     procs.append(d)
     get = "GET /healthcheck/segment HTTP/1.1\r\nHost: x\r\n"
@@ -933,8 +934,15 @@ def test_http_requests_refused(name, procs):
     big = (get + "X-Big: " + "a" * 9000 + "\r\n\r\n").encode()
     code, h, body = http_raw(d.port, big)
     assert code in (0, 431), (code, body[:80])
-    # empty lines before the request line do not make it whole
+    # a client that asks to keep the connection is answered and closed too
+    code, h, _ = http_raw(d.port, (get + "Connection: keep-alive\r\n\r\n").encode())
+    assert code == 200 and h.get("connection") == "close"
+    # empty lines before the request line do not make it whole: the front
+    # keeps it and answers 408 at its deadline (libmicrohttpd would have
+    # held it 10 s and closed it without a word)
     code, _, _ = http_raw(d.port, b"\r\n\r\n" + (get + "\r\n").encode())
     assert code == 200
+    code, _, body = http_raw(d.port, b"\r\n\r\nGET /healthcheck", timeout=T)
+    assert code == 408, (code, body)
     assert d.get("/healthcheck/segment")[0] == 200
     assert d.stop() == 0

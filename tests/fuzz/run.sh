@@ -12,7 +12,7 @@ dir=build-fuzz
 command -v clang >/dev/null || { echo "fuzz: clang is not installed (scripts/deps.sh)" >&2; exit 1; }
 CC=clang cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_FUZZ=ON \
   -DKVTIER_SANITIZE=address,undefined,fuzzer-no-link >/dev/null
-targets=(segment env hfconfig trace config)
+targets=(segment env hfconfig trace config http)
 cmake --build "$dir" -j "$(nproc)" --target "${targets[@]/#/fuzz_}" >/dev/null
 status=0
 for t in "${targets[@]}"; do
@@ -21,6 +21,7 @@ for t in "${targets[@]}"; do
   cp tests/fuzz/corpus/"$t"/* "$work"/
   maxlen=4096
   [ "$t" = segment ] && maxlen=65536
+  [ "$t" = http ] && maxlen=16384    # past the 8 KiB header limit
   echo "== fuzz $t: ${secs}s"
   if ! "$dir/tests/fuzz/fuzz_$t" -max_total_time="$secs" -max_len="$maxlen" -timeout=10 \
        -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$dir/crashes/$t/" \
