@@ -202,19 +202,6 @@ static uint64_t round_up(uint64_t x, uint64_t a)
 	return (x + a - 1) / a * a;
 }
 
-static int eset(char *err, size_t len, int code, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
-static int eset(char *err, size_t len, int code, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (err && len) {
-		va_start(ap, fmt);
-		vsnprintf(err, len, fmt, ap);
-		va_end(ap);
-	}
-	return code;
-}
 
 static void dlog(const kvt_disk *d, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
@@ -298,21 +285,21 @@ int kvt_disk_plan(const char *path, uint64_t bytes, uint64_t shard_bytes, uint32
 	uint64_t eb = shard_bytes * n_shards;
 
 	if (!path || !*path)
-		return eset(err, len, -EINVAL, "disk: no path");
+		return kvt_disk_eset(err, len, -EINVAL, "disk: no path");
 	if (!bytes) {
 		struct stat st;
 		struct dsuper sb;
 		/* the file rules first: a FIFO is refused, not waited on */
 		int fd = kvt_disk_file_open("disk", path, 0, 0, NULL, &st, err, len);
 		if (fd == -ENOENT)
-			return eset(err, len, fd, "disk %s: no such file (give a size to create it)",
+			return kvt_disk_eset(err, len, fd, "disk %s: no such file (give a size to create it)",
 				    path);
 		if (fd < 0)
 			return fd;
 		if (file_size(fd, &st, &bytes)) {
 			int e = -errno;
 			close(fd);
-			return eset(err, len, e, "disk %s: %s", path, strerror(-e));
+			return kvt_disk_eset(err, len, e, "disk %s: %s", path, strerror(-e));
 		}
 		if (read_super(fd, &sb) == SB_OK && sb.extent_bytes == eb)
 			bytes = sb.bytes;
@@ -320,7 +307,7 @@ int kvt_disk_plan(const char *path, uint64_t bytes, uint64_t shard_bytes, uint32
 	}
 	*chunks = chunks_for(bytes, eb);
 	if (*chunks < 1)
-		return eset(err, len, -ENOSPC, "disk %s: %llu bytes hold no chunk of %llu bytes "
+		return kvt_disk_eset(err, len, -ENOSPC, "disk %s: %llu bytes hold no chunk of %llu bytes "
 			    "(%u shard(s) of %llu) with the record table: give it at least "
 			    "%llu bytes", path, (unsigned long long)bytes, (unsigned long long)eb,
 			    n_shards, (unsigned long long)shard_bytes,
@@ -1118,13 +1105,13 @@ static int lock_file(kvt_disk *d, char *err, size_t len)
 			break;
 		int e = errno;
 		if (e != EAGAIN && e != EACCES)
-			return eset(err, len, -e, "disk %s: F_OFD_SETLK: %s", d->o.path, strerror(e));
+			return kvt_disk_eset(err, len, -e, "disk %s: F_OFD_SETLK: %s", d->o.path, strerror(e));
 		disk_lock_at(&fl, F_WRLCK, 1);
 		if (fcntl(d->fd, F_GETLK, &fl) == 0 && fl.l_type != F_UNLCK && fl.l_pid > 0)
-			return eset(err, len, -EBUSY, "disk %s is in use by another disk engine "
+			return kvt_disk_eset(err, len, -EBUSY, "disk %s is in use by another disk engine "
 				    "(pid %d; one engine per disk file)", d->o.path, (int)fl.l_pid);
 		if (waited >= LOCK_WAIT_MS)
-			return eset(err, len, -EBUSY, "disk %s is in use: a disk engine that died "
+			return kvt_disk_eset(err, len, -EBUSY, "disk %s is in use: a disk engine that died "
 				    "still has I/O in flight on it after %d s (a slow or hung "
 				    "device), or another engine of this process holds it; start "
 				    "again once the device has finished", d->o.path,
@@ -1151,7 +1138,7 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 	if (fstatfs(fd, &sf)) {
 		int e = -errno;
 		close(fd);
-		return eset(err, len, e, "disk %s: %s", o->path, strerror(-e));
+		return kvt_disk_eset(err, len, e, "disk %s: %s", o->path, strerror(-e));
 	}
 	d->fd = fd;
 	if ((r = kvt_disk_key_path(o->path, &st, o->key_path, d->key_path, sizeof(d->key_path),
@@ -1179,7 +1166,7 @@ static int open_file(kvt_disk *d, char *err, size_t len)
 			d->direct = 1;
 	}
 	if (!d->direct && o->direct == KVT_DIRECT_ON)
-		return eset(err, len, -EOPNOTSUPP, "disk %s: direct I/O was forced (direct=on) "
+		return kvt_disk_eset(err, len, -EOPNOTSUPP, "disk %s: direct I/O was forced (direct=on) "
 			    "but %s; use direct=auto or off, or a path on an NVMe file system",
 			    o->path, why ? why : "it is off");
 	if (!d->direct && o->direct == KVT_DIRECT_AUTO)
@@ -1198,7 +1185,7 @@ static int key_setup(kvt_disk *d, int *fresh, char *err, size_t len)
 
 	r = kvt_disk_key_load(d->key_path, 0, key, &created, err, len);
 	if (r == -ENOKEY && !*fresh && !o->reset)
-		return eset(err, len, -ENOKEY, "disk %s was formatted with a MAC key in %s, which "
+		return kvt_disk_eset(err, len, -ENOKEY, "disk %s was formatted with a MAC key in %s, which "
 			    "is missing: its chunks cannot be verified; restore the key file, or "
 			    "format the disk with reset (kvtierd --disk-reset; its chunks are "
 			    "lost)", o->path, d->key_path);
@@ -1214,17 +1201,17 @@ static int key_setup(kvt_disk *d, int *fresh, char *err, size_t len)
 	d->mac = kvt_mac_new(key);
 	kvt_mac_wipe(key, sizeof(key));
 	if (!d->mac)
-		return eset(err, len, -ENOMEM, "disk: the MAC (libcrypto's ChaCha20-Poly1305) "
+		return kvt_disk_eset(err, len, -ENOMEM, "disk: the MAC (libcrypto's ChaCha20-Poly1305) "
 			    "could not be set up");
 	if (*fresh)
 		return 0;
 	if (key_check_tag(d, &d->sb, tag))
-		return eset(err, len, -EIO, "disk %s: the key check could not be computed "
+		return kvt_disk_eset(err, len, -EIO, "disk %s: the key check could not be computed "
 			    "(libcrypto)", o->path);
 	if (kvt_mac_equal(tag, d->sb.key_tag))
 		return 0;
 	if (!o->reset)
-		return eset(err, len, -EKEYREJECTED, "disk %s was formatted with another MAC key "
+		return kvt_disk_eset(err, len, -EKEYREJECTED, "disk %s was formatted with another MAC key "
 			    "than the one in %s: its chunks cannot be verified; give the key it "
 			    "was made with (disk-key), or format it with reset (kvtierd "
 			    "--disk-reset; its chunks are lost)", o->path, d->key_path);
@@ -1244,7 +1231,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 
 	kvt_seg_fingerprint(d->s, &fp);
 	if (fstat(d->fd, &st) || file_size(d->fd, &st, &have))
-		return eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
+		return kvt_disk_eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
 	int sbr = read_super(d->fd, &d->sb);
 	fresh = sbr == SB_NONE;
 	if (!fresh) {
@@ -1277,7 +1264,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 			snprintf(why, sizeof(why), "a damaged header (size or offsets)");
 		if (why[0]) {
 			if (!o->reset)
-				return eset(err, len, -ESTALE, "disk %s holds %s: format it with "
+				return kvt_disk_eset(err, len, -ESTALE, "disk %s holds %s: format it with "
 					    "reset (kvtierd --disk-reset; its chunks are lost)",
 					    o->path, why);
 			dlog(d, 1, "%s holds %s: reset: formatting it", o->path, why);
@@ -1289,21 +1276,21 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 		 * descriptor may be O_DIRECT.) */
 		uint8_t *probe;
 		if (posix_memalign((void **)&probe, DIO_ALIGN, DIO_ALIGN))
-			return eset(err, len, -ENOMEM, "disk: out of memory");
+			return kvt_disk_eset(err, len, -ENOMEM, "disk: out of memory");
 		ssize_t got = pread(d->fd, probe, DIO_ALIGN, 0);
 		int zero = got > 0 || (got == 0 && have == 0);
 		for (ssize_t i = 0; i < got && zero; i++)
 			zero = !probe[i];
 		free(probe);
 		if (got < 0)
-			return eset(err, len, -errno, "disk %s: reading its first block: %s",
+			return kvt_disk_eset(err, len, -errno, "disk %s: reading its first block: %s",
 				    o->path, strerror(errno));
 		if (!zero && S_ISBLK(st.st_mode))
-			return eset(err, len, -EINVAL, "disk %s is a block device with data that "
+			return kvt_disk_eset(err, len, -EINVAL, "disk %s is a block device with data that "
 				    "is not a kvtier disk tier: format it with reset (kvtierd "
 				    "--disk-reset)", o->path);
 		if (!zero)
-			return eset(err, len, -EINVAL, "disk %s is not a kvtier disk file (%llu "
+			return kvt_disk_eset(err, len, -EINVAL, "disk %s is not a kvtier disk file (%llu "
 				    "bytes of something else): remove it, or format it with reset "
 				    "(kvtierd --disk-reset)", o->path, (unsigned long long)have);
 	}
@@ -1312,14 +1299,14 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 	if (fresh) {
 		uint64_t bytes = o->bytes ? o->bytes : have;
 		if (!bytes)
-			return eset(err, len, -EINVAL, "disk %s is empty: give its size", o->path);
+			return kvt_disk_eset(err, len, -EINVAL, "disk %s is empty: give its size", o->path);
 		if (S_ISBLK(st.st_mode) && bytes > have)
-			return eset(err, len, -ENOSPC, "disk %s: the device has %llu bytes, %llu "
+			return kvt_disk_eset(err, len, -ENOSPC, "disk %s: the device has %llu bytes, %llu "
 				    "asked", o->path, (unsigned long long)have,
 				    (unsigned long long)bytes);
 		uint64_t n = chunks_for(bytes, d->extent_bytes);
 		if (n < 1)
-			return eset(err, len, -ENOSPC, "disk %s: %llu bytes are too small: they "
+			return kvt_disk_eset(err, len, -ENOSPC, "disk %s: %llu bytes are too small: they "
 				    "hold no chunk of %llu bytes with the record table (at least "
 				    "%llu bytes)", o->path, (unsigned long long)bytes,
 				    (unsigned long long)d->extent_bytes,
@@ -1328,7 +1315,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 			/* Formatting: whatever was there goes (a fresh file, or
 			 * reset asked for). */
 			if (ftruncate(d->fd, 0))
-				return eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
+				return kvt_disk_eset(err, len, -errno, "disk %s: %s", o->path, strerror(errno));
 			r = posix_fallocate(d->fd, 0, (off_t)bytes);
 			if (r == EOPNOTSUPP || r == EINVAL)
 				r = ftruncate(d->fd, (off_t)bytes) ? errno : 0;
@@ -1336,7 +1323,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 				if (ftruncate(d->fd, 0)) {
 					/* best effort: leave no half-sized file */
 				}
-				return eset(err, len, -r, "disk %s: allocating %llu bytes: %s%s",
+				return kvt_disk_eset(err, len, -r, "disk %s: allocating %llu bytes: %s%s",
 					    o->path, (unsigned long long)bytes, strerror(r),
 					    r == ENOSPC ? " (the file system is short of room)" : "");
 			}
@@ -1358,24 +1345,24 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 		clock_gettime(CLOCK_REALTIME, &ts);
 		d->sb.created_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 		if (kvt_mac_nonce(d->sb.key_nonce) || key_check_tag(d, &d->sb, d->sb.key_tag))
-			return eset(err, len, -EIO, "disk %s: the key check could not be computed "
+			return kvt_disk_eset(err, len, -EIO, "disk %s: the key check could not be computed "
 				    "(libcrypto)", o->path);
 		d->sb.csum = sb_csum(&d->sb);
 	}
 	d->n = d->sb.chunks;
 	if (d->n > kvt_disk_capacity(d->s))
-		return eset(err, len, -ENOSPC, "disk %s holds %llu chunks, the segment's disk "
+		return kvt_disk_eset(err, len, -ENOSPC, "disk %s holds %llu chunks, the segment's disk "
 			    "index %u: recreate the segment for this disk", o->path,
 			    (unsigned long long)d->n, kvt_disk_capacity(d->s));
 	d->n_blocks = (d->n + REC_PER_BLK - 1) / REC_PER_BLK;
 	if (posix_memalign((void **)&d->rec, DIO_ALIGN, d->n_blocks * META_BLOCK))
-		return eset(err, len, -ENOMEM, "disk: out of memory");
+		return kvt_disk_eset(err, len, -ENOMEM, "disk: out of memory");
 	memset(d->rec, 0, d->n_blocks * META_BLOCK);
 	if (fresh) {
 		/* Superblock and an empty record table, synchronously. */
 		void *sbuf;
 		if (posix_memalign(&sbuf, DIO_ALIGN, SB_BYTES))
-			return eset(err, len, -ENOMEM, "disk: out of memory");
+			return kvt_disk_eset(err, len, -ENOMEM, "disk: out of memory");
 		memset(sbuf, 0, SB_BYTES);
 		memcpy(sbuf, &d->sb, sizeof(d->sb));
 		ssize_t w = pwrite(d->fd, sbuf, SB_BYTES, 0);
@@ -1390,7 +1377,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 			off += piece;
 		}
 		if (w != SB_BYTES || fdatasync(d->fd))
-			return eset(err, len, -errno ? -errno : -EIO, "disk %s: formatting: %s",
+			return kvt_disk_eset(err, len, -errno ? -errno : -EIO, "disk %s: formatting: %s",
 				    o->path, strerror(errno ? errno : EIO));
 		dlog(d, 0, "%s: formatted: %llu chunks of %llu bytes", o->path,
 		     (unsigned long long)d->n, (unsigned long long)d->extent_bytes);
@@ -1402,7 +1389,7 @@ static int file_layout(kvt_disk *d, char *err, size_t len)
 			piece = 1u << 20;
 		ssize_t got = pread(d->fd, (uint8_t *)d->rec + off, piece, SB_BYTES + off);
 		if (got != (ssize_t)piece)
-			return eset(err, len, got < 0 ? -errno : -EIO, "disk %s: reading the "
+			return kvt_disk_eset(err, len, got < 0 ? -errno : -EIO, "disk %s: reading the "
 				    "record table: %s", o->path, got < 0 ? strerror(errno) : "short");
 		off += piece;
 	}
@@ -1466,7 +1453,7 @@ static int ring_setup(kvt_disk *d, char *err, size_t len)
 	memset(&p, 0, sizeof(p));
 	r = io_uring_queue_init_params(d->o.depth, &d->ring, &p);
 	if (r < 0)
-		return eset(err, len, r, "disk %s: io_uring refused: %s%s", d->o.path, strerror(-r),
+		return kvt_disk_eset(err, len, r, "disk %s: io_uring refused: %s%s", d->o.path, strerror(-r),
 			    r == -ENOSYS || r == -EPERM ? " (a seccomp profile or "
 			    "kernel.io_uring_disabled forbids it, or the kernel is too old): the "
 			    "disk tier needs io_uring" : "");
@@ -1482,11 +1469,11 @@ static int ring_setup(kvt_disk *d, char *err, size_t len)
 	 * wrote it: served as the other key's bytes. */
 	int files[2] = { d->fd, kvt_seg_lock_fd(d->s) };
 	if (files[1] < 0)
-		return eset(err, len, -EBADF, "disk %s: the segment handle has no lock descriptor "
+		return kvt_disk_eset(err, len, -EBADF, "disk %s: the segment handle has no lock descriptor "
 			    "(a handle inherited across fork?)", d->o.path);
 	r = io_uring_register_files(&d->ring, files, 2);
 	if (r < 0)
-		return eset(err, len, r, "disk %s: io_uring refused to register its files (%s): "
+		return kvt_disk_eset(err, len, r, "disk %s: io_uring refused to register its files (%s): "
 			    "the engine's claims could not outlive its reads", d->o.path,
 			    strerror(-r));
 	/* The arena as fixed buffers: per shard part, pieces of at most 1 GiB
@@ -1534,24 +1521,24 @@ int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 	int r;
 
 	if (!s || !o || !out || o->size < sizeof(*o) || !o->path || !*o->path)
-		return eset(err, len, -EINVAL, "disk: bad options (no path?)");
+		return kvt_disk_eset(err, len, -EINVAL, "disk: bad options (no path?)");
 	if (!kvt_disk_capacity(s))
-		return eset(err, len, -ENODEV, "disk %s: the segment '%s' has no disk index (it "
+		return kvt_disk_eset(err, len, -ENODEV, "disk %s: the segment '%s' has no disk index (it "
 			    "was made without a disk tier): recreate it with one", o->path,
 			    kvt_seg_name(s));
 	if (o->direct > KVT_DIRECT_OFF || o->admit > KVT_ADMIT_NONE || o->depth > 4096 ||
 	    o->close_wait_ms > 3600000)
-		return eset(err, len, -EINVAL, "disk: bad option (direct %u, admit %u, depth %u)",
+		return kvt_disk_eset(err, len, -EINVAL, "disk: bad option (direct %u, admit %u, depth %u)",
 			    o->direct, o->admit, o->depth);
 	if (strlen(o->path) >= sizeof(d->path))
-		return eset(err, len, -ENAMETOOLONG, "disk: path longer than %zu bytes",
+		return kvt_disk_eset(err, len, -ENAMETOOLONG, "disk: path longer than %zu bytes",
 			    sizeof(d->path) - 1);
 	if (kvt_seg_owner(s) != getpid())
-		return eset(err, len, -EPERM, "disk: the engine runs in the segment's owner "
+		return kvt_disk_eset(err, len, -EPERM, "disk: the engine runs in the segment's owner "
 			    "(kvt_seg_own)");
 	d = calloc(1, sizeof(*d));
 	if (!d)
-		return eset(err, len, -ENOMEM, "disk: out of memory");
+		return kvt_disk_eset(err, len, -ENOMEM, "disk: out of memory");
 	d->s = s;
 	d->o = *o;
 	if (!d->o.depth)
@@ -1577,13 +1564,13 @@ int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 	d->jobs = calloc(d->n_jobs, sizeof(*d->jobs));
 	if (!d->ext || !d->dirty || !d->blk_busy || !d->seen || !d->rejected || !d->ghost ||
 	    !d->jobs) {
-		r = eset(err, len, -ENOMEM, "disk: out of memory");
+		r = kvt_disk_eset(err, len, -ENOMEM, "disk: out of memory");
 		goto fail;
 	}
 	for (uint32_t j = 0; j < d->n_jobs; j++) {
 		d->jobs[j].wr = calloc(d->n_shards, sizeof(struct kvt_wref));
 		if (!d->jobs[j].wr) {
-			r = eset(err, len, -ENOMEM, "disk: out of memory");
+			r = kvt_disk_eset(err, len, -ENOMEM, "disk: out of memory");
 			goto fail;
 		}
 	}
@@ -1596,7 +1583,7 @@ int kvt_disk_open(kvt_seg *s, const struct kvt_disk_opts *o, kvt_disk **out,
 	snprintf(st.path, sizeof(st.path), "%s", d->path);
 	r = kvt_disk_engine_start(s, &st);
 	if (r) {
-		eset(err, len, r, "disk: %s", kvt_core_last_error());
+		kvt_disk_eset(err, len, r, "disk: %s", kvt_core_last_error());
 		goto fail;
 	}
 	replay(d);

@@ -67,9 +67,7 @@
 #include "kvt_disk.h"
 #include "kvt_disk_trust.h"
 
-static int eset(char *err, size_t len, int code, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
-static int eset(char *err, size_t len, int code, const char *fmt, ...)
+int kvt_disk_eset(char *err, size_t len, int code, const char *fmt, ...)
 {
 	va_list ap;
 
@@ -90,34 +88,34 @@ int kvt_disk_stat_check(const char *what, const char *path, const struct stat *s
 	uid_t me = geteuid();
 
 	if (S_ISDIR(st->st_mode))
-		return eset(err, len, -EISDIR, "%s %s is a directory: give a file or a block "
+		return kvt_disk_eset(err, len, -EISDIR, "%s %s is a directory: give a file or a block "
 			    "device", what, path);
 	if (S_ISBLK(st->st_mode)) {
 		if (st->st_uid != 0 && st->st_uid != me)
-			return eset(err, len, -EPERM, "%s %s: the block device is owned by uid "
+			return kvt_disk_eset(err, len, -EPERM, "%s %s: the block device is owned by uid "
 				    "%u, neither root nor this process's (%u): refused", what, path,
 				    (unsigned)st->st_uid, (unsigned)me);
 		if (mode & 007)
-			return eset(err, len, -EPERM, "%s %s: the block device has mode %04o: "
+			return kvt_disk_eset(err, len, -EPERM, "%s %s: the block device has mode %04o: "
 				    "other users can read or write it (every chunk demoted to it, "
 				    "or forged ones): chmod o-rwx it (a udev rule)", what, path, mode);
 		return 0;
 	}
 	if (!S_ISREG(st->st_mode))
-		return eset(err, len, -EINVAL, "%s %s is neither a regular file nor a block "
+		return kvt_disk_eset(err, len, -EINVAL, "%s %s is neither a regular file nor a block "
 			    "device (a FIFO, a socket or a character device such as /dev/null "
 			    "cannot hold chunks)", what, path);
 	if (st->st_uid != me)
-		return eset(err, len, -EPERM, "%s %s is owned by uid %u, not by this process's "
+		return kvt_disk_eset(err, len, -EPERM, "%s %s is owned by uid %u, not by this process's "
 			    "uid %u: another user could read the chunks in it or plant forged "
 			    "ones; remove it (or chown it, if it is yours)", what, path,
 			    (unsigned)st->st_uid, (unsigned)me);
 	if (mode & 077)
-		return eset(err, len, -EPERM, "%s %s has mode %04o: other users can %s it; "
+		return kvt_disk_eset(err, len, -EPERM, "%s %s has mode %04o: other users can %s it; "
 			    "chmod 600 it (if others could write it, format it: --disk-reset)",
 			    what, path, mode, mode & 022 ? "write" : "read");
 	if (st->st_nlink != 1)
-		return eset(err, len, -EMLINK, "%s %s has %lu names (hard links): another path "
+		return kvt_disk_eset(err, len, -EMLINK, "%s %s has %lu names (hard links): another path "
 			    "reaches its bytes; give it one name", what, path,
 			    (unsigned long)st->st_nlink);
 	return 0;
@@ -143,7 +141,7 @@ int kvt_disk_file_open(const char *what, const char *path, int rw, int create, i
 				r = -errno;
 				close(fd);
 				unlink(path);
-				return eset(err, len, r, "%s %s: %s", what, path, strerror(-r));
+				return kvt_disk_eset(err, len, r, "%s %s: %s", what, path, strerror(-r));
 			}
 			break;
 		}
@@ -154,12 +152,12 @@ int kvt_disk_file_open(const char *what, const char *path, int rw, int create, i
 	if (fd < 0) {
 		r = -errno;
 		if (r == -ELOOP)
-			return eset(err, len, -ELOOP, "%s %s is a symbolic link: refused (a link "
+			return kvt_disk_eset(err, len, -ELOOP, "%s %s is a symbolic link: refused (a link "
 				    "could point the tier at another file; give the real path)",
 				    what, path);
 		if (r == -ENOENT)
-			return eset(err, len, r, "%s %s: no such file", what, path);
-		return eset(err, len, r, "%s %s: %s%s", what, path, strerror(-r),
+			return kvt_disk_eset(err, len, r, "%s %s: no such file", what, path);
+		return kvt_disk_eset(err, len, r, "%s %s: %s%s", what, path, strerror(-r),
 			    rw && (r == -EACCES || r == -EROFS || r == -EPERM) ?
 			    " (the disk tier needs to write it: a read-only file or file system "
 			    "cannot hold it)" : "");
@@ -167,7 +165,7 @@ int kvt_disk_file_open(const char *what, const char *path, int rw, int create, i
 	if (fstat(fd, st)) {
 		r = -errno;
 		close(fd);
-		return eset(err, len, r, "%s %s: %s", what, path, strerror(-r));
+		return kvt_disk_eset(err, len, r, "%s %s: %s", what, path, strerror(-r));
 	}
 	if ((r = kvt_disk_stat_check(what, path, st, err, len))) {
 		close(fd);
@@ -177,7 +175,7 @@ int kvt_disk_file_open(const char *what, const char *path, int rw, int create, i
 	if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK)) {
 		r = -errno;
 		close(fd);
-		return eset(err, len, r, "%s %s: fcntl: %s", what, path, strerror(-r));
+		return kvt_disk_eset(err, len, r, "%s %s: fcntl: %s", what, path, strerror(-r));
 	}
 	return fd;
 }
@@ -190,13 +188,13 @@ int kvt_disk_key_path(const char *disk_path, const struct stat *disk_st, const c
 	if (given && *given)
 		n = snprintf(out, out_len, "%s", given);
 	else if (S_ISBLK(disk_st->st_mode))
-		return eset(err, len, -EINVAL, "disk %s is a block device: name the file of its "
+		return kvt_disk_eset(err, len, -EINVAL, "disk %s is a block device: name the file of its "
 			    "MAC key (disk-key = PATH, e.g. in the service's state directory; "
 			    "it is made when the disk is formatted)", disk_path);
 	else
 		n = snprintf(out, out_len, "%s.key", disk_path);
 	if (n < 0 || (size_t)n >= out_len)
-		return eset(err, len, -ENAMETOOLONG, "disk key path longer than %zu bytes",
+		return kvt_disk_eset(err, len, -ENAMETOOLONG, "disk key path longer than %zu bytes",
 			    out_len - 1);
 	return 0;
 }
@@ -219,7 +217,7 @@ int kvt_disk_key_load(const char *path, int create, uint8_t key[KVT_MAC_KEY_BYTE
 			close(fd);
 			unlink(path);
 			OPENSSL_cleanse(k, sizeof(k));
-			return eset(err, len, r, "disk key %s: writing a new key: %s", path,
+			return kvt_disk_eset(err, len, r, "disk key %s: writing a new key: %s", path,
 				    strerror(-r));
 		}
 		memcpy(key, k, sizeof(k));
@@ -230,14 +228,14 @@ int kvt_disk_key_load(const char *path, int create, uint8_t key[KVT_MAC_KEY_BYTE
 	}
 	if (st.st_size != KVT_MAC_KEY_BYTES) {
 		close(fd);
-		return eset(err, len, -EINVAL, "disk key %s holds %lld bytes, a key is %d: not a "
+		return kvt_disk_eset(err, len, -EINVAL, "disk key %s holds %lld bytes, a key is %d: not a "
 			    "kvtier disk key", path, (long long)st.st_size, KVT_MAC_KEY_BYTES);
 	}
 	ssize_t got = pread(fd, key, KVT_MAC_KEY_BYTES, 0);
 	r = got < 0 ? -errno : 0;
 	close(fd);
 	if (got != KVT_MAC_KEY_BYTES)
-		return eset(err, len, r ? r : -EIO, "disk key %s: %s", path,
+		return kvt_disk_eset(err, len, r ? r : -EIO, "disk key %s: %s", path,
 			    r ? strerror(-r) : "short read");
 	return 0;
 }

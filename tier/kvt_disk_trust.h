@@ -55,4 +55,9 @@ void kvt_mac_wipe(void *p, size_t n);
 /* Constant-time comparison: 1 equal. */
 int kvt_mac_equal(const uint8_t a[KVT_MAC_TAG_BYTES], const uint8_t b[KVT_MAC_TAG_BYTES]);
 
+/* Formats an error message into err (when given) and returns code: the
+ * disk engine's and the trust rules' one way of reporting. */
+int kvt_disk_eset(char *err, size_t len, int code, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
 #endif
