@@ -590,6 +590,8 @@ static void op_free(struct op *o)
 }
 
 /* Copies chunk rows of the caller's block tables into the op. */
+_Static_assert(KVT_BLOCK_SKIP == KVT_DMA_BLOCK_SKIP, "one skip id");
+
 static int op_tables(kvt_tier *t, struct op *o, const uint32_t *const *tables)
 {
 	uint32_t *dst = o->blocks;
@@ -602,6 +604,11 @@ static int op_tables(kvt_tier *t, struct op *o, const uint32_t *const *tables)
 			return terr(-EINVAL, "tables[%u]: NULL, but group %u's block size differs "
 				    "from group 0's", g, g);
 		memcpy(dst, src, (size_t)o->n * t->bpc[g] * sizeof(uint32_t));
+		if (o->kind == OP_SAVE)
+			for (size_t i = 0; i < (size_t)o->n * t->bpc[g]; i++)
+				if (dst[i] == KVT_BLOCK_SKIP)
+					return terr(-EINVAL, "save: tables[%u][%zu] is KVT_BLOCK_SKIP: a "
+						    "chunk is saved whole (skip is for loads)", g, i);
 		dst += (size_t)o->n * t->bpc[g];
 	}
 	return 0;
@@ -621,6 +628,8 @@ static int chunk_submit(kvt_tier *t, struct op *o, uint32_t i)
 	r = kvt_dma_plan_build(t->dma, &t->plan, tabs, t->chunk_tokens);
 	if (r < 0)
 		return terr_dma(r, "plan");
+	if (r == 0)
+		return 1; /* a load whose blocks are all KVT_BLOCK_SKIP: nothing to copy */
 	sub = kvt_slot_shard_ptr(t->seg, o->ch[i].slot, t->shard);
 	if (!sub)
 		return terr(-EUCLEAN, "slot %u out of range", o->ch[i].slot);
@@ -686,7 +695,7 @@ static int op_progress(kvt_tier *t, struct op *o)
 			break; /* window full: the next progress call resumes */
 		o->next++;
 		if (r) {
-			chunk_finish(t, o, i, r);
+			chunk_finish(t, o, i, r > 0 ? 0 : r);
 			continue;
 		}
 		o->ch[i].state = CH_INFLIGHT;

@@ -135,11 +135,19 @@ struct kvt_plan {
 	struct kvt_copy *copies;
 	uint32_t n;          /* copies in use */
 	uint32_t cap;        /* copies allocated */
-	uint64_t bytes;      /* payload bytes of the chunk */
+	uint64_t bytes;      /* payload bytes the copies move */
 	uint64_t span;       /* 1 + the last sub-slot byte written/read (0 if none) */
 	uint32_t n_tokens;   /* tokens the plan covers */
 	uint32_t reserved;
+	uint64_t skipped;    /* payload bytes of KVT_DMA_BLOCK_SKIP blocks, not moved */
 };
+
+/* A block id that stands for "no block": the plan has no copy for it, and
+ * its pages of the sub-slot are neither read nor written.  For loads into
+ * an engine's cache where a block of the chunk is not the engine's to write
+ * (vLLM's null block outside a sliding window, or a block it computed
+ * itself); never in a save (kvtier.c refuses it there). */
+#define KVT_DMA_BLOCK_SKIP UINT32_MAX
 
 /* Allocates room for cap copies (kvt_kv_layout_max_copies()).  0 or
  * -EINVAL / -ENOMEM.  The only allocation a plan ever makes. */
@@ -155,9 +163,10 @@ void kvt_plan_fini(struct kvt_plan *p);
  * spaced equal copies (strided blocks, or the same block across layers)
  * merge into 2-D copies.  caps NULL: 1-D only.  Every copy stays inside
  * [0, shard_bytes) of the sub-slot and inside its layer's cache.
+ * A block id KVT_DMA_BLOCK_SKIP gets no copy (p->skipped counts its bytes).
  * Returns the number of copies, -EINVAL (bad layout or arguments), -ERANGE
- * (a block id >= n_blocks), -ENOSPC (p->cap too small).  Pure, no
- * allocation. */
+ * (a block id >= n_blocks that is not KVT_DMA_BLOCK_SKIP), -ENOSPC (p->cap
+ * too small).  Pure, no allocation. */
 int kvt_plan_build(struct kvt_plan *p, const struct kvt_kv_layout *l,
 		   const struct kvt_plan_caps *caps,
 		   const uint32_t *const *blocks, uint32_t n_tokens);

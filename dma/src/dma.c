@@ -379,7 +379,7 @@ int kvt_dma_plan_build(const kvt_dma *d, struct kvt_plan *p,
 			const struct kvt_kv_group *gr = &d->layout.groups[g];
 			uint32_t nb = (n_tokens + gr->tokens_per_block - 1) / gr->tokens_per_block;
 			for (uint32_t i = 0; blocks[g] && i < nb; i++)
-				if (blocks[g][i] >= gr->n_blocks)
+				if (blocks[g][i] != KVT_DMA_BLOCK_SKIP && blocks[g][i] >= gr->n_blocks)
 					return kvt__dma_err(r, "group %u: block id %u (entry %u of the "
 							    "chunk's table) is beyond the %llu blocks "
 							    "registered", g, blocks[g][i], i,

@@ -20,6 +20,9 @@
  *     when the engine allocated the layers at a constant spacing).  Both
  *     are counted and the one with fewer copies is emitted (layer-major on
  *     a tie: its rows are the longer ones).
+ *  3. Skips.  A block id KVT_DMA_BLOCK_SKIP is no block: it gets no copy,
+ *     ends the run before it and starts none; its sub-slot pages are left
+ *     alone (p->skipped counts their bytes).
  *
  * Safety: every address is derived from a checked layout (no wraps, block
  * ids checked against n_blocks), so a plan cannot leave the sub-slot's used
@@ -280,7 +283,7 @@ static uint32_t run_end(const struct gplan *gp, uint32_t i)
 
 	if (gp->gr->block_stride != gp->page)
 		return j;
-	while (j < gp->nb && gp->blk[j] == gp->blk[j - 1] + 1)
+	while (j < gp->nb && gp->blk[j] != KVT_DMA_BLOCK_SKIP && gp->blk[j] == gp->blk[j - 1] + 1)
 		j++;
 	return j;
 }
@@ -300,6 +303,10 @@ static void emit_layer_major(struct emitter *e, const struct gplan *gp)
 {
 	for (uint32_t l = 0; l < gp->gr->n_layers; l++)
 		for (uint32_t i = 0, j; i < gp->nb; i = j) {
+			if (gp->blk[i] == KVT_DMA_BLOCK_SKIP) {
+				j = i + 1;
+				continue;
+			}
 			j = run_end(gp, i);
 			seg(e, gp, l, i, j);
 		}
@@ -309,6 +316,10 @@ static void emit_layer_major(struct emitter *e, const struct gplan *gp)
 static void emit_run_major(struct emitter *e, const struct gplan *gp)
 {
 	for (uint32_t i = 0, j; i < gp->nb; i = j) {
+		if (gp->blk[i] == KVT_DMA_BLOCK_SKIP) {
+			j = i + 1;
+			continue;
+		}
 		j = run_end(gp, i);
 		for (uint32_t l = 0; l < gp->gr->n_layers; l++)
 			seg(e, gp, l, i, j);
@@ -321,7 +332,7 @@ int kvt_plan_build(struct kvt_plan *p, const struct kvt_kv_layout *l,
 		   const uint32_t *const *blocks, uint32_t n_tokens)
 {
 	struct emitter e;
-	uint64_t gbase = 0, bytes = 0;
+	uint64_t gbase = 0, bytes = 0, skipped = 0;
 	int rc;
 
 	if (!p || !p->copies || !blocks)
@@ -334,6 +345,7 @@ int kvt_plan_build(struct kvt_plan *p, const struct kvt_kv_layout *l,
 	p->n = 0;
 	p->bytes = 0;
 	p->span = 0;
+	p->skipped = 0;
 	p->n_tokens = n_tokens;
 	if (n_tokens == 0)
 		return 0;
@@ -350,14 +362,19 @@ int kvt_plan_build(struct kvt_plan *p, const struct kvt_kv_layout *l,
 		};
 		struct emitter cnt;
 		uint32_t n_layer, n_run;
+		uint64_t gskip = 0;
 
 		if (!gp.blk)
 			return -EINVAL;
-		for (uint32_t i = 0; i < gp.nb; i++)
-			if (gp.blk[i] >= gr->n_blocks)
-				return -ERANGE;
 		gp.last = (uint64_t)(n_tokens - (gp.nb - 1) * gr->tokens_per_block) *
 			  gr->bytes_per_token;
+		for (uint32_t i = 0; i < gp.nb; i++) {
+			if (gp.blk[i] == KVT_DMA_BLOCK_SKIP)
+				gskip += i + 1 == gp.nb ? gp.last : gp.page;
+			else if (gp.blk[i] >= gr->n_blocks)
+				return -ERANGE;
+		}
+		gskip *= gr->n_layers;
 
 		em_init(&cnt, NULL, 0, caps);
 		emit_layer_major(&cnt, &gp);
@@ -372,11 +389,13 @@ int kvt_plan_build(struct kvt_plan *p, const struct kvt_kv_layout *l,
 		if (e.overflow)
 			return -ENOSPC;
 
-		bytes += (uint64_t)gr->n_layers * n_tokens * gr->bytes_per_token;
+		bytes += (uint64_t)gr->n_layers * n_tokens * gr->bytes_per_token - gskip;
+		skipped += gskip;
 		gbase += (uint64_t)gr->n_layers * gp.lstride;
 	}
 	p->n = e.n;
 	p->bytes = bytes;
+	p->skipped = skipped;
 	for (uint32_t i = 0; i < p->n; i++) {
 		const struct kvt_copy *c = &p->copies[i];
 		uint64_t end = c->off + (uint64_t)(c->rows - 1) * c->host_pitch + c->len;
@@ -469,8 +488,11 @@ int kvt_plan_check(const struct kvt_plan *p, const struct kvt_kv_layout *l,
 	for (uint32_t g = 0; g < l->n_groups; g++)
 		want += (uint64_t)l->groups[g].n_layers * l->groups[g].bytes_per_token *
 			p->n_tokens;
-	if (!rc && (bytes != want || bytes != p->bytes))
-		rc = check_fail(msg, len, "payload differs from n_tokens' bytes", 0, 0);
+	/* skipped blocks: the only bytes a plan may leave out, and then only
+	 * whole pages (bytes + skipped == want) */
+	if (!rc && (p->skipped > want || bytes != want - p->skipped || bytes != p->bytes))
+		rc = check_fail(msg, len, "payload differs from n_tokens' bytes (less what "
+				"the plan skips)", 0, 0);
 	free(iv);
 	return rc;
 }

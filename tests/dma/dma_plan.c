@@ -109,6 +109,8 @@ static void sim_verify(struct sim *s, const struct kvt_plan *p, uint32_t n_token
 
 		for (uint32_t l = 0; l < gr->n_layers; l++)
 			for (uint32_t t = 0; t < n_tokens; t++) {
+				if (s->bptr[g][t / gr->tokens_per_block] == KVT_DMA_BLOCK_SKIP)
+					continue; /* no block: its sub-slot bytes untouched */
 				uint64_t dev = gr->layer_base[l] - SIM_BASE +
 					       (uint64_t)s->bptr[g][t / gr->tokens_per_block] *
 					       gr->block_stride +
@@ -387,6 +389,55 @@ static void test_errors(void **state)
 	sim_free(&s);
 }
 
+/* KVT_DMA_BLOCK_SKIP: no copy for that block, runs end at it, its bytes
+ * counted as skipped; a chunk of skips is an empty plan. */
+static void test_skip(void **state)
+{
+	struct sim s = { .l.chunk_tokens = 64 };
+	struct kvt_plan p;
+	char msg[200];
+
+	(void)state;
+	sim_group(&s, 0, 3, 32, 16, 16 * 32, 40, 512);
+	sim_alloc(&s);
+	assert_int_equal(kvt_plan_init(&p, kvt_kv_layout_max_copies(&s.l)), 0);
+	s.blocks[0][0] = 7;
+	s.blocks[0][1] = KVT_DMA_BLOCK_SKIP;
+	s.blocks[0][2] = 9;
+	s.blocks[0][3] = 10;
+	plan_ok(&s, &p, NULL, 64);
+	assert_int_equal(p.n, 6); /* 7, then 9-10, in each layer */
+	assert_int_equal(p.bytes, 3 * 48 * 32);
+	assert_int_equal(p.skipped, 3 * 16 * 32);
+	for (uint32_t i = 0; i < p.n; i++)
+		assert_true(p.copies[i].off % (64 * 32) != 16 * 32); /* block 1's pages */
+	plan_ok(&s, &p, &caps2d, 64);
+	/* the skip ends the run of 8 -> 9 even where ids would be adjacent */
+	s.blocks[0][0] = 8;
+	plan_ok(&s, &p, NULL, 64);
+	assert_int_equal(p.n, 6);
+	/* a skipped partial last block counts only its tokens */
+	s.blocks[0][2] = KVT_DMA_BLOCK_SKIP;
+	plan_ok(&s, &p, NULL, 40);
+	assert_int_equal(p.skipped, 3 * 24 * 32);
+	assert_int_equal(p.bytes, 3 * 16 * 32);
+	/* every block a skip: nothing to copy */
+	for (int i = 0; i < 4; i++)
+		s.blocks[0][i] = KVT_DMA_BLOCK_SKIP;
+	assert_int_equal(kvt_plan_build(&p, &s.l, NULL, s.bptr, 64), 0);
+	assert_int_equal(p.n, 0);
+	assert_int_equal(p.bytes, 0);
+	assert_int_equal(p.skipped, 3 * 64 * 32);
+	assert_int_equal(kvt_plan_check(&p, &s.l, msg, sizeof(msg)), 0);
+	/* a plan claiming fewer skipped bytes than it left out is caught */
+	s.blocks[0][0] = 7;
+	assert_int_equal(kvt_plan_build(&p, &s.l, NULL, s.bptr, 64), 3);
+	p.skipped -= 32;
+	assert_int_equal(kvt_plan_check(&p, &s.l, msg, sizeof(msg)), -EUCLEAN);
+	kvt_plan_fini(&p);
+	sim_free(&s);
+}
+
 /* Several groups with different page shapes sharing one block table. */
 static void test_multi_group(void **state)
 {
@@ -452,6 +503,14 @@ static void test_random(void **state)
 				}
 			}
 		}
+		/* a third of the layouts: some blocks are skips (loads into
+		 * a window, after a local hit) */
+		if (iter % 3 == 0)
+			for (uint32_t g = 0; g < ng; g++)
+				for (uint32_t i = 0; i < s.l.chunk_tokens / s.l.groups[g].tokens_per_block;
+				     i++)
+					if (!rnd_below(4))
+						s.blocks[g][i] = KVT_DMA_BLOCK_SKIP;
 		sim_alloc(&s);
 		assert_int_equal(kvt_kv_layout_check(&s.l, NULL, 0), 0);
 		assert_int_equal(kvt_plan_init(&p, kvt_kv_layout_max_copies(&s.l)), 0);
@@ -507,6 +566,7 @@ int main(void)
 		cmocka_unit_test(test_merge_strided),
 		cmocka_unit_test(test_partial_and_empty),
 		cmocka_unit_test(test_errors),
+		cmocka_unit_test(test_skip),
 		cmocka_unit_test(test_multi_group),
 		cmocka_unit_test(test_random),
 		cmocka_unit_test(test_check_catches),

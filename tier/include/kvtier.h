@@ -71,6 +71,11 @@ struct kvt_group_desc {
 	uint32_t replicated;       /* 1: MLA-style, every rank holds the same bytes */
 };
 
+/* A block table entry that names no block: in kvt_load, that block of
+ * the chunk is left as it is (see kvt_load).  Equal to the DMA core's
+ * KVT_DMA_BLOCK_SKIP. */
+#define KVT_BLOCK_SKIP UINT32_MAX
+
 /* Flags of struct kvt_config. */
 #define KVT_F_CREATE     0x01u /* create the segment (embedded owner) */
 #define KVT_F_REPLACE    0x02u /* with CREATE: replace an existing segment */
@@ -212,7 +217,11 @@ int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 	     const uint32_t *const *tables, kvt_op *op);
 
 /* Loads the first n chunks of a lease into the blocks of tables (as in
- * kvt_save).  When every rank of the instance has loaded, the lease is
+ * kvt_save).  A table entry KVT_BLOCK_SKIP leaves that block's tokens
+ * where they are: nothing is written for them (a block the engine did not
+ * give the request, such as vLLM's null block before a sliding window, or
+ * one it computed itself); kvt_save refuses it (-EINVAL: chunks are saved
+ * whole).  When every rank of the instance has loaded, the lease is
  * released.  Returns 0 and *op, -ESTALE (the lease is not live), -EINVAL
  * (n above the lease's hits, a NULL op or table, or not a lease id of this
  * segment: lease ids carry their segment's tag).  Never blocks (see

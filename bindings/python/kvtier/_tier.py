@@ -86,6 +86,10 @@ else:  # pragma: no cover - numpy is installed where the tests run
     _U64 = _U32 = _I32 = KEY_DTYPE = None
 
 
+#: A block table entry naming no block (kvt_load leaves that block as it is;
+#: kvt_save refuses it): kvtier.h's KVT_BLOCK_SKIP.
+BLOCK_SKIP = 0xFFFFFFFF
+
 _ndarray = _np.ndarray if _np is not None else ()
 _c_char = ctypes.c_char
 
@@ -897,7 +901,8 @@ class Tier:
 
     def load(self, lease, block_table, n=None):
         """kvt_load: loads the first n chunks (default: all the lease's hits)
-        of a lease into the blocks of block_table.  lease: a Lease, or a
+        of a lease into the blocks of block_table; an entry BLOCK_SKIP
+        leaves that block of the cache untouched.  lease: a Lease, or a
         lease id (int; then n is required).  Returns an Op."""
         func = "kvt_load"
         h = self._handle(func)

@@ -1,7 +1,10 @@
 """The engine cycle from Python in one process: a scheduler and 4 ranks on
 one segment, numpy KV caches laid out like vLLM's per-layer arrays."""
 
+import errno
+
 import numpy as np
+import pytest
 
 import kvtier
 from kvt_testlib import (BLOCKS_PER_CHUNK, CHUNK_TOKENS, WORLD, block_table, blocks_equal,
@@ -137,6 +140,53 @@ def test_partial_load_and_table_forms(segname):
             for r in range(WORLD):
                 # loaded in place: the first 2 chunks' blocks now equal
                 assert blocks_equal(src[r], tab[: 2 * BLOCKS_PER_CHUNK], src[r], out)
+        finally:
+            for t in ranks:
+                t.close()
+
+
+def test_load_skips_blocks(segname):
+    """BLOCK_SKIP in a load's table: that block of the cache keeps its bytes
+    (a block before vLLM's sliding window, or one it computed itself), the
+    others are loaded; a chunk of skips only loads nothing.  A save with a
+    skip is refused: chunks are saved whole."""
+    src = kv_cache(seed=7)
+    with scheduler(segname) as s:
+        keys = s.hash_tokens(prompt(3, seed=7))
+        tab = block_table(3, seed=7)
+        ranks = [rank(segname, r, src) for r in range(WORLD)]
+        try:
+            bad = tab.copy()
+            bad[5] = kvtier.BLOCK_SKIP
+            with pytest.raises(kvtier.KvtierError) as e:
+                ranks[0].save(keys, bad)
+            assert e.value.errno == errno.EINVAL and "whole" in str(e.value)
+            for t in ranks:
+                t.save(keys, tab).wait()
+        finally:
+            for t in ranks:
+                t.close()
+        assert s.stats()["saved_chunks"] == WORLD * 3  # the refused save claimed nothing
+        dst = [kv_cache() for _ in range(WORLD)]
+        for d in dst:
+            for layer in d:
+                layer[:] = 7  # a recognisable "computed elsewhere" fill
+        ranks = [rank(segname, r, dst[r]) for r in range(WORLD)]
+        try:
+            lease = s.lookup(keys)
+            assert lease.hits == 3
+            out = block_table(3, seed=8, half=1)
+            load = out.copy()
+            skipped = [0, 1, 2, 3, 6]        # all of chunk 0, and one block of chunk 1
+            load[skipped] = kvtier.BLOCK_SKIP
+            for t in ranks:
+                t.load(lease.id, load, n=3).wait(timeout=30)
+            assert s.stats()["leases_live"] == 0
+            kept = [i for i in range(len(out)) if i not in skipped]
+            for r in range(WORLD):
+                assert blocks_equal(src, tab[kept], dst[r], out[kept]), r
+                for layer in dst[r]:
+                    assert (layer[out[skipped]] == 7).all(), r
         finally:
             for t in ranks:
                 t.close()
