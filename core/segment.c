@@ -51,7 +51,7 @@
 
 #include "kvt_format.h"
 
-static _Thread_local char kvt_errbuf[256];
+static _Thread_local char kvt_errbuf[640];
 
 int kvt__err(int code, const char *fmt, ...)
 {
@@ -591,6 +591,49 @@ static int attach_opts_check(const struct kvt_seg_attach_opts *a)
 	return 0;
 }
 
+/* The fields behind two fingerprints that differ, for the mismatch's
+ * message: "; chunk_tokens: the segment's 32, this process's 16".  The
+ * model id is a hash of the model name (the connector's kvtier_model,
+ * kvtierd --model): only its difference can be told. */
+static void geometry_diff(const struct kvt_geometry *s, const struct kvt_geometry *m,
+			  char *buf, size_t len)
+{
+	static const char *const modes[] = { "sharded", "replicated" };
+	size_t n = 0;
+
+#define DIFF(...) do { \
+		if (n < len) \
+			n += (size_t)snprintf(buf + n, len - n, __VA_ARGS__); \
+	} while (0)
+	buf[0] = 0;
+	if (s->chunk_tokens != m->chunk_tokens)
+		DIFF("; chunk_tokens: the segment's %u, this process's %u", s->chunk_tokens,
+		     m->chunk_tokens);
+	if (s->world != m->world)
+		DIFF("; world: the segment's %u, this process's %u", s->world, m->world);
+	if (s->mode != m->mode && s->mode < 2 && m->mode < 2)
+		DIFF("; layout: the segment's %s, this process's %s", modes[s->mode],
+		     modes[m->mode]);
+	if (s->n_groups != m->n_groups)
+		DIFF("; layer groups: the segment's %u, this process's %u", s->n_groups,
+		     m->n_groups);
+	for (uint32_t g = 0; g < s->n_groups && g < m->n_groups && g < KVT_MAX_GROUPS; g++) {
+		if (s->groups[g].layers != m->groups[g].layers)
+			DIFF("; group %u layers: the segment's %u, this process's %u", g,
+			     s->groups[g].layers, m->groups[g].layers);
+		if (s->groups[g].bytes_per_token != m->groups[g].bytes_per_token)
+			DIFF("; group %u bytes per token: the segment's %u, this process's %u", g,
+			     s->groups[g].bytes_per_token, m->groups[g].bytes_per_token);
+	}
+	if (s->model_id.lo != m->model_id.lo || s->model_id.hi != m->model_id.hi)
+		DIFF("; model id: another model name made the segment (kvtierd --model and "
+		     "the engine's model name must be the same string)");
+	if (!buf[0])
+		DIFF("; every field is the same: another kvtier key format (a different "
+		     "kvtier version made the segment)");
+#undef DIFF
+}
+
 /* Checks the caller's view (world, rank, fingerprint) and claims the entry. */
 static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 {
@@ -604,13 +647,17 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 	if (a->fingerprint) {
 		kvt_key fp;
 		kvt__fingerprint(&s->geo, &fp);
-		if (fp.lo != a->fingerprint->lo || fp.hi != a->fingerprint->hi)
+		if (fp.lo != a->fingerprint->lo || fp.hi != a->fingerprint->hi) {
+			char diff[400] = "";
+			if (a->geo)
+				geometry_diff(&s->geo, a->geo, diff, sizeof(diff));
 			return kvt__err(-ESTALE,
 				"fingerprint: the segment '%s' holds another model or KV layout "
-				"(%016llx%016llx, expected %016llx%016llx)", s->name,
+				"(%016llx%016llx, expected %016llx%016llx)%s", s->name,
 				(unsigned long long)fp.hi, (unsigned long long)fp.lo,
 				(unsigned long long)a->fingerprint->hi,
-				(unsigned long long)a->fingerprint->lo);
+				(unsigned long long)a->fingerprint->lo, diff);
+		}
 	}
 	s->role = a->role;
 	s->instance = a->instance;

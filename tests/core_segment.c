@@ -325,6 +325,23 @@ static void test_identity(void **st)
 		.role = KVT_ROLE_RANK, .rank = 0, .world = 4, .fingerprint = &other };
 	assert_int_equal(kvt_seg_attach(&a, &r), -ESTALE);
 	assert_non_null(strstr(kvt_core_last_error(), "fingerprint"));
+	/* ...with the layout behind it: the message names what differs */
+	{
+		struct kvt_geometry m = g;
+
+		m.chunk_tokens = g.chunk_tokens * 2;
+		m.groups[0].bytes_per_token++;
+		m.model_id.lo ^= 1;
+		kvt_geometry_fingerprint(&m, &other);
+		a.geo = &m;
+		assert_int_equal(kvt_seg_attach(&a, &r), -ESTALE);
+		assert_non_null(strstr(kvt_core_last_error(), "chunk_tokens: the segment's"));
+		assert_non_null(strstr(kvt_core_last_error(), "group 0 bytes per token"));
+		assert_non_null(strstr(kvt_core_last_error(), "model id"));
+		assert_null(strstr(kvt_core_last_error(), "world:"));
+		assert_null(strstr(kvt_core_last_error(), "layers:"));
+		a.geo = NULL;
+	}
 	kvt_seg_fingerprint(s, &fp);
 	a.fingerprint = &fp;
 	assert_int_equal(kvt_seg_attach(&a, &r), 0);

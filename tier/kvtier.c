@@ -88,7 +88,7 @@ struct kvt_tier {
 	struct { uint32_t pos, seq; uint64_t ns; } asked[256];
 };
 
-static _Thread_local char tier_err[320];
+static _Thread_local char tier_err[768];
 
 static int terr(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int terr(int code, const char *fmt, ...)
@@ -108,7 +108,7 @@ static int terr(int code, const char *fmt, ...)
 /* Passes a core or dma failure through with its message. */
 static int terr_core(int code, const char *what)
 {
-	return terr(code, "%s: %.250s", what, kvt_core_last_error());
+	return terr(code, "%s: %.600s", what, kvt_core_last_error());
 }
 
 static int terr_dma(int code, const char *what)
@@ -465,8 +465,10 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 		kvt_geometry_fingerprint(&g, &t->fingerprint);
 		/* Without a world (a scheduler or client that did not say) the
 		 * fingerprint cannot be predicted: the segment's is adopted. */
-		if (t->env.world)
+		if (t->env.world) {
 			a.fingerprint = &t->fingerprint;
+			a.geo = &g;
+		}
 	}
 	if (cfg->flags & KVT_F_CREATE) {
 		struct kvt_seg_create_opts c = {
@@ -494,6 +496,12 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 		r = attach_any(t, &a);
 		if (r) {
 			terr_core(r, "attach");
+			if (r == -ESTALE && strstr(tier_err, "model id")) {
+				char why[sizeof(tier_err)];
+				snprintf(why, sizeof(why), "%s", tier_err);
+				terr(r, "%.620s; this process's model name: '%.100s'", why,
+				     t->env.model);
+			}
 			if (t->env.segment_dir[0] && !cfg->segment_dir) {
 				/* say where the directory came from */
 				char why[sizeof(tier_err)];

@@ -102,6 +102,9 @@ struct kvt_seg_attach_opts {
 	uint32_t world;         /* expected world size; 0 = any (required for RANK) */
 	uint32_t flags;         /* KVT_SEG_F_ANY_UID */
 	const kvt_key *fingerprint; /* expected layout fingerprint, NULL = any */
+	const struct kvt_geometry *geo; /* the layout behind fingerprint (NULL:
+				     * unknown): a mismatch then names the
+				     * fields that differ */
 };
 
 struct kvt_seg_create_opts {

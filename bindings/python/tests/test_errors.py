@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvt_testlib import (CHUNK_TOKENS, WORLD, block_table, groups, kv_cache, prompt, rank,
-                         scheduler)
+from kvt_testlib import (BLOCK_SIZE, BYTES_PER_TOKEN, CHUNK_TOKENS, N_LAYERS, WORLD,
+                         block_table, groups, kv_cache, prompt, rank, scheduler)
 
 
 def _open_rank(name, **kw):
@@ -112,6 +112,29 @@ def test_other_model_is_stale(segname):
         with pytest.raises(kvtier.KvtierError) as ei:
             _open_rank(segname, model="another-model")
         assert ei.value.code == -errno.ESTALE
+        # the message names the field and this process's model name
+        msg = str(ei.value)
+        assert "model id: another model name" in msg, msg
+        assert "this process's model name: 'another-model'" in msg, msg
+        assert "chunk_tokens" not in msg, msg
+
+
+def test_other_layout_names_the_fields(segname):
+    """A rank whose chunk size and layer shape differ from the segment's (an
+    engine started with another block size or model than kvtierd): each
+    differing field, with both values."""
+    with scheduler(segname):
+        with pytest.raises(kvtier.KvtierError) as ei:
+            kvtier.Tier(segment=segname, role="rank", rank=0, world=WORLD, instance=0,
+                        groups=[kvtier.Group(N_LAYERS, 2 * BYTES_PER_TOKEN, BLOCK_SIZE)],
+                        chunk_tokens=2 * CHUNK_TOKENS, model="kvtier-pytest")
+        msg = str(ei.value)
+        assert ei.value.code == -errno.ESTALE
+        assert "chunk_tokens: the segment's %d, this process's %d" % (
+            CHUNK_TOKENS, 2 * CHUNK_TOKENS) in msg, msg
+        assert "group 0 bytes per token: the segment's %d, this process's %d" % (
+            BYTES_PER_TOKEN, 2 * BYTES_PER_TOKEN) in msg, msg
+        assert "model id" not in msg and "layers:" not in msg, msg
 
 
 def test_operation_errors(segname):
