@@ -2,7 +2,8 @@
 by tests/vllm/test_vllm_kvtier.py: a JSON command per line, a JSON answer
 per line.  argv[1] is a JSON object of options:
 
-  model        the model directory (a config.json: dummy weights)
+  model        the model directory (config.json and safetensors weights;
+               a config.json alone: vLLM's dummy weights)
   kvtier       null (no connector) or kv_connector_extra_config for kvtier
   blocks       num_gpu_blocks_override (a small KV cache forces evictions)
   tp           tensor_parallel_size
@@ -26,10 +27,14 @@ def main():
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=o["model"], load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=o.get("max_model_len", 1536), enforce_eager=True,
-              max_num_seqs=o.get("max_num_seqs", 4), block_size=32, seed=0,
-              disable_log_stats=False, tensor_parallel_size=o.get("tp", 1))
+    weights = any(f.endswith(".safetensors") for f in os.listdir(o["model"]))
+    kw = dict(model=o["model"], load_format="auto" if weights else "dummy",
+              skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=o.get("max_model_len", 1536), enforce_eager=True,
+              max_num_seqs=o.get("max_num_seqs", 4), block_size=o.get("block_size", 32),
+              seed=0, disable_log_stats=False, tensor_parallel_size=o.get("tp", 1))
+    if o.get("prefix_caching") is not None:
+        kw["enable_prefix_caching"] = o["prefix_caching"]
     if o.get("blocks"):
         kw["num_gpu_blocks_override"] = o["blocks"]
     if o.get("kvtier") is not None:

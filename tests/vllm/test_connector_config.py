@@ -87,3 +87,181 @@ def test_worker_with_the_wrong_world_fails_loudly(monkeypatch):
     c._s = kv._Settings(vllm_config(tp=4), kv_cache_config())
     with pytest.raises(RuntimeError, match="world 1.*TP 4 x PP 1 = 4.*nobody reads"):
         c._worker_init()
+
+
+# ---- KV cache group types: what is stored, what is refused ----
+
+def spec_config(spec, layers=2):
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["l%d" % i for i in range(layers)],
+                                                           spec)])
+
+
+def test_group_types():
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, CrossAttentionSpec,
+                                            SlidingWindowSpec)
+    kw = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    s = kv._Settings(vllm_config(), kv_cache_config())
+    assert s.windows == [None]
+    s = kv._Settings(vllm_config(), spec_config(SlidingWindowSpec(sliding_window=128, **kw)))
+    assert s.windows == [("sliding", 128)] and not s.replicated
+    s = kv._Settings(vllm_config(), spec_config(ChunkedLocalAttentionSpec(
+        attention_chunk_size=256, **kw)))
+    assert s.windows == [("chunked", 256)]
+    with pytest.raises(ValueError) as e:
+        kv._Settings(vllm_config(), spec_config(CrossAttentionSpec(**kw)))
+    assert "CrossAttentionSpec" in str(e.value) and "cannot store exactly" in str(e.value)
+
+
+def test_skipped_tokens_are_vllms():
+    """The connector's rule for what vLLM frees is vLLM's own
+    get_num_skipped_tokens (called on its managers' code), for every n."""
+    from vllm.v1.core.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
+                                                           SlidingWindowManager)
+    sw = SimpleNamespace(sliding_window=128, extra_retained_tokens=0)
+    ch = SimpleNamespace(attention_chunk_size=96)
+    for n in range(0, 700):
+        assert kv._skipped_tokens(("sliding", 128), n) == \
+            SlidingWindowManager.get_num_skipped_tokens(sw, n), n
+        assert kv._skipped_tokens(("chunked", 96), n) == \
+            ChunkedLocalAttentionManager.get_num_skipped_tokens(ch, n), n
+        assert kv._skipped_tokens(None, n) == 0
+
+
+class FakeTier:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, live):
+        self.steps += 1
+        return 0
+
+    def reap(self):
+        return 0
+
+    def release(self, lid):
+        return True
+
+
+def sched_connector(spec, chunk_tokens=32):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: F401
+    c = kv.KvtierConnector.__new__(kv.KvtierConnector)
+    c._s = kv._Settings(vllm_config(extra={"kvtier_chunk_tokens": chunk_tokens}),
+                        spec_config(spec))
+    c._tier = FakeTier()
+    c._stats = kv.KvtierConnectorStats()
+    c._reqs, c._pending, c._waiting, c._to_load = {}, {}, {}, {}
+    c._blocks, c._saved, c._next_reap = {}, {}, float("inf")
+    return c
+
+
+def request(rid, n):
+    return SimpleNamespace(request_id=rid, num_tokens=n, all_token_ids=list(range(n)),
+                           block_hashes=[bytes([i % 256]) * 32 for i in range(n // 32)])
+
+
+def step_output(new=(), cached=(), scheduled=None):
+    """new: (req_id, block_ids, num_computed); cached: (req_id, new_block_ids,
+    num_computed)."""
+    return SimpleNamespace(
+        preempted_req_ids=(),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=n)
+                            for r, b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=(),
+            new_block_ids=[(list(b),) for _, b, _ in cached],
+            num_computed_tokens=[n for _, _, n in cached]),
+        num_scheduled_tokens=scheduled or {})
+
+
+def saved_chunks(meta, bpc=1):
+    """(first chunk, its block ids) of every save in meta."""
+    out = []
+    for sv in meta.saves:
+        n = len(sv.keys) // 16
+        for i in range(n):
+            out.append((sv.first_depth + i, sv.block_ids[0][i * bpc:(i + 1) * bpc]))
+    return out
+
+
+def test_sliding_window_saves_only_its_own_blocks():
+    """The rule that fixed wrong KV on sliding-window models, step by step
+    against scheduler outputs shaped as vLLM makes them: a new request's
+    local hit whose blocks before the window are the null block (0) saves
+    none of those; a chunked prefill saves each chunk in the step it fills
+    while vLLM still holds its blocks, and a chunk whose first block vLLM
+    freed (its table still names the old id) is not saved."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    spec = SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    c = sched_connector(spec)
+    # a local hit of 320 tokens: blocks 0-5 null, 6-9 real; 64 more to compute
+    req = request("a", 384)
+    c._reqs["a"] = req
+    meta = c.build_connector_meta(step_output(
+        new=[("a", [0] * 6 + [16, 17, 18, 19, 20, 21], 320)], scheduled={"a": 64}))
+    got = saved_chunks(meta)
+    assert [d for d, _ in got] == [6, 7, 8, 9, 10, 11], got
+    assert all(0 not in b for _, b in got)
+    assert c._stats.data["save_holes"] == 6
+    # 128-token chunks (4 blocks), prefill in 100-token steps: chunk 0
+    # fills in step 2 (done 100: vLLM freed nothing); chunk 1 in step 3
+    # (done 200: skipped 73, blocks 0-1 freed, chunk 1's 4-7 kept)
+    c = sched_connector(spec, chunk_tokens=128)
+    c._reqs["b"] = request("b", 500)
+    tabs = list(range(40, 56))
+    m1 = c.build_connector_meta(step_output(new=[("b", tabs[:4], 0)], scheduled={"b": 100}))
+    assert saved_chunks(m1, 4) == []
+    m2 = c.build_connector_meta(step_output(cached=[("b", tabs[4:7], 100)], scheduled={"b": 100}))
+    assert saved_chunks(m2, 4) == [(0, tabs[0:4])]
+    m3 = c.build_connector_meta(step_output(cached=[("b", tabs[7:10], 200)], scheduled={"b": 100}))
+    assert saved_chunks(m3, 4) == [(1, tabs[4:8])]
+    # one step of 400 tokens: chunks 0-2 fill in it, nothing freed before
+    c = sched_connector(spec, chunk_tokens=128)
+    c._reqs["d"] = request("d", 500)
+    m = c.build_connector_meta(step_output(new=[("d", tabs[:13], 0)], scheduled={"d": 400}))
+    assert [d for d, _ in saved_chunks(m, 4)] == [0, 1, 2]
+    # 256-token chunks (8 blocks) in 100-token steps: chunk 0 fills in step
+    # 3, when vLLM has already freed blocks 0-1 (skipped(200) = 73) and may
+    # have given them to another request: a hole, not a save
+    c = sched_connector(spec, chunk_tokens=256)
+    c._reqs["e"] = request("e", 500)
+    c.build_connector_meta(step_output(new=[("e", tabs[:4], 0)], scheduled={"e": 100}))
+    c.build_connector_meta(step_output(cached=[("e", tabs[4:7], 100)], scheduled={"e": 100}))
+    m = c.build_connector_meta(step_output(cached=[("e", tabs[7:10], 200)], scheduled={"e": 100}))
+    assert saved_chunks(m, 8) == [] and c._stats.data["save_holes"] == 1
+
+
+def test_full_attention_saves_every_chunk():
+    """Full attention: a local hit's blocks are real and kept; every full
+    chunk is saved, from chunk 0, and in later steps only the new ones."""
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 384)
+    meta = c.build_connector_meta(step_output(new=[("a", list(range(1, 13)), 320)],
+                                              scheduled={"a": 64}))
+    assert [d for d, _ in saved_chunks(meta)] == list(range(12))
+    meta = c.build_connector_meta(step_output(cached=[("a", [], 384)], scheduled={"a": 1}))
+    assert saved_chunks(meta) == []
+    # a null block anywhere (whatever put it there) is never saved from:
+    # the chunks around it go in two saves, with their own depths
+    c._reqs["b"] = request("b", 384)
+    meta = c.build_connector_meta(step_output(
+        new=[("b", [1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 12], 0)], scheduled={"b": 384}))
+    assert [(sv.first_depth, len(sv.keys) // 16) for sv in meta.saves] == [(0, 5), (6, 6)]
+    assert all(0 not in b for _, b in saved_chunks(meta))
+
+
+def test_loads_skip_the_null_block():
+    """A load's table: vLLM's null block (0) becomes BLOCK_SKIP, real blocks
+    stay."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    c = sched_connector(SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2,
+                                          head_size=64, dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 740)
+    c._to_load["a"] = (7, 0, 20)    # lease 7, from chunk 0, 20 chunks
+    meta = c.build_connector_meta(step_output(
+        new=[("a", [0] * 16 + [30, 31, 32, 33] + [34, 35, 36], 0)], scheduled={"a": 100}))
+    assert len(meta.loads) == 1
+    tab = meta.loads[0].block_ids[0]
+    assert tab == [kv.kvtier.BLOCK_SKIP] * 16 + [30, 31, 32, 33]

@@ -1,9 +1,14 @@
-"""kvtier inside a real vLLM engine (vLLM's CPU build, a tiny Llama-shaped
-model made here: a config.json and dummy weights, prompts as token ids,
-greedy sampling).  Each engine is a process of tests/vllm/engine.py; the
-tests read kvtier's counters through the Python binding and vLLM's through
-its own metrics.  Run by tests/vllm/run.sh (the README's test command calls
-it), with the virtual environment it makes."""
+"""kvtier inside a real vLLM engine (vLLM's CPU build, tiny models made here
+with real, randomly initialised weights (tests/vllm/models.py), prompts as
+token ids, greedy sampling).  Each engine is a process of
+tests/vllm/engine.py; the tests read kvtier's counters through the Python
+binding and vLLM's through its own metrics.  Run by scripts/test.sh (the
+README's test command), with the virtual environment it makes.
+
+What makes "the outputs with kvtier equal the outputs without" mean
+something: every model is first shown to change its output when its
+context changes (sensitive()), and test_corrupted_tier_changes_the_output
+overwrites the tier's chunks with noise and sees the output change."""
 
 import json
 import os
@@ -20,6 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "bindings", "python"))
 import kvtier  # noqa: E402
+
+sys.path.insert(0, HERE)
+import models  # noqa: E402
 
 START_TIMEOUT = 300
 CMD_TIMEOUT = 300
@@ -42,9 +50,10 @@ SHORT = [tokens(100, 5), tokens(300, 6), tokens(700, 7)]
 
 class Engine:
     def __init__(self, model, kv=None, blocks=BLOCKS, tp=1, env=None, expect_ready=True,
-                 max_num_seqs=4, max_model_len=1536):
+                 max_num_seqs=4, max_model_len=1536, block_size=32):
         opts = {"model": model, "kvtier": kv, "blocks": blocks, "tp": tp,
-                "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+                "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+                "block_size": block_size}
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +
@@ -110,17 +119,45 @@ class Engine:
             os.unlink(self.log.name)
 
 
+def start_all(*engines):
+    """Waits for engines started with expect_ready=False (they load in
+    parallel)."""
+    for e in engines:
+        r = e._read(START_TIMEOUT, "start")
+        assert r.get("ready"), r
+        e.pid, e.start_s = r["pid"], r["start_s"]
+    return engines
+
+
+def sensitive(base, prompt, changed, n=8):
+    """The model's output follows its context: `changed` (prompt with some
+    tokens replaced) gives another output.  Without this, outputs that
+    match prove nothing about the KV they were computed from."""
+    a, b = base.generate([prompt, changed], max_tokens=n)
+    assert a != b, ("the model ignores its context (outputs %s for both prompts): an output "
+                    "comparison on it cannot see wrong KV" % a)
+    return a
+
+
+def changed(prompt, lo, hi, seed):
+    """prompt with tokens [lo, hi) replaced."""
+    return prompt[:lo] + tokens(hi - lo, seed) + prompt[hi:]
+
+
 @pytest.fixture(scope="module")
-def model():
-    d = tempfile.mkdtemp(prefix="kvtier-tiny-llama-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                   "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                   "vocab_size": 1024, "max_position_embeddings": 1536, "rms_norm_eps": 1e-5,
-                   "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-                   "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}, f)
-    yield d
+def model_dir(tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            made[kind] = models.make(kind, str(tmp_path_factory.mktemp("kvtier-" + kind)))
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +208,19 @@ def engines(model, segment):
             e.close()
 
 
+def test_connector_logs_through_vllm(engines):
+    """The connector's lines are in vLLM's log (its logger is under
+    vLLM's): the scheduler's, the kvtierd command line, the rank's."""
+    log = engines["e1"].tail(400)
+    assert "kvtier: scheduler of instance 0" in log, log[-3000:]
+    assert "kvtier: the same segment from kvtierd: kvtierd --segment" in log
+    assert "kvtier: rank 0 of 1" in log
+
+
 def test_outputs_identical(engines):
-    """Outputs with kvtier are the baseline's, token for token."""
+    """Outputs with kvtier are the baseline's, token for token, on a model
+    whose output follows its context."""
+    sensitive(engines["base"], LONG, changed(LONG, 900, 1100, 41))
     base = engines["base"].generate(SHORT + [LONG])
     assert engines["e1"].generate(SHORT + [LONG]) == base
     engines["base"].outputs = dict(zip(map(tuple, SHORT + [LONG]), base))
@@ -194,6 +242,11 @@ def test_evicted_prefix_is_loaded_from_kvtier(engines, segment):
     local = m1.get("vllm:prefix_cache_hits", 0) - m0.get("vllm:prefix_cache_hits", 0)
     assert hit >= 32 * CHUNK, (hit, local)       # most of its 37 chunks came back from kvtier
     assert ext == hit, ("vLLM external hits", ext, "kvtier hit tokens", hit)
+    # the connector's own figures, through vLLM's KV-connector stats, on
+    # vLLM's metrics
+    own = m1.get("vllm:kvtier_hit_tokens", 0) - m0.get("vllm:kvtier_hit_tokens", 0)
+    assert own == hit, ("vllm:kvtier_hit_tokens", own, "kvtier hit tokens", hit)
+    assert m1.get("vllm:kvtier_loaded_chunks", 0) > m0.get("vllm:kvtier_loaded_chunks", 0)
     assert local + ext >= (len(LONG) - 1) // CHUNK * CHUNK
     assert s1["loaded_chunks"] - s0["loaded_chunks"] == hit // CHUNK
     assert s1["leases_live"] == 0 and s1["slots_pinned"] == 0
@@ -220,8 +273,9 @@ def test_aborted_and_preempted_requests_leave_no_pin(engines, segment):
     m0 = e1.metrics()
     # four long requests decoding at once overflow the 2,048-token cache:
     # vLLM preempts some of them
-    outs = e1.generate([LONG[:900]] + [tokens(900, s) for s in (8, 9, 10)], max_tokens=120)
-    assert len(outs) == 4
+    prompts = [LONG[:900]] + [tokens(900, s) for s in (8, 9, 10)]
+    outs = e1.generate(prompts, max_tokens=120)
+    assert outs == engines["base"].generate(prompts, max_tokens=120)
     m1 = e1.metrics()
     assert m1.get("vllm:num_preemptions", 0) > m0.get("vllm:num_preemptions", 0), \
         "the scenario did not preempt (vLLM's counter)"
@@ -246,6 +300,250 @@ def test_restarted_engine_is_served_from_the_tier(engines, model, segment):
         assert s1["leases_live"] == 0 and s1["slots_pinned"] == 0
     finally:
         e1b.close()
+
+
+# ---- every KV cache group type vLLM's CPU build runs ----
+
+# (blocks of the baseline's cache, of the kvtier engine's, block size):
+# deepseek's CPU MLA backend forces 16-token blocks (128 of them hold the
+# same 2,048 tokens); gemma2's baseline runs vLLM's hybrid allocator (the
+# kvtier engine does not: the connector is not SupportsHMA), which splits
+# its blocks between the full and the sliding-window group
+KIND_CACHE = {"mistral": (64, 64, 32), "deepseek": (128, 128, 16), "gemma2": (128, 64, 32)}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_CACHE))
+def test_exact_kv(kind, model_dir):
+    """Each group type: the long prompt, then others that push it out of
+    vLLM's own cache, then a prompt that shares its first 700 tokens (a
+    load of a prefix, the rest computed) and the long prompt again (vLLM's
+    local hit on what the previous prompt computed, the rest from kvtier):
+    every output is the baseline's, on a model that follows its context
+    (for the sliding window, a change inside the window)."""
+    m = model_dir(kind)
+    base_blocks, blocks, bs = KIND_CACHE[kind]
+    name = "vllm-%s-%d" % (kind, os.getpid())
+    base = Engine(m, None, blocks=base_blocks, block_size=bs, expect_ready=False)
+    e = Engine(m, kv(name, 0), blocks=blocks, block_size=bs, expect_ready=False)
+    try:
+        start_all(base, e)
+        want = sensitive(base, LONG, changed(LONG, 1100, 1190, 42))
+        q = LONG[:700] + tokens(200, 51)
+        want_q = base.generate([q])
+        assert e.generate([LONG]) == [want]
+        for p in OTHERS:
+            e.generate([p])
+        s0 = stats(name)
+        assert e.generate([q]) == want_q
+        s1, m1 = stats(name), e.metrics()
+        assert e.generate([LONG]) == [want]
+        s2, m2 = stats(name), e.metrics()
+        chunk = s2["chunk_tokens"]
+        assert s1["hit_tokens"] - s0["hit_tokens"] >= 672 // chunk * chunk - chunk, (s0, s1)
+        # the long prompt again: vLLM's own hit (what q computed; on a
+        # sliding window, any run of cached blocks as long as the window)
+        # and kvtier's together cover it, and vLLM counts kvtier's as its
+        # external hits
+        ext = m2.get("vllm:external_prefix_cache_hits", 0) - m1.get(
+            "vllm:external_prefix_cache_hits", 0)
+        local = m2.get("vllm:prefix_cache_hits", 0) - m1.get("vllm:prefix_cache_hits", 0)
+        assert ext == s2["hit_tokens"] - s1["hit_tokens"], (ext, s1, s2)
+        assert local + ext >= (len(LONG) - 1) // chunk * chunk - chunk, (local, ext)
+        assert s2["leases_live"] == 0 and s2["slots_pinned"] == 0
+    finally:
+        base.close()
+        e.close()
+        _unlink(name)
+
+
+def test_sliding_window_local_hit_saves_no_null_block(model_dir):
+    """The case that served wrong KV: on a sliding-window model vLLM's own
+    prefix hit gives the blocks before the window its null block.  Engine
+    1 runs the long prompt; engine 2 (same tier, 65 slots) pushes it out of
+    the tier, while engine 1's cache keeps it; engine 1 then runs the long
+    prompt with a new turn (a local hit with null blocks), and must not
+    save those chunks from the null block: engine 2, given a prompt that
+    shares the long prompt's first 640 tokens, would load them (inside its
+    own window) and answer from garbage."""
+    m = model_dir("mistral")
+    name = "vllm-swa-%d" % os.getpid()
+    gib = 65 * 32 * 1024 / float(1 << 30)   # 65 chunks of 32 KiB: either engine may create it
+    base = Engine(m, None, expect_ready=False)
+    e1 = Engine(m, kv(name, 0, kvtier_tier_gib=gib), expect_ready=False)
+    e2 = Engine(m, kv(name, 1, kvtier_tier_gib=gib), expect_ready=False)
+    try:
+        start_all(base, e1, e2)
+        e1.generate([LONG])
+        for p in OTHERS:
+            e2.generate([p])
+        assert stats(name)["slots"] == 65 and stats(name)["evictions"] >= 37
+        m0 = e1.metrics()
+        turn = LONG + tokens(40, 77)
+        assert e1.generate([turn]) == base.generate([turn])
+        local = e1.metrics().get("vllm:prefix_cache_hits", 0) - m0.get("vllm:prefix_cache_hits", 0)
+        assert local >= 1024, "engine 1 did not hit its own cache (%d tokens)" % local
+        q = LONG[:640] + tokens(100, 78)
+        h0 = stats(name)["hit_tokens"]
+        assert e2.generate([q]) == base.generate([q])
+        st = stats(name)
+        assert e1.metrics().get("vllm:kvtier_save_holes", 0) > 0   # the null blocks: not saved
+        assert st["hit_tokens"] == h0    # chunk 0 is not in the tier: nothing to load
+        assert st["leases_live"] == 0 and st["slots_pinned"] == 0
+    finally:
+        for x in (base, e1, e2):
+            x.close()
+        _unlink(name)
+
+
+def corrupt_arena(name, seed=1):
+    """Overwrites every chunk of segment `name` with noise, from outside the
+    library (the header's arena region: regions[KVT_R_ARENA] at byte 376;
+    core/kvt_format.h); returns the bytes written."""
+    import mmap
+    import struct
+
+    import numpy as np
+    for path in models_segment_paths(name):
+        if not os.path.exists(path):
+            continue
+        with open(path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 0)
+            try:
+                assert mm[:8] == b"KVTIER01", path
+                off, size = struct.unpack_from("<QQ", mm, 280 + 6 * 16)
+                assert 0 < off and off + size <= len(mm), (off, size, len(mm))
+                rng = np.random.default_rng(seed)
+                step = 16 << 20
+                for at in range(off, off + size, step):
+                    n = min(step, off + size - at)
+                    mm[at:at + n] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            finally:
+                mm.close()
+        return size
+    raise AssertionError("segment %s not found" % name)
+
+
+def models_segment_paths(name):
+    dirs = ["/dev/shm"]
+    with open("/proc/mounts") as f:
+        dirs += [ln.split()[1] for ln in f if len(ln.split()) > 2 and ln.split()[2] == "hugetlbfs"]
+    return [os.path.join(d, "kvtier." + name) for d in dirs]
+
+
+def test_corrupted_tier_changes_the_output(engines, model):
+    """The self-test of every comparison above: the long prompt's chunks in
+    the tier overwritten with noise (the library cannot tell), then loaded:
+    the output is no longer the baseline's.  If it were, "identical" would
+    prove nothing."""
+    name = "vllm-corrupt-%d" % os.getpid()
+    e = Engine(model, kv(name, 0))
+    try:
+        want = engines["base"].generate([LONG])
+        assert e.generate([LONG]) == want
+        for p in OTHERS:
+            e.generate([p])
+        assert corrupt_arena(name) > 0
+        s0 = stats(name)
+        got = e.generate([LONG])
+        s1 = stats(name)
+        assert s1["hit_tokens"] - s0["hit_tokens"] >= 32 * CHUNK   # loaded from the tier...
+        assert got != want, "noise in the KV did not change the output"   # ...and seen
+    finally:
+        e.close()
+        _unlink(name)
+
+
+def test_openai_server(tmp_path):
+    """The README's CPU command: vLLM's OpenAI server (the server module:
+    the CPU build's `vllm serve` cannot find its own package) with the
+    connector; a completion, /reset_prefix_cache (vLLM's own cache
+    emptied), the same completion: the same text, its prefix from kvtier,
+    and on vLLM's /metrics kvtier's hit tokens equal vLLM's external hits."""
+    import socket
+    import urllib.request
+    m = models.make("llama", str(tmp_path / "llama-tok"), tokenizer=True)
+    name = "vllm-server-%d" % os.getpid()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+           "kv_role": "kv_both",
+           "kv_connector_extra_config": {"kvtier_segment": name, "kvtier_tier_gib": 0.25,
+                                         "kvtier_model": "tiny-llama/bf16"}}
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "bindings", "python")] +
+                                          ([os.environ["PYTHONPATH"]]
+                                           if os.environ.get("PYTHONPATH") else [])))
+    log = open(tmp_path / "server.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                          "--model", m, "--dtype", "bfloat16", "--max-model-len", "1536",
+                          "--block-size", "32", "--host", "127.0.0.1", "--port", str(port),
+                          "--num-gpu-blocks-override", str(BLOCKS), "--enforce-eager",
+                          "--kv-transfer-config", json.dumps(cfg)],
+                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def call(path, body=None):
+        req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path),
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+        with urllib.request.urlopen(req, timeout=CMD_TIMEOUT) as r:
+            return r.read().decode()
+
+    def server_log():
+        with open(tmp_path / "server.log", errors="replace") as f:
+            return f.read()[-4000:]
+
+    def metric(text, name):
+        return sum(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith(name + "{") or ln.startswith(name + " "))
+
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert p.poll() is None, "the server exited:\n" + server_log()
+            try:
+                call("/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start:\n" + server_log()
+                time.sleep(1)
+        body = {"model": m, "prompt": models.text(LONG), "max_tokens": 8, "temperature": 0}
+        first = json.loads(call("/v1/completions", body))["choices"][0]["text"]
+        call("/reset_prefix_cache", {})
+        again = json.loads(call("/v1/completions", body))["choices"][0]["text"]
+        assert first and again == first, (first, again)
+        text = call("/metrics")
+        hit = metric(text, "vllm:kvtier_hit_tokens_total")
+        assert hit >= 32 * CHUNK, (hit, server_log())
+        assert metric(text, "vllm:external_prefix_cache_hits_total") == hit
+        assert metric(text, "vllm:kvtier_loaded_chunks_total") >= 32
+        assert "kvtier: scheduler of instance 0" in open(tmp_path / "server.log").read()
+        # and vLLM's periodic stats line (every 10 s) carries kvtier's figures
+        deadline = time.monotonic() + 120
+        while "KV Transfer metrics: " not in open(tmp_path / "server.log").read():
+            assert time.monotonic() < deadline, "no KV Transfer metrics line:\n" + server_log()
+            call("/v1/completions", body)
+            time.sleep(2)
+        line = [ln for ln in open(tmp_path / "server.log") if "KV Transfer metrics: " in ln][0]
+        assert "hit_tokens=" in line and "loaded_chunks=" in line, line
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        log.close()
+        _unlink(name)
+
+
+def _unlink(name):
+    try:
+        kvtier.unlink(name)
+    except kvtier.KvtierError:
+        pass
 
 
 def _cpu_bind(n):

@@ -36,6 +36,43 @@ chunks are saved and loaded; a chunk is chunk_tokens (a multiple of vLLM's
 block size, default: one block, so that vLLM's own prefix-cache hits, which
 are block aligned, are always chunk aligned).
 
+Which KV a chunk holds, per KV cache group type.  kvtier stores a chunk
+only when every block of it, in every group, holds KV that vLLM computed
+for this prefix, and loads a chunk only into blocks vLLM gave the request
+to be written.  vLLM's block tables say which: block id 0 is its null
+block, the stand-in for a block a group does not keep.  Per group type
+(kv_cache_interface.py; this connector is not SupportsHMA, so vLLM turns
+its hybrid allocator off and promotes a mix of full and local attention
+layers to full attention: a model has one group type here):
+
+  * full attention, MLA: every block of the prompt is real and kept while
+    the request runs.  Saved and loaded whole.
+  * sliding window (window w) and chunked local attention (chunk a): the
+    blocks before the window are the null block -- in a local prefix hit
+    (find_longest_cache_hit pads them with it), in the blocks allocated for
+    kvtier's own hit tokens (add_local_computed_blocks pads the skipped
+    ones), and in a running request's table, where allocate_slots replaces
+    them (remove_skipped_blocks) and frees the real block, which another
+    request may then be given.  The connector's copy of the table never
+    sees that replacement (scheduler output lists new blocks only), so it
+    works the rule out itself: at the start of a step whose request had n
+    tokens computed, the blocks vLLM may have freed are those below
+    skipped(n) tokens (sliding: n - w + 1; chunked: n // a * a; the
+    retained tail of speculative decoding only keeps more).  A chunk is
+    saved only in the step it becomes full, and only when all its blocks
+    are at or past skipped(n) and none is the null block: its KV is in its
+    blocks until the step ends (saves are waited for in the step).  Chunks
+    that fell out of the window before they were full, or were a local
+    hit's null blocks, are never saved; the tier then holds a prefix with a
+    hole, and lookups stop at the hole (a shorter hit, never a wrong one).
+    A load writes every block vLLM gave the request and skips the null
+    ones (KVT_BLOCK_SKIP): those tokens are never attended.
+  * anything else (Mamba/SSM state, cross-attention, encoder-only, sink
+    and reversed-window attention, circular buffers, HiSparse): no chunk of
+    it could be exact, so the connector refuses the model at start with
+    the group named.  (Hybrid SSM models also need vLLM's hybrid allocator,
+    which vLLM keeps off for connectors that are not SupportsHMA.)
+
 Keys.  A chunk's key is the first 128 bits of vLLM's own block hash of the
 chunk's last block: vLLM chains block hashes over the whole prefix (and its
 extra keys: LoRA, multimodal hashes, cache salt), so nothing is hashed twice.
@@ -94,7 +131,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 from vllm.logger import init_logger  # noqa: E402
 
-logger = init_logger(__name__)
+# Under vLLM's own logger ("vllm"), so that the lines reach vLLM's handlers
+# and level (VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH); a logger named
+# after this module ("kvtier.vllm") would be outside vLLM's configuration
+# and its INFO lines would be dropped.
+logger = init_logger("vllm.kvtier")
+
+try:  # vLLM's KV-connector stats (its log lines and its /metrics)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+        KVConnectorPromMetrics, KVConnectorStats)
+except ImportError:  # pragma: no cover
+    KVConnectorStats = KVConnectorPromMetrics = None
 
 _NON_DETERMINISTIC_ALGOS = ("xxhash", "xxhash_cbor")
 
@@ -106,7 +153,7 @@ class _Load:
     req_id: str
     lease: int
     n_chunks: int
-    block_ids: list
+    block_ids: list      # one list per KV cache group; BLOCK_SKIP: leave it
 
 
 @dataclass
@@ -114,13 +161,83 @@ class _Save:
     req_id: str
     keys: bytes          # n x 16 bytes, little-endian (lo, hi)
     first_depth: int
-    block_ids: list
+    block_ids: list      # one list per KV cache group
 
 
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     saves: list = field(default_factory=list)
+
+
+# ---- stats: through vLLM's KV-connector stats to its log and /metrics ----
+
+# name -> help; every value a sum over the interval (and over the ranks)
+STATS = {
+    "lookups": "kvtier lookups (one per request and try)",
+    "lookup_tokens": "prompt tokens asked of kvtier (past vLLM's own hit)",
+    "hit_tokens": "prompt tokens kvtier had, handed to vLLM as computed",
+    "disk_waits": "lookups answered 'ask again' while kvtierd read chunks back from disk",
+    "save_holes": "full chunks not saved because their blocks were not this request's KV "
+                  "(vLLM's null block: outside a sliding window, or freed)",
+    "loaded_chunks": "chunk shards loaded into vLLM's KV cache (per rank)",
+    "saved_chunks": "chunk shards written to kvtier (per rank; deduplicated ones not counted)",
+    "load_seconds": "seconds the ranks waited for loads",
+    "save_seconds": "seconds the ranks waited for saves",
+}
+
+if KVConnectorStats is not None:
+    @dataclass
+    class KvtierConnectorStats(KVConnectorStats):
+        """kvtier's counters over one interval (sums; see STATS)."""
+
+        def __post_init__(self):
+            if not self.data:
+                self.reset()
+
+        def reset(self):
+            self.data = {k: 0 for k in STATS}
+
+        def add(self, name, v):
+            self.data[name] = self.data.get(name, 0) + v
+
+        def aggregate(self, other):
+            for k, v in (other.data or {}).items():
+                self.add(k, v)
+            return self
+
+        def reduce(self):
+            return {k: round(v, 6) if isinstance(v, float) else v for k, v in self.data.items()}
+
+        def is_empty(self):
+            return not any(self.data.values())
+
+        def take(self):
+            """The interval's stats (None when nothing happened); resets."""
+            if self.is_empty():
+                return None
+            out = KvtierConnectorStats(data=dict(self.data))
+            self.reset()
+            return out
+
+    class KvtierPromMetrics(KVConnectorPromMetrics):
+        """vllm:kvtier_<name>_total counters, per engine."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {}
+            for k, doc in STATS.items():
+                c = self._counter_cls(name="vllm:kvtier_" + k, documentation=doc,
+                                      labelnames=labelnames)
+                self._counters[k] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+        def observe(self, transfer_stats_data, engine_idx=0):
+            for k, v in (transfer_stats_data or {}).items():
+                per = self._counters.get(k)
+                if per is not None and engine_idx in per and v:
+                    per[engine_idx].inc(v)
+else:  # pragma: no cover
+    KvtierConnectorStats = KvtierPromMetrics = None
 
 
 # ---- configuration ----
@@ -202,15 +319,20 @@ class _Settings:
         """One kvtier group per vLLM KV cache group: each attention layer's
         block (one rank's) is two kvtier "layers", its two halves -- the
         one description that fits every backend's tensor layout, K and V
-        apart (GPU) or interleaved in one block (CPU) (see register)."""
-        from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+        apart (GPU) or interleaved in one block (CPU) (see register).
+        self.windows[g]: the group's skipped-token rule (see the module's
+        design comment), None for full attention."""
         groups, repl = [], set()
+        self.windows = []
         for g in kv_cache_config.kv_cache_groups:
             spec = g.kv_cache_spec
-            if not isinstance(spec, AttentionSpec):
-                raise ValueError("kvtier: KV cache group of %s (layers %s...) is not "
-                                 "attention KV; kvtier stores attention KV only"
-                                 % (type(spec).__name__, g.layer_names[:2]))
+            kind, param = _group_kind(spec)
+            if kind is None:
+                raise ValueError(
+                    "kvtier: the KV cache group of layers %s... is %s, which kvtier cannot "
+                    "store exactly (it stores full, MLA, sliding-window and chunked local "
+                    "attention KV); run this model without the kvtier connector"
+                    % (", ".join(g.layer_names[:2]), type(spec).__name__))
             if spec.block_size != self.block_size:
                 raise ValueError("kvtier: KV cache groups with different block sizes (%d, "
                                  "%d) are not supported" % (spec.block_size, self.block_size))
@@ -218,10 +340,12 @@ class _Settings:
             if page % (2 * spec.block_size):
                 raise ValueError("kvtier: a block of %d bytes does not split into two halves "
                                  "of whole tokens" % page)
-            is_mla = isinstance(spec, MLAAttentionSpec)
+            is_mla = kind in ("mla", "sliding-mla")
             repl.add(is_mla)
             groups.append(kvtier.Group(2 * len(g.layer_names), page // (2 * spec.block_size),
                                        spec.block_size, is_mla))
+            self.windows.append(None if kind in ("full", "mla") else
+                                ("chunked" if kind == "chunked" else "sliding", param))
         if len(repl) > 1:
             raise ValueError("kvtier: MLA and non-MLA KV cache groups in one model are not "
                              "supported")
@@ -260,6 +384,35 @@ class _Settings:
                     raise
 
 
+def _group_kind(spec):
+    """(kind, parameter) of a KV cache spec: ("full"|"mla", None),
+    ("sliding"|"sliding-mla", window), ("chunked", chunk size), or
+    (None, None) for a spec kvtier cannot store exactly.  By exact class:
+    a subclass (sink, reversed-window, hidden-state caches) has its own
+    block rules."""
+    name = type(spec).__name__
+    if name == "FullAttentionSpec":
+        return "full", None
+    if name == "MLAAttentionSpec":
+        return "mla", None
+    if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
+        return ("sliding-mla" if "MLA" in name else "sliding"), int(spec.sliding_window)
+    if name == "ChunkedLocalAttentionSpec":
+        return "chunked", int(spec.attention_chunk_size)
+    return None, None
+
+
+def _skipped_tokens(window, n_computed):
+    """Tokens before a group's window once n_computed are computed: vLLM
+    frees (and replaces with its null block) the blocks below this."""
+    if window is None:
+        return 0
+    kind, w = window
+    if kind == "sliding":
+        return max(0, n_computed - w + 1)
+    return n_computed // w * w
+
+
 def _chunk_keys_from_hashes(block_hashes, bpc, first_chunk, n_chunks):
     """Keys of chunks first_chunk .. first_chunk + n - 1: the first 16 bytes of
     vLLM's hash of each chunk's last block."""
@@ -278,10 +431,32 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._s = _Settings(vllm_config, kv_cache_config)
         self._tier = None
+        self._stats = KvtierConnectorStats() if KvtierConnectorStats else None
         if role == KVConnectorRole.SCHEDULER:
             self._sched_init()
         else:
             self._worker_init()
+
+    # -- stats (both sides; vLLM sums the workers' and the scheduler's) --
+
+    def _stat(self, name, v=1):
+        if self._stats is not None:
+            self._stats.add(name, v)
+
+    def get_kv_connector_stats(self):
+        return self._stats.take() if self._stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        if KvtierConnectorStats is None:
+            return None
+        return KvtierConnectorStats(data=dict(data)) if data else KvtierConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        if KvtierPromMetrics is None:
+            return None
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side --
 
@@ -292,8 +467,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._pending = {}    # req_id -> (lease id, first chunk, hits): looked up, not loaded
         self._waiting = {}    # req_id -> monotonic time it first waited for the disk tier
         self._to_load = {}    # req_id -> (lease, first chunk, n chunks): allocated this step
-        self._blocks = {}     # req_id -> block ids (group 0), as vLLM allocated them
-        self._saved = {}      # req_id -> chunks saved (from chunk 0)
+        self._blocks = {}     # req_id -> block ids per KV cache group, as vLLM allocated them
+        self._saved = {}      # req_id -> chunks considered for saving (from chunk 0)
         self._next_reap = 0.0
         logger.info("kvtier: scheduler of instance %d on segment '%s' (world %d, %d-token "
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
@@ -333,6 +508,8 @@ class KvtierConnector(KVConnectorBase_V1):
             return 0, False
         keys = self._keys(request, first, usable - first)
         rid = request.request_id
+        self._stat("lookups")
+        self._stat("lookup_tokens", (usable - first) * s.chunk_tokens)
         try:
             if s.disk_wait_ms > 0:
                 lease = self._tier.lookup_ex(keys)
@@ -346,12 +523,14 @@ class KvtierConnector(KVConnectorBase_V1):
             t0 = self._waiting.setdefault(rid, now)
             if (now - t0) * 1000.0 < s.disk_wait_ms:
                 lease.release()  # asked back from disk: ask again next step
+                self._stat("disk_waits")
                 return None, False
         self._waiting.pop(rid, None)
         if not lease.hits:
             return 0, False
         lid = lease.hand_off()
         self._pending[request.request_id] = (lid, first, lease.hits)
+        self._stat("hit_tokens", lease.hits * s.chunk_tokens)
         return lease.hits * s.chunk_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
@@ -375,7 +554,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._to_load.pop(rid, None)
             self._blocks.pop(rid, None)
         for nr in scheduler_output.scheduled_new_reqs:
-            self._blocks[nr.req_id] = list(nr.block_ids[0])
+            self._blocks[nr.req_id] = [list(g) for g in nr.block_ids]
             self._saved.setdefault(nr.req_id, 0)
         cr = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cr, "resumed_req_ids", None) or ()
@@ -384,40 +563,57 @@ class KvtierConnector(KVConnectorBase_V1):
             if nb is None:
                 continue
             if rid in resumed or rid not in self._blocks:
-                self._blocks[rid] = list(nb[0])
+                self._blocks[rid] = [list(g) for g in nb]
             else:
-                self._blocks[rid].extend(nb[0])
-        # loads
+                for have, new in zip(self._blocks[rid], nb):
+                    have.extend(new)
+        # loads: into the blocks vLLM allocated for the hit tokens; its null
+        # block (outside a window: never attended) is skipped
         live = []
         for rid, (lid, first, n) in self._to_load.items():
             blocks = self._blocks.get(rid)
-            if blocks is None or len(blocks) < (first + n) * bpc:
+            if blocks is None or any(len(b) < (first + n) * bpc for b in blocks):
                 self._tier.release(lid)
                 continue
-            meta.loads.append(_Load(rid, lid, n, blocks[first * bpc:(first + n) * bpc]))
+            tables = [[kvtier.BLOCK_SKIP if x == 0 else x for x in b[first * bpc:(first + n) * bpc]]
+                      for b in blocks]
+            meta.loads.append(_Load(rid, lid, n, tables))
             live.append(lid)
             self._saved[rid] = max(self._saved.get(rid, 0), first + n)
         self._to_load.clear()
-        # saves: the full chunks that are computed once this step has run
+        # saves: the chunks that become full in this step, whose blocks hold
+        # this prefix's KV in every group (see the design comment)
         computed = {}
         for nr in scheduler_output.scheduled_new_reqs:
             computed[nr.req_id] = nr.num_computed_tokens
         for i, rid in enumerate(cr.req_ids):
             computed[rid] = cr.num_computed_tokens[i]
-        for rid, done in computed.items():
+        for rid, done0 in computed.items():
             req = self._reqs.get(rid)
             blocks = self._blocks.get(rid)
             if req is None or blocks is None:
                 continue
-            done += scheduler_output.num_scheduled_tokens.get(rid, 0)
+            done = done0 + scheduler_output.num_scheduled_tokens.get(rid, 0)
             full = min(done, req.num_tokens) // s.chunk_tokens
-            full = min(full, len(blocks) // bpc)
+            full = min([full] + [len(b) // bpc for b in blocks])
             start = self._saved.get(rid, 0)
-            if full > start:
-                keys = self._keys(req, start, full - start)
-                meta.saves.append(_Save(rid, keys.tobytes(), start,
-                                        blocks[start * bpc:full * bpc]))
-                self._saved[rid] = full
+            if full <= start:
+                continue
+            ok = [self._chunk_saveable(blocks, c, done0) for c in range(start, full)]
+            self._saved[rid] = full
+            self._stat("save_holes", ok.count(False))
+            c = start
+            while c < full:
+                if not ok[c - start]:
+                    c += 1
+                    continue
+                e = c
+                while e < full and ok[e - start]:
+                    e += 1
+                keys = self._keys(req, c, e - c)
+                meta.saves.append(_Save(rid, keys.tobytes(), c,
+                                        [b[c * bpc:e * bpc] for b in blocks]))
+                c = e
         # the two-step stale sweep: leases looked up and not in this step's
         # loads for two steps are released
         live.extend(p[0] for p in self._pending.values())
@@ -435,6 +631,20 @@ class KvtierConnector(KVConnectorBase_V1):
         except kvtier.KvtierError as e:
             logger.warning("kvtier: step: %s", e)
         return meta
+
+    def _chunk_saveable(self, blocks, c, done0):
+        """Chunk c's blocks, in every group, hold this request's KV during
+        this step: none is the null block, and none is below what vLLM may
+        have freed at the start of the step (done0 tokens computed then)."""
+        s = self._s
+        bpc = s.blocks_per_chunk
+        for g, b in enumerate(blocks):
+            # remove_skipped_blocks frees blocks [0, skipped // block_size)
+            if c * bpc < _skipped_tokens(s.windows[g], done0) // s.block_size:
+                return False
+            if 0 in b[c * bpc:(c + 1) * bpc]:
+                return False
+        return True
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -491,9 +701,11 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierConnectorMetadata) or not meta.loads:
             return
+        t0 = time.perf_counter()
         for ld in meta.loads:
-            table = np.asarray(ld.block_ids, dtype=np.uint32)
-            self._tier.load(ld.lease, table, n=ld.n_chunks).wait()
+            self._tier.load(ld.lease, _tables(ld.block_ids), n=ld.n_chunks).wait()
+            self._stat("loaded_chunks", ld.n_chunks)
+        self._stat("load_seconds", time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_name):
         return
@@ -507,14 +719,24 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         for sv in meta.saves:
             keys = np.frombuffer(sv.keys, dtype="<u8").reshape(-1, 2)
-            table = np.asarray(sv.block_ids, dtype=np.uint32)
-            op = self._tier.save(np.ascontiguousarray(keys), table, first_depth=sv.first_depth)
+            t0 = time.perf_counter()
+            op = self._tier.save(np.ascontiguousarray(keys), _tables(sv.block_ids),
+                                 first_depth=sv.first_depth)
             op.wait()
+            self._stat("saved_chunks", op.count)
+            self._stat("save_seconds", time.perf_counter() - t0)
 
     def shutdown(self):
         if self._tier is not None:
             self._tier.close()
             self._tier = None
+
+
+def _tables(block_ids):
+    """Per-group block id lists -> what Tier.load/save take: one table for
+    one group, a list of tables for several."""
+    tabs = [np.asarray(b, dtype=np.uint32) for b in block_ids]
+    return tabs[0] if len(tabs) == 1 else tabs
 
 
 def _halves(t, num_blocks, page, half, name):
