@@ -42,8 +42,12 @@
  *   5. finalize: CAS the entry TENTATIVE -> final and clear the pending
  *      bit.  Anyone who finds the pending bit does steps 5 itself (help),
  *      so a process that dies after its commit blocks nobody; the helper
- *      identifies the entry by (position, slot, version stamp), so a stale
- *      helper cannot finalize another insert's entry.
+ *      identifies the entry by (position, slot, version stamp) and checks
+ *      ctl again after reading it, so a stale helper finalizes another
+ *      insert's entry only across a wrap of the 16-bit stamp together with
+ *      one of the slot's 15-bit generation, stalled between two
+ *      instructions (INDEX_HELP_CAS); that insert then repairs the entry
+ *      itself (step 4's undo, or its tag after step 5; see index_help).
  *
  * Lookups ignore tentative entries (their slots are FILLING anyway).
  * Removal is a CAS of the entry back to 0 by the process that holds the
@@ -193,17 +197,27 @@ static void index_help(kvt_seg *s, uint32_t b1, uint64_t c)
 		 * slot and stamp, perhaps not yet committed.  So ctl must still
 		 * be c (all 27 version bits) after the entry was read (A3b,
 		 * acquire: ordered after the entry's load).  What remains is a
-		 * stall between this re-read and the CAS below, which compares
-		 * the whole entry word: the insert would have to finish and
-		 * 65,536 x k later inserts to put back the same word -- same
-		 * stamp, position, slot, and the slot's generation's low 15
-		 * bits (32,768 x k reuses of that slot) -- all inside two
-		 * instructions' stall.  (Layout 5 checked the stamp only.) */
+		 * stall between this re-read and the CAS below (schedule point
+		 * INDEX_HELP_CAS), which compares the whole entry word: the
+		 * insert would have to finish and 65,536 x k later inserts to
+		 * put back the same word -- same stamp, position, slot, and
+		 * the slot's generation's low 15 bits (32,768 x k reuses of
+		 * that slot).  Then this CAS finalizes that later insert I's
+		 * entry, early and with the tag of the key read above (the
+		 * older life's).  No wrong byte follows (finders compare the
+		 * key and the generation), and I repairs both outcomes
+		 * itself: if its commit fails, its undo removes the final
+		 * entry that names its slot and generation (nobody else can
+		 * have made one: the slot is its FILLING slot); if its commit
+		 * succeeds, it rewrites the entry with its key's tag.  So the
+		 * wrap leaves no garbage way; test_index_stamp_wrap (core_sp.c)
+		 * replays it.  (Layout 5 checked the stamp only.) */
 		if ((e & KVT_E_TENT) && KVT_E_SLOT(e) == x &&
 		    KVT_E_TAG(e) == VTAG(CTL_VER(c)) && kb1 == b1 &&
 		    kat_load(&s->buckets[b1].ctl, KVT_ACQ) == c) {
 			uint64_t fin = (e & ~(KVT_E_TENT | (0xffffULL << 32))) |
 				       ((uint64_t)tag << 32);
+			KVT_SP(INDEX_HELP_CAS, s);
 			/* R1: release publishes the entry to finders (A1). */
 			kat_cas(ep, &e, fin, KVT_AR);
 		}
@@ -252,12 +266,29 @@ int kvt__index_insert(kvt_seg *s, const kvt_key *k, uint32_t slot, uint64_t gen,
 		KVT_SP(INDEX_TENTATIVE, s);
 		/* R2: the commit point (see the essay above). */
 		if (!kat_cas(ctl, &c, CTL_PEND(CTL_VER(c) + 1, pos, slot), KVT_AR)) {
+			kvt_a64 *ep = entry_at(s, b1, b2, pos);
 			uint64_t t = tent;
-			kat_cas(entry_at(s, b1, b2, pos), &t, 0, KVT_AR);
+			/* Undo.  A helper stalled across a stamp wrap may have
+			 * finalized this entry (see index_help): a final entry
+			 * naming our FILLING slot and generation is ours, and
+			 * uncommitted: it goes too. */
+			if (!kat_cas(ep, &t, 0, KVT_AR) && !(t & KVT_E_TENT) &&
+			    KVT_E_SLOT(t) == slot && KVT_E_GEN(t) == (gen & 0x7fffULL))
+				kat_cas(ep, &t, 0, KVT_AR);
 			continue;
 		}
 		KVT_SP(INDEX_COMMITTED, s);
 		index_help(s, b1, CTL_PEND(CTL_VER(c) + 1, pos, slot));
+		{
+			/* After a stamp wrap our entry may have been finalized
+			 * by a stale helper with the tag of the key it had read
+			 * (index_help): give it our key's. */
+			kvt_a64 *ep = entry_at(s, b1, b2, pos);
+			uint64_t e = kat_load(ep, KVT_ACQ), want = KVT_E(slot, gen, tag, 0);
+			if (e != want && !(e & KVT_E_TENT) && KVT_E_SLOT(e) == slot &&
+			    KVT_E_GEN(e) == (gen & 0x7fffULL))
+				kat_cas(ep, &e, want, KVT_AR);
+		}
 		return 0;
 	}
 	return -EAGAIN;

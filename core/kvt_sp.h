@@ -21,6 +21,7 @@
 	X(INDEX_TENTATIVE,  "index insert: tentative entry claimed, before the commit") \
 	X(INDEX_COMMITTED,  "index insert: committed (ctl pending), before finalize") \
 	X(INDEX_HELP,       "index help: a pending ctl read, before its entry is read") \
+	X(INDEX_HELP_CAS,   "index help: entry and ctl re-read match, before the entry CAS") \
 	X(FIND_KEYREAD,     "index find: key compared, before the generation re-check") \
 	X(JOIN_FOUND,       "join: slot found FILLING in the index, before the claim") \
 	X(JOIN_CLAIMED,     "join: shard claim taken, before the state re-check") \

@@ -954,6 +954,117 @@ static void test_find_recheck(void **st)
 	kvt_seg_detach(p);
 }
 
+/* ---- issue 23 item 8: the index stamp wraps under a stalled helper ----
+ *
+ * P commits key K0's insert into slot 0 and pauses before finalizing; H,
+ * inserting K1 (same primary bucket, slot 1), finds the insert pending,
+ * reads its entry and ctl, and pauses just before the entry CAS
+ * (INDEX_HELP_CAS).  P finishes.  Then 65,535 saves of keys of the same
+ * bucket through slot 0 bring the bucket's version back to the same low 16
+ * bits and slot 0's generation to the same low 15, and I (key K2) pauses
+ * with its tentative entry claimed: the very word H read.  H's CAS
+ * succeeds on I's entry, finalizing it early with K0's tag.
+ *   commit_first 0: H then commits its own insert, I's commit fails, and
+ *     I's undo must remove the entry H finalized (before: a second entry
+ *     for slot 0, one under K0's tag: kvt_check "filed under", a way lost).
+ *   commit_first 1: H pauses again at its own tentative entry; I commits
+ *     and must give the entry K2's tag (before: K2 never found, kvt_check
+ *     "filed under").
+ * Either way: K2 found with its own bytes, K1 saved, kvt_check clean. */
+static int ch_save_alias(void *arg) /* ch_save, answering to worker 4 too */
+{
+	sp_alias = 4;
+	return ch_save(arg);
+}
+
+static void stamp_wrap(int commit_first)
+{
+	kvt_seg *p = create(1, 2, 600000, 0);
+	uint64_t keys[5];
+	uint32_t n = 0, bk = 0;
+	int hits;
+
+	/* five keys whose primary bucket is key 1's */
+	for (uint64_t i = 1; n < 5 && i < 100000; i++) {
+		kvt_key k = kvt_test_key(i);
+		uint32_t b1, b2, tag;
+		kvt__key_hash(p, &k, &b1, &b2, &tag);
+		if (i == 1)
+			bk = b1;
+		if (b1 == bk)
+			keys[n++] = i;
+	}
+	assert_int_equal(n, 5);
+	/* P: K0 committed, not finalized */
+	sp_arm(1, KVT_SP_INDEX_COMMITTED, SP_PAUSE, 0);
+	pid_t pp = spawn(1, ch_save, (void *)(uintptr_t)keys[0]);
+	expect_pause(1, KVT_SP_INDEX_COMMITTED);
+	uint64_t c0 = kat_load(&p->buckets[bk].ctl, KVT_ACQ);
+	uint64_t g0 = KVT_GEN(kat_load(&kvt__slot(p, 0)->state, KVT_ACQ));
+	assert_true((c0 >> 36) & 1); /* pending */
+	/* H: helps it, stalls before the entry CAS */
+	sp_arm(2, KVT_SP_INDEX_HELP_CAS, SP_PAUSE, 0);
+	if (commit_first)
+		sp_arm(4, KVT_SP_INDEX_TENTATIVE, SP_PAUSE, 0);
+	pid_t h = spawn(2, commit_first ? ch_save_alias : ch_save, (void *)(uintptr_t)keys[1]);
+	expect_pause(2, KVT_SP_INDEX_HELP_CAS);
+	sp_resume(1);
+	expect_exit(pp, 0);
+	/* 65,535 inserts on the bucket, each through slot 0 (slot 1 is H's) */
+	for (uint32_t i = 0; i < 65535; i++)
+		assert_int_equal(kvt_test_save_shard(p, keys[3 + (i & 1)], 0), 1);
+	assert_int_equal((kat_load(&p->buckets[bk].ctl, KVT_ACQ) >> 37) + 1 - (c0 >> 37), 65536);
+	/* I: K2's tentative entry, the word H holds */
+	sp_arm(3, KVT_SP_INDEX_TENTATIVE, SP_PAUSE, 0);
+	pid_t in = spawn(3, ch_save, (void *)(uintptr_t)keys[2]);
+	expect_pause(3, KVT_SP_INDEX_TENTATIVE);
+	uint64_t g = KVT_GEN(kat_load(&kvt__slot(p, 0)->state, KVT_ACQ));
+	assert_int_equal(g & 0x7fff, g0 & 0x7fff); /* the wrap this test is about */
+	assert_true(g != g0);
+	kvt_key k0 = kvt_test_key(keys[0]), k2 = kvt_test_key(keys[2]);
+	uint32_t t1, t2, tag0, tag2;
+	kvt__key_hash(p, &k0, &t1, &t2, &tag0);
+	kvt__key_hash(p, &k2, &t1, &t2, &tag2);
+	sp_resume(2); /* H's stale CAS lands on I's entry */
+	if (commit_first) {
+		expect_pause(4, KVT_SP_INDEX_TENTATIVE);
+		int early = 0;
+		for (uint32_t w = 0; w < KVT_BUCKET_WAYS; w++) {
+			uint64_t e = kat_load(&p->buckets[bk].e[w], KVT_ACQ);
+			if (e && !(e & KVT_E_TENT) && KVT_E_SLOT(e) == 0 && KVT_E_TAG(e) == tag0)
+				early = 1;
+		}
+		assert_true(early); /* finalized before its commit, with K0's tag */
+		sp_resume(3);
+		expect_exit(in, 0);
+		sp_resume(4);
+		expect_exit(h, 0);
+	} else {
+		expect_exit(h, 0);
+		sp_resume(3);
+		expect_exit(in, 0);
+	}
+	(void)tag2;
+	assert_int_equal(wrong_chunks(p, keys[2], keys[2] + 1, &hits), 0);
+	assert_int_equal(hits, 1); /* K2: found, its own bytes */
+	assert_int_equal(wrong_chunks(p, keys[1], keys[1] + 1, &hits), 0);
+	assert_int_equal(hits, 1); /* K1 */
+	kvt_test_assert_check(p);
+	kvt_seg_detach(p);
+}
+
+static void test_index_stamp_wrap_undo(void **st)
+{
+	(void)st;
+	stamp_wrap(0);
+}
+
+static void test_index_stamp_wrap_commit(void **st)
+{
+	(void)st;
+	stamp_wrap(1);
+}
+
 /* ---- 9: lease ids carry their segment ---- */
 
 static void test_foreign_lease_id(void **st)
@@ -1061,6 +1172,8 @@ int main(int argc, char **argv)
 		cmocka_unit_test_setup_teardown(test_slots_vs_release, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_step_miss_reused_lease, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_find_recheck, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_index_stamp_wrap_undo, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_index_stamp_wrap_commit, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_foreign_lease_id, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_check_sees, setup, teardown),
 	};
