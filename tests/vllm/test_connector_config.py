@@ -6,6 +6,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -259,9 +260,38 @@ def test_loads_skip_the_null_block():
     c = sched_connector(SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2,
                                           head_size=64, dtype=torch.bfloat16))
     c._reqs["a"] = request("a", 740)
-    c._to_load["a"] = (7, 0, 20)    # lease 7, from chunk 0, 20 chunks
+    c._to_load["a"] = (7, 0, 20, 0)    # lease 7, from chunk 0, 20 chunks
     meta = c.build_connector_meta(step_output(
         new=[("a", [0] * 16 + [30, 31, 32, 33] + [34, 35, 36], 0)], scheduled={"a": 100}))
     assert len(meta.loads) == 1
     tab = meta.loads[0].block_ids[0]
     assert tab == [kv.kvtier.BLOCK_SKIP] * 16 + [30, 31, 32, 33]
+
+
+def test_local_hit_inside_a_chunk():
+    """Chunks of 4 blocks and a local hit of 5 blocks (160 tokens): the
+    lookup starts at chunk 1, vLLM is told the tokens after its own hit,
+    and the load skips block 4 (vLLM's) and writes blocks 5-7 onwards."""
+    class LookupTier(FakeTier):
+        def lookup_ex(self, keys):
+            self.asked = len(keys)
+            return SimpleNamespace(hits=len(keys), pending=0, hand_off=lambda: 9,
+                                   release=lambda: None)
+
+        def hash_keys(self, toks):
+            return np.zeros((len(toks) // 128, 2), np.uint64)
+
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16), chunk_tokens=128)
+    c._tier = LookupTier()
+    req = request("a", 1200)
+    ext, is_async = c.get_num_new_matched_tokens(req, 160)
+    assert c._tier.asked == 8 and ext == 8 * 128 - 32 and not is_async   # chunks 1..8
+    c.update_state_after_alloc(req, None, ext)
+    assert c._to_load["a"] == (9, 1, 8, 32)
+    meta = c.build_connector_meta(step_output(new=[("a", list(range(100, 138)), 160)],
+                                              scheduled={"a": 100}))
+    tab = meta.loads[0].block_ids[0]
+    assert tab[0] == kv.kvtier.BLOCK_SKIP and tab[1:] == list(range(105, 136))
+    # a hit that is not whole blocks (never from vLLM): nothing added
+    assert c.get_num_new_matched_tokens(request("b", 1200), 100) == (0, False)

@@ -395,6 +395,37 @@ def test_sliding_window_local_hit_saves_no_null_block(model_dir):
         _unlink(name)
 
 
+def test_local_hit_inside_a_chunk(engines, model):
+    """Chunks of 4 blocks (128 tokens): a prompt whose local hit in vLLM's
+    cache ends inside a chunk (5 blocks, 160 tokens) still gets the rest of
+    that chunk and the following ones from kvtier (before: nothing from
+    kvtier for that request), and the output is the baseline's."""
+    name = "vllm-partial-%d" % os.getpid()
+    e = Engine(model, kv(name, 0, kvtier_chunk_tokens=128))
+    try:
+        base = engines["base"]
+        s = LONG[:160] + tokens(300, 61)
+        want_long, want_s = base.generate([LONG]), base.generate([s])
+        assert e.generate([LONG]) == want_long
+        for p in OTHERS:
+            e.generate([p])
+        assert e.generate([s]) == want_s   # vLLM now holds LONG's first 5 blocks
+        m0, s0 = e.metrics(), stats(name)
+        assert e.generate([LONG]) == want_long
+        m1, s1 = e.metrics(), stats(name)
+        local = m1.get("vllm:prefix_cache_hits", 0) - m0.get("vllm:prefix_cache_hits", 0)
+        ext = m1.get("vllm:external_prefix_cache_hits", 0) - m0.get(
+            "vllm:external_prefix_cache_hits", 0)
+        assert local == 160, local
+        # kvtier hit chunks 1-8; vLLM was given what follows its own hit
+        assert s1["hit_chunks"] - s0["hit_chunks"] == 8, (s0, s1)
+        assert ext == 8 * 128 - 32, ext
+        assert m1.get("vllm:kvtier_hit_tokens", 0) - m0.get("vllm:kvtier_hit_tokens", 0) == ext
+    finally:
+        e.close()
+        _unlink(name)
+
+
 def corrupt_arena(name, seed=1):
     """Overwrites every chunk of segment `name` with noise, from outside the
     library (the header's arena region: regions[KVT_R_ARENA] at byte 376;

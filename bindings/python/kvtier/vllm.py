@@ -32,9 +32,11 @@ request at once:
 Loads run in start_load_kv and saves in wait_for_save, both waited for in
 the step (synchronous: on the CPU backend the copy is a memcpy of the
 blocks; on GPUs the same calls use the driver's DMA engines).  Only whole
-chunks are saved and loaded; a chunk is chunk_tokens (a multiple of vLLM's
-block size, default: one block, so that vLLM's own prefix-cache hits, which
-are block aligned, are always chunk aligned).
+chunks are saved; a chunk is chunk_tokens (a multiple of vLLM's block size,
+default: one block).  vLLM's own prefix-cache hits are whole blocks, so
+with larger chunks a local hit may end inside one: the lookup then starts
+at that chunk, vLLM is told the tokens after its own hit, and the load
+skips the chunk's blocks vLLM already has (KVT_BLOCK_SKIP).
 
 Which KV a chunk holds, per KV cache group type.  kvtier stores a chunk
 only when every block of it, in every group, holds KV that vLLM computed
@@ -501,8 +503,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self._release_pending(request.request_id)
         # vLLM computes at least the prompt's last token itself
         usable = (request.num_tokens - 1) // s.chunk_tokens
-        if num_computed_tokens % s.chunk_tokens:
-            return 0, False  # a local hit that ends inside a chunk: nothing contiguous to add
+        # A local hit that ends inside a chunk (chunks of several blocks):
+        # that chunk's blocks after the hit are loaded, the ones vLLM has
+        # are skipped (KVT_BLOCK_SKIP).  vLLM's hits are whole blocks.
+        off = num_computed_tokens % s.chunk_tokens
+        if off % s.block_size:
+            return 0, False
         first = num_computed_tokens // s.chunk_tokens
         if usable <= first:
             return 0, False
@@ -528,22 +534,23 @@ class KvtierConnector(KVConnectorBase_V1):
         self._waiting.pop(rid, None)
         if not lease.hits:
             return 0, False
+        ext = lease.hits * s.chunk_tokens - off
         lid = lease.hand_off()
-        self._pending[request.request_id] = (lid, first, lease.hits)
-        self._stat("hit_tokens", lease.hits * s.chunk_tokens)
-        return lease.hits * s.chunk_tokens, False
+        self._pending[request.request_id] = (lid, first, lease.hits, off)
+        self._stat("hit_tokens", ext)
+        return ext, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
         p = self._pending.pop(rid, None)
         if not p:
             return
-        lid, first, hits = p
-        n = num_external_tokens // self._s.chunk_tokens
+        lid, first, hits, off = p
+        n = (num_external_tokens + off) // self._s.chunk_tokens
         if n <= 0:
             self._tier.release(lid)
             return
-        self._to_load[rid] = (lid, first, min(n, hits))
+        self._to_load[rid] = (lid, first, min(n, hits), off)
 
     def build_connector_meta(self, scheduler_output):
         s = self._s
@@ -570,12 +577,14 @@ class KvtierConnector(KVConnectorBase_V1):
         # loads: into the blocks vLLM allocated for the hit tokens; its null
         # block (outside a window: never attended) is skipped
         live = []
-        for rid, (lid, first, n) in self._to_load.items():
+        for rid, (lid, first, n, off) in self._to_load.items():
             blocks = self._blocks.get(rid)
             if blocks is None or any(len(b) < (first + n) * bpc for b in blocks):
                 self._tier.release(lid)
                 continue
-            tables = [[kvtier.BLOCK_SKIP if x == 0 else x for x in b[first * bpc:(first + n) * bpc]]
+            have = off // s.block_size  # blocks of the first chunk vLLM computed itself
+            tables = [[kvtier.BLOCK_SKIP if x == 0 or i < have else x
+                       for i, x in enumerate(b[first * bpc:(first + n) * bpc])]
                       for b in blocks]
             meta.loads.append(_Load(rid, lid, n, tables))
             live.append(lid)
