@@ -65,6 +65,9 @@ setup(
     python_requires=">=3.9",
     # numpy / torch are used when given; neither is required to import.
     extras_require={"numpy": ["numpy"]},
+    # vLLM loads general plugins in each of its processes: this one names
+    # KvtierConnector in vLLM's connector factory (kvtier/vllm_plugin.py)
+    entry_points={"vllm.general_plugins": ["kvtier = kvtier.vllm_plugin:register"]},
     cmdclass={"build_py": BuildPy},
     distclass=BinaryDistribution,
     zip_safe=False,

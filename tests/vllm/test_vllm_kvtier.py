@@ -50,10 +50,10 @@ SHORT = [tokens(100, 5), tokens(300, 6), tokens(700, 7)]
 
 class Engine:
     def __init__(self, model, kv=None, blocks=BLOCKS, tp=1, env=None, expect_ready=True,
-                 max_num_seqs=4, max_model_len=1536, block_size=32):
+                 max_num_seqs=4, max_model_len=1536, block_size=32, transfer=None):
         opts = {"model": model, "kvtier": kv, "blocks": blocks, "tp": tp,
                 "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                "block_size": block_size}
+                "block_size": block_size, "transfer": transfer}
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +
@@ -421,6 +421,42 @@ def test_local_hit_inside_a_chunk(engines, model):
         assert s1["hit_chunks"] - s0["hit_chunks"] == 8, (s0, s1)
         assert ext == 8 * 128 - 32, ext
         assert m1.get("vllm:kvtier_hit_tokens", 0) - m0.get("vllm:kvtier_hit_tokens", 0) == ext
+    finally:
+        e.close()
+        _unlink(name)
+
+
+def test_beside_another_connector(engines, model, tmp_path):
+    """kvtier composed with another KV connector through vLLM's
+    MultiConnector (the way to run it beside a prefill/decode connector):
+    here vLLM's ExampleConnector, which runs on the CPU and stores every
+    prompt's KV in files.  kvtier, listed first and named without a module
+    path (its vLLM plugin), serves the evicted prefix; the other connector
+    saves too; the output is the baseline's.  Without the plugin the engine
+    stopped at the first stats report ("Connector 'KvtierConnector' is not
+    registered")."""
+    name = "vllm-multi-%d" % os.getpid()
+    store = tmp_path / "example-connector"
+    transfer = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"connectors": [
+                    # by name: the package's vLLM plugin registered it in every
+                    # process (the front end rebuilds child stats by name)
+                    {"kv_connector": "KvtierConnector",
+                     "kv_role": "kv_both", "kv_connector_extra_config": kv(name, 0)},
+                    {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"shared_storage_path": str(store)}}]}}
+    e = Engine(model, transfer=transfer)
+    try:
+        want = engines["base"].generate([LONG])
+        assert e.generate([LONG]) == want
+        for p in OTHERS:
+            e.generate([p])
+        s0 = stats(name)
+        assert e.generate([LONG]) == want
+        s1 = stats(name)
+        assert s1["hit_tokens"] - s0["hit_tokens"] >= 32 * CHUNK, (s0, s1)
+        assert s1["leases_live"] == 0 and s1["slots_pinned"] == 0
+        assert any(store.rglob("*.safetensors")), "the other connector saved nothing"
     finally:
         e.close()
         _unlink(name)

@@ -139,6 +139,12 @@ from vllm.logger import init_logger  # noqa: E402
 # and its INFO lines would be dropped.
 logger = init_logger("vllm.kvtier")
 
+# The name in vLLM's connector factory, also when the plugin (vllm_plugin.py,
+# installed with the package) did not run in this process.
+from . import vllm_plugin as _plugin  # noqa: E402
+
+_plugin.register()
+
 try:  # vLLM's KV-connector stats (its log lines and its /metrics)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
         KVConnectorPromMetrics, KVConnectorStats)
