@@ -8,6 +8,7 @@ per line.  argv[1] is a JSON object of options:
   transfer     instead of kvtier: a whole kv_transfer_config (MultiConnector)
   blocks       num_gpu_blocks_override (a small KV cache forces evictions)
   tp           tensor_parallel_size
+  batched_tokens  max_num_batched_tokens (chunked prefill), default vLLM's
 
 Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n}
 -> {"outputs": [[ids]]};  {"cmd": "metrics"} -> vLLM's counters;
@@ -36,6 +37,9 @@ def main():
               seed=0, disable_log_stats=False, tensor_parallel_size=o.get("tp", 1))
     if o.get("prefix_caching") is not None:
         kw["enable_prefix_caching"] = o["prefix_caching"]
+    if o.get("batched_tokens"):   # chunked prefill in steps of this many tokens
+        kw["max_num_batched_tokens"] = o["batched_tokens"]
+        kw["enable_chunked_prefill"] = True
     if o.get("blocks"):
         kw["num_gpu_blocks_override"] = o["blocks"]
     if o.get("transfer") is not None:   # a whole kv_transfer_config (MultiConnector)

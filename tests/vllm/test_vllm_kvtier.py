@@ -50,10 +50,12 @@ SHORT = [tokens(100, 5), tokens(300, 6), tokens(700, 7)]
 
 class Engine:
     def __init__(self, model, kv=None, blocks=BLOCKS, tp=1, env=None, expect_ready=True,
-                 max_num_seqs=4, max_model_len=1536, block_size=32, transfer=None):
+                 max_num_seqs=4, max_model_len=1536, block_size=32, transfer=None,
+                 batched_tokens=None):
         opts = {"model": model, "kvtier": kv, "blocks": blocks, "tp": tp,
                 "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                "block_size": block_size, "transfer": transfer}
+                "block_size": block_size, "transfer": transfer,
+                "batched_tokens": batched_tokens}
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +
@@ -459,6 +461,38 @@ def test_beside_another_connector(engines, model, tmp_path):
         assert any(store.rglob("*.safetensors")), "the other connector saved nothing"
     finally:
         e.close()
+        _unlink(name)
+
+
+def test_sliding_window_chunked_prefill(model_dir):
+    """A sliding window (128) with chunked prefill in 100-token steps and
+    224-token chunks (7 blocks): vLLM frees each block once it leaves the
+    window, and for chunks 0, 1 and 4 of the prompt that happens before the
+    chunk is full (chunk 0 fills in the step after 200 tokens, when blocks
+    0-1 are already free): those are holes, chunks 2 and 3 are saved.  A
+    second engine then runs the prompt and a prompt sharing 600 tokens:
+    whatever it loads, its output is the baseline's."""
+    m = model_dir("mistral")
+    name = "vllm-swcp-%d" % os.getpid()
+    cfg = dict(kvtier_chunk_tokens=224)
+    base = Engine(m, None, expect_ready=False)
+    e1 = Engine(m, kv(name, 0, **cfg), batched_tokens=100, expect_ready=False)
+    e2 = Engine(m, kv(name, 1, **cfg), batched_tokens=100, expect_ready=False)
+    try:
+        start_all(base, e1, e2)
+        want = base.generate([LONG])
+        assert e1.generate([LONG]) == want
+        holes = e1.metrics().get("vllm:kvtier_save_holes", 0)
+        s0 = stats(name)
+        assert holes == 3 and s0["saved_chunks"] == 2, (holes, s0)
+        assert e2.generate([LONG]) == want
+        q = LONG[:600] + tokens(200, 53)
+        assert e2.generate([q]) == base.generate([q])
+        st = stats(name)
+        assert st["leases_live"] == 0 and st["slots_pinned"] == 0, st
+    finally:
+        for x in (base, e1, e2):
+            x.close()
         _unlink(name)
 
 
