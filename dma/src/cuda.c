@@ -148,6 +148,7 @@ struct cu_be {
 	uint32_t n_slots;
 	struct cu_slot *slots;
 	int use_batch;
+	CUresult lost;              /* a sticky error seen: the context is unusable */
 };
 
 static const char *err_str(const struct cu_be *be, CUresult r)
@@ -177,6 +178,50 @@ static int cu_errno(CUresult r)
 	default:
 		return -EIO;
 	}
+}
+
+/* The errors after which, cuda.h says, "the process is in an inconsistent
+ * state and any further CUDA work will return the same error": a fault in
+ * some kernel or copy of the context -- the engine's own, or ours: the
+ * context is the device's primary one, shared with PyTorch.  Nothing done
+ * in the process can clear it.  Seen once, the backend is lost: every later
+ * submit, poll and wait fails at once with -EIO saying so, instead of
+ * being retried as if one chunk had failed. */
+static int cu_sticky(CUresult r)
+{
+	switch (r) {
+	case CUDA_ERROR_ILLEGAL_ADDRESS:
+	case CUDA_ERROR_LAUNCH_TIMEOUT:
+	case CUDA_ERROR_ASSERT:
+	case CUDA_ERROR_HARDWARE_STACK_ERROR:
+	case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+	case CUDA_ERROR_MISALIGNED_ADDRESS:
+	case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+	case CUDA_ERROR_INVALID_PC:
+	case CUDA_ERROR_LAUNCH_FAILED:
+		return 1;
+	default:
+		return 0;
+	}
+}
+
+static void cu_mark_lost(struct kvt_dma *d, CUresult r)
+{
+	struct cu_be *be = d->be;
+
+	if (!cu_sticky(r) || be->lost)
+		return;
+	be->lost = r;
+	kvt__dma_log(d, KVT_DMA_LOG_ERR, "cuda: the context is lost: %s (%d). This error "
+		     "is sticky: every later call in this CUDA context fails, the engine's "
+		     "own work included (it is the device's primary context); kvtier "
+		     "makes no more copies in this process: restart it", err_str(be, r), (int)r);
+}
+
+static int cu_lost_err(const struct cu_be *be)
+{
+	return kvt__dma_err(-EIO, "cuda: the context was lost (%s, a sticky error): no copy "
+			    "can run in this process any more; restart it", err_str(be, be->lost));
 }
 
 #define CU_FAIL(be, r, fmt, ...) \
@@ -523,6 +568,8 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 	const char *what = "";
 	int rc;
 
+	if (be->lost)
+		return cu_lost_err(be);
 	for (uint32_t i = 0; i < p->n; i++)
 		n1 += p->copies[i].rows == 1;
 	if (be->use_batch && n1 >= 2 && grow(s, n1))
@@ -594,7 +641,9 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 		/* nothing may stay in flight after a failed submit */
 		be->f.stream_sync(st);
 		pop(be);
-		return kvt__dma_err(-EIO, "cuda: %s: %s (%d)", what, err_str(be, r), (int)r);
+		cu_mark_lost(d, r);
+		return kvt__dma_err(-EIO, "cuda: %s: %s (%d)%s", what, err_str(be, r), (int)r,
+				    be->lost ? ": the context is lost (a sticky error)" : "");
 	}
 	pop(be);
 	return 0;
@@ -608,6 +657,10 @@ static int ev_status(struct kvt_dma *d, CUresult r)
 		return 0;
 	if (r == CUDA_ERROR_NOT_READY)
 		return -EINPROGRESS;
+	if (cu_sticky(r)) {
+		cu_mark_lost(d, r);
+		return -EIO;
+	}
 	kvt__dma_log(d, KVT_DMA_LOG_ERR, "cuda: copy failed: %s (%d)", err_str(be, r), (int)r);
 	return -EIO;
 }
@@ -617,6 +670,8 @@ static int cu_poll(struct kvt_dma *d, uint32_t slot)
 	struct cu_be *be = d->be;
 	CUresult r;
 
+	if (be->lost)
+		return -EIO; /* the context cannot report success for anything now */
 	if (push(be))
 		return -EIO;
 	r = be->f.event_query(be->slots[slot].ev);
@@ -630,6 +685,8 @@ static int cu_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
 	uint64_t nap = 2000;
 	CUresult r;
 
+	if (be->lost)
+		return -EIO;
 	if (push(be))
 		return -EIO;
 	if (deadline == UINT64_MAX) {

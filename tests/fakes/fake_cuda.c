@@ -57,6 +57,12 @@ static _Thread_local struct fctx *ctx_stack[16];
 static _Thread_local int ctx_depth;
 
 static atomic_long fail_copy, async_error, fail_register;
+/* A copy fault is sticky, as on a real context (CUDA_ERROR_ILLEGAL_ADDRESS
+ * and its kind): once one happened, every later copy, record, query and
+ * synchronize returns it -- for events that completed before it too.
+ * Only "reset" clears it (a new process, for the real driver). */
+static atomic_int lost;
+#define NOT_LOST() do { int l_ = atomic_load(&lost); if (l_) return (CUresult)l_; } while (0)
 static atomic_long st_copies, st_batch_calls, st_batch_copies, st_copy2d_calls,
 	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total;
 
@@ -82,6 +88,7 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 	else if (!strcmp(key, "reset")) {
 		atomic_store(&fail_copy, 0);
 		atomic_store(&async_error, 0);
+		atomic_store(&lost, 0);
 		atomic_store(&fail_register, 0);
 		atomic_store(&st_copies, 0);
 		atomic_store(&st_batch_calls, 0);
@@ -379,6 +386,7 @@ static CUresult f_cuStreamSynchronize(CUstream s)
 	pthread_mutex_unlock(&m);
 	pthread_cond_destroy(&c);
 	pthread_mutex_destroy(&m);
+	NOT_LOST();
 	return CUDA_SUCCESS;
 }
 
@@ -441,6 +449,7 @@ static CUresult f_cuEventRecord(CUevent e, CUstream s)
 	NEED_INIT();
 	if (!f || (s && !stream_of(s)))
 		return CUDA_ERROR_INVALID_HANDLE;
+	NOT_LOST();
 	k = calloc(1, sizeof(*k));
 	if (!k)
 		return CUDA_ERROR_OUT_OF_MEMORY;
@@ -464,6 +473,7 @@ static CUresult f_cuEventQuery(CUevent e)
 	pthread_mutex_lock(&f->m);
 	r = f->pending ? CUDA_ERROR_NOT_READY : f->status;
 	pthread_mutex_unlock(&f->m);
+	NOT_LOST();
 	return r;
 }
 
@@ -480,6 +490,7 @@ static CUresult f_cuEventSynchronize(CUevent e)
 		pthread_cond_wait(&f->c, &f->m);
 	r = f->status;
 	pthread_mutex_unlock(&f->m);
+	NOT_LOST();
 	return r;
 }
 
@@ -645,6 +656,7 @@ static void run_copy(void *arg)
 	if (t->error) {
 		if (t->s)
 			t->s->err = CUDA_ERROR_ILLEGAL_ADDRESS;
+		atomic_store(&lost, CUDA_ERROR_ILLEGAL_ADDRESS);
 	} else {
 		for (uint64_t r = 0; r < t->rows; r++)
 			memcpy(t->dst + r * t->dpitch, t->src + r * t->spitch, t->len);
@@ -670,6 +682,7 @@ static CUresult enqueue(char *d, const char *s, uint64_t len, uint64_t rows,
 {
 	struct ctask *t;
 
+	NOT_LOST();
 	if (trip(&fail_copy))
 		return CUDA_ERROR_INVALID_VALUE;
 	t = calloc(1, sizeof(*t));
