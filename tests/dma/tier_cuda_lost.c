@@ -1,0 +1,143 @@
+/* tier_cuda_lost.c - a sticky CUDA error seen through the tier (issue 22,
+ * "errors as the runtimes have them"): a rank saving through the CUDA
+ * backend (the fake driver, whose copy faults are sticky like the real
+ * one's) hits a copy fault.  The tier must fail those chunks and release
+ * their claims (nothing half-written is published, no slot stays
+ * FILLING), say why on the next call ("the context was lost"), refuse
+ * further copies at once, and leave the segment consistent for the other
+ * processes.  Run with KVTIER_DMA=cuda and KVTIER_CUDA_LIBRARY = the fake.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include <cuda.h>
+
+#include "kvtier.h"
+
+#define CHUNK 64
+#define BLOCK 16
+#define BPT 64
+#define LAYERS 2
+#define NBLOCKS 32
+#define PAGE ((uint64_t)BLOCK * BPT)
+
+static void *lib;
+static int (*fake_ctl)(const char *, long);
+
+static void *cu(const char *name)
+{
+	CUresult (*gpa)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+	void *p = NULL;
+
+	*(void **)&gpa = dlsym(lib, "cuGetProcAddress_v2");
+	assert_non_null(gpa);
+	assert_int_equal(gpa(name, &p, 13000, 0, NULL), CUDA_SUCCESS);
+	assert_non_null(p);
+	return p;
+}
+
+static void test_sticky_error_through_the_tier(void **state)
+{
+	const char *path = getenv("KVTIER_CUDA_LIBRARY");
+	char name[64];
+	CUresult (*init)(unsigned), (*dev_get)(CUdevice *, int),
+		(*retain)(CUcontext *, CUdevice), (*set)(CUcontext),
+		(*alloc)(CUdeviceptr *, size_t);
+	CUdevice dev;
+	CUcontext ctx;
+	uint64_t base[LAYERS];
+	uint32_t table[3 * (CHUNK / BLOCK)];
+	const uint32_t *tabs[1] = { table };
+	kvt_key keys[3];
+	kvt_tier *t = NULL;
+	kvt_op op;
+	struct kvt_stats st = { .size = sizeof(st) };
+	kvt_lease_id lease;
+	int n;
+
+	(void)state;
+	(void)path;
+	assert_int_equal(fake_ctl("reset", 0), 0);
+	*(void **)&init = cu("cuInit");
+	*(void **)&dev_get = cu("cuDeviceGet");
+	*(void **)&retain = cu("cuDevicePrimaryCtxRetain");
+	*(void **)&set = cu("cuCtxPushCurrent");
+	*(void **)&alloc = cu("cuMemAlloc");
+	assert_int_equal(init(0), CUDA_SUCCESS);
+	assert_int_equal(dev_get(&dev, 0), CUDA_SUCCESS);
+	assert_int_equal(retain(&ctx, dev), CUDA_SUCCESS);
+	assert_int_equal(set(ctx), CUDA_SUCCESS);
+	{
+		CUdeviceptr p; /* one allocation for every layer, as an engine's KV tensor */
+		assert_int_equal(alloc(&p, LAYERS * NBLOCKS * PAGE), CUDA_SUCCESS);
+		for (int l = 0; l < LAYERS; l++)
+			base[l] = (uint64_t)p + (uint64_t)l * NBLOCKS * PAGE;
+	}
+
+	snprintf(name, sizeof(name), "t-cudalost-%d", (int)getpid());
+	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
+				    .tokens_per_block = BLOCK };
+	struct kvt_config c = { .size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE,
+				.role = KVT_TIER_CLIENT, .instance = 0, .rank = 0, .world = 1,
+				.chunk_tokens = CHUNK, .segment = name, .model = "cuda-lost",
+				.groups = &g, .n_groups = 1, .n_slots = 16, .dma = "cuda" };
+	assert_int_equal(kvt_open(&c, &t), 0);
+	struct kvt_group_buffers gb = { .layer_base = base, .block_stride = PAGE,
+					.n_blocks = NBLOCKS };
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	for (uint32_t i = 0; i < 3 * (CHUNK / BLOCK); i++)
+		table[i] = 2 + i;
+	for (int i = 0; i < 3; i++)
+		keys[i] = (kvt_key){ 1000 + (uint64_t)i, 77 };
+
+	/* a fault in the second copy: its chunk fails, and the context is
+	 * lost for every later copy */
+	assert_int_equal(fake_ctl("async_error", 2), 0);
+	n = kvt_save(t, keys, 3, 0, tabs, &op);
+	assert_true(n == 3 || n < 0);
+	if (n == 3)
+		assert_int_equal(kvt_wait(t, op, -1), -EIO);
+	/* the next save says why at once and claims nothing for long */
+	keys[0].lo = 2000;
+	n = kvt_save(t, keys, 1, 0, tabs, &op);
+	if (n > 0)
+		n = kvt_wait(t, op, -1);
+	assert_int_equal(n, -EIO);
+	assert_non_null(strstr(kvt_last_error(), "context was lost"));
+	/* nothing published, no claim left behind, the segment consistent */
+	assert_int_equal(kvt_stats(t, &st), 0);
+	assert_int_equal(st.slots_filling, 0);
+	assert_int_equal(st.slots_ready, 0);
+	keys[0].lo = 1000;
+	assert_int_equal(kvt_lookup(t, keys, 3, &lease), 0);
+	kvt_close(t);
+	kvt_unlink(name, NULL);
+	fake_ctl("reset", 0);
+}
+
+int main(void)
+{
+	const char *path = getenv("KVTIER_CUDA_LIBRARY");
+
+	/* the fake driver only: a real one gives no way to make a copy fault */
+	if (!path || !*path || !(lib = dlopen(path, RTLD_NOW)) ||
+	    !(*(void **)&fake_ctl = dlsym(lib, "kvt_fake_cuda_ctl"))) {
+		fprintf(stderr, "tier_cuda_lost: needs KVTIER_CUDA_LIBRARY = kvtier's fake CUDA "
+			"driver: skipped\n");
+		return 77;
+	}
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_sticky_error_through_the_tier),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
