@@ -151,8 +151,8 @@ def sched_connector(spec, chunk_tokens=32):
                         spec_config(spec))
     c._tier = FakeTier()
     c._stats = kv.KvtierConnectorStats()
-    c._reqs, c._pending, c._waiting, c._to_load = {}, {}, {}, {}
-    c._blocks, c._saved, c._next_reap = {}, {}, float("inf")
+    c._sched_state()
+    c._next_reap = float("inf")
     return c
 
 

@@ -29,6 +29,9 @@ import kvtier  # noqa: E402
 sys.path.insert(0, HERE)
 import models  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "bindings", "python", "tests"))
+from kvt_testlib import segment_paths  # noqa: E402  (where a segment's file lives)
+
 START_TIMEOUT = 300
 CMD_TIMEOUT = 300
 BLOCKS = 64          # vLLM's own KV cache: 64 blocks of 32 tokens = 2,048 tokens
@@ -504,7 +507,7 @@ def corrupt_arena(name, seed=1):
     import struct
 
     import numpy as np
-    for path in models_segment_paths(name):
+    for path in segment_paths(name):
         if not os.path.exists(path):
             continue
         with open(path, "r+b") as f:
@@ -522,13 +525,6 @@ def corrupt_arena(name, seed=1):
                 mm.close()
         return size
     raise AssertionError("segment %s not found" % name)
-
-
-def models_segment_paths(name):
-    dirs = ["/dev/shm"]
-    with open("/proc/mounts") as f:
-        dirs += [ln.split()[1] for ln in f if len(ln.split()) > 2 and ln.split()[2] == "hugetlbfs"]
-    return [os.path.join(d, "kvtier." + name) for d in dirs]
 
 
 def test_corrupted_tier_changes_the_output(engines, model):

@@ -471,13 +471,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _sched_init(self):
         s = self._s
         self._tier = s.open("scheduler")
-        self._reqs = {}       # req_id -> Request
-        self._pending = {}    # req_id -> (lease id, first chunk, hits): looked up, not loaded
-        self._waiting = {}    # req_id -> monotonic time it first waited for the disk tier
-        self._to_load = {}    # req_id -> (lease, first chunk, n chunks): allocated this step
-        self._blocks = {}     # req_id -> block ids per KV cache group, as vLLM allocated them
-        self._saved = {}      # req_id -> chunks considered for saving (from chunk 0)
-        self._next_reap = 0.0
+        self._sched_state()
         logger.info("kvtier: scheduler of instance %d on segment '%s' (world %d, %d-token "
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
                     "vLLM's %s block hashes" % s.hash_algo if s.prefix_caching
@@ -487,6 +481,16 @@ class KvtierConnector(KVConnectorBase_V1):
                     " ".join("--group %d:%d" % (g.n_layers, g.bytes_per_token) for g in s.groups),
                     s.world, s.chunk_tokens, s.instances, s.model,
                     " --replicated" if s.replicated else "")
+
+    def _sched_state(self):
+        """The scheduler side's per-request state (empty)."""
+        self._reqs = {}       # req_id -> Request
+        self._pending = {}    # req_id -> (lease id, first chunk, hits, tokens of it vLLM has)
+        self._waiting = {}    # req_id -> monotonic time it first waited for the disk tier
+        self._to_load = {}    # req_id -> (lease, first chunk, n chunks, offset): allocated
+        self._blocks = {}     # req_id -> block ids per KV cache group, as vLLM allocated them
+        self._saved = {}      # req_id -> chunks considered for saving (from chunk 0)
+        self._next_reap = 0.0
 
     def _keys(self, request, first_chunk, n):
         s = self._s
