@@ -417,6 +417,8 @@ struct kvt_seg {
 	uint32_t forked;          /* inherited across fork(): inert */
 	uint32_t owns;            /* holds the owner lock (owner.c) */
 	uint32_t leave_to_reaper; /* detach keeps the entry (kvt_seg_leave_to_reaper) */
+	int witness_pid;          /* the exit witness (witness.c), 0: none */
+	int witness_pidfd;        /* ... its pidfd, valid while witness_pid > 0 */
 	uint32_t lid_tag;         /* lease ids: segment tag (20 bits, nonzero) */
 	uint32_t lid_idx_bits;    /* ... bits of idx + 1 */
 	uint64_t lid_gen_mask;    /* ... mask of the gen bits */
@@ -487,6 +489,10 @@ static inline uint64_t kvt__full_mask(uint32_t n)
 
 /* ---- internal functions shared between core files ---- */
 int kvt__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* witness.c: kill and wait for the handle's exit witness (detach); forget
+ * it without a signal (a fork child's copy of the handle). */
+void kvt__witness_stop(kvt_seg *s);
+void kvt__witness_forget(kvt_seg *s);
 uint64_t kvt__now_ns(void);
 uint64_t kvt__hash64(const void *p, size_t n, uint64_t seed);
 uint64_t kvt__mix64(uint64_t x);

@@ -431,6 +431,7 @@ static void atfork_child(void)
 		if (s->fd >= 0)
 			close(s->fd);
 		s->fd = -1;
+		kvt__witness_forget(s);
 		s->forked = 1;
 		s->entry = UINT32_MAX;
 		s->reaping = UINT32_MAX;
@@ -1183,6 +1184,8 @@ int kvt_seg_detach(kvt_seg *s)
 	 * below drops the lock only if nothing else holds the description. */
 	if (s->entry != UINT32_MAX && !s->leave_to_reaper)
 		kvt__entry_release(s);
+	/* after the release: W4 in witness.c */
+	kvt__witness_stop(s);
 	munmap(s->base, s->size);
 	if (s->fd >= 0)
 		close(s->fd);

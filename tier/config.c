@@ -224,6 +224,15 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 	if ((v = var(cfg, "KVTIER_NUMA_FALLBACK")) &&
 	    (r = kvt_parse_u32("KVTIER_NUMA_FALLBACK", v, 0, 1, &e->numa_fallback, err, len)))
 		return r;
+	e->witness = 1;
+	if ((v = var(cfg, "KVTIER_WITNESS"))) {
+		if (!strcmp(v, "on"))
+			e->witness = 1;
+		else if (!strcmp(v, "off"))
+			e->witness = 0;
+		else
+			return EXPECT("KVTIER_WITNESS='%.40s': expected on or off", v);
+	}
 	if ((v = var(cfg, "KVTIER_LOG_LEVEL"))) {
 		static const char *const lv[] = { "error", "warn", "info", "debug" };
 		uint32_t i;

@@ -912,6 +912,7 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 			    n_groups, t->n_groups);
 	for (uint32_t g = 0; g < n_groups; g++)
 		total += t->groups[g].n_layers;
+	free(t->bases); /* left by a registration that failed */
 	t->bases = calloc(total ? total : 1, sizeof(uint64_t));
 	if (!t->bases)
 		return terr(-ENOMEM, "register_kv: out of memory");
@@ -959,6 +960,26 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	r = kvt_dma_open(&dc, &t->dma);
 	if (r)
 		return terr_dma(r, "register_kv: DMA backend");
+	/* A GPU backend's saves are the driver's copies, which may run on
+	 * after this process was killed: the exit witness keeps our entry,
+	 * hence our claims, until the process has wholly exited
+	 * (core/witness.c).  The host backend's copies die with our threads. */
+	if (strcmp(kvt_dma_backend(t->dma), "host")) {
+		if (t->env.witness) {
+			r = kvt_seg_witness(t->seg);
+			if (r) {
+				terr(r, "register_kv: the exit witness, which keeps this rank's "
+				     "slots from reuse while a killed rank's GPU copies may "
+				     "still land: %s (KVTIER_WITNESS=off runs without it, "
+				     "accepting that window)", kvt_core_last_error());
+				goto out_close;
+			}
+		} else {
+			tier_log(&t->env, 1, "KVTIER_WITNESS=off: a GPU save in flight when "
+				 "this rank is killed may land in a slot given to another "
+				 "chunk (docs/FAULTS.md)");
+		}
+	}
 	r = kvt_dma_kv_register(t->dma, &t->layout);
 	if (r) {
 		terr_dma(r, "register_kv");

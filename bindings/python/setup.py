@@ -42,6 +42,16 @@ class BuildPy(build_py):
             self.announce("kvtier: bundling %s" % lib, level=2)
             shutil.copyfile(lib, dst)
             os.chmod(dst, 0o755)
+            # the exit witness's helper, which the library looks for
+            # beside itself (core/witness.c): a GPU rank needs it
+            helper = os.path.join(os.path.dirname(lib), "kvtier-witness")
+            if os.path.exists(helper):
+                hdst = os.path.join(self.build_lib, "kvtier", "kvtier-witness")
+                shutil.copyfile(helper, hdst)
+                os.chmod(hdst, 0o755)
+            else:
+                self.warn("kvtier: %s not found; ranks on a GPU backend will refuse "
+                          "to register without it" % helper)
         else:
             self.warn("kvtier: no built libkvtier.so found (build the 'kvtier' target or "
                       "set KVTIER_LIBRARY); the package will look for it at run time")

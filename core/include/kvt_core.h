@@ -178,6 +178,21 @@ int kvt_seg_detach(kvt_seg *s);
  * Never close it, never map it, never I/O through it. */
 int kvt_seg_lock_fd(const kvt_seg *s);
 
+/* The exit witness (witness.c): a GPU copy may still land in the arena
+ * after its rank was killed, until the driver tore the rank's context
+ * down in the rank's exit.  This spawns kvtier-witness, a process that
+ * holds the handle's lock description until the rank has wholly exited
+ * (its pidfd polls readable: every file released, the driver's too), so
+ * the entry and its claims outlive every such copy.  Idempotent; a clean
+ * detach stops it.  0, or -errno with the reason: -ENOENT no helper (it
+ * is looked for at $KVTIER_WITNESS_HELPER, next to the library, then where
+ * it is installed), -ENOSYS no pidfds (Linux < 5.3), -ECHILD the helper
+ * did not start.  Not covered: the rank and its witness killed together
+ * (a whole cgroup at once). */
+int kvt_seg_witness(kvt_seg *s);
+/* The witness's pid (tests, status), 0 when none. */
+int kvt_seg_witness_pid(const kvt_seg *s);
+
 /* Marks the handle so that its detach leaves its entry to the reaper: the
  * claims, pins and leases stay as they are, the lock is not released but
  * only our descriptor of it closed; the entry dies when the last holder of

@@ -34,17 +34,15 @@
  *     deferred work item after /dev/kfd's release (kfd_process_wq_release),
  *     later still.  So a save's copy can land after the reaper freed the
  *     slot, for the time the driver takes to stop the queue.
- * Not yet held by a mechanism here (no GPU to verify on): the planned one
- * is a quarantine of a dead rank's FILLING slots, reclaimed only once its
- * driver context is gone -- on AMD, /sys/class/kfd/kfd/proc/PID (the KFD
- * process, removed by that work item) disappearing; on NVIDIA, no such
- * file exists, and the slots would wait for the device's own view (NVML's
- * running processes).  A bounded-time quarantine is what it must not be.
- * So today a GPU save still in flight when its rank is killed is an open
- * window of the driver's teardown time: if the reaper frees the slot and
- * another key's save completes in it before the late copy lands, that
- * key's chunk holds the dead rank's bytes.  The dead rank's own chunk is
- * never published READY.  The disk engine's reads, by contrast, are held:
+ * Held by the exit witness (core/witness.c): a rank on a GPU backend
+ * spawns kvtier-witness at kvt_register_kv, a second holder of its lock
+ * description that lets go only once the rank has wholly exited (its
+ * pidfd polls readable after exit_files and exit_task_work, so after the
+ * driver's files were released and its context torn down), so the claims
+ * outlive every copy the driver still runs.  Still open: the rank and its
+ * witness killed together (a whole cgroup at once), docs/FAULTS.md.  Not
+ * run on a GPU.  The dead rank's own chunk is never published READY.
+ * The disk engine's reads are held the same way by their own mechanism:
  * its ring keeps the lock descriptor (kvt_seg_lock_fd, tier/disk.c).
  */
 #include "dma_int.h"

@@ -45,27 +45,15 @@ static void *cu(const char *name)
 	return p;
 }
 
-static void test_sticky_error_through_the_tier(void **state)
+/* The fake device, its primary context current, one KV allocation. */
+static void dev_setup(uint64_t *base)
 {
-	const char *path = getenv("KVTIER_CUDA_LIBRARY");
-	char name[64];
 	CUresult (*init)(unsigned), (*dev_get)(CUdevice *, int),
 		(*retain)(CUcontext *, CUdevice), (*set)(CUcontext),
 		(*alloc)(CUdeviceptr *, size_t);
 	CUdevice dev;
 	CUcontext ctx;
-	uint64_t base[LAYERS];
-	uint32_t table[3 * (CHUNK / BLOCK)];
-	const uint32_t *tabs[1] = { table };
-	kvt_key keys[3];
-	kvt_tier *t = NULL;
-	kvt_op op;
-	struct kvt_stats st = { .size = sizeof(st) };
-	kvt_lease_id lease;
-	int n;
 
-	(void)state;
-	(void)path;
 	assert_int_equal(fake_ctl("reset", 0), 0);
 	*(void **)&init = cu("cuInit");
 	*(void **)&dev_get = cu("cuDeviceGet");
@@ -82,7 +70,47 @@ static void test_sticky_error_through_the_tier(void **state)
 		for (int l = 0; l < LAYERS; l++)
 			base[l] = (uint64_t)p + (uint64_t)l * NBLOCKS * PAGE;
 	}
+}
 
+/* This thread's children named kvtier-witness (/proc/.../children). */
+static int witness_children(void)
+{
+	char path[96], comm[64];
+	int n = 0, pid;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/self/task/%d/children", (int)gettid());
+	f = fopen(path, "r");
+	assert_non_null(f);
+	while (fscanf(f, "%d", &pid) == 1) {
+		snprintf(path, sizeof(path), "/proc/%d/comm", pid);
+		FILE *c = fopen(path, "r");
+		if (c && fgets(comm, sizeof(comm), c) && !strcmp(comm, "kvtier-witness\n"))
+			n++;
+		if (c)
+			fclose(c);
+	}
+	fclose(f);
+	return n;
+}
+
+static void test_sticky_error_through_the_tier(void **state)
+{
+	const char *path = getenv("KVTIER_CUDA_LIBRARY");
+	char name[64];
+	uint64_t base[LAYERS];
+	uint32_t table[3 * (CHUNK / BLOCK)];
+	const uint32_t *tabs[1] = { table };
+	kvt_key keys[3];
+	kvt_tier *t = NULL;
+	kvt_op op;
+	struct kvt_stats st = { .size = sizeof(st) };
+	kvt_lease_id lease;
+	int n;
+
+	(void)state;
+	(void)path;
+	dev_setup(base);
 	snprintf(name, sizeof(name), "t-cudalost-%d", (int)getpid());
 	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
 				    .tokens_per_block = BLOCK };
@@ -124,6 +152,67 @@ static void test_sticky_error_through_the_tier(void **state)
 	fake_ctl("reset", 0);
 }
 
+/* A GPU backend starts the exit witness (core/witness.c) at registration,
+ * and kvt_close stops it; KVTIER_WITNESS=off runs without, saying so; a
+ * missing helper fails the registration, saying how to accept the risk. */
+static void test_witness_through_the_tier(void **state)
+{
+	char name[64];
+	uint64_t base[LAYERS];
+	kvt_tier *t = NULL;
+	const char *helper = getenv("KVTIER_WITNESS_HELPER");
+	char keep[4096] = "";
+
+	(void)state;
+	if (helper)
+		snprintf(keep, sizeof(keep), "%s", helper);
+	dev_setup(base);
+	snprintf(name, sizeof(name), "t-cudawit-%d", (int)getpid());
+	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
+				    .tokens_per_block = BLOCK };
+	struct kvt_config c = { .size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE,
+				.role = KVT_TIER_CLIENT, .instance = 0, .rank = 0, .world = 1,
+				.chunk_tokens = CHUNK, .segment = name, .model = "cuda-witness",
+				.groups = &g, .n_groups = 1, .n_slots = 16, .dma = "cuda" };
+	struct kvt_group_buffers gb = { .layer_base = base, .block_stride = PAGE,
+					.n_blocks = NBLOCKS };
+
+	assert_int_equal(witness_children(), 0);
+	assert_int_equal(kvt_open(&c, &t), 0);
+	assert_int_equal(witness_children(), 0);
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	assert_int_equal(witness_children(), 1);
+	kvt_close(t);
+	assert_int_equal(witness_children(), 0);
+
+	setenv("KVTIER_WITNESS", "off", 1);
+	assert_int_equal(kvt_open(&c, &t), 0);
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	assert_int_equal(witness_children(), 0);
+	kvt_close(t);
+	setenv("KVTIER_WITNESS", "sometimes", 1);
+	assert_int_equal(kvt_open(&c, &t), -EINVAL);
+	assert_non_null(strstr(kvt_last_error(), "KVTIER_WITNESS='sometimes'"));
+	unsetenv("KVTIER_WITNESS");
+
+	setenv("KVTIER_WITNESS_HELPER", "/nonexistent/kvtier-witness", 1);
+	assert_int_equal(kvt_open(&c, &t), 0);
+	assert_int_equal(kvt_register_kv(t, 1, &gb), -ENOENT);
+	assert_non_null(strstr(kvt_last_error(), "KVTIER_WITNESS=off"));
+	assert_int_equal(witness_children(), 0);
+	if (keep[0])
+		setenv("KVTIER_WITNESS_HELPER", keep, 1);
+	else
+		unsetenv("KVTIER_WITNESS_HELPER");
+	/* the handle is as before the failed registration: it registers now */
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	assert_int_equal(witness_children(), 1);
+	kvt_close(t);
+	assert_int_equal(witness_children(), 0);
+	kvt_unlink(name, NULL);
+	fake_ctl("reset", 0);
+}
+
 int main(void)
 {
 	const char *path = getenv("KVTIER_CUDA_LIBRARY");
@@ -137,6 +226,7 @@ int main(void)
 	}
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_sticky_error_through_the_tier),
+		cmocka_unit_test(test_witness_through_the_tier),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

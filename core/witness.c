@@ -1,0 +1,283 @@
+/* witness.c - the exit witness: a rank's liveness outlives its process
+ * until the process has wholly exited, so that a GPU copy its driver
+ * still runs after the kill cannot land in a slot the reaper gave away.
+ *
+ * The hazard (DESIGN.md, "What outlives a process"; dma/src/dma.c).  A
+ * rank's claims live as long as its entry lock (ranks.c), an OFD lock on
+ * an open file description that the kernel drops at the description's
+ * last release.  A killed rank releases its files in exit_files, one by
+ * one, in an order set by descriptor numbers and by the kernel's version
+ * (the deferred releases ran first-in-first-out until Linux 5.19's
+ * "task_work: remove fifo ordering guarantee", last-in-first-out since).
+ * A GPU save (D2H) in flight at the kill stops only when the driver tears
+ * the context down: NVIDIA in the release of the process's /dev/nvidia*
+ * files, AMD when the process's address space goes (the HMM notifier on
+ * the locked range evicts the KFD queues) or later.  So the entry lock may
+ * go first, the reaper free the slot, another key's save fill it, and the
+ * dead rank's late copy land in it: a wrong byte, READY.
+ *
+ * The mechanism.  A rank whose copies the kernel does not stop with its
+ * threads (a GPU backend: tier/kvtier.c starts it in kvt_register_kv)
+ * spawns a witness, a small process (kvtier-witness, witness_main.c) that
+ * holds a second reference to the lock's open file description and a
+ * pidfd of the rank, and exits when the pidfd says the rank has exited.
+ * The lock then survives the rank's own release of it, and goes only
+ * when the witness exits.  The kernel's order makes that safe, no timing
+ * involved: a pidfd polls readable only once the thread group has exited
+ * (every thread past exit_notify), which comes after exit_files and after
+ * exit_task_work, i.e. after every file of the rank was released (the
+ * driver's included) and after its address space went (exit_mm precedes
+ * both).  The witness is its own process, not a thread and not sharing the
+ * rank's memory: the OOM killer, which also kills every process sharing
+ * the victim's mm, leaves it alone, and it costs the rank nothing (spawned
+ * with posix_spawn: no copy of the rank's page tables, no copy-on-write
+ * after).  It runs in its own session with every signal blocked, so a
+ * terminal's ^C or a stray SIGTERM to the engine's group does not end it;
+ * only SIGKILL does.
+ *
+ * Invariants:
+ *  W1  while a rank with a witness lives, its lock is held by its own
+ *      descriptor; a witness that dies early (killed) changes nothing
+ *      until the rank dies, and then the rank's own release is the last,
+ *      as without a witness -- never earlier.
+ *  W2  the witness exits only on its pidfd's POLLIN (or when killed): so
+ *      if it is not killed, the lock goes after the rank wholly exited.
+ *  W3  the witness holds nothing else: no mapping of the segment (its own
+ *      mm after exec), no descriptor but the lock's description, the
+ *      rank's pidfd and, until it said so, its handshake pipe.
+ *  W4  a clean detach kills the witness and waits for it (pidfd, never a
+ *      pid that could be reused), after the entry is released; a fork
+ *      child's copy of the handle forgets the witness (segment.c).
+ *
+ * What it does not cover: the rank and its witness killed together -- a
+ * kill of the whole cgroup (systemd's KillMode=control-group, `docker
+ * kill`, memory.oom.group) or of the session.  Then the lock's last
+ * release is the rank's own again, in its exit's order.  docs/FAULTS.md
+ * keeps that row open, and says what an operator can do.
+ *
+ * Acquire/release pairs: none in shared memory; the ordering is the
+ * kernel's (exit_files, then exit_notify, then the pidfd's POLLIN).
+ * Schedule points: none; the test (tests/core_witness.c) kills the rank
+ * with slow-to-release files on both sides of its lock descriptor and
+ * checks, at the first instant the entry reads dead, that the rank had
+ * wholly exited.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvt_format.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_send_signal
+#define SYS_pidfd_send_signal 424
+#endif
+#ifndef P_PIDFD
+#define P_PIDFD 3
+#endif
+
+#define WITNESS_NAME "kvtier-witness"
+#ifdef KVT_WITNESS_INSTALLED
+#define KVT_W_INST KVT_WITNESS_INSTALLED
+#else
+#define KVT_W_INST "(no install path built in)"
+#endif
+
+static int exec_file(const char *p)
+{
+	struct stat st;
+
+	return stat(p, &st) == 0 && S_ISREG(st.st_mode) && access(p, X_OK) == 0;
+}
+
+/* The helper: $KVTIER_WITNESS_HELPER (absolute), else beside the object
+ * this code is in (libkvtier.so in a build tree, or a program linking core
+ * statically), else where an install put it relative to that object
+ * (PREFIX/lib/libkvtier.so or PREFIX/lib/<multiarch>/libkvtier.so, and
+ * PREFIX/libexec/kvtier/), else the install path built in.  0, or -errno
+ * with the message. */
+static int helper_path(char *out, size_t len)
+{
+	static const char *const rel[] = { "", "../libexec/kvtier/",
+					   "../../libexec/kvtier/" };
+	const char *v = getenv("KVTIER_WITNESS_HELPER");
+	char dir[3072] = "";
+	Dl_info di;
+
+	if (v) {
+		if (v[0] != '/')
+			return kvt__err(-EINVAL, "KVTIER_WITNESS_HELPER='%.200s': expected an "
+					"absolute path to " WITNESS_NAME, v);
+		if (!exec_file(v))
+			return kvt__err(-ENOENT, "KVTIER_WITNESS_HELPER='%.200s': not an "
+					"executable file", v);
+		snprintf(out, len, "%s", v);
+		return 0;
+	}
+	if (dladdr((void *)helper_path, &di) && di.dli_fname && di.dli_fname[0] == '/') {
+		const char *slash = strrchr(di.dli_fname, '/');
+		snprintf(dir, sizeof(dir), "%.*s", (int)(slash - di.dli_fname), di.dli_fname);
+		for (size_t i = 0; i < sizeof(rel) / sizeof(rel[0]); i++) {
+			snprintf(out, len, "%s/%s" WITNESS_NAME, dir, rel[i]);
+			if (exec_file(out))
+				return 0;
+		}
+	}
+#ifdef KVT_WITNESS_INSTALLED
+	snprintf(out, len, "%s", KVT_WITNESS_INSTALLED);
+	if (exec_file(out))
+		return 0;
+#endif
+	return kvt__err(-ENOENT, "witness: " WITNESS_NAME " not found (looked at "
+			"$KVTIER_WITNESS_HELPER, in %.300s and its ../libexec/kvtier, "
+			"../../libexec/kvtier, and at " KVT_W_INST "); it is built and "
+			"installed with libkvtier", dir[0] ? dir : "the library's directory");
+}
+
+static void close_keep_errno(int fd)
+{
+	int e = errno;
+
+	if (fd >= 0)
+		close(fd);
+	errno = e;
+}
+
+int kvt_seg_witness(kvt_seg *s)
+{
+	char path[4096];
+	char *argv[3];
+	char *envp[1] = { NULL };
+	posix_spawn_file_actions_t fa;
+	posix_spawnattr_t at;
+	sigset_t all;
+	int self = -1, lk = -1, pp[2] = { -1, -1 }, wfd = -1, r;
+	pid_t pid = 0;
+	char ok = 0;
+	ssize_t n;
+
+	if ((r = kvt__need_entry(s, "witness")))
+		return r;
+	if (s->witness_pid > 0)
+		return 0;
+	if ((r = helper_path(path, sizeof(path))))
+		return r;
+	/* Our own pidfd, and the lock's description, both at numbers >= 6 so
+	 * that the dup2 to 3, 4 and 5 below cannot clobber one another. */
+	self = (int)syscall(SYS_pidfd_open, getpid(), 0);
+	if (self < 0)
+		return kvt__err(-errno, "witness: pidfd_open: %s (the exit witness needs "
+				"Linux 5.3 or later)", strerror(errno));
+	r = fcntl(self, F_DUPFD_CLOEXEC, 6);
+	close_keep_errno(self);
+	self = r;
+	lk = fcntl(s->fd, F_DUPFD_CLOEXEC, 6);
+	if (self < 0 || lk < 0 || pipe2(pp, O_CLOEXEC)) {
+		r = kvt__err(-errno, "witness: descriptors: %s", strerror(errno));
+		goto out;
+	}
+	r = fcntl(pp[1], F_DUPFD_CLOEXEC, 6);
+	close_keep_errno(pp[1]);
+	pp[1] = r;
+	if (pp[1] < 0) {
+		r = kvt__err(-errno, "witness: descriptors: %s", strerror(errno));
+		goto out;
+	}
+	posix_spawn_file_actions_init(&fa);
+	posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+	posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+	posix_spawn_file_actions_adddup2(&fa, lk, 3);
+	posix_spawn_file_actions_adddup2(&fa, self, 4);
+	posix_spawn_file_actions_adddup2(&fa, pp[1], 5);
+	posix_spawnattr_init(&at);
+	sigfillset(&all);
+	posix_spawnattr_setsigmask(&at, &all);
+	posix_spawnattr_setsigdefault(&at, &all);
+	posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF |
+				 POSIX_SPAWN_SETSID);
+	argv[0] = (char *)WITNESS_NAME;
+	argv[1] = s->name;
+	argv[2] = NULL;
+	r = posix_spawn(&pid, path, &fa, &at, argv, envp);
+	posix_spawn_file_actions_destroy(&fa);
+	posix_spawnattr_destroy(&at);
+	if (r) {
+		r = kvt__err(-r, "witness: spawning %.300s: %s", path, strerror(r));
+		goto out;
+	}
+	wfd = (int)syscall(SYS_pidfd_open, pid, 0);
+	close(pp[1]);
+	pp[1] = -1;
+	/* The handshake: one byte once it checked what it holds; EOF if it
+	 * exited instead (a wrong helper, a bad descriptor). */
+	do
+		n = read(pp[0], &ok, 1);
+	while (n < 0 && errno == EINTR);
+	if (n != 1 || ok != 'w' || wfd < 0) {
+		r = kvt__err(-ECHILD, "witness: %.300s did not start as the exit witness%s",
+			     path, wfd < 0 ? " (pidfd_open failed)" : "");
+		if (wfd >= 0) {
+			siginfo_t si;
+			(void)syscall(SYS_pidfd_send_signal, wfd, SIGKILL, NULL, 0);
+			while (waitid((idtype_t)P_PIDFD, (id_t)wfd, &si, WEXITED) < 0 &&
+			       errno == EINTR)
+				;
+			close(wfd);
+		} else {
+			while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+				;
+		}
+		goto out;
+	}
+	s->witness_pid = pid;
+	s->witness_pidfd = wfd;
+	r = 0;
+out:
+	close_keep_errno(self);
+	close_keep_errno(lk);
+	close_keep_errno(pp[0]);
+	close_keep_errno(pp[1]);
+	return r;
+}
+
+int kvt_seg_witness_pid(const kvt_seg *s)
+{
+	return s && s->witness_pid > 0 ? s->witness_pid : 0;
+}
+
+void kvt__witness_stop(kvt_seg *s)
+{
+	siginfo_t si;
+
+	if (!s || s->witness_pid <= 0)
+		return;
+	(void)syscall(SYS_pidfd_send_signal, s->witness_pidfd, SIGKILL, NULL, 0);
+	/* By the pidfd: the pid may have been reaped by someone else (an
+	 * engine's waitpid(-1)) and reused; ECHILD then, and it is gone. */
+	while (waitid((idtype_t)P_PIDFD, (id_t)s->witness_pidfd, &si, WEXITED) < 0 &&
+	       errno == EINTR)
+		;
+	close(s->witness_pidfd);
+	s->witness_pidfd = -1;
+	s->witness_pid = 0;
+}
+
+void kvt__witness_forget(kvt_seg *s)
+{
+	if (s->witness_pid > 0)
+		close(s->witness_pidfd);
+	s->witness_pidfd = -1;
+	s->witness_pid = 0;
+}
