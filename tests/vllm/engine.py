@@ -9,6 +9,8 @@ per line.  argv[1] is a JSON object of options:
   blocks       num_gpu_blocks_override (a small KV cache forces evictions)
   tp           tensor_parallel_size
   batched_tokens  max_num_batched_tokens (chunked prefill), default vLLM's
+  attention_backend  vLLM's attention backend by name (CPU_MLA), default
+               the platform's choice
 
 Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n}
 -> {"outputs": [[ids]]};  {"cmd": "metrics"} -> vLLM's counters;
@@ -42,6 +44,8 @@ def main():
         kw["enable_chunked_prefill"] = True
     if o.get("blocks"):
         kw["num_gpu_blocks_override"] = o["blocks"]
+    if o.get("attention_backend"):
+        kw["attention_config"] = {"backend": o["attention_backend"]}
     if o.get("transfer") is not None:   # a whole kv_transfer_config (MultiConnector)
         kw["kv_transfer_config"] = KVTransferConfig(**o["transfer"])
     elif o.get("kvtier") is not None:

@@ -54,11 +54,11 @@ SHORT = [tokens(100, 5), tokens(300, 6), tokens(700, 7)]
 class Engine:
     def __init__(self, model, kv=None, blocks=BLOCKS, tp=1, env=None, expect_ready=True,
                  max_num_seqs=4, max_model_len=1536, block_size=32, transfer=None,
-                 batched_tokens=None):
+                 batched_tokens=None, attention_backend=None):
         opts = {"model": model, "kvtier": kv, "blocks": blocks, "tp": tp,
                 "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                 "block_size": block_size, "transfer": transfer,
-                "batched_tokens": batched_tokens}
+                "batched_tokens": batched_tokens, "attention_backend": attention_backend}
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +
@@ -309,12 +309,18 @@ def test_restarted_engine_is_served_from_the_tier(engines, model, segment):
 
 # ---- every KV cache group type vLLM's CPU build runs ----
 
-# (blocks of the baseline's cache, of the kvtier engine's, block size):
-# deepseek's CPU MLA backend forces 16-token blocks (128 of them hold the
-# same 2,048 tokens); gemma2's baseline runs vLLM's hybrid allocator (the
-# kvtier engine does not: the connector is not SupportsHMA), which splits
-# its blocks between the full and the sliding-window group
-KIND_CACHE = {"mistral": (64, 64, 32), "deepseek": (128, 128, 16), "gemma2": (128, 64, 32)}
+# (blocks of the baseline's cache, of the kvtier engine's, block size,
+# attention backend): deepseek runs vLLM's reference CPU MLA backend, named,
+# which takes 16-token blocks only (128 of them hold the same 2,048 tokens).
+# Left to the platform, a CPU with AMX tiles gets AMX_MLA instead, which
+# takes multiples of 32 only, so a fixed block size fails on one kind of CI
+# machine or the other ('No common block size for 16 (AMX_MLA:
+# [MultipleOf(32)])' on a Sapphire Rapids host). gemma2's baseline runs
+# vLLM's hybrid allocator (the kvtier engine does not: the connector is not
+# SupportsHMA), which splits its blocks between the full and the
+# sliding-window group
+KIND_CACHE = {"mistral": (64, 64, 32, None), "deepseek": (128, 128, 16, "CPU_MLA"),
+              "gemma2": (128, 64, 32, None)}
 
 
 @pytest.mark.parametrize("kind", sorted(KIND_CACHE))
@@ -326,10 +332,12 @@ def test_exact_kv(kind, model_dir):
     every output is the baseline's, on a model that follows its context
     (for the sliding window, a change inside the window)."""
     m = model_dir(kind)
-    base_blocks, blocks, bs = KIND_CACHE[kind]
+    base_blocks, blocks, bs, attn = KIND_CACHE[kind]
     name = "vllm-%s-%d" % (kind, os.getpid())
-    base = Engine(m, None, blocks=base_blocks, block_size=bs, expect_ready=False)
-    e = Engine(m, kv(name, 0), blocks=blocks, block_size=bs, expect_ready=False)
+    base = Engine(m, None, blocks=base_blocks, block_size=bs, expect_ready=False,
+                  attention_backend=attn)
+    e = Engine(m, kv(name, 0), blocks=blocks, block_size=bs, expect_ready=False,
+               attention_backend=attn)
     try:
         start_all(base, e)
         want = sensitive(base, LONG, changed(LONG, 1100, 1190, 42))
