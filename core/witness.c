@@ -7,8 +7,9 @@
  * an open file description that the kernel drops at the description's
  * last release.  A killed rank releases its files in exit_files, one by
  * one, in an order set by descriptor numbers and by the kernel's version
- * (the deferred releases ran first-in-first-out until Linux 5.19's
- * "task_work: remove fifo ordering guarantee", last-in-first-out since).
+ * (each last fput of the exit queues a task_work, and task_work has run
+ * last-in-first-out since Linux 4.3, "task_work: remove fifo ordering
+ * guarantee"; the table is walked by ascending descriptor).
  * A GPU save (D2H) in flight at the kill stops only when the driver tears
  * the context down: NVIDIA in the release of the process's /dev/nvidia*
  * files, AMD when the process's address space goes (the HMM notifier on

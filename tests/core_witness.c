@@ -7,8 +7,8 @@
  * exit.  The killed rank holds two files whose release is slow (tmpfs
  * memfds of 256 MiB, freed page by page when their last descriptor goes),
  * one opened before its lock descriptor and one after, so that whatever
- * order this kernel releases an exiting process's files in (FIFO before
- * 5.19, LIFO since), one of them is released after the lock's own
+ * order this kernel releases an exiting process's files in (task_work,
+ * last-in-first-out since Linux 4.3), one of them is released after the lock's own
  * descriptor.  The test watches the entry from outside and checks, at the
  * first instant it reads dead, that the rank's pidfd already said "wholly
  * exited".  Without the witness (KVTIER_TEST_WITNESS=off, shown failing

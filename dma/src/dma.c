@@ -29,11 +29,18 @@
  *   - a GPU save (D2H) in flight at the kill.  NVIDIA: the pinned pages
  *     stay pinned until the driver tears the context down, in the release
  *     of the process's /dev/nvidia* descriptors -- also in exit_files, in
- *     descriptor order, so the entry lock may go first.  AMD: the KFD
- *     process (its queues, SDMA engines included) is torn down by a
- *     deferred work item after /dev/kfd's release (kfd_process_wq_release),
- *     later still.  So a save's copy can land after the reaper freed the
- *     slot, for the time the driver takes to stop the queue.
+ *     descriptor order, so the entry lock may go first.  AMD: the
+ *     process's queues, SDMA engines included, are quiesced when its
+ *     address space goes, in exit_mm (the userptr HMM notifier on the
+ *     locked range runs with MMU_NOTIFY_RELEASE and evicts the KFD
+ *     queues, kfd_process_evict_queues, before the KFD notifier's own
+ *     release), and destroyed later by a deferred work item
+ *     (kfd_process_wq_release); read from the amdgpu sources, not seen on
+ *     hardware.  That comes before exit_files, but only the first
+ *     eviction quiesces (one already pending, or a CRIU restore, skips
+ *     it).  So a save's copy can land after the reaper freed the slot:
+ *     on NVIDIA for the time the driver takes to stop the queue, on AMD
+ *     where the eviction did not quiesce it.
  * Held by the exit witness (core/witness.c): a rank on a GPU backend
  * spawns kvtier-witness at kvt_register_kv, a second holder of its lock
  * description that lets go only once the rank has wholly exited (its
