@@ -419,6 +419,10 @@ struct kvt_seg {
 	uint32_t leave_to_reaper; /* detach keeps the entry (kvt_seg_leave_to_reaper) */
 	int witness_pid;          /* the exit witness (witness.c), 0: none */
 	int witness_pidfd;        /* ... its pidfd, valid while witness_pid > 0 */
+	int wsrv_fd;              /* kvtierd's witness (witness_srv.c): our
+				   * connection, valid while wsrv_held */
+	uint32_t wsrv_held;       /* ... kvtierd holds our lock description too */
+	char wsrv_why[120];       /* ... why not, when it does not */
 	uint32_t lid_tag;         /* lease ids: segment tag (20 bits, nonzero) */
 	uint32_t lid_idx_bits;    /* ... bits of idx + 1 */
 	uint64_t lid_gen_mask;    /* ... mask of the gen bits */
@@ -493,6 +497,21 @@ int kvt__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)
  * it without a signal (a fork child's copy of the handle). */
 void kvt__witness_stop(kvt_seg *s);
 void kvt__witness_forget(kvt_seg *s);
+/* witness_srv.c: the socket kvtierd's witness listens on, beside the
+ * segment's file (kvtier-witness.<name>); 0 or -errno. */
+int kvt__witness_sock_path(int seg_fd, const char *name, char *out, size_t len);
+/* A rank's message to kvtierd's witness: one datagram; HOLD carries the
+ * lock description and the rank's pidfd (SCM_RIGHTS). */
+struct kvt_wmsg {
+	uint32_t magic;           /* KVT_WMSG_MAGIC */
+	uint16_t version;         /* 1 */
+	uint16_t op;              /* KVT_WMSG_HOLD, KVT_WMSG_BYE */
+	uint32_t entry;           /* the sender's table entry (for the log) */
+	uint32_t pid;             /* the sender's pid, as it sees itself */
+};
+#define KVT_WMSG_MAGIC 0x5754564bu /* "KVTW" */
+#define KVT_WMSG_HOLD  1
+#define KVT_WMSG_BYE   2
 uint64_t kvt__now_ns(void);
 uint64_t kvt__hash64(const void *p, size_t n, uint64_t seed);
 uint64_t kvt__mix64(uint64_t x);

@@ -50,11 +50,13 @@
  *      pid that could be reused), after the entry is released; a fork
  *      child's copy of the handle forgets the witness (segment.c).
  *
- * What it does not cover: the rank and its witness killed together -- a
- * kill of the whole cgroup (systemd's KillMode=control-group, `docker
- * kill`, memory.oom.group) or of the session.  Then the lock's last
- * release is the rank's own again, in its exit's order.  docs/FAULTS.md
- * keeps that row open, and says what an operator can do.
+ * What it does not cover alone: the rank and its witness killed together
+ * -- a kill of the whole cgroup (systemd's KillMode=control-group,
+ * `docker kill`, memory.oom.group).  Then the lock's last release would
+ * be the rank's own again, in its exit's order.  So the witness also
+ * hands the same hold to the segment's kvtierd, which runs in a cgroup
+ * of its own (witness_srv.c, daemon_hold below); what is left open
+ * (kvtierd in the engine's cgroup, or not running) is in docs/FAULTS.md.
  *
  * Acquire/release pairs: none in shared memory; the ordering is the
  * kernel's (exit_files, then exit_notify, then the pidfd's POLLIN).
@@ -72,8 +74,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -154,6 +159,100 @@ static void close_keep_errno(int fd)
 	if (fd >= 0)
 		close(fd);
 	errno = e;
+}
+
+/* kvtierd's hold (witness_srv.c): HOLD with our lock description and
+ * pidfd; kept open until detach.  Never fails the witness: without it the
+ * rank's own witness holds, as before (D4 there). */
+static void daemon_hold(kvt_seg *s, int pidfd)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	struct timeval tv = { .tv_sec = 5 };
+	struct kvt_wmsg m = { .magic = KVT_WMSG_MAGIC, .version = 1, .op = KVT_WMSG_HOLD,
+			      .entry = s->entry, .pid = (uint32_t)getpid() };
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * 2)];
+		struct cmsghdr align;
+	} u;
+	struct iovec iov = { .iov_base = &m, .iov_len = sizeof(m) };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *c;
+	int fds[2] = { s->fd, pidfd }, fd, r;
+	char ans[160] = "";
+	ssize_t n;
+
+	s->wsrv_held = 0;
+	r = kvt__witness_sock_path(s->fd, s->name, a.sun_path, sizeof(a.sun_path));
+	if (r) {
+		snprintf(s->wsrv_why, sizeof(s->wsrv_why), "no socket path: %s", strerror(-r));
+		return;
+	}
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (fd < 0) {
+		snprintf(s->wsrv_why, sizeof(s->wsrv_why), "socket: %s", strerror(errno));
+		return;
+	}
+	(void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+	(void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	if (connect(fd, (struct sockaddr *)&a, sizeof(a))) {
+		snprintf(s->wsrv_why, sizeof(s->wsrv_why), "%s",
+			 errno == ENOENT || errno == ECONNREFUSED ?
+			 "no kvtierd listens for this segment" : strerror(errno));
+		close(fd);
+		return;
+	}
+	memset(u.buf, 0, sizeof(u.buf));
+	c = CMSG_FIRSTHDR(&mh);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(fds));
+	memcpy(CMSG_DATA(c), fds, sizeof(fds));
+	do
+		n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+	while (n < 0 && errno == EINTR);
+	if (n == (ssize_t)sizeof(m))
+		do
+			n = recv(fd, ans, sizeof(ans) - 1, 0);
+		while (n < 0 && errno == EINTR);
+	else
+		n = -1;
+	if (n >= 1 && ans[0] == 'h') {
+		s->wsrv_fd = fd;
+		s->wsrv_held = 1;
+		s->wsrv_why[0] = 0;
+		return;
+	}
+	if (n >= 1 && ans[0] == 'e')
+		snprintf(s->wsrv_why, sizeof(s->wsrv_why), "kvtierd refused: %.100s", ans + 1);
+	else
+		snprintf(s->wsrv_why, sizeof(s->wsrv_why), "kvtierd did not answer%s%s",
+			 n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
+	close(fd);
+}
+
+static void daemon_bye(kvt_seg *s, int say)
+{
+	struct kvt_wmsg m = { .magic = KVT_WMSG_MAGIC, .version = 1, .op = KVT_WMSG_BYE,
+			      .entry = s->entry, .pid = (uint32_t)getpid() };
+
+	if (!s->wsrv_held)
+		return;
+	if (say)
+		(void)send(s->wsrv_fd, &m, sizeof(m), MSG_NOSIGNAL | MSG_DONTWAIT);
+	close(s->wsrv_fd);
+	s->wsrv_fd = -1;
+	s->wsrv_held = 0;
+}
+
+int kvt_seg_witness_daemon(const kvt_seg *s, char *why, size_t len)
+{
+	if (!s)
+		return 0;
+	if (why && len)
+		snprintf(why, len, "%s", s->wsrv_held ? "" : s->witness_pid > 0 ?
+			 s->wsrv_why : "no witness");
+	return s->wsrv_held ? 1 : 0;
 }
 
 int kvt_seg_witness(kvt_seg *s)
@@ -244,6 +343,7 @@ int kvt_seg_witness(kvt_seg *s)
 	}
 	s->witness_pid = pid;
 	s->witness_pidfd = wfd;
+	daemon_hold(s, self);
 	r = 0;
 out:
 	close_keep_errno(self);
@@ -262,7 +362,11 @@ void kvt__witness_stop(kvt_seg *s)
 {
 	siginfo_t si;
 
-	if (!s || s->witness_pid <= 0)
+	if (!s)
+		return;
+	/* after the entry's release (D1 in witness_srv.c) */
+	daemon_bye(s, 1);
+	if (s->witness_pid <= 0)
 		return;
 	(void)syscall(SYS_pidfd_send_signal, s->witness_pidfd, SIGKILL, NULL, 0);
 	/* By the pidfd: the pid may have been reaped by someone else (an
@@ -277,6 +381,7 @@ void kvt__witness_stop(kvt_seg *s)
 
 void kvt__witness_forget(kvt_seg *s)
 {
+	daemon_bye(s, 0);
 	if (s->witness_pid > 0)
 		close(s->witness_pidfd);
 	s->witness_pidfd = -1;

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -34,8 +36,9 @@
 
 static const char *NAME;
 static pid_t kids[2]; /* killed by the teardown if an assertion failed */
+static uint32_t world = 1; /* rank_child's */
 
-static int setup(void **st) { (void)st; NAME = kvt_test_name("wit"); return 0; }
+static int setup(void **st) { (void)st; NAME = kvt_test_name("wit"); world = 1; return 0; }
 
 static int teardown(void **st)
 {
@@ -48,6 +51,12 @@ static int teardown(void **st)
 		}
 	(void)prctl(PR_SET_CHILD_SUBREAPER, 0);
 	kvt_seg_unlink(NAME, NULL);
+	for (int i = 0; i < 2; i++) { /* a kvtierd killed by a failed test leaves it */
+		char sock[108];
+		snprintf(sock, sizeof(sock), "%s/kvtier-witness.%s",
+			 i ? "/dev/hugepages" : "/dev/shm", NAME);
+		(void)unlink(sock);
+	}
 	return 0;
 }
 
@@ -74,7 +83,8 @@ static int slow_file(void)
 
 /* A rank in a child: attaches rank 0 of world 1, starts its witness
  * (unless KVTIER_TEST_WITNESS=off), claims shard 0 of key 7 (a FILLING
- * slot, as a GPU save in flight), says so through pfd, and waits. */
+ * slot, as a GPU save in flight), says so through pfd (its witness's pid
+ * and whether a kvtierd-side server holds it too), and waits. */
 static pid_t rank_child(int *pfd, int slow)
 {
 	pid_t pid = fork();
@@ -86,7 +96,7 @@ static pid_t rank_child(int *pfd, int slow)
 		const char *v = getenv("KVTIER_TEST_WITNESS");
 		int wp, a = slow ? slow_file() : -1;
 		close(pfd[0]);
-		if (kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 0, 1, &c))
+		if (kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 0, world, &c))
 			_exit(1);
 		if (!(v && !strcmp(v, "off")) && kvt_seg_witness(c)) {
 			fprintf(stderr, "witness: %s\n", kvt_core_last_error());
@@ -97,8 +107,9 @@ static pid_t rank_child(int *pfd, int slow)
 		int b = slow ? slow_file() : -1;
 		(void)a;
 		(void)b;
-		wp = kvt_seg_witness_pid(c);
-		if (write(pfd[1], &wp, sizeof(wp)) != sizeof(wp))
+		int said[2] = { kvt_seg_witness_pid(c), kvt_seg_witness_daemon(c, NULL, 0) };
+		(void)wp;
+		if (write(pfd[1], said, sizeof(said)) != sizeof(said))
 			_exit(4);
 		for (;;)
 			pause();
@@ -119,7 +130,9 @@ static void test_witness_holds_until_exit(void **st)
 	assert_true(pid > 0);
 	kids[0] = pid;
 	close(pfd[1]);
-	assert_int_equal(read(pfd[0], &wp, sizeof(wp)), sizeof(wp));
+	int said[2];
+	assert_int_equal(read(pfd[0], said, sizeof(said)), sizeof(said));
+	wp = said[0];
 	close(pfd[0]);
 	int pidfd = pidfd_of(pid);
 	if (pidfd < 0) {
@@ -175,9 +188,12 @@ static void test_witness_killed_first(void **st)
 	pid_t pid = rank_child(pfd, 0);
 	kids[0] = pid;
 	close(pfd[1]);
-	assert_int_equal(read(pfd[0], &wp, sizeof(wp)), sizeof(wp));
+	int said[2];
+	assert_int_equal(read(pfd[0], said, sizeof(said)), sizeof(said));
+	wp = said[0];
 	close(pfd[0]);
 	assert_true(wp > 1);
+	assert_int_equal(said[1], 0); /* no kvtierd here */
 	int wfd = pidfd_of(wp);
 	assert_true(wfd >= 0);
 	assert_int_equal(syscall(SYS_pidfd_send_signal, wfd, SIGKILL, NULL, 0), 0);
@@ -295,6 +311,376 @@ static void test_witness_fork_child(void **st)
 	kvt_seg_detach(s);
 }
 
+/* ---- kvtierd's hold (core/witness_srv.c) ----
+ * The server runs in this test's process, as kvtierd does in its own:
+ * outside whatever kills the rank.  serve() answers it while waiting for
+ * a child's word on fd. */
+static void serve(kvt_wsrv *w, int fd)
+{
+	for (;;) {
+		struct pollfd p[2] = { { .fd = fd, .events = POLLIN },
+				       { .fd = kvt_wsrv_fd(w), .events = POLLIN } };
+		assert_true(poll(p, w ? 2 : 1, -1) > 0);
+		if (w && p[1].revents)
+			kvt_wsrv_service(w);
+		if (p[0].revents)
+			return;
+	}
+}
+
+static int daemon_off(void)
+{
+	const char *v = getenv("KVTIER_TEST_DAEMON_WITNESS");
+
+	return v && !strcmp(v, "off");
+}
+
+/* Kills the rank's witness, then the rank, as a kill of their cgroup may
+ * order them, and checks that at the first instant the entry reads dead
+ * the rank had wholly exited.  w: a server in this process to turn (NULL:
+ * none, or one in kvtierd). */
+static void group_kill(kvt_seg *s, pid_t pid, int pidfd, int wfd, kvt_wsrv *w,
+		       const char *who)
+{
+	uint64_t held_while_exiting = 0, polls = 0;
+
+	assert_int_equal(syscall(SYS_pidfd_send_signal, wfd, SIGKILL, NULL, 0), 0);
+	struct pollfd p = { .fd = wfd, .events = POLLIN };
+	assert_int_equal(poll(&p, 1, -1), 1);
+	close(wfd);
+	kvt_kill_pid(pid, SIGKILL);
+	for (;;) {
+		int live = kvt_seg_live_ranks(s);
+		assert_true(live >= 0);
+		polls++;
+		if (!live)
+			break;
+		if (!exited(pidfd))
+			held_while_exiting++;
+		kvt_wsrv_service(w); /* kvtierd's loop: lets go once the pidfd says so */
+	}
+	int done = exited(pidfd);
+	fprintf(stderr, "group kill (%s): %llu probes, %llu of them saw the entry alive while "
+		"the rank was still exiting; rank wholly exited when the entry died: %s\n",
+		who, (unsigned long long)polls, (unsigned long long)held_while_exiting,
+		done ? "yes" : "NO");
+	assert_true(done);
+}
+
+/* The whole cgroup killed at once: the rank's own witness dies with it
+ * (killed first here, the worst order), and the entry must still outlive
+ * the rank's exit, held by the server.  KVTIER_TEST_DAEMON_WITNESS=off
+ * runs it with no server (shown failing once). */
+static void test_witness_group_kill(void **st)
+{
+	(void)st;
+	struct kvt_geometry g = kvt_test_geo(1, 16);
+	kvt_seg *s = kvt_test_create(NAME, &g, NULL);
+	kvt_wsrv *w = NULL;
+	int pfd[2], said[2], status;
+	uint64_t exited_n, byes, refused;
+	uint32_t held;
+
+	if (!daemon_off())
+		assert_int_equal(kvt_wsrv_open(s, 4, &w), 0);
+	assert_int_equal(pipe(pfd), 0);
+	pid_t pid = rank_child(pfd, 1);
+	assert_true(pid > 0);
+	kids[0] = pid;
+	close(pfd[1]);
+	serve(w, pfd[0]);
+	assert_int_equal(read(pfd[0], said, sizeof(said)), sizeof(said));
+	close(pfd[0]);
+	int pidfd = pidfd_of(pid), wfd = pidfd_of(said[0]);
+	if (pidfd < 0) {
+		kvt_wsrv_close(w);
+		kvt_seg_detach(s);
+		KVT_TEST_SKIP();
+	}
+	assert_true(wfd >= 0);
+	assert_int_equal(said[1], w ? 1 : 0);
+	kvt_wsrv_counts(w, &held, &exited_n, &byes, &refused);
+	assert_int_equal(held, w ? 1 : 0);
+	group_kill(s, pid, pidfd, wfd, w, w ? "kvtierd's hold" : "no server");
+	kvt_wsrv_counts(w, &held, &exited_n, &byes, &refused);
+	assert_int_equal(held, 0);
+	assert_int_equal(exited_n, 1);
+	assert_int_equal(byes, 0);
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	kids[0] = 0;
+	assert_int_equal(kvt_seg_reap(s), 1);
+	kvt_test_assert_check(s);
+	close(pidfd);
+	kvt_wsrv_close(w);
+	kvt_seg_detach(s);
+}
+
+/* The same with the real kvtierd (KVTIER_KVTIERD): its main loop answers
+ * the rank's HOLD and lets go only after the rank exited; its stop
+ * removes the socket. */
+static void test_witness_kvtierd(void **st)
+{
+	(void)st;
+	const char *d = getenv("KVTIER_KVTIERD");
+	char logf[] = "/tmp/kvt-witness-kvtierd-XXXXXX", sock[108];
+	int pfd[2], said[2], status;
+	kvt_seg *o = NULL;
+	struct stat sb;
+
+	if (!d || access(d, X_OK))
+		KVT_TEST_SKIP(); /* built without kvtierd (no libmicrohttpd) */
+	int lf = mkstemp(logf);
+	assert_true(lf >= 0);
+	close(lf);
+	pid_t dp = fork();
+	if (dp == 0) {
+		/* in /dev/shm, where this test's core handles look */
+		setenv("KVTIER_HUGEPAGES", "off", 1);
+		unsetenv("KVTIER_SEGMENT_DIR");
+		execl(d, "kvtierd", "--segment", NAME, "--no-http", "--world", "1",
+		      "--instances", "1", "--group", "2:64", "--chunk-tokens", "16",
+		      "--slots", "16", "--model", "witness-test", "--log", logf,
+		      "--reap-interval", "60", "--unlink", (char *)NULL);
+		_exit(127);
+	}
+	kids[1] = dp;
+	/* up when the segment is, then its socket beside the segment's file
+	 * (wherever kvtierd put it: /dev/shm, or huge pages) */
+	while (kvt_test_attach(NAME, KVT_ROLE_OBSERVER, 0, 0, 0, &o)) { /* -ENOENT until then */
+		assert_int_equal(waitpid(dp, NULL, WNOHANG), 0);
+		usleep(10000);
+	}
+	assert_int_equal(kvt__witness_sock_path(kvt_seg_lock_fd(o), NAME, sock, sizeof(sock)), 0);
+	while (stat(sock, &sb)) {
+		assert_int_equal(waitpid(dp, NULL, WNOHANG), 0);
+		usleep(10000);
+	}
+	assert_true(S_ISSOCK(sb.st_mode));
+	assert_int_equal(pipe(pfd), 0);
+	pid_t pid = rank_child(pfd, 1);
+	kids[0] = pid;
+	close(pfd[1]);
+	assert_int_equal(read(pfd[0], said, sizeof(said)), sizeof(said));
+	close(pfd[0]);
+	assert_int_equal(said[1], 1); /* kvtierd holds it */
+	int pidfd = pidfd_of(pid), wfd = pidfd_of(said[0]);
+	assert_true(pidfd >= 0 && wfd >= 0);
+	group_kill(o, pid, pidfd, wfd, NULL, "kvtierd");
+	close(pidfd);
+	assert_int_equal(waitpid(pid, NULL, 0), pid);
+	kids[0] = 0;
+	kvt_seg_detach(o);
+	kvt_kill_pid(dp, SIGTERM);
+	assert_int_equal(waitpid(dp, &status, 0), dp);
+	kids[1] = 0;
+	assert_true(WIFEXITED(status));
+	assert_int_equal(WEXITSTATUS(status), 0);
+	assert_int_equal(stat(sock, &sb), -1); /* removed at its stop */
+	char cmd[200];
+	snprintf(cmd, sizeof(cmd), "grep -q 'exit witness: holding' %s", logf);
+	assert_int_equal(system(cmd), 0);
+	unlink(logf);
+}
+
+/* The protocol: no server is no hold (and no error); a clean detach says
+ * BYE; a fork child's close of its copy ends nothing; forged requests are
+ * refused with their reason; past `max` a request is refused. */
+static void test_witness_daemon_protocol(void **st)
+{
+	(void)st;
+	struct kvt_geometry g = kvt_test_geo(2, 16);
+	kvt_seg *s = kvt_test_create(NAME, &g, NULL), *r = NULL;
+	kvt_wsrv *w = NULL;
+	char why[160], sock[108];
+	uint64_t ex, byes, refused;
+	uint32_t held;
+
+	world = 2;
+	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 0, 2, &r), 0);
+	assert_int_equal(kvt_seg_witness(r), 0);
+	assert_int_equal(kvt_seg_witness_daemon(r, why, sizeof(why)), 0);
+	assert_non_null(strstr(why, "no kvtierd listens"));
+	kvt_seg_detach(r);
+
+	assert_int_equal(kvt_wsrv_open(s, 1, &w), 0);
+	assert_int_equal(kvt__witness_sock_path(kvt_seg_lock_fd(s), NAME, sock, sizeof(sock)), 0);
+	assert_string_equal(kvt_wsrv_path(w), sock);
+	assert_non_null(strstr(sock, "/kvtier-witness."));
+	/* a rank's HOLD: answered while the rank waits for it */
+	int pfd[2], said[2];
+	assert_int_equal(pipe(pfd), 0);
+	pid_t pid = rank_child(pfd, 0);
+	kids[0] = pid;
+	close(pfd[1]);
+	serve(w, pfd[0]);
+	assert_int_equal(read(pfd[0], said, sizeof(said)), sizeof(said));
+	close(pfd[0]);
+	assert_int_equal(said[1], 1);
+	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	assert_int_equal(held, 1);
+	/* a second one past max=1 is refused, with the reason, and the rank
+	 * goes on with its own witness */
+	{
+		pid_t c = fork();
+		if (c == 0) {
+			/* from a child, so that this process serves it */
+			kvt_seg *x = NULL;
+			char y[160] = "";
+			int ok = !kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 1, 2, &x) &&
+				 !kvt_seg_witness(x) && !kvt_seg_witness_daemon(x, y, sizeof(y)) &&
+				 strstr(y, "refused") && strstr(y, "as many ranks");
+			if (!ok)
+				fprintf(stderr, "past max: '%s'\n", y);
+			kvt_seg_detach(x);
+			_exit(ok ? 0 : 1);
+		}
+		int status;
+		for (;;) {
+			kvt_wsrv_service(w);
+			pid_t got = waitpid(c, &status, WNOHANG);
+			if (got == c)
+				break;
+			assert_int_equal(got, 0);
+			struct pollfd p = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
+			(void)poll(&p, 1, 10);
+		}
+		assert_true(WIFEXITED(status));
+		assert_int_equal(WEXITSTATUS(status), 0);
+	}
+	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	assert_int_equal(held, 1);
+	assert_int_equal(refused, 1);
+	/* the held rank killed: held until it exited, then let go */
+	int pidfd = pidfd_of(pid);
+	assert_true(pidfd >= 0);
+	kvt_kill_pid(pid, SIGKILL);
+	while (!exited(pidfd))
+		kvt_wsrv_service(w);
+	close(pidfd);
+	assert_int_equal(waitpid(pid, NULL, 0), pid);
+	kids[0] = 0;
+	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	while (held) {
+		struct pollfd p = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
+		assert_int_equal(poll(&p, 1, -1), 1);
+		kvt_wsrv_service(w);
+		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	}
+	assert_int_equal(ex, 1);
+	while (kvt_seg_live_ranks(s) > 0)
+		; /* its own witness exits on the same pidfd, on its own time */
+	assert_int_equal(kvt_seg_reap(s), 1);
+	kvt_wsrv_close(w);
+	w = NULL;
+
+	/* Forged requests, by hand on the socket: a file that is not the
+	 * segment's, a pidfd that is not the sender's, a wrong message. */
+	assert_int_equal(kvt_wsrv_open(s, 4, &w), 0);
+	struct { int fd0; int self; uint16_t ver; const char *want; } forged[] = {
+		{ open("/dev/null", O_RDONLY | O_CLOEXEC), 1, 1, "not this segment's file" },
+		{ dup(kvt_seg_lock_fd(s)), 0, 1, "not the sender's" },
+		{ dup(kvt_seg_lock_fd(s)), 1, 9, "not a kvtier witness message" },
+	};
+	for (size_t i = 0; i < sizeof(forged) / sizeof(forged[0]); i++) {
+		struct sockaddr_un a = { .sun_family = AF_UNIX };
+		int c = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+		int fds[2] = { forged[i].fd0,
+			       forged[i].self ? pidfd_of(getpid()) : pidfd_of(getppid()) };
+		struct kvt_wmsg m = { .magic = KVT_WMSG_MAGIC, .version = forged[i].ver,
+				      .op = KVT_WMSG_HOLD };
+		union { char b[CMSG_SPACE(sizeof(fds))]; struct cmsghdr al; } u;
+		struct iovec iov = { .iov_base = &m, .iov_len = sizeof(m) };
+		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b,
+				     .msg_controllen = sizeof(u.b) };
+		struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+		char ans[160] = "";
+		memset(u.b, 0, sizeof(u.b));
+		cm = CMSG_FIRSTHDR(&mh);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(fds));
+		memcpy(CMSG_DATA(cm), fds, sizeof(fds));
+		memcpy(a.sun_path, sock, strlen(sock) + 1);
+		assert_true(c >= 0 && fds[0] >= 0 && fds[1] >= 0);
+		assert_int_equal(connect(c, (struct sockaddr *)&a, sizeof(a)), 0);
+		assert_int_equal(sendmsg(c, &mh, 0), (ssize_t)sizeof(m));
+		serve(w, c);
+		assert_true(recv(c, ans, sizeof(ans) - 1, 0) > 0);
+		fprintf(stderr, "forged request %zu: '%s'\n", i, ans);
+		assert_int_equal(ans[0], 'e');
+		assert_non_null(strstr(ans, forged[i].want));
+		close(c);
+		close(fds[0]);
+		close(fds[1]);
+	}
+	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	assert_int_equal(held, 0);
+	assert_int_equal(refused, 3);
+
+	/* held; a fork child's close of its copy ends nothing; a clean
+	 * detach says BYE and the hold ends at once, the process alive */
+	int up[2], down[2];
+	char b = 0;
+	assert_int_equal(pipe(up), 0);
+	assert_int_equal(pipe(down), 0);
+	pid = fork();
+	if (pid == 0) {
+		kvt_seg *c = NULL;
+		close(up[0]);
+		close(down[1]);
+		if (kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 0, 2, &c) || kvt_seg_witness(c) ||
+		    kvt_seg_witness_daemon(c, NULL, 0) != 1)
+			_exit(1);
+		pid_t gc = fork();
+		if (gc == 0)
+			_exit(kvt_seg_witness_daemon(c, NULL, 0) == 0 ? 0 : 1);
+		int gs;
+		if (waitpid(gc, &gs, 0) != gc || !WIFEXITED(gs) || WEXITSTATUS(gs))
+			_exit(2);
+		if (write(up[1], "1", 1) != 1 || read(down[0], &b, 1) != 1)
+			_exit(3);
+		kvt_seg_detach(c);
+		if (write(up[1], "2", 1) != 1)
+			_exit(4);
+		for (;;)
+			pause();
+	}
+	kids[0] = pid;
+	close(up[1]);
+	close(down[0]);
+	serve(w, up[0]);
+	assert_int_equal(read(up[0], &b, 1), 1);
+	assert_int_equal(b, '1');
+	for (int k = 0; k < 100; k++)
+		kvt_wsrv_service(w); /* the child's close, if it were taken for an end */
+	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	assert_int_equal(held, 1);
+	assert_int_equal(write(down[1], "d", 1), 1);
+	serve(w, up[0]);
+	assert_int_equal(read(up[0], &b, 1), 1);
+	assert_int_equal(b, '2');
+	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	while (!byes) {
+		struct pollfd p = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
+		assert_int_equal(poll(&p, 1, -1), 1);
+		kvt_wsrv_service(w);
+		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
+	}
+	assert_int_equal(held, 0);
+	assert_int_equal(ex, 0);
+	assert_int_equal(kill(pid, 0), 0); /* ended by its BYE, not its exit */
+	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 0, 2, &r), 0);
+	kvt_kill_pid(pid, SIGKILL);
+	assert_int_equal(waitpid(pid, NULL, 0), pid);
+	kids[0] = 0;
+	close(up[0]);
+	close(down[1]);
+	kvt_seg_detach(r);
+	kvt_wsrv_close(w);
+	kvt_test_assert_check(s);
+	kvt_seg_detach(s);
+}
+
 /* A wrong helper is a clear error and leaves the handle as it was. */
 static void test_witness_bad_helper(void **st)
 {
@@ -342,6 +728,9 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_witness_killed_first, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_witness_detach, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_witness_fork_child, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_witness_group_kill, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_witness_kvtierd, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_witness_daemon_protocol, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_witness_bad_helper, setup, teardown),
 	};
 	return kvt_test_result(cmocka_run_group_tests(tests, NULL, NULL));

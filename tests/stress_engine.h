@@ -849,7 +849,7 @@ static inline void se_sched_loop(struct se_worker *w)
  * race).  So the threads' handles are pointed at the creator's mapping,
  * after attach, with the handle's private layout; the size assertion makes
  * any change of the handle fail to compile here instead of going stale. */
-_Static_assert(sizeof(struct kvt_seg) == 592,
+_Static_assert(sizeof(struct kvt_seg) == 720,
 	       "struct kvt_seg changed: update se_share_mapping()");
 
 static inline void se_share_mapping(kvt_seg *s, const kvt_seg *p)

@@ -974,6 +974,17 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 				     "accepting that window)", kvt_core_last_error());
 				goto out_close;
 			}
+			{
+				char why[160], line[320];
+				int held = kvt_seg_witness_daemon(t->seg, why, sizeof(why));
+				snprintf(line, sizeof(line), "exit witness: pid %d%s%s%s",
+					 kvt_seg_witness_pid(t->seg),
+					 held ? "; kvtierd holds this rank's claims too" :
+						"; kvtierd does not hold them too (",
+					 held ? "" : why, held ? "" : "): a kill of this rank's "
+					 "whole cgroup is not covered");
+				tier_log(&t->env, 2, line);
+			}
 		} else {
 			tier_log(&t->env, 1, "KVTIER_WITNESS=off: a GPU save in flight when "
 				 "this rank is killed may land in a slot given to another "

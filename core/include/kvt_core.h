@@ -187,11 +187,35 @@ int kvt_seg_lock_fd(const kvt_seg *s);
  * detach stops it.  0, or -errno with the reason: -ENOENT no helper (it
  * is looked for at $KVTIER_WITNESS_HELPER, next to the library, then where
  * it is installed), -ENOSYS no pidfds (Linux < 5.3), -ECHILD the helper
- * did not start.  Not covered: the rank and its witness killed together
- * (a whole cgroup at once). */
+ * did not start.  The rank and its witness killed together (a whole
+ * cgroup at once) is covered by kvtierd's hold, when it runs
+ * (kvt_seg_witness_daemon). */
 int kvt_seg_witness(kvt_seg *s);
 /* The witness's pid (tests, status), 0 when none. */
 int kvt_seg_witness_pid(const kvt_seg *s);
+/* Whether kvtierd holds the lock description too (witness_srv.c): the
+ * witness also asks the segment's kvtierd, when one listens beside the
+ * segment's file, to hold it until this process has wholly exited, which
+ * covers a kill of the rank's whole cgroup.  1: it does; 0: it does not,
+ * with the reason in why (no daemon, it refused, no answer). */
+int kvt_seg_witness_daemon(const kvt_seg *s, char *why, size_t len);
+
+/* kvtierd's side of the witness (witness_srv.c): a unix socket beside the
+ * segment's file on which ranks hand it their lock description and pidfd.
+ * Opened by the segment's owner; `max` ranks at most at once.  Poll
+ * kvt_wsrv_fd for POLLIN and call kvt_wsrv_service, which never blocks. */
+typedef struct kvt_wsrv kvt_wsrv;
+int kvt_wsrv_open(const kvt_seg *owner, uint32_t max, kvt_wsrv **out);
+int kvt_wsrv_fd(const kvt_wsrv *w);
+const char *kvt_wsrv_path(const kvt_wsrv *w);
+int kvt_wsrv_service(kvt_wsrv *w);
+/* held: ranks held now (a dead one until it wholly exited); exited: holds
+ * ended by the rank's exit; byes: by its clean detach; refused: bad
+ * requests and requests past max. */
+void kvt_wsrv_counts(const kvt_wsrv *w, uint32_t *held, uint64_t *exited,
+		     uint64_t *byes, uint64_t *refused);
+/* Closes every hold and removes the socket. */
+void kvt_wsrv_close(kvt_wsrv *w);
 
 /* Marks the handle so that its detach leaves its entry to the reaper: the
  * claims, pins and leases stay as they are, the lock is not released but

@@ -46,9 +46,9 @@
  * description that lets go only once the rank has wholly exited (its
  * pidfd polls readable after exit_files and exit_task_work, so after the
  * driver's files were released and its context torn down), so the claims
- * outlive every copy the driver still runs.  Still open: the rank and its
- * witness killed together (a whole cgroup at once), docs/FAULTS.md.  Not
- * run on a GPU.  The dead rank's own chunk is never published READY.
+ * outlive every copy the driver still runs; kvtierd holds it too
+ * (core/witness_srv.c), for a kill of the rank's whole cgroup.  What is
+ * still open: docs/FAULTS.md.  Not run on a GPU.  The dead rank's own chunk is never published READY.
  * The disk engine's reads are held the same way by their own mechanism:
  * its ring keeps the lock descriptor (kvt_seg_lock_fd, tier/disk.c).
  */

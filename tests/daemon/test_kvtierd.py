@@ -228,6 +228,11 @@ def test_lifecycle(name, procs):
     assert metric(m, "kvtier_instance_saved_chunks_total", 'engine="0"') == 8
     assert metric(m, "kvtier_instance_loaded_chunks_total", 'engine="1"') == 8
     assert metric(m, "kvtier_rank_up", 'engine="1",rank="1"') == 1
+    # the exit witness's holds listen; host-DMA ranks ask for none (the
+    # holds themselves: tests/core_witness.c, with this daemon)
+    assert metric(m, "kvtier_daemon_witness_up") == 1
+    assert metric(m, "kvtier_daemon_witness_ranks") == 0
+    assert metric(m, "kvtier_daemon_witness_refused_total") == 0
     assert metric(m, "kvtier_load_duration_seconds_count") == 2
     assert metric(m, "kvtier_lookup_duration_seconds_count") == 1
     assert metric(m, "kvtier_save_duration_seconds_count") == 2

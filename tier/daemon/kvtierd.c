@@ -83,6 +83,7 @@ static struct {
 	kvt_seg *seg;            /* the tier's; main thread */
 	kvt_seg *obs;            /* observer; HTTP thread */
 	kvt_disk *disk;          /* the disk tier's engine; main thread */
+	kvt_wsrv *wsrv;          /* the exit witness's holds; main thread */
 	kvtd_http *http;
 	struct kvtd_pages pages; /* what the HTTP side reads */
 	struct kvtd_ctx ctx;
@@ -694,16 +695,38 @@ static void sd_notify_(const char *msg)
 	close(fd);
 }
 
+/* ---- the exit witness's holds (core/witness_srv.c) ---- */
+
+static void witness_service(void)
+{
+	uint32_t held;
+	uint64_t ex, byes, refused;
+
+	kvt_wsrv_service(D.wsrv);
+	kvt_wsrv_counts(D.wsrv, &held, &ex, &byes, &refused);
+	pthread_mutex_lock(&D.mu);
+	if (refused > D.ctx.witness_refused)
+		LOG_WARN("exit witness: %llu hold request(s) refused (not this segment's "
+			 "file, not the sender's pidfd, or more ranks than entries)",
+			 (unsigned long long)(refused - D.ctx.witness_refused));
+	D.ctx.witness_ranks = held;
+	D.ctx.witness_exited = ex;
+	D.ctx.witness_byes = byes;
+	D.ctx.witness_refused = refused;
+	pthread_mutex_unlock(&D.mu);
+}
+
 /* ---- HTTP (http.c) ---- */
 
 /* The daemon's view for a page, on the HTTP threads: D.ctx is set before
- * they start; the drain flag is atomic; the verdicts are under D.mu. */
+ * they start, but for the witness's counts, which like the verdicts are
+ * under D.mu; the drain flag is atomic. */
 static void http_ctx(void *arg, struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCES])
 {
 	(void)arg;
+	pthread_mutex_lock(&D.mu);
 	*x = D.ctx;
 	x->draining = atomic_load(&D.draining);
-	pthread_mutex_lock(&D.mu);
 	memcpy(wo, D.write_only, sizeof(D.write_only));
 	pthread_mutex_unlock(&D.mu);
 	x->write_only_window = wo;
@@ -967,6 +990,19 @@ int main(int argc, char **argv)
 			D.ctx.expect_instances, g->n_instances);
 		return 2;
 	}
+	/* The exit witness's second holder (core/witness_srv.c): a rank on a
+	 * GPU backend hands us its lock description, so that a kill of its
+	 * whole cgroup still keeps its claims until it wholly exited.  Not
+	 * fatal: without it each rank's own witness holds. */
+	r = kvt_wsrv_open(D.seg, kvt_seg_n_entries(D.seg), &D.wsrv);
+	if (r)
+		LOG_WARN("exit witness: %s; ranks keep their own witnesses, but a kill of a "
+			 "rank's whole cgroup is not covered (docs/FAULTS.md)",
+			 kvt_core_last_error());
+	else
+		LOG_INFO("exit witness: holding ranks' locks until they exit, at %s",
+			 kvt_wsrv_path(D.wsrv));
+	D.ctx.witness_up = D.wsrv != NULL;
 	if (!o.no_http && http_start(&o)) {
 		kvt_seg_detach(D.obs);
 		kvt_close(D.tier);
@@ -983,8 +1019,10 @@ int main(int argc, char **argv)
 		/* With a disk tier the loop turns every few milliseconds
 		 * (promotion requests arrive in the segment, with no wake-up)
 		 * and at every I/O completion. */
-		struct pollfd p[2] = { { .fd = sfd, .events = POLLIN },
-				       { .fd = kvt_disk_event_fd(D.disk), .events = POLLIN } };
+		struct pollfd p[3] = { { .fd = sfd, .events = POLLIN },
+				       { .fd = kvt_wsrv_fd(D.wsrv), .events = POLLIN },
+				       { .fd = D.disk ? kvt_disk_event_fd(D.disk) : -1,
+					 .events = POLLIN } };
 		int busy = D.disk ? kvt_disk_poll(D.disk) : 0;
 		if (busy)
 			last_work = mono_ns();
@@ -992,8 +1030,9 @@ int main(int argc, char **argv)
 		 * when it is idle (a first request waits at most that long; idle,
 		 * the loop cost 1.4% of a core on the CI VM) */
 		int tick = mono_ns() - last_work < 100000000ULL ? 1 : 5;
-		int n = poll(p, D.disk && p[1].fd >= 0 ? 2 : 1,
-			     D.disk ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
+		int n = poll(p, 3, D.disk ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
+		if (n > 0 && p[1].revents)
+			witness_service();
 		if (n > 0 && (p[0].revents & POLLIN)) {
 			struct signalfd_siginfo si;
 			if (read(sfd, &si, sizeof(si)) != sizeof(si))
@@ -1022,6 +1061,10 @@ int main(int argc, char **argv)
 		}
 	}
 	kvtd_http_stop(D.http);
+	/* A rank killed but not yet exited loses this hold here (its own
+	 * witness may still hold); the drain above let live ranks detach. */
+	kvt_wsrv_close(D.wsrv);
+	D.wsrv = NULL;
 	if (D.disk) {
 		kvt_disk_close(D.disk); /* its I/O finished, its records written */
 		D.disk = NULL;

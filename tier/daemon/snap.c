@@ -446,6 +446,25 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			    (unsigned long long)s->disk.io_errors);
 	}
 	if (c->start_wall_ns) {
+		prom_head(&b, "kvtier_daemon_witness_up", "gauge",
+			  "1 when kvtierd holds ranks' lock descriptions until they wholly "
+			  "exit (its witness socket listens)");
+		kvtd_printf(&b, "kvtier_daemon_witness_up %d\n", c->witness_up);
+		prom_head(&b, "kvtier_daemon_witness_ranks", "gauge",
+			  "Ranks whose lock description kvtierd holds now (a killed one until "
+			  "it wholly exited)");
+		kvtd_printf(&b, "kvtier_daemon_witness_ranks %u\n", c->witness_ranks);
+		prom_head(&b, "kvtier_daemon_witness_released_total", "counter",
+			  "Holds ended: by the rank's exit, or by its clean detach");
+		kvtd_printf(&b, "kvtier_daemon_witness_released_total{by=\"exit\"} %llu\n",
+			    (unsigned long long)c->witness_exited);
+		kvtd_printf(&b, "kvtier_daemon_witness_released_total{by=\"detach\"} %llu\n",
+			    (unsigned long long)c->witness_byes);
+		prom_head(&b, "kvtier_daemon_witness_refused_total", "counter",
+			  "Hold requests refused (not this segment's file, not the sender's "
+			  "pidfd, past the segment's entries)");
+		kvtd_printf(&b, "kvtier_daemon_witness_refused_total %llu\n",
+			    (unsigned long long)c->witness_refused);
 		prom_head(&b, "kvtier_daemon_start_time_seconds", "gauge",
 			  "When this kvtierd started (Unix time)");
 		kvtd_printf(&b, "kvtier_daemon_start_time_seconds %.3f\n",

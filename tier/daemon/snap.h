@@ -59,6 +59,10 @@ struct kvtd_ctx {
 	int draining;
 	const uint32_t *write_only_window; /* per instance, from the daemon's
 					    * history; NULL: totals only */
+	/* the daemon's exit witness (core/witness_srv.c) */
+	int witness_up;                /* its socket listens */
+	uint32_t witness_ranks;        /* ranks whose lock it holds now */
+	uint64_t witness_exited, witness_byes, witness_refused;
 };
 
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);
