@@ -3,7 +3,8 @@
  *
  *   kvtier-size [options] CONFIG.json
  *
- * Exit status: 0 the plan fits, 1 it does not (the numbers and the largest
+ * Exit status: 0 the plan fits, 1 it does not, in memory or, for AMD, in the
+ * driver's pinning budget (the numbers and the largest
  * tier that would fit are printed), 2 bad usage or a config it cannot size.
  */
 #include <errno.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <json-c/json.h>
 
@@ -30,7 +32,11 @@ struct opts {
 	uint64_t fixed, tier, tokens;
 	double node_free_gib;
 	int have_node_free, json, indexer_layers;
+	uint32_t gpu, instances;   /* GPU_*; engine instances on the segment */
+	uint64_t ram;              /* --ram-gib; 0: MemTotal */
 };
+
+enum { GPU_AUTO = 0, GPU_NONE, GPU_AMD, GPU_NVIDIA };
 
 static void usage(FILE *f)
 {
@@ -58,9 +64,18 @@ static void usage(FILE *f)
 "                      another machine; with --numa-nodes for several nodes)\n"
 "  --hugepages M       auto (default: the segment on the nodes' reserved 2 MiB\n"
 "                      pages when they hold it, else 4 KiB pages), on, off\n"
+"  --gpu G             auto (default: amd when /dev/kfd exists), amd, nvidia,\n"
+"                      none; amd checks the driver's pinning budget: every\n"
+"                      rank's lock of its shard counts, against RAM - RAM/64\n"
+"                      - 1 GiB for the whole node\n"
+"  --instances N       engine instances sharing the segment (default 1): each\n"
+"                      one's ranks lock the arena again (amd)\n"
+"  --ram-gib X         the node's RAM for the pinning budget instead of\n"
+"                      /proc/meminfo's MemTotal\n"
 "  --json              machine-readable output\n"
 "\n"
-"Exit status: 0 fits, 1 does not fit, 2 usage or config error.\n"
+"Exit status: 0 fits, 1 does not fit (memory, or AMD's pinning budget), 2 usage\n"
+"or config error.\n"
 "Free memory is MemFree of sysfs node meminfo (KVTIER_SYSFS_ROOT overrides /sys).\n");
 }
 
@@ -112,7 +127,7 @@ static uint64_t gib_bytes(double g)
 static int parse_args(int argc, char **argv, struct opts *o)
 {
 	enum { O_KV = 256, O_IDX, O_IDXL, O_TP, O_PP, O_LAYOUT, O_CHUNK, O_FIXED, O_TIER,
-	       O_TOKENS, O_NODES, O_FREE, O_HP, O_JSON, O_HELP };
+	       O_TOKENS, O_NODES, O_FREE, O_HP, O_JSON, O_HELP, O_GPU, O_INST, O_RAM };
 	static const struct option lo[] = {
 		{"kv-dtype", required_argument, 0, O_KV},
 		{"indexer-dtype", required_argument, 0, O_IDX},
@@ -128,6 +143,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
 		{"node-free-gib", required_argument, 0, O_FREE},
 		{"hugepages", required_argument, 0, O_HP},
 		{"json", no_argument, 0, O_JSON},
+		{"gpu", required_argument, 0, O_GPU},
+		{"instances", required_argument, 0, O_INST},
+		{"ram-gib", required_argument, 0, O_RAM},
 		{"help", no_argument, 0, O_HELP},
 		{0, 0, 0, 0},
 	};
@@ -138,6 +156,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
 	o->tp = o->pp = 1;
 	o->chunk = 256;
 	o->indexer_layers = -1;
+	o->instances = 1;
 	opterr = 0;
 	while (r == 0 && (c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
 		uint32_t u;
@@ -156,6 +175,25 @@ static int parse_args(int argc, char **argv, struct opts *o)
 				o->indexer_layers = (int)u;
 			break;
 		case O_TP: r = parse_u32("--tp", optarg, 1, 64, &o->tp); break;
+		case O_INST: r = parse_u32("--instances", optarg, 1, 64, &o->instances); break;
+		case O_GPU:
+			if (!strcmp(optarg, "auto"))
+				o->gpu = GPU_AUTO;
+			else if (!strcmp(optarg, "none"))
+				o->gpu = GPU_NONE;
+			else if (!strcmp(optarg, "amd"))
+				o->gpu = GPU_AMD;
+			else if (!strcmp(optarg, "nvidia"))
+				o->gpu = GPU_NVIDIA;
+			else
+				r = bad("--gpu", optarg, "expected auto, amd, nvidia or none");
+			break;
+		case O_RAM:
+			if (!(r = parse_gib("--ram-gib", optarg, &g)))
+				o->ram = gib_bytes(g);
+			if (!r && !o->ram)
+				r = bad("--ram-gib", optarg, "RAM must be larger than 0");
+			break;
 		case O_PP: r = parse_u32("--pp", optarg, 1, 64, &o->pp); break;
 		case O_CHUNK: r = parse_u32("--chunk-tokens", optarg, 1, 1u << 20, &o->chunk); break;
 		case O_LAYOUT:
@@ -408,6 +446,65 @@ static void print_model(const struct kvt_model *m, const struct kvt_size_plan *p
 	printf("chunk       %u tokens\n", p->chunk_tokens);
 }
 
+/* AMD's pinning budget (kvt_size_kfd_limit): what the plan's ranks lock
+ * against the driver's node-wide limit. */
+static struct {
+	int on, fits;
+	uint64_t ram, limit, locked, max_tier;
+} A;
+
+static uint64_t mem_total(void)
+{
+	char line[256];
+	unsigned long long kb = 0;
+	FILE *f = fopen("/proc/meminfo", "r");
+
+	if (!f)
+		return 0;
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "MemTotal: %llu kB", &kb) == 1)
+			break;
+	fclose(f);
+	return (uint64_t)kb << 10;
+}
+
+static int amd_budget(const struct opts *o, const struct kvt_size_plan *p)
+{
+	uint64_t ranks = (uint64_t)o->instances * p->world;
+
+	A.on = o->gpu == GPU_AMD || (o->gpu == GPU_AUTO && access("/dev/kfd", F_OK) == 0);
+	if (!A.on)
+		return 0;
+	A.ram = o->ram ? o->ram : mem_total();
+	if (!A.ram) {
+		fprintf(stderr, "kvtier-size: --gpu amd: no MemTotal in /proc/meminfo; give "
+			"--ram-gib\n");
+		return -EINVAL;
+	}
+	A.limit = kvt_size_kfd_limit(A.ram);
+	A.locked = kvt_size_amd_locked(p, o->instances);
+	A.fits = A.locked <= A.limit;
+	A.max_tier = (A.limit / ranks) & ~((2ull << 20) - 1);
+	return 0;
+}
+
+static void print_amd(const struct opts *o, const struct kvt_size_plan *p)
+{
+	if (!A.on)
+		return;
+	printf("\namd pinning %u instance%s x %u ranks x %.2f GiB locked = %.2f GiB (each rank "
+	       "locks its shard%s), against the driver's node-wide limit %.2f GiB (RAM %.2f GiB "
+	       "- 1/64 - 1 GiB), shared with the engine's own pinned memory: %s\n",
+	       o->instances, o->instances > 1 ? "s" : "", p->world, gib(p->tier_bytes),
+	       gib(A.locked), p->layout == KVT_SIZE_REPLICATED ? ": replicated, the whole "
+	       "arena each" : "", gib(A.limit), gib(A.ram), A.fits ? "fits" : "EXCEEDS IT");
+	if (!A.fits)
+		printf("            the ranks past it fail to register their KV cache "
+		       "(hsa_amd_memory_lock_to_pool: OUT_OF_RESOURCES, -ENOMEM); largest tier "
+		       "within it: %.2f GiB per rank, or load amdgpu with no_system_mem_limit=1\n",
+		       gib(A.max_tier));
+}
+
 static void print_text(const struct opts *o, const struct kvt_model *m,
 		       const struct kvt_size_plan *p, const char *placement, const char *hp_note)
 {
@@ -550,6 +647,17 @@ static void print_json(const struct opts *o, const struct kvt_model *m,
 		I64(j, "max_tokens", p->max_tokens);
 		I64(j, "max_tier_bytes_rank", p->max_tier_bytes);
 	}
+	if (A.on) {
+		json_object *ao = json_object_new_object();
+
+		I64(ao, "ram_bytes", A.ram);
+		I64(ao, "limit_bytes", A.limit);
+		I64(ao, "locked_bytes", A.locked);
+		I64(ao, "instances", o->instances);
+		I64(ao, "max_tier_bytes_rank", A.max_tier);
+		json_object_object_add(ao, "fits", json_object_new_boolean(A.fits));
+		json_object_object_add(j, "amd_pinning", ao);
+	}
 #undef I64
 #undef STR
 	printf("%s\n", json_object_to_json_string_ext(j, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED |
@@ -644,11 +752,15 @@ int main(int argc, char **argv)
 			plan = p4k;
 		}
 	}
-	if (o.json)
+	if (amd_budget(&o, &plan))
+		return EXIT_USAGE;
+	if (o.json) {
 		print_json(&o, &m, &plan, placement, hp_note);
-	else
+	} else {
 		print_text(&o, &m, &plan, placement, hp_note);
-	if (!plan.fits || plan.n_slots == 0)
+		print_amd(&o, &plan);
+	}
+	if (!plan.fits || plan.n_slots == 0 || (A.on && !A.fits))
 		return EXIT_NOFIT;
 	return 0;
 }

@@ -374,3 +374,18 @@ int kvt_size_compute(const struct kvt_size_req *r, struct kvt_size_plan *out)
 	*out = p;
 	return 0;
 }
+
+uint64_t kvt_size_kfd_limit(uint64_t ram)
+{
+	const uint64_t reserve = 1ull << 30; /* AMDGPU_RESERVE_MEM_LIMIT */
+	uint64_t l = ram - (ram >> 6);
+
+	return l < 2 * reserve ? l >> 1 : l - reserve;
+}
+
+uint64_t kvt_size_amd_locked(const struct kvt_size_plan *p, uint32_t instances)
+{
+	/* each rank locks its shard, tier_bytes: the whole arena when
+	 * replicated (one shard) */
+	return (uint64_t)(instances ? instances : 1) * p->world * p->tier_bytes;
+}

@@ -169,6 +169,23 @@ struct kvt_size_plan {
  * numbers that overflow.  Pure: no I/O. */
 int kvt_size_compute(const struct kvt_size_req *r, struct kvt_size_plan *out);
 
+/* AMD's pinning budget.  Every hsa_amd_memory_lock_to_pool (a rank
+ * registering its shard of the arena) is charged in full to the amdgpu
+ * KFD driver's one node-wide counter of pinned system memory (userptr and
+ * GTT together, every process and GPU; the engine's own pinned buffers
+ * too), and a lock past its limit fails (HSA_STATUS_ERROR_OUT_OF_RESOURCES,
+ * which the HSA backend reports as -ENOMEM).  Each rank locks its own
+ * shard: in the sharded layout the ranks lock the arena once between them,
+ * in the replicated one each rank locks all of it, and each engine
+ * instance on the segment locks it again.  The limit as the driver sets it
+ * at load (amdgpu_amdkfd_gpuvm_init_mem_limits, read from the amdgpu
+ * sources): RAM - RAM/64 - 1 GiB (halved instead below 2 GiB); older
+ * kernels took 15/16 of the RAM free at load; the module parameter
+ * amdgpu.no_system_mem_limit=1 lifts it. */
+uint64_t kvt_size_kfd_limit(uint64_t ram_bytes);
+/* Bytes the ranks of `instances` engine instances lock for plan p. */
+uint64_t kvt_size_amd_locked(const struct kvt_size_plan *p, uint32_t instances);
+
 /* ---- Hugging Face config.json (kvtier_hfconfig, needs json-c) ---------- */
 
 /* Reads a config.json: MHA/GQA (num_key_value_heads, head_dim or

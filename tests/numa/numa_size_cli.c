@@ -101,6 +101,59 @@ static void t_llama_fits(void **state)
 	has(o->so, "each rank holds 2 of 8 KV heads");
 }
 
+/* AMD's pinning budget: each rank locks its shard, against RAM - RAM/64 -
+ * 1 GiB for the node: the replicated layout locks the arena once per
+ * rank, the sharded one once in all, each instance again. */
+static void t_amd_pinning(void **state)
+{
+	struct out *o;
+
+	(void)state;
+	o = run(NULL, "--gpu", "amd", "--ram-gib", "2048", "--tp", "8", "--tier-gib", "64",
+		"--node-free-gib", "2000", "@deepseek-v3.json", NULL);
+	assert_int_equal(o->rc, 0);
+	has(o->so, "1 instance x 8 ranks x 63.98 GiB locked = 511.88 GiB");
+	has(o->so, "replicated, the whole arena each");
+	has(o->so, "limit 2015.00 GiB (RAM 2048.00 GiB - 1/64 - 1 GiB)");
+	has(o->so, "shared with the engine's own pinned memory: fits");
+	/* fits in memory, not in the budget: 1, with the largest tier within */
+	o = run(NULL, "--gpu", "amd", "--ram-gib", "2048", "--tp", "8", "--tier-gib", "256",
+		"--node-free-gib", "2000", "@deepseek-v3.json", NULL);
+	assert_int_equal(o->rc, 1);
+	has(o->so, "check       F + 1 x tier");
+	has(o->so, ": fits\n");
+	has(o->so, "EXCEEDS IT");
+	has(o->so, "OUT_OF_RESOURCES");
+	has(o->so, "largest tier within it: 251.88 GiB per rank");
+	/* sharded: the ranks lock the arena once between them; a second
+	 * instance locks it again */
+	o = run(NULL, "--gpu", "amd", "--ram-gib", "2048", "--tp", "4", "--tier-gib", "256",
+		"--node-free-gib", "2000", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 0);
+	has(o->so, "1 instance x 4 ranks x 256.00 GiB locked = 1024.00 GiB (each rank locks "
+		"its shard)");
+	o = run(NULL, "--gpu", "amd", "--ram-gib", "2048", "--tp", "4", "--tier-gib", "256",
+		"--instances", "2", "--node-free-gib", "2000", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 1);
+	has(o->so, "2 instances x 4 ranks x 256.00 GiB locked = 2048.00 GiB");
+	/* small RAM: the limit is halved instead (below 2 GiB) */
+	o = run(NULL, "--json", "--gpu", "amd", "--ram-gib", "1", "--tier-gib", "0.25",
+		"--node-free-gib", "64", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 0);
+	has(o->so, "\"amd_pinning\"");
+	has(o->so, "\"limit_bytes\": 528482304"); /* (1 GiB - 1 GiB/64) / 2 */
+	/* NVIDIA, none: no budget line */
+	o = run(NULL, "--gpu", "nvidia", "--tp", "8", "--tier-gib", "256",
+		"--node-free-gib", "2000", "@deepseek-v3.json", NULL);
+	assert_int_equal(o->rc, 0);
+	assert_null(strstr(o->so, "amd pinning"));
+	o = run(NULL, "--gpu", "rocm", "@deepseek-v3.json", NULL);
+	assert_int_equal(o->rc, 2);
+	has(o->se, "--gpu 'rocm': expected auto, amd, nvidia or none");
+	o = run(NULL, "--gpu", "amd", "--instances", "0", "@deepseek-v3.json", NULL);
+	assert_int_equal(o->rc, 2);
+}
+
 static void t_json(void **state)
 {
 	struct out *o;
@@ -271,6 +324,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(t_llama_fits),
 		cmocka_unit_test(t_json),
+		cmocka_unit_test(t_amd_pinning),
 		cmocka_unit_test(t_deepseek_no_fit),
 		cmocka_unit_test(t_glm_fp8),
 		cmocka_unit_test(t_errors),
