@@ -202,6 +202,22 @@ static void daemon_hold(kvt_seg *s, int pidfd)
 		close(fd);
 		return;
 	}
+	/* Our lock description goes only to a listener of the segment's
+	 * owner, ours or root: a name in a shared directory (/dev/shm) can be
+	 * taken by anyone before kvtierd binds it. */
+	{
+		struct ucred cr;
+		struct stat st;
+		socklen_t cl = sizeof(cr);
+
+		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) || fstat(s->fd, &st) ||
+		    (cr.uid != 0 && cr.uid != geteuid() && cr.uid != st.st_uid)) {
+			snprintf(s->wsrv_why, sizeof(s->wsrv_why), "the listener is uid %u, "
+				 "not the segment's owner: not trusted", (unsigned)cr.uid);
+			close(fd);
+			return;
+		}
+	}
 	memset(u.buf, 0, sizeof(u.buf));
 	c = CMSG_FIRSTHDR(&mh);
 	c->cmsg_level = SOL_SOCKET;
@@ -211,12 +227,27 @@ static void daemon_hold(kvt_seg *s, int pidfd)
 	do
 		n = sendmsg(fd, &mh, MSG_NOSIGNAL);
 	while (n < 0 && errno == EINTR);
-	if (n == (ssize_t)sizeof(m))
-		do
-			n = recv(fd, ans, sizeof(ans) - 1, 0);
-		while (n < 0 && errno == EINTR);
-	else
+	if (n == (ssize_t)sizeof(m)) {
+		/* one deadline for the answer, whatever signals come (D4) */
+		uint64_t end = kvt__now_ns() + 5000000000ull, now;
+		struct pollfd p = { .fd = fd, .events = POLLIN };
+
 		n = -1;
+		errno = ETIMEDOUT;
+		while ((now = kvt__now_ns()) < end) {
+			int k = poll(&p, 1, (int)((end - now) / 1000000 + 1));
+			if (k < 0 && errno != EINTR)
+				break;
+			if (k > 0) {
+				n = recv(fd, ans, sizeof(ans) - 1, MSG_DONTWAIT);
+				break;
+			}
+		}
+		if (n < 0 && errno == EAGAIN)
+			errno = ETIMEDOUT;
+	} else {
+		n = -1;
+	}
 	if (n >= 1 && ans[0] == 'h') {
 		s->wsrv_fd = fd;
 		s->wsrv_held = 1;
@@ -364,8 +395,10 @@ void kvt__witness_stop(kvt_seg *s)
 
 	if (!s)
 		return;
-	/* after the entry's release (D1 in witness_srv.c) */
-	daemon_bye(s, 1);
+	/* after the entry's release (D1 in witness_srv.c); an entry left to
+	 * the reaper was not released: no BYE, kvtierd holds it until this
+	 * process exits */
+	daemon_bye(s, !s->leave_to_reaper);
 	if (s->witness_pid <= 0)
 		return;
 	(void)syscall(SYS_pidfd_send_signal, s->witness_pidfd, SIGKILL, NULL, 0);

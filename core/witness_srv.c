@@ -32,16 +32,33 @@
  *      rank's pidfd polled readable (the thread group exited: after
  *      exit_files and exit_task_work, witness.c) -- never on the socket's
  *      end alone, which comes in the rank's exit_files.
- *  D2  it holds nothing but what it checked: the segment file it owns,
- *      and a pidfd whose pid is the peer's.
+ *  D2  it holds nothing but what it checked: the segment file it owns
+ *      (by cached attributes: a FUSE file cannot make it wait), and the
+ *      kernel's pidfd of the peer (SO_PEERPIDFD, Linux 6.5, whatever PID
+ *      namespace the rank is in), else the pidfd the rank sent when its
+ *      pid is the peer's as this namespace sees it (so on older kernels a
+ *      rank invisible to kvtierd's PID namespace is refused, with why).
+ *      The rank, for its part, sends its lock only to a listener whose
+ *      uid is root, its own or the segment file's owner (a name in
+ *      /dev/shm can be taken by anyone first).
  *  D3  bounded: at most `max` ranks held at once (the segment's entries),
  *      a HOLD past it refused with the reason, and W_SPARE connections
- *      more; one past those is closed unanswered.  Nothing a
- *      peer sends blocks the daemon: every socket is non-blocking, each
- *      message is one datagram.
+ *      more; one past those is closed unanswered.  Nothing a peer sends
+ *      keeps the daemon's loop: every socket is non-blocking, each message
+ *      is one datagram, a call serves one batch of events, and a listener
+ *      it cannot accept from (no descriptors left) is paused until a slot
+ *      frees.  A receive error (a peer that closed with its answer
+ *      unread: ECONNRESET) is an end of that connection, and carries no
+ *      descriptors, whatever the control buffer held.
  *  D4  the rank never waits on kvtierd for longer than its timeouts
  *      (connect and answer): a daemon that does not answer is a daemon
  *      that does not hold, and the rank's own witness still does.
+ *
+ * Left as they are: idle connections can fill the W_SPARE room (a rank
+ * then gets "did not answer" and keeps its own witness); a same-uid peer
+ * can make a close() of a descriptor it sent slow (it could also just
+ * write the segment); a kvtierd restarted while ranks live holds nothing
+ * for them (they asked the one before).
  *
  * Acquire/release pairs: none in shared memory; the ordering is the
  * kernel's, as in witness.c.  Schedule points: none; tests/core_witness.c
@@ -59,6 +76,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -69,6 +87,9 @@
 #endif
 
 #define W_NAME "kvtier-witness."
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
 /* connections that have not said HOLD yet, beyond the `max` holds: room
  * to answer a request past max with its reason (a unix socket closed with
  * the peer's request unread resets the peer instead of answering) */
@@ -89,6 +110,9 @@ struct kvt_wsrv {
 	dev_t dev;
 	ino_t ino;
 	uint32_t max, n_slots, n_held;
+	int paused;    /* accept failed for want of descriptors: not listening
+			* until a slot frees (a level-triggered listener that
+			* cannot be accepted from would wake the loop forever) */
 	uint64_t exited, byes, refused;
 	struct held *h;
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -146,6 +170,12 @@ static void slot_free(struct kvt_wsrv *w, struct held *h)
 	close_fd(w, &h->lockfd);
 	close_fd(w, &h->pidfd);
 	h->used = 0;
+	if (w->paused) {
+		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = EV(EV_LISTEN, 0) };
+
+		if (!epoll_ctl(w->ep, EPOLL_CTL_MOD, w->lfd, &ev))
+			w->paused = 0;
+	}
 }
 
 int kvt_wsrv_open(const kvt_seg *s, uint32_t max, kvt_wsrv **out)
@@ -229,6 +259,8 @@ static void answer(int fd, const char *msg)
 	(void)send(fd, msg, strlen(msg) + 1, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
+/* Refuses a request with its reason.  A holding connection loses only
+ * the connection: its hold ends as any other (D1). */
 static void refuse(struct kvt_wsrv *w, struct held *h, const char *why)
 {
 	char m[200];
@@ -236,7 +268,10 @@ static void refuse(struct kvt_wsrv *w, struct held *h, const char *why)
 	snprintf(m, sizeof(m), "e%s", why);
 	answer(h->conn, m);
 	w->refused++;
-	slot_free(w, h);
+	if (h->lockfd >= 0)
+		close_fd(w, &h->conn);
+	else
+		slot_free(w, h);
 }
 
 /* The pid a pidfd refers to, as /proc shows it to us; 0 unknown. */
@@ -273,42 +308,58 @@ static void on_hold(struct kvt_wsrv *w, struct held *h, const struct kvt_wmsg *m
 		    const int *fds, int nfds)
 {
 	struct ucred cr;
-	socklen_t cl = sizeof(cr);
-	struct stat st;
-	int pid;
+	socklen_t cl = sizeof(cr), pl = sizeof(int);
+	struct statx sx;
+	struct epoll_event ev = { .events = EPOLLIN };
+	int pidfd = -1, pid;
 
-	if (w->n_held >= w->max) {
+	if (w->n_held >= w->max || nfds != 2) {
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);
-		refuse(w, h, "kvtierd holds as many ranks as the segment has entries");
+		refuse(w, h, nfds != 2 ? "HOLD carries two descriptors" :
+		       "kvtierd holds as many ranks as the segment has entries");
 		return;
 	}
-	if (nfds != 2) {
-		for (int i = 0; i < nfds; i++)
-			close(fds[i]);
-		refuse(w, h, "HOLD carries two descriptors");
-		return;
-	}
-	if (fstat(fds[0], &st) || st.st_dev != w->dev || st.st_ino != w->ino) {
+	/* cached attributes only: a file on a FUSE mount must not make the
+	 * daemon wait on its server */
+	if (statx(fds[0], "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_INO, &sx) ||
+	    makedev(sx.stx_dev_major, sx.stx_dev_minor) != w->dev || sx.stx_ino != w->ino) {
 		close(fds[0]);
 		close(fds[1]);
 		refuse(w, h, "the descriptor is not this segment's file");
 		return;
 	}
-	pid = pidfd_pid(fds[1]);
-	if (getsockopt(h->conn, SOL_SOCKET, SO_PEERCRED, &cr, &cl) || pid < 0 ||
-	    (pid > 0 && pid != cr.pid)) {
-		close(fds[0]);
+	/* The rank's pidfd: the kernel's own for the peer where it has one
+	 * (SO_PEERPIDFD, Linux 6.5; in any PID namespace), else the one it
+	 * sent, which must be the peer's as this namespace sees it (D2). */
+	if (!getsockopt(h->conn, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &pl) && pidfd >= 0) {
 		close(fds[1]);
-		refuse(w, h, "the pidfd is not the sender's");
+	} else {
+		pid = pidfd_pid(fds[1]);
+		if (getsockopt(h->conn, SOL_SOCKET, SO_PEERCRED, &cr, &cl) || pid <= 0 ||
+		    pid != cr.pid) {
+			close(fds[0]);
+			close(fds[1]);
+			refuse(w, h, "the pidfd is not the sender's (or the sender is not "
+			       "visible in kvtierd's PID namespace: run kvtierd in the host's)");
+			return;
+		}
+		pidfd = fds[1];
+	}
+	ev.data.u64 = EV(EV_PIDFD, h - w->h);
+	if (epoll_ctl(w->ep, EPOLL_CTL_ADD, pidfd, &ev)) {
+		close(fds[0]);
+		close(pidfd);
+		refuse(w, h, "kvtierd cannot watch the pidfd");
 		return;
 	}
+	if (getsockopt(h->conn, SOL_SOCKET, SO_PEERCRED, &cr, &cl))
+		cr.pid = 0;
 	h->lockfd = fds[0];
-	h->pidfd = fds[1];
+	h->pidfd = pidfd;
 	h->pid = cr.pid;
 	h->entry = m->entry;
 	w->n_held++;
-	ep_add(w, h->pidfd, EV(EV_PIDFD, h - w->h));
 	answer(h->conn, "h");
 }
 
@@ -326,9 +377,13 @@ static void on_conn(struct kvt_wsrv *w, struct held *h)
 	ssize_t n;
 
 	memset(&m, 0, sizeof(m));
+	memset(u.buf, 0, sizeof(u.buf));
 	n = recvmsg(h->conn, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
 		return;
+	if (n < 0)
+		mh.msg_controllen = 0; /* an error (ECONNRESET): no descriptors came,
+					* whatever the kernel left in msg_controllen */
 	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
 		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
 			size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -377,12 +432,20 @@ static void on_conn(struct kvt_wsrv *w, struct held *h)
 
 static void on_listen(struct kvt_wsrv *w)
 {
-	for (;;) {
+	for (int k = 0; k < 64; k++) { /* a bounded turn: the daemon has a loop to run */
 		int c = accept4(w->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		uint32_t i;
 
-		if (c < 0)
+		if (c < 0) {
+			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+			    errno == ENOMEM) {
+				struct epoll_event ev = { .events = 0,
+							  .data.u64 = EV(EV_LISTEN, 0) };
+				if (!epoll_ctl(w->ep, EPOLL_CTL_MOD, w->lfd, &ev))
+					w->paused = 1;
+			}
 			return;
+		}
 		for (i = 0; i < w->n_slots && w->h[i].used; i++)
 			;
 		if (i == w->n_slots) {
@@ -404,7 +467,8 @@ int kvt_wsrv_service(kvt_wsrv *w)
 
 	if (!w)
 		return 0;
-	while ((n = epoll_wait(w->ep, ev, 32, 0)) > 0) {
+	/* one batch per call: whatever a peer does, the daemon's loop turns */
+	if ((n = epoll_wait(w->ep, ev, 32, 0)) > 0) {
 		for (int i = 0; i < n; i++) {
 			uint32_t kind = (uint32_t)(ev[i].data.u64 >> 32);
 			uint32_t x = (uint32_t)ev[i].data.u64;

@@ -297,6 +297,24 @@ void kvt_dma_mr_info(const kvt_dma_mr *mr, struct kvt_dma_mr_info *info);
 int kvt_dma_submit(kvt_dma *d, const struct kvt_plan *p, void *subslot,
 		   enum kvt_dma_dir dir, kvt_dma_ticket *t);
 
+/* Orders the copies submitted from now on after the work the engine has
+ * queued on `stream` so far: a save submitted after this copies what the
+ * engine's kernels wrote, not what they are still writing.  vLLM asks for
+ * its saves once it has launched the forward pass, not once the pass has
+ * finished, so a save on a GPU backend needs this (the vLLM connector
+ * passes torch's current stream).  Per backend:
+ *   cuda: `stream` is a CUstream of the bound device's context (0: the
+ *         legacy default stream); an event recorded on it, which each copy
+ *         stream waits on (cuStreamWaitEvent) before its next copy;
+ *   host: 0, nothing to do (the copies read memory the caller wrote);
+ *   hsa:  -ENOTSUP: HIP streams do not expose their HSA signals here;
+ *         synchronize the engine's stream on the host before saving.
+ * Loads need no counterpart while the caller waits for them on the host
+ * before it launches the kernels that read the blocks.  0, -EINVAL (no
+ * KV registered, a bad stream), -EIO (the runtime failed; for cuda, a
+ * lost context). */
+int kvt_dma_order_after(kvt_dma *d, uint64_t stream);
+
 /* Polls a ticket: 0 (done, data in place; the ticket is consumed),
  * -EINPROGRESS, -EIO (a copy failed; consumed: never mark the chunk
  * ready), -ESTALE (not a live ticket).  Never blocks.  A ticket is consumed

@@ -60,6 +60,7 @@ struct cu_fns {
 	PFN_cuEventRecord_v2000 event_record;
 	PFN_cuEventQuery_v2000 event_query;
 	PFN_cuEventSynchronize_v2000 event_sync;
+	PFN_cuStreamWaitEvent_v3020 stream_wait_event;
 	PFN_cuMemHostRegister_v6050 host_register;
 	PFN_cuMemHostUnregister_v4000 host_unregister;
 	PFN_cuMemHostGetDevicePointer_v3020 host_dev_ptr;
@@ -106,6 +107,7 @@ static const struct sym syms[] = {
 	SYM(event_record, "cuEventRecord", 2000),
 	SYM(event_query, "cuEventQuery", 2000),
 	SYM(event_sync, "cuEventSynchronize", 2000),
+	SYM(stream_wait_event, "cuStreamWaitEvent", 3020),
 	SYM(host_register, "cuMemHostRegister", 6050),
 	SYM(host_unregister, "cuMemHostUnregister", 4000),
 	SYM(host_dev_ptr, "cuMemHostGetDevicePointer", 3020),
@@ -149,6 +151,14 @@ struct cu_be {
 	struct cu_slot *slots;
 	int use_batch;
 	CUresult lost;              /* a sticky error seen: the context is unusable */
+	/* The engine's fence (cu_order_after): recorded on the engine's
+	 * stream; each copy stream waits on its latest record once before
+	 * its next copy.  Under fence_mu: a record and the waits that must
+	 * see it. */
+	pthread_mutex_t fence_mu;
+	CUevent fence;
+	uint32_t fence_gen;         /* records made; 0: none */
+	uint32_t stream_gen[MAX_STREAMS]; /* the record each stream waits behind */
 };
 
 static const char *err_str(const struct cu_be *be, CUresult r)
@@ -257,10 +267,15 @@ static void unbind(struct cu_be *be)
 		}
 		for (uint32_t i = 0; i < be->n_streams; i++)
 			be->f.stream_destroy(be->streams[i]);
+		if (be->fence)
+			be->f.event_destroy(be->fence);
 		pop(be);
 	}
 	free(be->slots);
 	be->slots = NULL;
+	be->fence = NULL;
+	be->fence_gen = 0;
+	memset(be->stream_gen, 0, sizeof(be->stream_gen));
 	be->n_slots = be->n_streams = 0;
 	be->f.ctx_release(be->dev);
 	be->bound = 0;
@@ -273,6 +288,7 @@ static void cu_fini(struct kvt_dma *d)
 	if (!be)
 		return;
 	unbind(be);
+	pthread_mutex_destroy(&be->fence_mu);
 	free(be);
 	d->be = NULL;
 }
@@ -323,6 +339,8 @@ static int set_device(struct kvt_dma *d, int ordinal)
 		if (r)
 			break;
 	}
+	if (!r)
+		r = be->f.event_create(&be->fence, CU_EVENT_DISABLE_TIMING);
 	pop(be);
 	if (r) {
 		rc = CU_FAIL(be, r, "creating streams and events");
@@ -371,6 +389,7 @@ static int cu_init(struct kvt_dma *d, char *why, size_t why_len)
 	be = calloc(1, sizeof(*be));
 	if (!be)
 		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
+	pthread_mutex_init(&be->fence_mu, NULL);
 	d->be = be;
 	be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
 	if (!be->lib)
@@ -577,7 +596,17 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 	rc = push(be);
 	if (rc)
 		return rc;
-	if (be->use_batch && n1 >= 2) {
+	/* behind the engine's work, when a fence was recorded since this
+	 * stream last waited (cu_order_after) */
+	pthread_mutex_lock(&be->fence_mu);
+	if (be->fence_gen && be->stream_gen[slot % be->n_streams] != be->fence_gen) {
+		what = "cuStreamWaitEvent";
+		r = be->f.stream_wait_event(st, be->fence, 0);
+		if (r == CUDA_SUCCESS)
+			be->stream_gen[slot % be->n_streams] = be->fence_gen;
+	}
+	pthread_mutex_unlock(&be->fence_mu);
+	if (r == CUDA_SUCCESS && be->use_batch && n1 >= 2) {
 		CUmemcpyAttributes attr;
 		size_t idx = 0, fail_idx = 0;
 		uint32_t k = 0;
@@ -646,6 +675,40 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 				    be->lost ? ": the context is lost (a sticky error)" : "");
 	}
 	pop(be);
+	return 0;
+}
+
+/* The copies submitted from now on start after the work queued on the
+ * engine's stream so far: a record of the fence on that stream, which
+ * each copy stream waits on before its next copy (cu_submit).  One fence:
+ * a later record supersedes an earlier one, and a copy waiting on the
+ * later one waits for at least what it needed. */
+static int cu_order_after(struct kvt_dma *d, uint64_t stream)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+	int rc;
+
+	if (be->lost)
+		return cu_lost_err(be);
+	if (!be->bound)
+		return kvt__dma_err(-EINVAL, "cuda: order_after before the KV cache was "
+				    "registered");
+	rc = push(be);
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&be->fence_mu);
+	r = be->f.event_record(be->fence, (CUstream)(uintptr_t)stream);
+	if (r == CUDA_SUCCESS && !++be->fence_gen)
+		be->fence_gen = 1;
+	pthread_mutex_unlock(&be->fence_mu);
+	pop(be);
+	if (r != CUDA_SUCCESS) {
+		cu_mark_lost(d, r);
+		return kvt__dma_err(r == CUDA_ERROR_INVALID_HANDLE ? -EINVAL : -EIO,
+				    "cuda: cuEventRecord on the engine's stream %#llx: %s (%d)",
+				    (unsigned long long)stream, err_str(be, r), (int)r);
+	}
 	return 0;
 }
 
@@ -815,6 +878,7 @@ const struct kvt_dma_ops kvt__dma_cuda_ops = {
 	.mem_reg = cu_mem_reg,
 	.mem_unreg = cu_mem_unreg,
 	.submit = cu_submit,
+	.order_after = cu_order_after,
 	.poll = cu_poll,
 	.wait = cu_wait,
 	.dev_alloc = cu_dev_alloc,

@@ -599,6 +599,18 @@ int kvt_dma_submit(kvt_dma *d, const struct kvt_plan *p, void *subslot,
 	return rc;
 }
 
+int kvt_dma_order_after(kvt_dma *d, uint64_t stream)
+{
+	if (!d)
+		return kvt__dma_err(-EINVAL, "order_after: NULL handle");
+	if (d->ops->order_after)
+		return d->ops->order_after(d, stream);
+	if (!strcmp(d->ops->name, "host"))
+		return 0;
+	return kvt__dma_err(-ENOTSUP, "%s: no ordering after the engine's stream; "
+			    "synchronize it on the host before saving", d->ops->name);
+}
+
 static int finish(kvt_dma *d, kvt_dma_ticket t, uint32_t slot, int rc)
 {
 	if (rc == -EINPROGRESS || rc == -ETIMEDOUT)

@@ -114,6 +114,11 @@ struct kvt_dma_ops {
 	 * until poll/wait report a final status).  0 or -errno (nothing in
 	 * flight then). */
 	int (*submit)(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j);
+	/* Later submits start after the work queued on the engine's stream
+	 * `stream` so far (kvt_dma_order_after).  NULL: the backend's copies
+	 * need no such order (host: the caller's data is written when it
+	 * submits). */
+	int (*order_after)(struct kvt_dma *d, uint64_t stream);
 	/* 0 done, -EINPROGRESS, -EIO; a final status may be reported again. */
 	int (*poll)(struct kvt_dma *d, uint32_t slot);
 	/* 0, -ETIMEDOUT, -EIO. */
