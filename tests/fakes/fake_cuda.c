@@ -27,6 +27,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -295,7 +296,29 @@ static CUresult f_cuCtxPopCurrent(CUcontext *c)
 struct fstream {
 	uint64_t magic;
 	CUresult err;   /* pending async error; touched by the worker only */
+	int kernels;    /* fake kernels running on it (kernel_mu) */
 };
+
+/* Fake kernels (kvt_fake_cuda_kernel_write): device-memory writers that
+ * run on their own thread, as the engine's compute does beside the copy
+ * engines, and finish late.  Work queued on their stream after them (an
+ * event record, a copy) waits for them, as a stream orders its work;
+ * work on other streams does not, unless it waits on an event
+ * (cuStreamWaitEvent).  So a save that does not order itself after the
+ * engine's stream copies the bytes the kernel has not written yet. */
+static pthread_mutex_t kernel_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t kernel_cv = PTHREAD_COND_INITIALIZER;
+static int kernels_running;
+
+static void stream_ready(struct fstream *s)
+{
+	if (!s)
+		return;
+	pthread_mutex_lock(&kernel_mu);
+	while (s->kernels)
+		pthread_cond_wait(&kernel_cv, &kernel_mu);
+	pthread_mutex_unlock(&kernel_mu);
+}
 
 struct fevent {
 	uint64_t magic;
@@ -347,6 +370,7 @@ static void run_marker(void *arg)
 {
 	struct marker *k = arg;
 
+	stream_ready(k->s);
 	if (k->e) {
 		pthread_mutex_lock(&k->e->m);
 		if (k->s && k->s->err) {
@@ -492,6 +516,125 @@ static CUresult f_cuEventSynchronize(CUevent e)
 	pthread_mutex_unlock(&f->m);
 	NOT_LOST();
 	return r;
+}
+
+struct waiter {
+	struct fstream *s;
+	struct fevent *e;
+};
+
+/* The stream's later work waits for the event's last record: the single
+ * worker runs it after the record's marker, which waited for the
+ * recorded stream's kernels. */
+static void run_wait(void *arg)
+{
+	struct waiter *w = arg;
+
+	stream_ready(w->s);
+	pthread_mutex_lock(&w->e->m);
+	while (w->e->pending)
+		pthread_cond_wait(&w->e->c, &w->e->m);
+	pthread_mutex_unlock(&w->e->m);
+	free(w);
+}
+
+static CUresult f_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags)
+{
+	struct fevent *f = event_of(e);
+	struct waiter *w;
+
+	NEED_INIT();
+	if (!f || (s && !stream_of(s)))
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (flags)
+		return CUDA_ERROR_INVALID_VALUE;
+	NOT_LOST();
+	w = calloc(1, sizeof(*w));
+	if (!w)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*w = (struct waiter){ .s = stream_of(s), .e = f };
+	fake_worker_push(run_wait, w);
+	return CUDA_SUCCESS;
+}
+
+/* ---- fake kernels: the engine's compute, for the ordering tests ---------- */
+
+static char *resolve(uint64_t addr, uint64_t len, const char *what);
+
+struct kernel {
+	struct fstream *s;
+	char *dst;
+	int byte;
+	uint64_t len;
+	unsigned delay_us;
+};
+
+static void *run_kernel(void *arg)
+{
+	struct kernel *k = arg;
+
+	usleep(k->delay_us);
+	memset(k->dst, k->byte, k->len);
+	pthread_mutex_lock(&kernel_mu);
+	k->s->kernels--;
+	kernels_running--;
+	pthread_cond_broadcast(&kernel_cv);
+	pthread_mutex_unlock(&kernel_mu);
+	free(k);
+	return NULL;
+}
+
+/* A stream for the engine's kernels (no context needed). */
+EXPORT CUstream kvt_fake_cuda_engine_stream(void)
+{
+	struct fstream *f = calloc(1, sizeof(*f));
+
+	if (!f)
+		return NULL;
+	f->magic = STREAM_MAGIC;
+	atomic_fetch_add(&st_streams_live, 1);
+	return (CUstream)f;
+}
+
+/* Launches a kernel on s that fills [dst, dst + len) of device memory with
+ * `byte` after delay_us, on its own thread.  0 or -errno. */
+EXPORT int kvt_fake_cuda_kernel_write(CUstream s, uint64_t dst, int byte, uint64_t len,
+				      unsigned delay_us)
+{
+	struct fstream *f = stream_of(s);
+	struct kernel *k;
+	char *d;
+	pthread_t th;
+
+	if (!f || !(d = resolve(dst, len, "kernel dst")))
+		return -EINVAL;
+	k = calloc(1, sizeof(*k));
+	if (!k)
+		return -ENOMEM;
+	*k = (struct kernel){ .s = f, .dst = d, .byte = byte, .len = len, .delay_us = delay_us };
+	pthread_mutex_lock(&kernel_mu);
+	f->kernels++;
+	kernels_running++;
+	pthread_mutex_unlock(&kernel_mu);
+	if (pthread_create(&th, NULL, run_kernel, k)) {
+		pthread_mutex_lock(&kernel_mu);
+		f->kernels--;
+		kernels_running--;
+		pthread_mutex_unlock(&kernel_mu);
+		free(k);
+		return -EAGAIN;
+	}
+	pthread_detach(th);
+	return 0;
+}
+
+/* Waits until no fake kernel runs (a test's cleanup). */
+EXPORT void kvt_fake_cuda_kernels_wait(void)
+{
+	pthread_mutex_lock(&kernel_mu);
+	while (kernels_running)
+		pthread_cond_wait(&kernel_cv, &kernel_mu);
+	pthread_mutex_unlock(&kernel_mu);
 }
 
 /* ---- memory ------------------------------------------------------------------ */
@@ -653,6 +796,7 @@ static void run_copy(void *arg)
 {
 	struct ctask *t = arg;
 
+	stream_ready(t->s);
 	if (t->error) {
 		if (t->s)
 			t->s->err = CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -925,6 +1069,7 @@ CHECK(f_cuMemcpyHtoD, PFN_cuMemcpyHtoD_v3020);
 CHECK(f_cuMemcpyDtoH, PFN_cuMemcpyDtoH_v3020);
 CHECK(f_cuMemcpyHtoDAsync, PFN_cuMemcpyHtoDAsync_v3020);
 CHECK(f_cuMemcpyDtoHAsync, PFN_cuMemcpyDtoHAsync_v3020);
+CHECK(f_cuStreamWaitEvent, PFN_cuStreamWaitEvent_v3020);
 CHECK(f_cuPointerGetAttribute, PFN_cuPointerGetAttribute_v4000);
 CHECK(f_cuGetErrorName, PFN_cuGetErrorName_v6000);
 CHECK(f_cuMemcpyBatchAsync_v1, PFN_cuMemcpyBatchAsync_v12080);
@@ -949,6 +1094,7 @@ static const struct entry table[] = {
 	E("cuEventRecord", 2000, f_cuEventRecord),
 	E("cuEventQuery", 2000, f_cuEventQuery),
 	E("cuEventSynchronize", 2000, f_cuEventSynchronize),
+	E("cuStreamWaitEvent", 3020, f_cuStreamWaitEvent),
 	E("cuMemHostRegister", 6050, f_cuMemHostRegister),
 	E("cuMemHostUnregister", 4000, f_cuMemHostUnregister),
 	E("cuMemHostGetDevicePointer", 3020, f_cuMemHostGetDevicePointer),
