@@ -735,6 +735,16 @@ static int need_kv(kvt_tier *t, const char *what)
 	return 0;
 }
 
+int kvt_order_after(kvt_tier *t, uint64_t stream)
+{
+	int r;
+
+	if ((r = need_kv(t, "order_after")))
+		return r;
+	r = kvt_dma_order_after(t->dma, stream);
+	return r ? terr_dma(r, "order_after") : 0;
+}
+
 int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 	     const uint32_t *const *tables, kvt_op *opid)
 {

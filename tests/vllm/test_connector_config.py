@@ -12,6 +12,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "bindings", "python"))
+import kvtier  # noqa: E402
 import kvtier.vllm as kv  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
                                         KVCacheGroupSpec, MLAAttentionSpec)
@@ -295,3 +296,72 @@ def test_local_hit_inside_a_chunk():
     assert tab[0] == kv.kvtier.BLOCK_SKIP and tab[1:] == list(range(105, 136))
     # a hit that is not whole blocks (never from vLLM): nothing added
     assert c.get_num_new_matched_tokens(request("b", 1200), 100) == (0, False)
+
+
+class _Stream:
+    def __init__(self, log):
+        self.cuda_stream, self.log = 0xabc0, log
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+class _Op:
+    count = 1
+
+    def wait(self):
+        return 0
+
+
+class _Tier:
+    """Records the connector's calls; order_after fails with `fail`."""
+
+    def __init__(self, log, fail=None):
+        self.log, self.fail = log, fail
+
+    def order_after(self, stream):
+        self.log.append(("order_after", stream))
+        if self.fail:
+            raise kvtier.KvtierError(self.fail, "no ordering here", func="kvt_order_after")
+
+    def save(self, keys, tables, first_depth=0):
+        self.log.append("save")
+        return _Op()
+
+
+def _saving_connector(monkeypatch, log, fail=None, device="cuda"):
+    c = kv.KvtierConnector.__new__(kv.KvtierConnector)
+    c._tier = _Tier(log, fail)
+    c._save_order = "stream" if device == "cuda" else None
+    c._kv_device = SimpleNamespace(type=device)
+    c._stat = lambda *a: None
+    meta = kv.KvtierConnectorMetadata(saves=[kv._Save("r", bytes(16), 0, [[1, 2]])])
+    c._get_connector_metadata = lambda: meta
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: _Stream(log))
+    return c
+
+
+def test_saves_wait_for_the_forward_pass(monkeypatch):
+    """vLLM asks for the saves once it launched the forward pass: on a GPU
+    cache the tier is ordered after the engine's stream before any save;
+    a backend that cannot (hsa: ENOTSUP) gets the stream synchronized on
+    the host, from then on without asking again; a CPU cache: nothing."""
+    import errno
+    log = []
+    c = _saving_connector(monkeypatch, log)
+    c.wait_for_save()
+    assert log == [("order_after", 0xabc0), "save"]
+    log.clear()
+    c = _saving_connector(monkeypatch, log, fail=-errno.ENOTSUP)
+    c.wait_for_save()
+    c.wait_for_save()
+    assert log == [("order_after", 0xabc0), "sync", "save", "sync", "save"]
+    log.clear()
+    c = _saving_connector(monkeypatch, log, fail=-errno.EIO)
+    with pytest.raises(kvtier.KvtierError):
+        c.wait_for_save()
+    assert "save" not in log
+    log.clear()
+    c = _saving_connector(monkeypatch, log, device="cpu")
+    c.wait_for_save()
+    assert log == ["save"]

@@ -41,9 +41,10 @@ extern "C" {
 #endif
 
 /* 2: kvt_lookup_ex (the disk tier's "ask again"), kvt_config.disk_chunks,
- * the disk fields of kvt_stats.  A caller built against version 1 keeps
- * working unchanged: the library speaks both. */
-#define KVT_API_VERSION 2
+ * the disk fields of kvt_stats.  3: kvt_order_after.  A caller built
+ * against an earlier version keeps working unchanged: the library speaks
+ * every one. */
+#define KVT_API_VERSION 3
 
 typedef struct kvt_tier kvt_tier;
 
@@ -215,6 +216,21 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
  * kvt_poll/kvt_wait. */
 int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 	     const uint32_t *const *tables, kvt_op *op);
+
+/* Orders the copies of the saves that follow after the work the engine
+ * has queued on `stream` so far: a save then copies what the engine's
+ * kernels wrote, not what they are still writing.  Call it before
+ * kvt_save when the forward pass that writes the saved blocks may still
+ * run (vLLM asks for its saves once it has launched the pass).  `stream`:
+ * for the cuda backend a CUstream of the device's primary context, as
+ * torch.cuda.current_stream().cuda_stream (0: the legacy default
+ * stream); the host backend has nothing to order (0); the hsa backend
+ * refuses (-ENOTSUP): synchronize the engine's stream on the host before
+ * saving.  Saves queued by an earlier kvt_save and submitted later wait
+ * too (for at least what they needed).  0, -EPERM (no KV registered),
+ * -EINVAL (not a stream), -EIO (the runtime failed; the context may be
+ * lost), -ENOTSUP. */
+int kvt_order_after(kvt_tier *t, uint64_t stream);
 
 /* Loads the first n chunks of a lease into the blocks of tables (as in
  * kvt_save).  A table entry KVT_BLOCK_SKIP leaves that block's tokens

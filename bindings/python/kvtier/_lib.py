@@ -12,7 +12,7 @@ import threading
 
 #: The version of kvtier.h this binding was written against; passed to
 #: kvt_open_v, which refuses a version the library does not speak.
-API_VERSION = 2
+API_VERSION = 3
 
 # Roles (kvtier.h KVT_TIER_*).
 TIER_RANK = 1
@@ -136,6 +136,7 @@ _PROTOTYPES = {
     "kvt_save": (ctypes.c_int, [_tier_p, _P(kvt_key), c_u32, c_u32, _tables_p,
                                 _P(kvt_op)]),
     "kvt_load": (ctypes.c_int, [_tier_p, kvt_lease_id, c_u32, _tables_p, _P(kvt_op)]),
+    "kvt_order_after": (ctypes.c_int, [_tier_p, ctypes.c_uint64]),
     "kvt_poll": (ctypes.c_int, [_tier_p, kvt_op]),
     "kvt_wait": (ctypes.c_int, [_tier_p, kvt_op, ctypes.c_int64]),
     "kvt_release": (ctypes.c_int, [_tier_p, kvt_lease_id]),

@@ -899,6 +899,14 @@ class Tier:
                                          ctypes.byref(op)), func)
         return Op(self, op.value, "save", r, (kkeep, tkeep))
 
+    def order_after(self, stream):
+        """kvt_order_after: the saves that follow copy only after the work
+        queued so far on the engine's stream (cuda: a CUstream handle, as
+        torch.cuda.current_stream().cuda_stream; host: nothing to order;
+        hsa: refused, synchronize the stream instead)."""
+        func = "kvt_order_after"
+        _check(L.lib().kvt_order_after(self._handle(func), operator.index(stream)), func)
+
     def load(self, lease, block_table, n=None):
         """kvt_load: loads the first n chunks (default: all the lease's hits)
         of a lease into the blocks of block_table; an entry BLOCK_SKIP

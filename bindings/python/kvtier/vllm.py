@@ -106,6 +106,7 @@ what is in DRAM).  Waiting costs the request its place for a step or a
 few; recomputing those chunks costs their prefill.
 """
 
+import errno
 import os
 import time
 from dataclasses import dataclass, field
@@ -715,6 +716,36 @@ class KvtierConnector(KVConnectorBase_V1):
             per_group.append(([b for b, _ in spans], strides.pop(), cfg.num_blocks))
         self._kv_caches = kv_caches  # kvtier holds their addresses
         self._tier.register_kv(groups=per_group)
+        first = next(iter(kv_caches.values()), None)
+        dev = getattr(first, "device", None)
+        # a GPU cache: saves wait for the forward pass (_order_saves)
+        self._save_order = "stream" if getattr(dev, "type", "cpu") == "cuda" else None
+        self._kv_device = dev
+
+    def _order_saves(self):
+        """vLLM asks for the saves once it has launched the forward pass that
+        writes the blocks, not once the pass finished: the copies must start
+        after the work on the engine's current stream (vLLM's own offloader
+        waits for it too).  CUDA: kvtier orders its copy streams after that
+        stream on the GPU; a backend that cannot (hsa) gets the stream
+        synchronized on the host instead.  A CPU cache: nothing runs behind
+        the caller's back."""
+        mode = getattr(self, "_save_order", None)
+        if mode is None:
+            return
+        import torch
+        stream = torch.cuda.current_stream(self._kv_device)
+        if mode == "stream":
+            try:
+                self._tier.order_after(stream.cuda_stream)
+                return
+            except kvtier.KvtierError as e:
+                if e.errno != errno.ENOTSUP:
+                    raise
+                self._save_order = "sync"
+                logger.info("kvtier: the DMA backend cannot wait on the engine's stream; "
+                            "saves synchronize it on the host first")
+        stream.synchronize()
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
@@ -736,6 +767,7 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierConnectorMetadata) or not meta.saves:
             return
+        self._order_saves()
         for sv in meta.saves:
             keys = np.frombuffer(sv.keys, dtype="<u8").reshape(-1, 2)
             t0 = time.perf_counter()

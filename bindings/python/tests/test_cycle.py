@@ -249,3 +249,30 @@ def test_raw_addresses(segname):
         with c.lookup(keys) as lease:
             c.load(lease, [8, 9, 10, 11]).wait()
         assert blocks_equal(src, [0, 1, 2, 3], src, [8, 9, 10, 11])
+
+
+def test_order_after(segname):
+    """kvt_order_after: on the host backend there is nothing to order (the
+    copies read what the caller wrote); before register_kv it is refused;
+    the save that follows works as ever."""
+    with scheduler(segname) as s:
+        t = kvtier.Tier(segment=segname, role="rank", rank=0, world=WORLD, instance=0,
+                        groups=s_groups(), chunk_tokens=CHUNK_TOKENS, dma="host",
+                        model="kvtier-pytest")
+        try:
+            with pytest.raises(kvtier.KvtierError) as e:
+                t.order_after(0)
+            assert e.value.errno == errno.EPERM
+            t.register_kv(groups=[kv_cache(seed=3)])
+            assert t.order_after(0) is None
+            keys = s.hash_tokens(prompt(2, seed=4))
+            op = t.save(keys, block_table(2, seed=4))
+            op.wait()
+            assert op.count == 2
+        finally:
+            t.close()
+
+
+def s_groups():
+    from kvt_testlib import groups
+    return groups(False)
