@@ -5,7 +5,9 @@
 #
 # Builds kvtier-bench with the CUDA backend (CMake; straight cc if CMake or
 # a test dependency is missing -- the machine may have no network), runs the
-# DMA test suite against the real driver when cmocka is there, measures the
+# DMA test suite against the real driver when cmocka is there (among its
+# checks test_save_after_compute: a save ordered after an engine stream
+# still writing the blocks holds the bytes written last), measures the
 # engine's own reference (cudaMemcpyAsync from cudaMallocHost memory,
 # bench/gpu/pinned_copy.c, when libcudart is there), then `kvtier-bench
 # bandwidth --backend cuda`: a KV cache allocated in device memory
