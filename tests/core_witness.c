@@ -329,6 +329,47 @@ static void serve(kvt_wsrv *w, int fd)
 	}
 }
 
+/* One turn of a server's loop: wait for its events, serve them, count. */
+static void turn(kvt_wsrv *w, uint32_t *held, uint64_t *ex, uint64_t *byes,
+		 uint64_t *refused)
+{
+	struct pollfd q = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
+
+	assert_int_equal(poll(&q, 1, -1), 1);
+	kvt_wsrv_service(w);
+	kvt_wsrv_counts(w, held, ex, byes, refused);
+}
+
+/* A HOLD sent by hand on a new connection to sock: fd0 as the lock
+ * description, fd1 as the pidfd.  The connected socket. */
+static int send_hold(const char *sock, int fd0, int fd1, uint16_t version)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	int c = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0), fds[2] = { fd0, fd1 };
+	struct kvt_wmsg m = { .magic = KVT_WMSG_MAGIC, .version = version,
+			      .op = KVT_WMSG_HOLD };
+	union { char b[CMSG_SPACE(sizeof(fds))]; struct cmsghdr al; } u;
+	struct iovec iov = { .iov_base = &m, .iov_len = sizeof(m) };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b,
+			     .msg_controllen = sizeof(u.b) };
+	struct cmsghdr *cm;
+
+	memset(u.b, 0, sizeof(u.b));
+	cm = CMSG_FIRSTHDR(&mh);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(fds));
+	memcpy(CMSG_DATA(cm), fds, sizeof(fds));
+	memcpy(a.sun_path, sock, strlen(sock) + 1);
+	if (c < 0 || connect(c, (struct sockaddr *)&a, sizeof(a)) ||
+	    sendmsg(c, &mh, 0) != (ssize_t)sizeof(m)) {
+		if (c >= 0)
+			close(c);
+		return -1;
+	}
+	return c;
+}
+
 static int daemon_off(void)
 {
 	const char *v = getenv("KVTIER_TEST_DAEMON_WITNESS");
@@ -561,12 +602,8 @@ static void test_witness_daemon_protocol(void **st)
 	assert_int_equal(waitpid(pid, NULL, 0), pid);
 	kids[0] = 0;
 	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	while (held) {
-		struct pollfd p = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
-		assert_int_equal(poll(&p, 1, -1), 1);
-		kvt_wsrv_service(w);
-		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	}
+	while (held)
+		turn(w, &held, &ex, &byes, &refused);
 	assert_int_equal(ex, 1);
 	while (kvt_seg_live_ranks(s) > 0)
 		; /* its own witness exits on the same pidfd, on its own time */
@@ -584,28 +621,12 @@ static void test_witness_daemon_protocol(void **st)
 		{ dup(kvt_seg_lock_fd(s)), 1, 9, "not a kvtier witness message" },
 	};
 	for (size_t i = 0; i < sizeof(forged) / sizeof(forged[0]); i++) {
-		struct sockaddr_un a = { .sun_family = AF_UNIX };
-		int c = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 		int fds[2] = { forged[i].fd0,
 			       forged[i].self ? pidfd_of(getpid()) : pidfd_of(getppid()) };
-		struct kvt_wmsg m = { .magic = KVT_WMSG_MAGIC, .version = forged[i].ver,
-				      .op = KVT_WMSG_HOLD };
-		union { char b[CMSG_SPACE(sizeof(fds))]; struct cmsghdr al; } u;
-		struct iovec iov = { .iov_base = &m, .iov_len = sizeof(m) };
-		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b,
-				     .msg_controllen = sizeof(u.b) };
-		struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
 		char ans[160] = "";
-		memset(u.b, 0, sizeof(u.b));
-		cm = CMSG_FIRSTHDR(&mh);
-		cm->cmsg_level = SOL_SOCKET;
-		cm->cmsg_type = SCM_RIGHTS;
-		cm->cmsg_len = CMSG_LEN(sizeof(fds));
-		memcpy(CMSG_DATA(cm), fds, sizeof(fds));
-		memcpy(a.sun_path, sock, strlen(sock) + 1);
-		assert_true(c >= 0 && fds[0] >= 0 && fds[1] >= 0);
-		assert_int_equal(connect(c, (struct sockaddr *)&a, sizeof(a)), 0);
-		assert_int_equal(sendmsg(c, &mh, 0), (ssize_t)sizeof(m));
+		assert_true(fds[0] >= 0 && fds[1] >= 0);
+		int c = send_hold(sock, fds[0], fds[1], forged[i].ver);
+		assert_true(c >= 0);
 		serve(w, c);
 		assert_true(recv(c, ans, sizeof(ans) - 1, 0) > 0);
 		fprintf(stderr, "forged request %zu: '%s'\n", i, ans);
@@ -618,12 +639,8 @@ static void test_witness_daemon_protocol(void **st)
 						.op = KVT_WMSG_BYE };
 			assert_int_equal(send(c, &bye, sizeof(bye), 0), (ssize_t)sizeof(bye));
 			close(c);
-			while (held) {
-				struct pollfd q = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
-				assert_int_equal(poll(&q, 1, -1), 1);
-				kvt_wsrv_service(w);
-				kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-			}
+			while (held)
+				turn(w, &held, &ex, &byes, &refused);
 			forged_held++;
 			close(fds[0]);
 			close(fds[1]);
@@ -682,12 +699,8 @@ static void test_witness_daemon_protocol(void **st)
 	assert_int_equal(read(up[0], &b, 1), 1);
 	assert_int_equal(b, '2');
 	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	while (!byes) {
-		struct pollfd p = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
-		assert_int_equal(poll(&p, 1, -1), 1);
-		kvt_wsrv_service(w);
-		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	}
+	while (!byes) 
+		turn(w, &held, &ex, &byes, &refused);
 	assert_int_equal(held, 0);
 	assert_int_equal(ex, 0);
 	assert_int_equal(kill(pid, 0), 0); /* ended by its BYE, not its exit */
@@ -730,37 +743,16 @@ static void test_witness_daemon_hostile(void **st)
 	pid_t m = fork();
 	if (m == 0) {
 		/* HOLD, then never read the answer; killed */
-		struct sockaddr_un a = { .sun_family = AF_UNIX };
-		int c = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-		int fds[2] = { segfd, pidfd_of(getpid()) };
-		struct kvt_wmsg msg = { .magic = KVT_WMSG_MAGIC, .version = 1,
-					.op = KVT_WMSG_HOLD };
-		union { char b[CMSG_SPACE(sizeof(fds))]; struct cmsghdr al; } u;
-		struct iovec iov = { .iov_base = &msg, .iov_len = sizeof(msg) };
-		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b,
-				     .msg_controllen = sizeof(u.b) };
-		struct cmsghdr *cm;
-		memset(u.b, 0, sizeof(u.b));
-		cm = CMSG_FIRSTHDR(&mh);
-		cm->cmsg_level = SOL_SOCKET;
-		cm->cmsg_type = SCM_RIGHTS;
-		cm->cmsg_len = CMSG_LEN(sizeof(fds));
-		memcpy(CMSG_DATA(cm), fds, sizeof(fds));
-		memcpy(a.sun_path, sock, strlen(sock) + 1);
-		if (c < 0 || connect(c, (struct sockaddr *)&a, sizeof(a)) ||
-		    sendmsg(c, &mh, 0) != (ssize_t)sizeof(msg))
+		if (send_hold(sock, segfd, pidfd_of(getpid()), 1) < 0)
 			_exit(1);
 		for (;;)
 			pause();
 	}
 	kids[1] = m;
 	close(segfd);
-	do {
-		struct pollfd q = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
-		assert_int_equal(poll(&q, 1, -1), 1);
-		kvt_wsrv_service(w);
-		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	} while (held < 1);
+	do
+		turn(w, &held, &ex, &byes, &refused);
+	while (held < 1);
 	/* then a rank's hold, the last one the server took in */
 	int pfd[2], said[2];
 	assert_int_equal(pipe(pfd), 0);
@@ -775,12 +767,9 @@ static void test_witness_daemon_hostile(void **st)
 	kvt_kill_pid(m, SIGKILL);
 	assert_int_equal(waitpid(m, NULL, 0), m);
 	kids[1] = 0;
-	do {
-		struct pollfd q = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
-		assert_int_equal(poll(&q, 1, -1), 1);
-		kvt_wsrv_service(w);
-		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	} while (ex < 1);
+	do
+		turn(w, &held, &ex, &byes, &refused);
+	while (ex < 1);
 	assert_int_equal(held, 1);
 	/* the rank's hold is intact: its group kill is held to its exit */
 	int rfd = pidfd_of(pid), wfd = pidfd_of(said[0]);
@@ -790,12 +779,8 @@ static void test_witness_daemon_hostile(void **st)
 	assert_int_equal(waitpid(pid, NULL, 0), pid);
 	kids[0] = 0;
 	kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	while (held) {
-		struct pollfd q = { .fd = kvt_wsrv_fd(w), .events = POLLIN };
-		assert_int_equal(poll(&q, 1, -1), 1);
-		kvt_wsrv_service(w);
-		kvt_wsrv_counts(w, &held, &ex, &byes, &refused);
-	}
+	while (held)
+		turn(w, &held, &ex, &byes, &refused);
 	assert_int_equal(kvt_seg_reap(s), 1);
 
 	/* (2): no descriptor left for accept: the call returns, and the
