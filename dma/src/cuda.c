@@ -335,7 +335,10 @@ static int set_device(struct kvt_dma *d, int ordinal)
 			break;
 	}
 	for (; !r && be->n_slots < d->cfg.max_inflight; be->n_slots++) {
-		r = be->f.event_create(&be->slots[be->n_slots].ev, CU_EVENT_DISABLE_TIMING);
+		/* a wait without a deadline sleeps in the driver instead of
+		 * spinning a core (the engine's other ranks need the CPUs) */
+		r = be->f.event_create(&be->slots[be->n_slots].ev,
+				       CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC);
 		if (r)
 			break;
 	}

@@ -781,6 +781,8 @@ static void test_save_after_compute(void **state)
 		assert_int_equal(kvt_dma_order_after(f.d, (uint64_t)(uintptr_t)es), 0);
 	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_D2H, &t), 0);
 	assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
+	/* and that wait slept in the driver, on a BLOCKING_SYNC event */
+	assert_int_equal(stat_of("spin_syncs"), 0);
 	fake_kernels_wait();
 	memset(f.kv.mirror[0], 0x5a, f.kv.alloc_len[0]);
 	check_slot(&f, 0, 1);

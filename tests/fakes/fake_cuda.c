@@ -65,7 +65,8 @@ static atomic_long fail_copy, async_error, fail_register;
 static atomic_int lost;
 #define NOT_LOST() do { int l_ = atomic_load(&lost); if (l_) return (CUresult)l_; } while (0)
 static atomic_long st_copies, st_batch_calls, st_batch_copies, st_copy2d_calls,
-	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total;
+	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total,
+	st_spin_syncs;
 
 static bool trip(atomic_long *c)
 {
@@ -98,6 +99,7 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&st_max_reg_bytes, 0);
 		atomic_store(&st_bad_pointer, 0);
 		atomic_store(&st_regs_total, 0);
+		atomic_store(&st_spin_syncs, 0);
 		fake_worker_hold(0);
 	} else
 		return -EINVAL;
@@ -126,6 +128,9 @@ EXPORT long kvt_fake_cuda_stat(const char *key)
 		return atomic_load(&st_streams_live);
 	if (!strcmp(key, "events_live"))
 		return atomic_load(&st_events_live);
+	if (!strcmp(key, "spin_syncs")) /* cuEventSynchronize on an event that
+					 * the driver would spin on */
+		return atomic_load(&st_spin_syncs);
 	if (!strcmp(key, "bad_pointer"))
 		return atomic_load(&st_bad_pointer);
 	if (!strcmp(key, "ctx_refs")) {
@@ -326,6 +331,7 @@ struct fevent {
 	pthread_cond_t c;
 	int pending;    /* records not reached yet; under m */
 	CUresult status;
+	unsigned flags;
 };
 
 static struct fstream *stream_of(CUstream s)
@@ -439,6 +445,7 @@ static CUresult f_cuEventCreate(CUevent *e, unsigned int flags)
 	if (!f)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	f->magic = EVENT_MAGIC;
+	f->flags = flags;
 	pthread_mutex_init(&f->m, NULL);
 	pthread_cond_init(&f->c, NULL);
 	*e = (CUevent)f;
@@ -509,6 +516,10 @@ static CUresult f_cuEventSynchronize(CUevent e)
 	NEED_INIT();
 	if (!f)
 		return CUDA_ERROR_INVALID_HANDLE;
+	/* the real driver busy-waits here unless the event was created with
+	 * CU_EVENT_BLOCKING_SYNC (or the context with BLOCKING_SYNC) */
+	if (!(f->flags & CU_EVENT_BLOCKING_SYNC))
+		atomic_fetch_add(&st_spin_syncs, 1);
 	pthread_mutex_lock(&f->m);
 	while (f->pending)
 		pthread_cond_wait(&f->c, &f->m);
