@@ -37,6 +37,8 @@ extern "C" {
 #define KVT_DMA_MAX_GROUPS       8            /* = KVT_MAX_GROUPS of core */
 #define KVT_DMA_INFLIGHT_DEFAULT 32           /* chunks in flight per rank */
 #define KVT_DMA_INFLIGHT_MAX     4096         /* HSA caps interrupt signals here */
+#define KVT_DMA_HSA_INFLIGHT_MAX 1024         /* hsa: a quarter of them; HIP's
+						* streams and events need the rest */
 #define KVT_DMA_PIECE_MAX        (64ULL << 30) /* largest single registration */
 
 /* ---- KV layout --------------------------------------------------------

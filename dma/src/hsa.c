@@ -16,7 +16,8 @@
  * they differ on some systems, and the runtime only knows the former.
  *
  * Completion.  One signal per ticket slot, created at init and reused
- * (interrupt signals are capped at 4096 per process): set to the number of
+ * (interrupt signals are capped at 4096 per process, HIP's included: at
+ * most KVT_DMA_HSA_INFLIGHT_MAX slots here): set to the number of
  * copy operations, each completion decrements it, a negative value is an
  * error.  If issuing fails part way, the operations never issued are
  * subtracted and the issued ones are waited for before submit returns
@@ -383,6 +384,17 @@ static int hsa_init_be(struct kvt_dma *d, char *why, size_t why_len)
 		be->use_rect = 0;
 		kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: HSA_ENABLE_SDMA=0: copies run as "
 			     "shader kernels that compete with the model; no rect copies");
+	}
+	/* Each ticket's signal is an interrupt signal, one of the process's
+	 * KFD events (KFD_SIGNAL_EVENT_LIMIT, 4096 per process), which HIP's
+	 * own streams and events use too: past them signals silently stop
+	 * being interrupt-driven.  Leave HIP three quarters. */
+	if (d->cfg.max_inflight > KVT_DMA_HSA_INFLIGHT_MAX) {
+		kvt__dma_log(d, KVT_DMA_LOG_ERR, "hsa: max_inflight %u lowered to %u: each "
+			     "ticket holds one of the process's 4096 interrupt events, which "
+			     "HIP's own streams and events need too", d->cfg.max_inflight,
+			     KVT_DMA_HSA_INFLIGHT_MAX);
+		d->cfg.max_inflight = KVT_DMA_HSA_INFLIGHT_MAX;
 	}
 	be->sig = calloc(d->cfg.max_inflight, sizeof(*be->sig));
 	if (!be->sig) {
