@@ -23,11 +23,17 @@
  * subtracted and the issued ones are waited for before submit returns
  * -EIO, so a failed submit leaves nothing in flight.
  *
- * Engines.  With _on_engine, copies of one ticket go to one SDMA engine
- * and tickets rotate over the engines that copy_engine_status (and the
- * preferred-engine query, when present) allow for that direction, limited
- * to the agent's NUM_SDMA_ENG.  The wrong engine costs ~15% on MI300, so an
- * engine that refuses a copy is dropped for good (logged), falling back to
+ * Engines.  With _on_engine, copies of one ticket go to one SDMA engine.
+ * The candidates per direction are fixed at bind: the agent's NUM_SDMA_ENG
+ * engines, narrowed to the preferred ones when the runtime names some, or
+ * else to what copy_engine_status reports.  Which of them a ticket uses is
+ * asked per submission: ROCr's copy_engine_status reports only the engines
+ * idle at that instant (OUT_OF_RESOURCES when none is), so a snapshot at
+ * bind dropped for good an engine that HIP's copies kept busy then.  Each
+ * ticket rotates over the candidates idle now, or over all of them when
+ * none is (a busy engine queues the copy).  The wrong engine costs ~15% on
+ * MI300, so an engine that refuses a copy is dropped for good (logged),
+ * falling back to
  * the runtime's own choice.
  *
  * Known limit: a negative signal ends the ticket with -EIO at once; other
@@ -147,8 +153,9 @@ struct hsa_be {
 
 	int g;                      /* bound GPU index, -1 */
 	uint32_t n_sdma;            /* 0: unknown */
-	uint32_t mask[2];           /* engines per direction; 0: runtime's choice.
-				     * read/written with __atomic (dropped on error) */
+	uint32_t mask[2];           /* candidate engines per direction; 0: the
+				     * runtime's choice.  read/written with
+				     * __atomic (dropped on error) */
 	int use_rect;               /* __atomic */
 	uint32_t rr;                /* __atomic: engine rotation */
 
@@ -271,19 +278,42 @@ static void hsa_fini(struct kvt_dma *d)
 	be_free(d);
 }
 
+/* The candidate engines of a direction (fixed at bind; see "Engines"). */
 static uint32_t pick_engines(struct hsa_be *be, hsa_agent_t dst, hsa_agent_t src)
 {
-	uint32_t mask = 0, pref = 0;
+	uint32_t mask = 0, pref = 0, all;
 
-	if (!be->f.copy_on_engine || !be->f.engine_status ||
-	    be->f.engine_status(dst, src, &mask) != HSA_STATUS_SUCCESS)
+	if (!be->f.copy_on_engine || !be->f.engine_status)
 		return 0;
-	if (be->n_sdma && be->n_sdma < 32)
-		mask &= (1u << be->n_sdma) - 1;
+	all = be->n_sdma && be->n_sdma < 32 ? (1u << be->n_sdma) - 1 : 0;
+	if (!all) {
+		/* NUM_SDMA_ENG unknown: what the runtime reports now */
+		if (be->f.engine_status(dst, src, &mask) != HSA_STATUS_SUCCESS)
+			return 0;
+		all = mask;
+	}
 	if (be->f.preferred_engine &&
-	    be->f.preferred_engine(dst, src, &pref) == HSA_STATUS_SUCCESS && (mask & pref))
-		mask &= pref;
-	return mask;
+	    be->f.preferred_engine(dst, src, &pref) == HSA_STATUS_SUCCESS && (all & pref))
+		all &= pref;
+	return all;
+}
+
+/* The engine of one ticket: the k-th of the candidates idle now (all of
+ * them when none is), k rotating. */
+static uint32_t ticket_engine(struct hsa_be *be, uint32_t cand, hsa_agent_t dst,
+			      hsa_agent_t src)
+{
+	uint32_t idle = 0, use, k, e;
+
+	if (be->f.engine_status(dst, src, &idle) == HSA_STATUS_SUCCESS && (idle & cand))
+		use = idle & cand;
+	else
+		use = cand;
+	k = __atomic_fetch_add(&be->rr, 1, __ATOMIC_RELAXED) % (uint32_t)__builtin_popcount(use);
+	e = use;
+	while (k--)
+		e &= e - 1;
+	return e & -e; /* the k-th set bit */
 }
 
 static void describe_gpu(struct kvt_dma *d)
@@ -554,15 +584,8 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 	be->f.signal_store(sig, count);
 	if (!count)
 		return 0;
-	if (mask) {
-		uint32_t k = __atomic_fetch_add(&be->rr, 1, __ATOMIC_RELAXED) %
-			     (uint32_t)__builtin_popcount(mask);
-
-		engine = mask;
-		while (k--)
-			engine &= engine - 1;
-		engine &= -engine; /* the k-th set bit */
-	}
+	if (mask)
+		engine = d2h ? ticket_engine(be, mask, cpu, gpu) : ticket_engine(be, mask, gpu, cpu);
 	for (uint32_t i = 0; i < p->n; i++) {
 		const struct kvt_copy *c = &p->copies[i];
 		uint64_t host = j->host_dev + c->off;

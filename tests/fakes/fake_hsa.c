@@ -47,6 +47,7 @@ static int n_gpus;
 
 /* injection (counters: the k-th next call fails; 0 = off) */
 static atomic_long fail_copy, neg_signal, fail_lock, fail_rect, fail_engine;
+static atomic_long busy_engines; /* engines copy_engine_status reports busy */
 /* statistics */
 static atomic_long st_copies, st_engine_copies, st_rect_copies, st_locks_total,
 	st_max_lock_bytes, st_signals_live, st_engine_used[N_SDMA], st_bad_pointer;
@@ -63,9 +64,12 @@ EXPORT int kvt_fake_hsa_ctl(const char *key, long v)
 		atomic_store(&fail_rect, v);
 	else if (!strcmp(key, "fail_engine"))
 		atomic_store(&fail_engine, v);
+	else if (!strcmp(key, "busy_engines")) /* mask: reported busy (not idle) */
+		atomic_store(&busy_engines, v);
 	else if (!strcmp(key, "hold"))
 		fake_worker_hold((int)v);
 	else if (!strcmp(key, "reset")) {
+		atomic_store(&busy_engines, 0);
 		atomic_store(&fail_copy, 0);
 		atomic_store(&neg_signal, 0);
 		atomic_store(&fail_lock, 0);
@@ -753,8 +757,9 @@ EXPORT hsa_status_t hsa_amd_memory_copy_engine_status(hsa_agent_t dst_agent,
 	if ((gpu_of(dst_agent) < 0 && !is_cpu(dst_agent)) ||
 	    (gpu_of(src_agent) < 0 && !is_cpu(src_agent)) || !engine_ids_mask)
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
-	*engine_ids_mask = (1u << N_SDMA) - 1;
-	return HSA_STATUS_SUCCESS;
+	/* as ROCr: only the engines idle now; none idle is an error */
+	*engine_ids_mask = ((1u << N_SDMA) - 1) & ~(uint32_t)atomic_load(&busy_engines);
+	return *engine_ids_mask ? HSA_STATUS_SUCCESS : HSA_STATUS_ERROR_OUT_OF_RESOURCES;
 }
 #endif
 
