@@ -468,6 +468,7 @@ static int cu_init(struct kvt_dma *d, char *why, size_t why_len)
 static int cu_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 {
 	struct cu_be *be = d->be;
+	CUdeviceptr seen_lo = 0, seen_hi = 0; /* device memory already walked */
 	int ord = -1;
 
 	for (uint32_t k = 0; k < l->n_groups; k++) {
@@ -487,11 +488,41 @@ static int cu_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				return kvt__dma_err(-EINVAL, "cuda: group %u layer %u base %#llx "
 						    "is not device memory (%s)", k, i,
 						    (unsigned long long)p, r ? err_str(be, r) : "host");
-			if (!be->f.ptr_attr(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) &&
-			    !be->f.ptr_attr(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) && size &&
-			    start + size < p + kvt__layer_extent(gr))
-				return kvt__dma_err(-EINVAL, "cuda: group %u layer %u: n_blocks * "
-						    "block_stride runs past its allocation", k, i);
+			/* The layer's extent must be device memory of this device.
+			 * One tensor may span several mappings (cuMemMap pieces:
+			 * PyTorch's expandable segments, vLLM's sleep mode), each
+			 * its own range: walk the ones that follow, once for all
+			 * the layers inside what was walked already. */
+			CUdeviceptr need = p + kvt__layer_extent(gr);
+			if (!(p >= seen_lo && need <= seen_hi) &&
+			    !be->f.ptr_attr(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) &&
+			    !be->f.ptr_attr(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) && size) {
+				CUdeviceptr end = start + size;
+				while (end < need) {
+					CUdeviceptr s2 = 0;
+					size_t z2 = 0;
+					unsigned int t2 = 0;
+					int o2 = -1;
+					if (be->f.ptr_attr(&t2, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, end) ||
+					    t2 != CU_MEMORYTYPE_DEVICE ||
+					    be->f.ptr_attr(&o2, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, end) ||
+					    o2 != o ||
+					    be->f.ptr_attr(&s2, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, end) ||
+					    s2 != end ||
+					    be->f.ptr_attr(&z2, CU_POINTER_ATTRIBUTE_RANGE_SIZE, end) || !z2)
+						break;
+					end += z2;
+				}
+				if (end < need)
+					return kvt__dma_err(-EINVAL, "cuda: group %u layer %u: n_blocks * "
+							    "block_stride runs past its device memory "
+							    "(%#llx + %llu; mapped up to %#llx)", k, i,
+							    (unsigned long long)p,
+							    (unsigned long long)kvt__layer_extent(gr),
+							    (unsigned long long)end);
+				seen_lo = start;
+				seen_hi = end;
+			}
 			if (ord >= 0 && o != ord)
 				return kvt__dma_err(-EINVAL, "cuda: the KV cache spans devices "
 						    "%d and %d", ord, o);

@@ -809,6 +809,42 @@ static void test_save_after_compute(void **state)
 	fix_close(&f);
 }
 
+/* A KV tensor over several device mappings (cuMemMap pieces: PyTorch's
+ * expandable segments, vLLM's sleep mode), each piece its own range for
+ * cuPointerGetAttribute: bind walks them (it refused such a tensor, shown
+ * once); a layer that runs past its memory is still refused. */
+static void test_kv_over_several_mappings(void **state)
+{
+	const struct gspec g = { .layers = 2, .bpt = 64, .tpb = 16, .stride_pages = 1,
+				 .n_blocks = 32 };
+	struct kvt_dma_config c = base_cfg();
+	struct fix f;
+	struct kv kv;
+	kvt_dma_ticket t;
+	kvt_dma *d;
+
+	(void)state;
+	if (strcmp(backend, "cuda") || !fake_ctl)
+		skip(); /* the fake's ranges only */
+	for (int split = 0; split < 2; split++) {
+		ctl("range_split", split ? 4096 : 0);
+		fix_open(&f, &c);
+		assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_D2H, &t), 0);
+		assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
+		check_slot(&f, 0, 1);
+		fix_close(&f);
+		d = open_cfg(&c);
+		kv_create(d, &kv, 64, &g, 1);
+		kv.l.groups[0].n_blocks += 64;
+		assert_int_equal(kvt_dma_kv_register(d, &kv.l), -EINVAL);
+		assert_non_null(strstr(kvt_dma_last_error(), "runs past its device memory"));
+		kv.l.groups[0].n_blocks -= 64;
+		kv_destroy(d, &kv);
+		kvt_dma_close(d);
+	}
+	ctl("range_split", 0);
+}
+
 /* A copy refused part way through a submit: -EIO, nothing left in flight. */
 static void test_submit_failure(void **state)
 {
@@ -1319,6 +1355,7 @@ int main(void)
 		cmocka_unit_test(test_wait_out_of_order),
 		cmocka_unit_test(test_error_on_ticket),
 		cmocka_unit_test(test_save_after_compute),
+		cmocka_unit_test(test_kv_over_several_mappings),
 		cmocka_unit_test(test_submit_failure),
 		cmocka_unit_test(test_register_failure),
 		cmocka_unit_test(test_unregister_reregister),

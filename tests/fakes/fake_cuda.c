@@ -63,6 +63,7 @@ static atomic_long fail_copy, async_error, fail_register;
  * synchronize returns it -- for events that completed before it too.
  * Only "reset" clears it (a new process, for the real driver). */
 static atomic_int lost;
+static atomic_long range_split; /* device ranges reported in pieces of this */
 #define NOT_LOST() do { int l_ = atomic_load(&lost); if (l_) return (CUresult)l_; } while (0)
 static atomic_long st_copies, st_batch_calls, st_batch_copies, st_copy2d_calls,
 	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total,
@@ -87,6 +88,8 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&fail_register, v);
 	else if (!strcmp(key, "hold"))
 		fake_worker_hold((int)v);
+	else if (!strcmp(key, "range_split"))
+		atomic_store(&range_split, v);
 	else if (!strcmp(key, "reset")) {
 		atomic_store(&fail_copy, 0);
 		atomic_store(&async_error, 0);
@@ -100,6 +103,7 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&st_bad_pointer, 0);
 		atomic_store(&st_regs_total, 0);
 		atomic_store(&st_spin_syncs, 0);
+		atomic_store(&range_split, 0);
 		fake_worker_hold(0);
 	} else
 		return -EINVAL;
@@ -782,11 +786,22 @@ static CUresult f_cuPointerGetAttribute(void *data, CUpointer_attribute a, CUdev
 		*(int *)data = r.owner;
 		return CUDA_SUCCESS;
 	case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
-		*(CUdeviceptr *)data = (CUdeviceptr)r.dev;
+	case CU_POINTER_ATTRIBUTE_RANGE_SIZE: {
+		/* range_split: device memory mapped in pieces of that many
+		 * bytes (cuMemMap of several allocations into one reserved
+		 * range, as PyTorch's expandable segments do): each piece is
+		 * a range of its own */
+		uint64_t piece = (uint64_t)atomic_load(&range_split), start = r.dev, len = r.len;
+		if (piece && r.kind == FAKE_DEV) {
+			start = r.dev + (p - r.dev) / piece * piece;
+			len = r.dev + r.len - start < piece ? r.dev + r.len - start : piece;
+		}
+		if (a == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
+			*(CUdeviceptr *)data = (CUdeviceptr)start;
+		else
+			*(size_t *)data = len;
 		return CUDA_SUCCESS;
-	case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
-		*(size_t *)data = r.len;
-		return CUDA_SUCCESS;
+	}
 	default:
 		return CUDA_ERROR_INVALID_VALUE;
 	}
