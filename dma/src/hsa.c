@@ -490,10 +490,32 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				return kvt__dma_err(-EINVAL, "hsa: group %u layer %u base %#llx "
 						    "is not GPU memory", k, i,
 						    (unsigned long long)gr->layer_base[i]);
-			if (info.sizeInBytes && (uintptr_t)info.agentBaseAddress +
-			    info.sizeInBytes < gr->layer_base[i] + kvt__layer_extent(gr))
+			/* The layer's extent must be this GPU's memory; a tensor
+			 * may span several allocations mapped back to back (as
+			 * cuda.c's bind): walk the ones that follow. */
+			uint64_t end = (uintptr_t)info.agentBaseAddress + info.sizeInBytes;
+			uint64_t need = gr->layer_base[i] + kvt__layer_extent(gr);
+			while (info.sizeInBytes && end < need) {
+				hsa_amd_pointer_info_t nx;
+
+				memset(&nx, 0, sizeof(nx));
+				nx.size = sizeof(nx);
+				if (be->f.pointer_info((void *)(uintptr_t)end, &nx, NULL, NULL,
+						       NULL) ||
+				    (nx.type != HSA_EXT_POINTER_TYPE_HSA &&
+				     nx.type != HSA_EXT_POINTER_TYPE_IPC) ||
+				    nx.agentOwner.handle != info.agentOwner.handle ||
+				    (uintptr_t)nx.agentBaseAddress != end || !nx.sizeInBytes)
+					break;
+				end += nx.sizeInBytes;
+			}
+			if (info.sizeInBytes && end < need)
 				return kvt__dma_err(-EINVAL, "hsa: group %u layer %u: n_blocks * "
-						    "block_stride runs past its allocation", k, i);
+						    "block_stride runs past its device memory "
+						    "(%#llx + %llu; mapped up to %#llx)", k, i,
+						    (unsigned long long)gr->layer_base[i],
+						    (unsigned long long)kvt__layer_extent(gr),
+						    (unsigned long long)end);
 			if (g >= 0 && gi != g)
 				return kvt__dma_err(-EINVAL, "hsa: the KV cache spans GPUs %d "
 						    "and %d", g, gi);

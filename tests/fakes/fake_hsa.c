@@ -48,6 +48,7 @@ static int n_gpus;
 /* injection (counters: the k-th next call fails; 0 = off) */
 static atomic_long fail_copy, neg_signal, fail_lock, fail_rect, fail_engine;
 static atomic_long busy_engines; /* engines copy_engine_status reports busy */
+static atomic_long range_split;  /* device memory reported in pieces of this */
 /* statistics */
 static atomic_long st_copies, st_engine_copies, st_rect_copies, st_locks_total,
 	st_max_lock_bytes, st_signals_live, st_engine_used[N_SDMA], st_bad_pointer;
@@ -66,10 +67,13 @@ EXPORT int kvt_fake_hsa_ctl(const char *key, long v)
 		atomic_store(&fail_engine, v);
 	else if (!strcmp(key, "busy_engines")) /* mask: reported busy (not idle) */
 		atomic_store(&busy_engines, v);
+	else if (!strcmp(key, "range_split"))
+		atomic_store(&range_split, v);
 	else if (!strcmp(key, "hold"))
 		fake_worker_hold((int)v);
 	else if (!strcmp(key, "reset")) {
 		atomic_store(&busy_engines, 0);
+		atomic_store(&range_split, 0);
 		atomic_store(&fail_copy, 0);
 		atomic_store(&neg_signal, 0);
 		atomic_store(&fail_lock, 0);
@@ -465,6 +469,13 @@ EXPORT hsa_status_t hsa_amd_pointer_info(const void *ptr, hsa_amd_pointer_info_t
 	info->agentBaseAddress = (void *)(uintptr_t)r.dev;
 	info->hostBaseAddress = r.kind == FAKE_DEV ? NULL : r.host;
 	info->sizeInBytes = r.len;
+	if (atomic_load(&range_split) && r.kind == FAKE_DEV) {
+		/* device memory in back-to-back allocations of range_split bytes */
+		uint64_t piece = (uint64_t)atomic_load(&range_split);
+		uint64_t start = r.dev + ((uint64_t)(uintptr_t)ptr - r.dev) / piece * piece;
+		info->agentBaseAddress = (void *)(uintptr_t)start;
+		info->sizeInBytes = r.dev + r.len - start < piece ? r.dev + r.len - start : piece;
+	}
 	info->agentOwner.handle = r.kind == FAKE_DEV ? GPU_AGENT + (uint64_t)r.owner : CPU_AGENT;
 	return HSA_STATUS_SUCCESS;
 }
