@@ -599,16 +599,13 @@ static void *run_kernel(void *arg)
 	return NULL;
 }
 
-/* A stream for the engine's kernels (no context needed). */
+/* The engine's stream for the kernels (one, for the process's life; no
+ * context needed). */
 EXPORT CUstream kvt_fake_cuda_engine_stream(void)
 {
-	struct fstream *f = calloc(1, sizeof(*f));
+	static struct fstream engine = { .magic = STREAM_MAGIC };
 
-	if (!f)
-		return NULL;
-	f->magic = STREAM_MAGIC;
-	atomic_fetch_add(&st_streams_live, 1);
-	return (CUstream)f;
+	return (CUstream)&engine;
 }
 
 /* Launches a kernel on s that fills [dst, dst + len) of device memory with
