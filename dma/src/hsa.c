@@ -551,8 +551,14 @@ static int hsa_mem_reg(struct kvt_dma *d, struct kvt_dma_piece *p)
 	st = be->f.lock_to_pool(p->host, p->len, &gpu, 1, be->cpu_pool, 0, &agent_ptr);
 	if (st != HSA_STATUS_SUCCESS || !agent_ptr)
 		return kvt__dma_err(st ? st_errno(st) : -EIO, "hsa: lock_to_pool(%p, %llu): "
-				    "status 0x%x (%s)", (void *)p->host,
-				    (unsigned long long)p->len, (unsigned)st, st_str(be, st));
+				    "status 0x%x (%s)%s", (void *)p->host,
+				    (unsigned long long)p->len, (unsigned)st, st_str(be, st),
+				    st == HSA_STATUS_ERROR_OUT_OF_RESOURCES ?
+				    "; the amdgpu driver's pinning budget (one limit for the "
+				    "node, about RAM - RAM/64 - 1 GiB, every rank's and the "
+				    "engine's locks counted) is likely spent: kvtier-size "
+				    "--gpu amd checks a plan against it, "
+				    "amdgpu.no_system_mem_limit=1 lifts it" : "");
 	p->dev = (uint64_t)(uintptr_t)agent_ptr;
 	return 0;
 }

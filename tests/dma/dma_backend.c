@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <cmocka.h>
 
 #include "kvt_dma.h"
@@ -846,6 +847,60 @@ static void test_kv_over_several_mappings(void **state)
 	ctl("range_split", 0);
 }
 
+/* AMD's pinning budget (the fake no kinder than the KFD driver): every
+ * lock is charged to one node-wide counter; a rank whose lock would pass
+ * it fails to register with -ENOMEM, and the message names the budget and
+ * the tools (the old message gave only the status, shown once).  A lock
+ * released gives its bytes back. */
+static void test_lock_budget(void **state)
+{
+	struct kvt_dma_config c = base_cfg();
+	struct fix f;
+	char ledger[] = "/tmp/kvt-fake-kfd-XXXXXX";
+	kvt_dma *d2;
+	struct kv kv;
+	struct arena a2;
+	int fd;
+
+	(void)state;
+	if (strcmp(backend, "hsa") || !fake_ctl)
+		skip(); /* the fake's budget */
+	fd = mkstemp(ledger);
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("FAKE_HSA_LOCK_LEDGER", ledger, 1);
+	setenv("FAKE_HSA_LOCK_BUDGET", "1099511627776", 1);
+	fix_open(&f, &c); /* one rank's arena locked */
+	char b[32];
+	snprintf(b, sizeof(b), "%llu", (unsigned long long)(f.a.len + f.a.len / 2));
+	setenv("FAKE_HSA_LOCK_BUDGET", b, 1); /* room for 1.5 of them */
+	/* a second rank locking its own copy (the replicated layout) */
+	d2 = open_cfg(&c);
+	const struct gspec g = { .layers = 2, .bpt = 64, .tpb = 16, .stride_pages = 1,
+				 .n_blocks = 32 };
+	kv_create(d2, &kv, 64, &g, 1);
+	assert_int_equal(kvt_dma_kv_register(d2, &kv.l), 0);
+	a2.stride = f.a.stride;
+	a2.n = 4;
+	a2.len = f.a.len;
+	a2.mr = NULL;
+	a2.base = mmap(NULL, a2.len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	assert_true(a2.base != MAP_FAILED);
+	assert_int_equal(kvt_dma_mem_register(d2, a2.base, a2.len, a2.stride, &a2.mr), -ENOMEM);
+	assert_non_null(strstr(kvt_dma_last_error(), "pinning budget"));
+	assert_non_null(strstr(kvt_dma_last_error(), "kvtier-size --gpu amd"));
+	a2.mr = NULL;
+	/* the first rank goes: its bytes come back, the second fits */
+	fix_close(&f);
+	assert_int_equal(kvt_dma_mem_register(d2, a2.base, a2.len, a2.stride, &a2.mr), 0);
+	arena_destroy(d2, &a2);
+	kv_destroy(d2, &kv);
+	kvt_dma_close(d2);
+	unsetenv("FAKE_HSA_LOCK_BUDGET");
+	unsetenv("FAKE_HSA_LOCK_LEDGER");
+	unlink(ledger);
+}
+
 /* A copy refused part way through a submit: -EIO, nothing left in flight. */
 static void test_submit_failure(void **state)
 {
@@ -1357,6 +1412,7 @@ int main(void)
 		cmocka_unit_test(test_error_on_ticket),
 		cmocka_unit_test(test_save_after_compute),
 		cmocka_unit_test(test_kv_over_several_mappings),
+		cmocka_unit_test(test_lock_budget),
 		cmocka_unit_test(test_submit_failure),
 		cmocka_unit_test(test_register_failure),
 		cmocka_unit_test(test_unregister_reregister),

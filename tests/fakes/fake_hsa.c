@@ -13,6 +13,9 @@
  *     signal (or make it negative on an injected error);
  *   - the ROCm 5.6 entry points (_on_engine, copy_engine_status, the SDMA
  *     engine count) exist unless built with FAKE_HSA_52 (ROCm 5.2: absent).
+ *   - locks are charged to a pinning budget shared across processes when
+ *     FAKE_HSA_LOCK_BUDGET and FAKE_HSA_LOCK_LEDGER are set (the KFD
+ *     driver's one node-wide limit);
  * Injection and statistics through kvt_fake_hsa_ctl() / kvt_fake_hsa_stat(),
  * and FAKE_HSA_INIT_STATUS / FAKE_HSA_GPUS in the environment.
  */
@@ -26,6 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <unistd.h>
+#include <sys/mman.h>
 
 #include <hsa/hsa.h>
 #include <hsa/hsa_ext_amd.h>
@@ -402,6 +408,46 @@ EXPORT hsa_status_t hsa_amd_agents_allow_access(uint32_t num_agents, const hsa_a
 
 /* ---- locking --------------------------------------------------------------- */
 
+/* The amdgpu KFD driver's pinning budget: one node-wide counter that
+ * every process's locks are charged to, in full, and a lock past its
+ * limit fails.  FAKE_HSA_LOCK_BUDGET (bytes) turns it on; the counter is
+ * shared by every process that names the same FAKE_HSA_LOCK_LEDGER file
+ * (8 bytes, mapped; a process's locks are released by its unlocks).
+ * Returns 0, or -1 when charging `delta` would pass the limit. */
+static int budget_charge(int64_t delta)
+{
+	static _Atomic int64_t *used;
+	static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+	long limit = fake_env_long("FAKE_HSA_LOCK_BUDGET", 0);
+	const char *path = getenv("FAKE_HSA_LOCK_LEDGER");
+
+	if (limit <= 0 || !path || !*path)
+		return 0;
+	pthread_mutex_lock(&mu);
+	if (!used) {
+		int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+		if (fd >= 0 && ftruncate(fd, 8) == 0) {
+			void *m = mmap(NULL, 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+			if (m != MAP_FAILED)
+				used = m;
+		}
+		if (fd >= 0)
+			close(fd);
+	}
+	pthread_mutex_unlock(&mu);
+	if (!used)
+		return 0;
+	if (delta <= 0) {
+		atomic_fetch_add(used, delta);
+		return 0;
+	}
+	if (atomic_fetch_add(used, delta) + delta > limit) {
+		atomic_fetch_sub(used, delta);
+		return -1;
+	}
+	return 0;
+}
+
 EXPORT hsa_status_t hsa_amd_memory_lock_to_pool(void *host_ptr, size_t size,
 						hsa_agent_t *agents, int num_agent,
 						hsa_amd_memory_pool_t pool, uint32_t flags,
@@ -424,9 +470,13 @@ EXPORT hsa_status_t hsa_amd_memory_lock_to_pool(void *host_ptr, size_t size,
 	}
 	if (trip(&fail_lock))
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	if (budget_charge((int64_t)size))
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES; /* the driver's pinning limit */
 	dev = fake_region_add(FAKE_ALIAS, size, host_ptr, owner, 0);
-	if (!dev)
+	if (!dev) {
+		budget_charge(-(int64_t)size);
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	}
 	atomic_fetch_add(&st_locks_total, 1);
 	cur = atomic_load(&st_max_lock_bytes);
 	while ((long)size > cur && !atomic_compare_exchange_weak(&st_max_lock_bytes, &cur, (long)size))
@@ -444,6 +494,7 @@ EXPORT hsa_status_t hsa_amd_memory_unlock(void *host_ptr)
 	if (fake_alias_of_host(host_ptr, 1, &r) || r.host != host_ptr)
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT; /* real: undefined */
 	fake_region_del(r.dev, NULL);
+	budget_charge(-(int64_t)r.len);
 	return HSA_STATUS_SUCCESS;
 }
 
