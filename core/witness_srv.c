@@ -100,8 +100,6 @@ struct held {
 	int conn;      /* -1: ended (the rank died; waiting for pidfd) */
 	int lockfd;    /* -1: not holding yet */
 	int pidfd;
-	int pid;
-	uint32_t entry;
 	uint32_t used;
 };
 
@@ -304,8 +302,7 @@ static int pidfd_pid(int fd)
 	return pid;
 }
 
-static void on_hold(struct kvt_wsrv *w, struct held *h, const struct kvt_wmsg *m,
-		    const int *fds, int nfds)
+static void on_hold(struct kvt_wsrv *w, struct held *h, const int *fds, int nfds)
 {
 	struct ucred cr;
 	socklen_t cl = sizeof(cr), pl = sizeof(int);
@@ -353,12 +350,8 @@ static void on_hold(struct kvt_wsrv *w, struct held *h, const struct kvt_wmsg *m
 		refuse(w, h, "kvtierd cannot watch the pidfd");
 		return;
 	}
-	if (getsockopt(h->conn, SOL_SOCKET, SO_PEERCRED, &cr, &cl))
-		cr.pid = 0;
 	h->lockfd = fds[0];
 	h->pidfd = pidfd;
-	h->pid = cr.pid;
-	h->entry = m->entry;
 	w->n_held++;
 	answer(h->conn, "h");
 }
@@ -416,7 +409,7 @@ static void on_conn(struct kvt_wsrv *w, struct held *h)
 		return;
 	}
 	if (m.op == KVT_WMSG_HOLD && h->lockfd < 0) {
-		on_hold(w, h, &m, fds, nfds);
+		on_hold(w, h, fds, nfds);
 		return;
 	}
 	for (int i = 0; i < nfds; i++)

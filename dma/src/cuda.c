@@ -157,8 +157,10 @@ struct cu_be {
 	 * see it. */
 	pthread_mutex_t fence_mu;
 	CUevent fence;
-	uint32_t fence_gen;         /* records made; 0: none */
-	uint32_t stream_gen[MAX_STREAMS]; /* the record each stream waits behind */
+	uint32_t fence_gen;         /* records made; 0: none (written under
+				     * fence_mu, read __atomic by cu_submit) */
+	uint32_t stream_gen[MAX_STREAMS]; /* the record each stream waits behind
+					   * (likewise) */
 };
 
 static const char *err_str(const struct cu_be *be, CUresult r)
@@ -631,15 +633,20 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 	if (rc)
 		return rc;
 	/* behind the engine's work, when a fence was recorded since this
-	 * stream last waited (cu_order_after) */
-	pthread_mutex_lock(&be->fence_mu);
-	if (be->fence_gen && be->stream_gen[slot % be->n_streams] != be->fence_gen) {
-		what = "cuStreamWaitEvent";
-		r = be->f.stream_wait_event(st, be->fence, 0);
-		if (r == CUDA_SUCCESS)
-			be->stream_gen[slot % be->n_streams] = be->fence_gen;
+	 * stream last waited (cu_order_after); the lock only then: an engine
+	 * that never orders its saves pays two loads per submit */
+	uint32_t *sg = &be->stream_gen[slot % be->n_streams];
+	uint32_t g = __atomic_load_n(&be->fence_gen, __ATOMIC_ACQUIRE);
+	if (g && __atomic_load_n(sg, __ATOMIC_RELAXED) != g) {
+		pthread_mutex_lock(&be->fence_mu);
+		if (*sg != be->fence_gen) {
+			what = "cuStreamWaitEvent";
+			r = be->f.stream_wait_event(st, be->fence, 0);
+			if (r == CUDA_SUCCESS)
+				__atomic_store_n(sg, be->fence_gen, __ATOMIC_RELAXED);
+		}
+		pthread_mutex_unlock(&be->fence_mu);
 	}
-	pthread_mutex_unlock(&be->fence_mu);
 	if (r == CUDA_SUCCESS && be->use_batch && n1 >= 2) {
 		CUmemcpyAttributes attr;
 		size_t idx = 0, fail_idx = 0;
@@ -733,8 +740,10 @@ static int cu_order_after(struct kvt_dma *d, uint64_t stream)
 		return rc;
 	pthread_mutex_lock(&be->fence_mu);
 	r = be->f.event_record(be->fence, (CUstream)(uintptr_t)stream);
-	if (r == CUDA_SUCCESS && !++be->fence_gen)
-		be->fence_gen = 1;
+	if (r == CUDA_SUCCESS) {
+		uint32_t g = be->fence_gen + 1;
+		__atomic_store_n(&be->fence_gen, g ? g : 1, __ATOMIC_RELEASE);
+	}
 	pthread_mutex_unlock(&be->fence_mu);
 	pop(be);
 	if (r != CUDA_SUCCESS) {
