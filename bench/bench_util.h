@@ -5,6 +5,7 @@
 #define KVT_BENCH_UTIL_H
 
 #include <signal.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -57,6 +58,42 @@ static inline void seg_guard_install(void)
 	atexit(cleanup);
 	signal(SIGINT, on_signal);
 	signal(SIGTERM, on_signal);
+}
+
+/* 4G, 512M, 64K, or bytes: the largest unit that divides b. */
+static inline const char *human(uint64_t b, char *buf, size_t len)
+{
+	if (b >= (1ULL << 30) && !(b % (1ULL << 30)))
+		snprintf(buf, len, "%lluG", (unsigned long long)(b >> 30));
+	else if (b >= (1ULL << 20) && !(b % (1ULL << 20)))
+		snprintf(buf, len, "%lluM", (unsigned long long)(b >> 20));
+	else if (b >= 1024 && !(b % 1024))
+		snprintf(buf, len, "%lluK", (unsigned long long)(b >> 10));
+	else
+		snprintf(buf, len, "%llu", (unsigned long long)b);
+	return buf;
+}
+
+/* "64K", "1.5G", "4MiB", "100": bytes; 0, or -1 for anything else. */
+static inline int parse_size(const char *s, uint64_t *out)
+{
+	char *end;
+	double v = strtod(s, &end);
+
+	if (end == s || v <= 0)
+		return -1;
+	switch (*end) {
+	case 'k': case 'K': v *= 1024; end++; break;
+	case 'm': case 'M': v *= 1024 * 1024; end++; break;
+	case 'g': case 'G': v *= 1024.0 * 1024 * 1024; end++; break;
+	default: break;
+	}
+	if (*end == 'i' || *end == 'B')
+		end += (*end == 'i') + (end[*end == 'i'] == 'B');
+	if (*end)
+		return -1;
+	*out = (uint64_t)v;
+	return 0;
 }
 
 #endif

@@ -52,6 +52,10 @@ int kvt_hip_write(kvt_hip *h, uint64_t d, const void *s, uint64_t l)
 { (void)h; (void)d; (void)s; (void)l; return -ENOTSUP; }
 int kvt_hip_read(kvt_hip *h, void *d, uint64_t s, uint64_t l)
 { (void)h; (void)d; (void)s; (void)l; return -ENOTSUP; }
+int kvt_hip_fill_async(kvt_hip *h, uint64_t d, int b, uint64_t l)
+{ (void)h; (void)d; (void)b; (void)l; return -ENOTSUP; }
+int kvt_hip_sync(kvt_hip *h) { (void)h; return -ENOTSUP; }
+uint64_t kvt_hip_stream(const kvt_hip *h) { (void)h; return 0; }
 int kvt_hip_ceiling(kvt_hip *h, int d2h, uint64_t dev, uint64_t bytes, uint64_t cb,
 		    uint32_t iters, enum kvt_hip_pinned p, double *s, int *differs)
 {
@@ -84,6 +88,7 @@ struct hip_fns {
 	__typeof__(&hipStreamDestroy) stream_destroy;
 	__typeof__(&hipStreamSynchronize) stream_sync;
 	__typeof__(&hipDeviceSynchronize) device_sync;
+	__typeof__(&hipMemsetAsync) memset_async;
 };
 
 struct kvt_hip {
@@ -105,6 +110,7 @@ static const struct { const char *name; size_t off; } syms[] = {
 	S(host_device_pointer, "hipHostGetDevicePointer"),
 	S(stream_create, "hipStreamCreate"), S(stream_destroy, "hipStreamDestroy"),
 	S(stream_sync, "hipStreamSynchronize"), S(device_sync, "hipDeviceSynchronize"),
+	S(memset_async, "hipMemsetAsync"),
 #undef S
 };
 
@@ -249,6 +255,25 @@ int kvt_hip_read(kvt_hip *h, void *dst, uint64_t dev, uint64_t len)
 	hipError_t e = h->f.memcpy(dst, (const void *)(uintptr_t)dev, len, hipMemcpyDeviceToHost);
 
 	return e ? HFAIL(h, e, "hipMemcpy D2H %llu", (unsigned long long)len) : 0;
+}
+
+int kvt_hip_fill_async(kvt_hip *h, uint64_t dev, int byte, uint64_t len)
+{
+	hipError_t e = h->f.memset_async((void *)(uintptr_t)dev, byte, len, h->stream);
+
+	return e ? HFAIL(h, e, "hipMemsetAsync %llu", (unsigned long long)len) : 0;
+}
+
+int kvt_hip_sync(kvt_hip *h)
+{
+	hipError_t e = h->f.stream_sync(h->stream);
+
+	return e ? HFAIL(h, e, "hipStreamSynchronize") : 0;
+}
+
+uint64_t kvt_hip_stream(const kvt_hip *h)
+{
+	return (uint64_t)(uintptr_t)h->stream;
 }
 
 static uint64_t now_ns(void)

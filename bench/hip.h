@@ -35,6 +35,14 @@ int kvt_hip_free(kvt_hip *h, uint64_t dev);
 int kvt_hip_write(kvt_hip *h, uint64_t dev, const void *src, uint64_t len);
 int kvt_hip_read(kvt_hip *h, void *dst, uint64_t dev, uint64_t len);
 
+/* The engine's side of an ordering check: fills [dev, dev + len) with
+ * `byte` on the handle's stream (hipMemsetAsync: a kernel, queued, done
+ * later), and waits for everything queued on that stream. */
+int kvt_hip_fill_async(kvt_hip *h, uint64_t dev, int byte, uint64_t len);
+int kvt_hip_sync(kvt_hip *h);
+/* The handle's stream, as a number (what kvt_dma_order_after takes). */
+uint64_t kvt_hip_stream(const kvt_hip *h);
+
 /* The ceiling: `iters` rounds of copy_bytes-sized hipMemcpyAsync over
  * [dev, dev + bytes) on one stream, direction d2h (1) or h2d (0), from host
  * memory of kind `pinned`; *seconds is the wall time to the stream's end.

@@ -7,6 +7,7 @@
  *   kvtier-bench lookup [options]     hashing and lookups, C and Python (bench/lookup.c)
  *   kvtier-bench chaos [options]      kill -9 trials over a running workload (bench/chaos.c)
  *   kvtier-bench disk [options]       the disk tier against fio (bench/disk.c)
+ *   kvtier-bench pin [options]        N processes locking one arena (bench/pin.c)
  */
 #include <stdio.h>
 #include <string.h>
@@ -19,6 +20,7 @@ int kvt_bench_lookup(int argc, char **argv);
 int kvt_bench_chaos(int argc, char **argv);
 int kvt_bench_disk(int argc, char **argv);
 int kvt_bench_diskkill(int argc, char **argv);
+int kvt_bench_pin(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -34,6 +36,7 @@ static void usage(FILE *f)
 		"  chaos      kill -9 trials over a running workload: 0 corrupted, 0 leaked\n"
 		"  disk       the disk tier's demotion and promotion GB/s against fio\n"
 		"  diskkill   the disk tier under kill -9 of its engine and clients: 0 wrong\n"
+		"  pin        N processes locking one arena: AMD's pinning budget against kvtier-size\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -60,6 +63,8 @@ int main(int argc, char **argv)
 		return kvt_bench_disk(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "diskkill"))
 		return kvt_bench_diskkill(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "pin"))
+		return kvt_bench_pin(argc - 1, argv + 1);
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;

@@ -668,7 +668,10 @@ static void chunk_finish(kvt_tier *t, struct op *o, uint32_t i, int status)
 				snprintf(o->why, sizeof(o->why), "chunk %u: its slot was reclaimed "
 					 "while it was written (not saved)", i);
 			else
-				snprintf(o->why, sizeof(o->why), "chunk %u: the copy failed: %s", i,
+				/* the DMA core's reason, set by the poll or wait
+				 * that just returned this status on this thread */
+				snprintf(o->why, sizeof(o->why), "chunk %u: the copy failed: %.200s", i,
+					 kvt_dma_last_error()[0] ? kvt_dma_last_error() :
 					 kvt_strerror(status));
 		}
 		c->state = CH_FAILED;

@@ -625,7 +625,10 @@ static int finish(kvt_dma *d, kvt_dma_ticket t, uint32_t slot, int rc)
 	d->slots[slot].mr = NULL;
 	d->inflight--;
 	pthread_mutex_unlock(&d->lock);
-	if (rc)
+	/* the backend's reason, when it gave one (a fault, a lost context) */
+	if (rc && last_error[0])
+		kvt__dma_err(rc, "%s: a copy of the chunk failed: %s", d->ops->name, last_error);
+	else if (rc)
 		kvt__dma_err(rc, "%s: a copy of the chunk failed", d->ops->name);
 	return rc;
 }
@@ -641,6 +644,7 @@ int kvt_dma_poll(kvt_dma *d, kvt_dma_ticket t)
 	pthread_mutex_unlock(&d->lock);
 	if (slot < 0)
 		return kvt__dma_err(-ESTALE, "ticket %#llx is not live", (unsigned long long)t);
+	last_error[0] = 0; /* what the backend says now, not an older error */
 	return finish(d, t, (uint32_t)slot, d->ops->poll(d, (uint32_t)slot));
 }
 
@@ -655,6 +659,7 @@ int kvt_dma_wait(kvt_dma *d, kvt_dma_ticket t, int64_t timeout_ns)
 	pthread_mutex_unlock(&d->lock);
 	if (slot < 0)
 		return kvt__dma_err(-ESTALE, "ticket %#llx is not live", (unsigned long long)t);
+	last_error[0] = 0;
 	return finish(d, t, (uint32_t)slot,
 		      d->ops->wait(d, (uint32_t)slot, kvt__deadline(timeout_ns)));
 }

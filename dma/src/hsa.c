@@ -36,6 +36,33 @@
  * falling back to
  * the runtime's own choice.
  *
+ * Faults.  A GPU memory fault (a copy or a kernel touching an unmapped or
+ * read-only page, an ECC error) stops every queue of the process in the
+ * KFD driver, HIP's and ours, and ROCr then calls the system event
+ * handlers; when none returns HSA_STATUS_SUCCESS it prints the fault and
+ * aborts the process (runtime.cpp, VMFaultHandler).  kvtier registers one
+ * handler per open backend (hsa_amd_register_system_event_handler; ROCr
+ * has no way to unregister one, so the small note it points at is never
+ * freed: closing the backend only marks it closed, and a closed note
+ * answers "not mine").  The handler, on ROCr's event thread:
+ *   - records the fault in the note (release: fault_seen / acquire in
+ *     hsa_dead), so every later submit, poll and wait of this backend
+ *     fails at once with -EIO naming the fault -- the copies it had in
+ *     flight will never complete, and none of them may publish a chunk;
+ *   - writes one line to stderr saying where the address lies (kvtier's
+ *     arena, the KV cache, neither) and what happens next -- with write(2),
+ *     since the process is about to end and a logger callback may not be
+ *     safe to call from the runtime's thread;
+ *   - returns HSA_STATUS_ERROR: kvtier never claims the fault.  Its queues
+ *     are gone and so are the engine's; keeping the process alive is the
+ *     engine's choice (its own handler), not a copy tier's.  When the
+ *     runtime aborts, the rank's death is what the segment already handles
+ *     (exit witness, reaper): its claims are released, nothing it was
+ *     writing is served.  When another handler takes the fault, the tier
+ *     reports the backend down through its normal error path.
+ * Waits with no deadline wait in slices (FAULT_SLICE_NS) so that a fault
+ * noted meanwhile ends them.
+ *
  * Known limit: a negative signal ends the ticket with -EIO at once; other
  * copies of the same ticket may still be running (HSA gives no per-copy
  * status on a shared signal).  In ROCr a copy error is a queue error that
@@ -59,6 +86,8 @@
 #define AGENT_INFO_NUM_SDMA_XGMI_ENG 0xA10B
 #define RECT_MAX_PITCH (1u << 19)           /* SDMA rect packet, safe for any element size */
 #define RECT_MAX_ROWS  (1u << 14)
+#define FAULT_SLICE_NS 10000000ull         /* a deadline-less wait rechecks faults */
+#define FAULT_MAGIC    0x6b7674686661756cull
 
 /* ROCm 5.6+ prototypes (engine_id is one bit of hsa_amd_sdma_engine_id_t). */
 typedef hsa_status_t (*copy_on_engine_fn)(void *dst, hsa_agent_t dst_agent,
@@ -98,6 +127,22 @@ struct hsa_fns {
 	copy_on_engine_fn copy_on_engine;
 	engine_status_fn engine_status;
 	engine_status_fn preferred_engine;
+	__typeof__(&hsa_amd_register_system_event_handler) register_event_handler;
+};
+
+/* What the fault handler shares with the backend (see "Faults"): owned by
+ * the runtime's handler list once registered, never freed.  The ranges are
+ * written before any copy is issued and only read to word the report. */
+struct hsa_fault {
+	uint64_t magic;
+	int closed;                 /* __atomic: the backend is gone */
+	int seen;                   /* __atomic release/acquire: a fault noted */
+	uint64_t va;                /* written before `seen` */
+	uint32_t reason;
+	uint64_t gpu_handle;        /* the bound GPU agent; 0 before bind */
+	uint64_t kv_lo, kv_hi;      /* the KV cache's device span */
+	uint64_t arena_lo, arena_hi;/* the locked arena's agent-pointer span */
+	int gpu;                    /* the bound GPU's index */
 };
 
 struct sym {
@@ -134,6 +179,7 @@ static const struct sym syms[] = {
 	SYM(copy_on_engine, "hsa_amd_memory_async_copy_on_engine", 0),
 	SYM(engine_status, "hsa_amd_memory_copy_engine_status", 0),
 	SYM(preferred_engine, "hsa_amd_memory_get_preferred_copy_engine", 0),
+	SYM(register_event_handler, "hsa_amd_register_system_event_handler", 0),
 };
 
 struct hsa_be {
@@ -164,6 +210,7 @@ struct hsa_be {
 	pthread_mutex_t aux_lock;   /* aux signal: synchronous helpers */
 	hsa_signal_t aux;
 	int have_aux;
+	struct hsa_fault *fault;    /* registered with the runtime, or NULL */
 };
 
 static const char *st_str(const struct hsa_be *be, hsa_status_t st)
@@ -189,6 +236,97 @@ static int st_errno(hsa_status_t st)
 	default:
 		return -EIO;
 	}
+}
+
+/* ---- faults (see "Faults") ------------------------------------------------ */
+
+static const char *fault_reason(uint32_t m)
+{
+	if (m & HSA_AMD_MEMORY_FAULT_PAGE_NOT_PRESENT)
+		return "page not present";
+	if (m & HSA_AMD_MEMORY_FAULT_READ_ONLY)
+		return "write to a read-only page";
+	if (m & HSA_AMD_MEMORY_FAULT_NX)
+		return "execute on a no-execute page";
+	if (m & HSA_AMD_MEMORY_FAULT_HOST_ONLY)
+		return "GPU access to a host-only page";
+	if (m & HSA_AMD_MEMORY_FAULT_DRAMECC)
+		return "DRAM ECC error";
+	if (m & HSA_AMD_MEMORY_FAULT_SRAMECC)
+		return "SRAM ECC error";
+	if (m & HSA_AMD_MEMORY_FAULT_HANG)
+		return "GPU hang";
+	return "reason unknown";
+}
+
+/* ROCr's event thread, once per fault.  Touches the note only. */
+static hsa_status_t on_system_event(const hsa_amd_event_t *ev, void *data)
+{
+	struct hsa_fault *f = data;
+	const hsa_amd_gpu_memory_fault_info_t *m;
+	const char *where;
+	char line[640];
+	int n;
+
+	if (!f || f->magic != FAULT_MAGIC || !ev ||
+	    ev->event_type != HSA_AMD_GPU_MEMORY_FAULT_EVENT ||
+	    __atomic_load_n(&f->closed, __ATOMIC_ACQUIRE))
+		return HSA_STATUS_ERROR;
+	m = &ev->memory_fault;
+	f->va = m->virtual_address;
+	f->reason = m->fault_reason_mask;
+	__atomic_store_n(&f->seen, 1, __ATOMIC_RELEASE);
+	where = f->va >= f->kv_lo && f->va < f->kv_hi ? "inside the KV cache kvtier copies" :
+		f->va >= f->arena_lo && f->va < f->arena_hi ? "inside kvtier's locked arena" :
+		"outside what kvtier copies (the engine's own work?)";
+	n = snprintf(line, sizeof(line), "kvtier: hsa: GPU memory fault at %#llx (%s), %s, on "
+		     "%s: the driver stopped this process's GPU queues; kvtier makes no more "
+		     "copies here and publishes none that was in flight. Unless another handler "
+		     "takes the fault, the HSA runtime ends the process now, and the segment "
+		     "releases this rank's claims once it is gone\n",
+		     (unsigned long long)f->va, fault_reason(f->reason), where,
+		     m->agent.handle == f->gpu_handle ? "the GPU this rank copies with" :
+		     "another GPU of this process");
+	if (n > 0 && f->gpu_handle) /* a backend with no KV cache bound says nothing */
+		(void)!write(2, line, (size_t)n < sizeof(line) ? (size_t)n : sizeof(line) - 1);
+	return HSA_STATUS_ERROR; /* never claimed: the runtime's default stands */
+}
+
+static int hsa_dead(const struct hsa_be *be)
+{
+	return be->fault && __atomic_load_n(&be->fault->seen, __ATOMIC_ACQUIRE);
+}
+
+static int fault_err(const struct hsa_be *be)
+{
+	return kvt__dma_err(-EIO, "hsa: a GPU memory fault at %#llx (%s) stopped this "
+			    "process's GPU queues: no copy can complete in this process any "
+			    "more, the copies in flight failed; restart it",
+			    (unsigned long long)be->fault->va, fault_reason(be->fault->reason));
+}
+
+static void fault_register(struct kvt_dma *d)
+{
+	struct hsa_be *be = d->be;
+	struct hsa_fault *f;
+	hsa_status_t st;
+
+	if (!be->f.register_event_handler)
+		return;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return;
+	f->magic = FAULT_MAGIC;
+	f->gpu = -1;
+	st = be->f.register_event_handler(on_system_event, f);
+	if (st != HSA_STATUS_SUCCESS) {
+		free(f);
+		kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: no GPU fault handler (%s; runtimes "
+			     "before ROCm 6 take one handler per process): a GPU fault ends the "
+			     "process without kvtier's report", st_str(be, st));
+		return;
+	}
+	be->fault = f;
 }
 
 /* ---- discovery ---------------------------------------------------------- */
@@ -258,6 +396,8 @@ static void be_free(struct kvt_dma *d)
 
 	if (!be)
 		return;
+	if (be->fault) /* stays registered with the runtime: closed, not freed */
+		__atomic_store_n(&be->fault->closed, 1, __ATOMIC_RELEASE);
 	for (uint32_t i = 0; i < be->n_sig; i++)
 		be->f.signal_destroy(be->sig[i]);
 	if (be->have_aux)
@@ -399,6 +539,7 @@ static int hsa_init_be(struct kvt_dma *d, char *why, size_t why_len)
 		return -ENODEV;
 	}
 	be->inited = 1;
+	fault_register(d);
 	be->f.iterate_agents(agent_cb, be);
 	if (!be->n_gpus || !be->have_cpu) {
 		kvt__fmt(-ENODEV, why, why_len, "%s", !be->n_gpus ? "no GPU agent" :
@@ -520,6 +661,14 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				return kvt__dma_err(-EINVAL, "hsa: the KV cache spans GPUs %d "
 						    "and %d", g, gi);
 			g = gi;
+			if (be->fault) {
+				struct hsa_fault *f = be->fault;
+
+				if (!f->kv_hi || gr->layer_base[i] < f->kv_lo)
+					f->kv_lo = gr->layer_base[i];
+				if (need > f->kv_hi)
+					f->kv_hi = need;
+			}
 		}
 	}
 	if (be->g >= 0 && g != be->g)
@@ -527,6 +676,8 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				    g, be->g);
 	if (be->g < 0)
 		set_gpu(d, g);
+	if (be->fault)
+		be->fault->gpu_handle = be->gpus[be->g].handle;
 	return 0;
 }
 
@@ -560,6 +711,14 @@ static int hsa_mem_reg(struct kvt_dma *d, struct kvt_dma_piece *p)
 				    "--gpu amd checks a plan against it, "
 				    "amdgpu.no_system_mem_limit=1 lifts it" : "");
 	p->dev = (uint64_t)(uintptr_t)agent_ptr;
+	if (be->fault) {
+		struct hsa_fault *f = be->fault;
+
+		if (!f->arena_hi || p->dev < f->arena_lo)
+			f->arena_lo = p->dev;
+		if (p->dev + p->len > f->arena_hi)
+			f->arena_hi = p->dev + p->len;
+	}
 	return 0;
 }
 
@@ -594,6 +753,8 @@ static hsa_status_t copy1(struct kvt_dma *d, int dir, uint32_t engine, void *dst
 	return be->f.async_copy(dst, dst_agent, src, src_agent, len, 0, NULL, sig);
 }
 
+static int sig_wait(struct hsa_be *be, hsa_signal_t sig, uint64_t deadline);
+
 static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
 {
 	struct hsa_be *be = d->be;
@@ -607,6 +768,8 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 	int64_t count = 0, issued = 0;
 	hsa_status_t st = HSA_STATUS_SUCCESS;
 
+	if (hsa_dead(be))
+		return fault_err(be);
 	for (uint32_t i = 0; i < p->n; i++)
 		count += p->copies[i].rows > 1 && rect ? 1 : p->copies[i].rows;
 	be->f.signal_store(sig, count);
@@ -659,9 +822,8 @@ fail:
 	/* Let the signal reach 0 when the issued copies land, and wait for
 	 * them: a failed submit leaves nothing in flight. */
 	be->f.signal_subtract(sig, count - issued);
-	while (be->f.signal_wait(sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
-				 HSA_WAIT_STATE_BLOCKED) >= 1)
-		;
+	if (sig_wait(be, sig, UINT64_MAX) == -EIO && hsa_dead(be))
+		return fault_err(be);
 	return kvt__dma_err(-EIO, "hsa: async copy refused after %lld of %lld: status 0x%x (%s)",
 			    (long long)issued, (long long)count, (unsigned)st, st_str(be, st));
 }
@@ -675,18 +837,28 @@ static int hsa_poll(struct kvt_dma *d, uint32_t slot)
 {
 	struct hsa_be *be = d->be;
 
+	/* after a fault even a finished ticket is refused: the engine is
+	 * told once, by every ticket, that this process copies no more */
+	if (hsa_dead(be))
+		return fault_err(be);
 	return sig_status(be->f.signal_load(be->sig[slot]));
 }
 
+/* Waits in slices of at most FAULT_SLICE_NS: a fault noted meanwhile (the
+ * ticket's copies will never complete) ends the wait with -EIO. */
 static int sig_wait(struct hsa_be *be, hsa_signal_t sig, uint64_t deadline)
 {
 	for (;;) {
-		uint64_t now = kvt__now_ns(), hint = UINT64_MAX;
+		uint64_t now = kvt__now_ns(), left, hint;
 		hsa_signal_value_t v;
 
-		if (deadline != UINT64_MAX)
-			hint = deadline > now ? (uint64_t)((double)(deadline - now) *
-							   (double)be->freq / 1e9) : 0;
+		if (hsa_dead(be))
+			return fault_err(be);
+		left = deadline > now ? deadline - now : 0;
+		if (left > FAULT_SLICE_NS && be->fault)
+			left = FAULT_SLICE_NS;
+		hint = deadline == UINT64_MAX && !be->fault ? UINT64_MAX :
+			(uint64_t)((double)left * (double)be->freq / 1e9);
 		v = be->f.signal_wait(sig, HSA_SIGNAL_CONDITION_LT, 1, hint,
 				      HSA_WAIT_STATE_BLOCKED);
 		if (v < 1)

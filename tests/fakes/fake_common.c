@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define WINDOW_BYTES (64ULL << 30)
 #define GAP          (64ULL << 10) /* unmapped gap after every region */
@@ -150,36 +151,58 @@ char *fake_translate(uint64_t addr, uint64_t len, const char **why)
 struct task {
 	fake_task_fn fn;
 	void *arg;
+	uint64_t seq;      /* push order, over every lane */
 	struct task *next;
+};
+
+/* Lanes: each an in-order queue with its own thread, as a stream or a
+ * copy engine is.  Lanes finish in no order among themselves, and with a
+ * jitter each task starts after a random delay of up to that many us, so
+ * work on two lanes completes out of submission order (real engines and
+ * streams do; one in-order worker made every ticket finish in order). */
+struct lane {
+	pthread_t thread;
+	struct task *head, *tail;
+	unsigned seed;
 };
 
 static pthread_mutex_t wk_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wk_cond = PTHREAD_COND_INITIALIZER;
-static struct task *head, *tail;
+static struct lane lanes[FAKE_LANES];
 static int wk_running, wk_stop, wk_hold;
-static pthread_t wk_thread;
+static long wk_jitter_us;
+static uint64_t wk_seq, wk_done_max, wk_out_of_order;
 
 static void *worker(void *arg)
 {
-	(void)arg;
+	struct lane *l = arg;
+
 	pthread_mutex_lock(&wk_lock);
 	for (;;) {
 		struct task *t;
+		long jitter;
 
-		while (!wk_stop && (!head || wk_hold))
+		while (!wk_stop && (!l->head || wk_hold))
 			pthread_cond_wait(&wk_cond, &wk_lock);
-		if (!head && wk_stop)
+		if (!l->head && wk_stop)
 			break;
 		if (wk_hold && !wk_stop)
 			continue;
-		t = head;
-		head = t->next;
-		if (!head)
-			tail = NULL;
+		t = l->head;
+		l->head = t->next;
+		if (!l->head)
+			l->tail = NULL;
+		jitter = wk_jitter_us;
 		pthread_mutex_unlock(&wk_lock);
+		if (jitter > 0)
+			usleep((useconds_t)(rand_r(&l->seed) % (unsigned long)jitter));
 		t->fn(t->arg);
-		free(t);
 		pthread_mutex_lock(&wk_lock);
+		if (t->seq < wk_done_max)
+			wk_out_of_order++; /* something pushed later finished first */
+		else
+			wk_done_max = t->seq;
+		free(t);
 	}
 	pthread_mutex_unlock(&wk_lock);
 	return NULL;
@@ -190,8 +213,19 @@ void fake_worker_start(void)
 	pthread_mutex_lock(&wk_lock);
 	if (!wk_running) {
 		wk_stop = 0;
-		if (pthread_create(&wk_thread, NULL, worker, NULL) == 0)
-			wk_running = 1;
+		wk_jitter_us = fake_env_long("FAKE_GPU_JITTER_US", 0);
+		for (int i = 0; i < FAKE_LANES; i++) {
+			lanes[i].seed = 0x9e3779b9u * (unsigned)(i + 1) ^ (unsigned)getpid();
+			if (pthread_create(&lanes[i].thread, NULL, worker, &lanes[i])) {
+				wk_stop = 1;
+				pthread_cond_broadcast(&wk_cond);
+				pthread_mutex_unlock(&wk_lock);
+				while (i-- > 0)
+					pthread_join(lanes[i].thread, NULL);
+				return;
+			}
+		}
+		wk_running = 1;
 	}
 	pthread_mutex_unlock(&wk_lock);
 }
@@ -207,15 +241,17 @@ void fake_worker_stop(void)
 	wk_hold = 0;
 	pthread_cond_broadcast(&wk_cond);
 	pthread_mutex_unlock(&wk_lock);
-	pthread_join(wk_thread, NULL);
+	for (int i = 0; i < FAKE_LANES; i++)
+		pthread_join(lanes[i].thread, NULL);
 	pthread_mutex_lock(&wk_lock);
 	wk_running = 0;
 	pthread_mutex_unlock(&wk_lock);
 }
 
-void fake_worker_push(fake_task_fn fn, void *arg)
+void fake_worker_push_lane(int lane, fake_task_fn fn, void *arg)
 {
 	struct task *t = malloc(sizeof(*t));
+	struct lane *l = &lanes[(unsigned)lane % FAKE_LANES];
 
 	if (!t) {
 		fn(arg); /* out of memory in a test fake: run inline */
@@ -225,13 +261,19 @@ void fake_worker_push(fake_task_fn fn, void *arg)
 	t->arg = arg;
 	t->next = NULL;
 	pthread_mutex_lock(&wk_lock);
-	if (tail)
-		tail->next = t;
+	t->seq = ++wk_seq;
+	if (l->tail)
+		l->tail->next = t;
 	else
-		head = t;
-	tail = t;
-	pthread_cond_signal(&wk_cond);
+		l->head = t;
+	l->tail = t;
+	pthread_cond_broadcast(&wk_cond);
 	pthread_mutex_unlock(&wk_lock);
+}
+
+void fake_worker_push(fake_task_fn fn, void *arg)
+{
+	fake_worker_push_lane(0, fn, arg);
 }
 
 void fake_worker_hold(int hold)
@@ -240,6 +282,75 @@ void fake_worker_hold(int hold)
 	wk_hold = hold;
 	pthread_cond_broadcast(&wk_cond);
 	pthread_mutex_unlock(&wk_lock);
+}
+
+void fake_worker_jitter(long max_us)
+{
+	pthread_mutex_lock(&wk_lock);
+	wk_jitter_us = max_us;
+	pthread_mutex_unlock(&wk_lock);
+}
+
+long fake_worker_out_of_order(int reset)
+{
+	long n;
+
+	pthread_mutex_lock(&wk_lock);
+	n = (long)wk_out_of_order;
+	if (reset)
+		wk_out_of_order = 0;
+	pthread_mutex_unlock(&wk_lock);
+	return n;
+}
+
+/* Copies against a stop of the process's queues (a fault). */
+static pthread_mutex_t cp_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cp_cond = PTHREAD_COND_INITIALIZER;
+static int cp_running, cp_halted;
+
+int fake_copy_begin(void)
+{
+	int ok;
+
+	pthread_mutex_lock(&cp_lock);
+	ok = !cp_halted;
+	cp_running += ok;
+	pthread_mutex_unlock(&cp_lock);
+	return ok;
+}
+
+void fake_copy_end(void)
+{
+	pthread_mutex_lock(&cp_lock);
+	cp_running--;
+	pthread_cond_broadcast(&cp_cond);
+	pthread_mutex_unlock(&cp_lock);
+}
+
+void fake_copy_halt(void)
+{
+	pthread_mutex_lock(&cp_lock);
+	cp_halted = 1;
+	while (cp_running)
+		pthread_cond_wait(&cp_cond, &cp_lock);
+	pthread_mutex_unlock(&cp_lock);
+}
+
+void fake_copy_resume(void)
+{
+	pthread_mutex_lock(&cp_lock);
+	cp_halted = 0;
+	pthread_mutex_unlock(&cp_lock);
+}
+
+int fake_copy_halted(void)
+{
+	int h;
+
+	pthread_mutex_lock(&cp_lock);
+	h = cp_halted;
+	pthread_mutex_unlock(&cp_lock);
+	return h;
 }
 
 long fake_env_long(const char *name, long dflt)

@@ -1,6 +1,6 @@
 /* fake_common.h - what the fake GPU runtimes share: a device address space
  * the CPU cannot touch, a table of regions mapping device addresses to the
- * host memory behind them, and one in-order worker thread that plays the
+ * host memory behind them, and worker lanes (threads) that play the
  * copy engine.  Compiled into each fake separately (each has its own
  * globals; fakes may have globals, the library may not). */
 #ifndef KVT_FAKE_COMMON_H
@@ -43,13 +43,33 @@ int fake_region_count(int kind);
 /* The host address behind a device range, or NULL (with why). */
 char *fake_translate(uint64_t addr, uint64_t len, const char **why);
 
-/* In-order worker ("copy engine"). */
+/* Workers ("copy engines", "streams"): FAKE_LANES in-order lanes, each
+ * on its own thread, in no order among themselves. */
+#define FAKE_LANES 8
 typedef void (*fake_task_fn)(void *arg);
 void fake_worker_start(void);
 void fake_worker_stop(void);
-void fake_worker_push(fake_task_fn fn, void *arg);
-/* hold != 0: the worker finishes its current task and waits. */
+void fake_worker_push_lane(int lane, fake_task_fn fn, void *arg);
+void fake_worker_push(fake_task_fn fn, void *arg); /* lane 0 */
+/* hold != 0: every lane finishes its current task and waits. */
 void fake_worker_hold(int hold);
+/* Each task starts after a random delay of up to max_us (0: none; the
+ * start value is FAKE_GPU_JITTER_US). */
+void fake_worker_jitter(long max_us);
+/* Tasks that finished after one pushed later than them (reset: to 0). */
+long fake_worker_out_of_order(int reset);
+
+/* A fault stops every queue of the process before it is reported (the
+ * KFD driver evicts the process's queues, CUDA's channel recovery tears
+ * down the context's): a copy runs between fake_copy_begin (0: the queues
+ * are stopped, drop the copy) and fake_copy_end; the faulting copy calls
+ * fake_copy_halt, outside a begin/end pair, which returns once the copies
+ * running on other lanes have finished.  "reset" resumes. */
+int fake_copy_begin(void);
+void fake_copy_end(void);
+void fake_copy_halt(void);
+void fake_copy_resume(void);
+int fake_copy_halted(void);
 
 /* Environment helpers. */
 long fake_env_long(const char *name, long dflt);

@@ -16,9 +16,13 @@
  *     host pointers); copies given the raw host pointer of a registered
  *     range fail, and so does a copy that runs past one registration
  *     (FAKE_CUDA_MAX_REGISTER caps one registration, like R580 drivers);
- *   - copies run in order on a worker thread; events complete when the
- *     worker reaches them and report an injected asynchronous error of the
- *     copies before them on the stream;
+ *   - each stream is one lane of the fake's workers (fake_common.h): its
+ *     copies and records run in order, streams in no order among
+ *     themselves (a random delay per task with FAKE_GPU_JITTER_US or the
+ *     "jitter_us" control); events complete when their stream reaches
+ *     them and report an injected asynchronous error of the copies before
+ *     them on the stream; a cuStreamWaitEvent waits for the record made
+ *     before it, not for later ones;
  *   - cuMemcpyBatchAsync in its 12.8 (failIdx) or 13.0 form by
  *     FAKE_CUDA_DRIVER_VERSION (default 13000), absent below 12.8; it
  *     rejects the NULL stream and attributes without a srcAccessOrder.
@@ -90,10 +94,13 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		fake_worker_hold((int)v);
 	else if (!strcmp(key, "range_split"))
 		atomic_store(&range_split, v);
+	else if (!strcmp(key, "jitter_us"))
+		fake_worker_jitter(v);
 	else if (!strcmp(key, "reset")) {
 		atomic_store(&fail_copy, 0);
 		atomic_store(&async_error, 0);
 		atomic_store(&lost, 0);
+		fake_copy_resume();
 		atomic_store(&fail_register, 0);
 		atomic_store(&st_copies, 0);
 		atomic_store(&st_batch_calls, 0);
@@ -105,6 +112,8 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&st_spin_syncs, 0);
 		atomic_store(&range_split, 0);
 		fake_worker_hold(0);
+		fake_worker_out_of_order(1);
+		fake_worker_jitter(fake_env_long("FAKE_GPU_JITTER_US", 0));
 	} else
 		return -EINVAL;
 	return 0;
@@ -114,6 +123,8 @@ EXPORT long kvt_fake_cuda_stat(const char *key)
 {
 	if (!strcmp(key, "copies"))
 		return atomic_load(&st_copies);
+	if (!strcmp(key, "out_of_order"))
+		return fake_worker_out_of_order(0);
 	if (!strcmp(key, "batch_calls"))
 		return atomic_load(&st_batch_calls);
 	if (!strcmp(key, "batch_copies"))
@@ -304,6 +315,7 @@ static CUresult f_cuCtxPopCurrent(CUcontext *c)
 
 struct fstream {
 	uint64_t magic;
+	int lane;       /* its worker lane; 0 for the NULL and engine streams */
 	CUresult err;   /* pending async error; touched by the worker only */
 	int kernels;    /* fake kernels running on it (kernel_mu) */
 };
@@ -334,6 +346,7 @@ struct fevent {
 	pthread_mutex_t m;
 	pthread_cond_t c;
 	int pending;    /* records not reached yet; under m */
+	uint64_t issued, reached; /* records made, records reached; under m */
 	CUresult status;
 	unsigned flags;
 };
@@ -343,6 +356,11 @@ static struct fstream *stream_of(CUstream s)
 	struct fstream *f = (struct fstream *)s;
 
 	return f && f->magic == STREAM_MAGIC ? f : NULL;
+}
+
+static int lane_of(const struct fstream *s)
+{
+	return s ? s->lane : 0;
 }
 
 static struct fevent *event_of(CUevent e)
@@ -363,6 +381,10 @@ static CUresult f_cuStreamCreate(CUstream *s, unsigned int flags)
 	if (!f)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	f->magic = STREAM_MAGIC;
+	{
+		static atomic_uint next_lane;
+		f->lane = 1 + (int)(atomic_fetch_add(&next_lane, 1) % (FAKE_LANES - 1));
+	}
 	*s = (CUstream)f;
 	atomic_fetch_add(&st_streams_live, 1);
 	return CUDA_SUCCESS;
@@ -388,6 +410,7 @@ static void run_marker(void *arg)
 			k->s->err = CUDA_SUCCESS;
 		}
 		k->e->pending--;
+		k->e->reached++;
 		pthread_cond_broadcast(&k->e->c);
 		pthread_mutex_unlock(&k->e->m);
 	} else {
@@ -413,11 +436,24 @@ static CUresult f_cuStreamSynchronize(CUstream s)
 	if (!k)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	*k = (struct marker){ .s = stream_of(s), .m = &m, .c = &c, .done = &done };
-	fake_worker_push(run_marker, k);
+	fake_worker_push_lane(lane_of(k->s), run_marker, k);
 	pthread_mutex_lock(&m);
 	while (!done)
 		pthread_cond_wait(&c, &m);
 	pthread_mutex_unlock(&m);
+	if (!s) /* the legacy stream: the work of every stream before it */
+		for (int l = 1; l < FAKE_LANES; l++) {
+			k = calloc(1, sizeof(*k));
+			if (!k)
+				return CUDA_ERROR_OUT_OF_MEMORY;
+			done = 0;
+			*k = (struct marker){ .m = &m, .c = &c, .done = &done };
+			fake_worker_push_lane(l, run_marker, k);
+			pthread_mutex_lock(&m);
+			while (!done)
+				pthread_cond_wait(&c, &m);
+			pthread_mutex_unlock(&m);
+		}
 	pthread_cond_destroy(&c);
 	pthread_mutex_destroy(&m);
 	NOT_LOST();
@@ -490,10 +526,11 @@ static CUresult f_cuEventRecord(CUevent e, CUstream s)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	pthread_mutex_lock(&f->m);
 	f->pending++;
+	f->issued++;
 	f->status = CUDA_SUCCESS;
 	pthread_mutex_unlock(&f->m);
 	*k = (struct marker){ .s = stream_of(s), .e = f };
-	fake_worker_push(run_marker, k);
+	fake_worker_push_lane(lane_of(k->s), run_marker, k);
 	return CUDA_SUCCESS;
 }
 
@@ -536,18 +573,19 @@ static CUresult f_cuEventSynchronize(CUevent e)
 struct waiter {
 	struct fstream *s;
 	struct fevent *e;
+	uint64_t target; /* the records made before the wait was queued */
 };
 
-/* The stream's later work waits for the event's last record: the single
- * worker runs it after the record's marker, which waited for the
- * recorded stream's kernels. */
+/* The stream's later work waits for the event's record made before the
+ * wait was queued (a later record does not count, as in the driver); that
+ * record's marker ran on its own stream's lane after its kernels. */
 static void run_wait(void *arg)
 {
 	struct waiter *w = arg;
 
 	stream_ready(w->s);
 	pthread_mutex_lock(&w->e->m);
-	while (w->e->pending)
+	while (w->e->reached < w->target)
 		pthread_cond_wait(&w->e->c, &w->e->m);
 	pthread_mutex_unlock(&w->e->m);
 	free(w);
@@ -567,8 +605,10 @@ static CUresult f_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags)
 	w = calloc(1, sizeof(*w));
 	if (!w)
 		return CUDA_ERROR_OUT_OF_MEMORY;
-	*w = (struct waiter){ .s = stream_of(s), .e = f };
-	fake_worker_push(run_wait, w);
+	pthread_mutex_lock(&f->m);
+	*w = (struct waiter){ .s = stream_of(s), .e = f, .target = f->issued };
+	pthread_mutex_unlock(&f->m);
+	fake_worker_push_lane(lane_of(w->s), run_wait, w);
 	return CUDA_SUCCESS;
 }
 
@@ -821,13 +861,17 @@ static void run_copy(void *arg)
 
 	stream_ready(t->s);
 	if (t->error) {
+		/* the context's channels stop (copies running elsewhere end
+		 * first), then the error is there for every call to see */
+		fake_copy_halt();
 		if (t->s)
 			t->s->err = CUDA_ERROR_ILLEGAL_ADDRESS;
 		atomic_store(&lost, CUDA_ERROR_ILLEGAL_ADDRESS);
-	} else {
+	} else if (fake_copy_begin()) {
 		for (uint64_t r = 0; r < t->rows; r++)
 			memcpy(t->dst + r * t->dpitch, t->src + r * t->spitch, t->len);
-	}
+		fake_copy_end();
+	} /* else: the context is lost, the copy never runs */
 	free(t);
 }
 
@@ -859,7 +903,7 @@ static CUresult enqueue(char *d, const char *s, uint64_t len, uint64_t rows,
 			     .dpitch = dpitch, .spitch = spitch,
 			     .s = stream_of(stream), .error = trip(&async_error) };
 	atomic_fetch_add(&st_copies, 1);
-	fake_worker_push(run_copy, t);
+	fake_worker_push_lane(lane_of(t->s), run_copy, t);
 	return CUDA_SUCCESS;
 }
 

@@ -11,9 +11,11 @@
  *   - hipHostRegister / hipHostGetDevicePointer / hipHostUnregister: locked
  *     to the CPU pool; the device pointer differs from the host pointer, as
  *     it can on ROCm; async copies take the host pointer and translate it;
- *   - hipMemcpy / hipMemcpyAsync on one in-order stream per hipStream_t,
- *     hipStreamSynchronize, hipDeviceSynchronize; plain (unpinned) host
- *     memory goes through a staging buffer, as HIP's own path does.
+ *   - hipMemcpy / hipMemcpyAsync / hipMemsetAsync on streams whose work
+ *     completes in any order (the fake HSA's lanes; nothing here needs
+ *     HIP's in-stream order), hipStreamSynchronize, hipDeviceSynchronize;
+ *     plain (unpinned) host memory goes through a staging buffer, as
+ *     HIP's own path does.
  * FAKE_HIP_DEVICES=0 in the environment: hipGetDeviceCount says
  * hipErrorNoDevice (a machine without a GPU).
  */
@@ -26,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <hsa/hsa.h>
 #include <hsa/hsa_ext_amd.h>
@@ -64,9 +67,14 @@ static int n_gpus, have_cpu_pool, cur;
 /* registered host ranges: host -> the runtime's device pointer */
 static struct { char *host; void *dev; size_t len; } regs[MAX_REG];
 
-/* a stream: one signal counting the copies in flight */
+/* a stream: one signal counting the copies in flight (they complete in
+ * any order, on the fake HSA's lanes; a synchronize waits for all), and
+ * the staging buffers of its fills, freed at the synchronize */
+#define MAX_FILLS 64
 struct ihipStream_t {
 	hsa_signal_t sig;
+	void *fills[MAX_FILLS];
+	int n_fills;
 };
 static struct ihipStream_t null_stream;
 
@@ -327,6 +335,8 @@ EXPORT hipError_t hipStreamSynchronize(hipStream_t s)
 	hsa_signal_value_t v = F.signal_wait(st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
 					     HSA_WAIT_STATE_BLOCKED);
 
+	while (st->n_fills)
+		hipHostFree(st->fills[--st->n_fills]);
 	return v < 0 ? hipErrorUnknown : hipSuccess;
 }
 
@@ -385,6 +395,71 @@ EXPORT hipError_t hipMemcpyAsync(void *dst, const void *src, size_t n, hipMemcpy
 	(void)kind;
 
 	return e ? e : copy(dst, src, n, s ? s : &null_stream);
+}
+
+/* A fill is a kernel on the stream: it lands late, after FAKE_HIP_FILL_US
+ * (default 20 ms; a GPU fills hundreds of MB in milliseconds), from its
+ * own thread, as a copy from a staging buffer of the byte.  The stream's
+ * signal counts it from the call, so a synchronize waits for it; a copy
+ * on another queue that does not wait reads the bytes before it. */
+static long fake_env_long_hip(const char *name, long dflt)
+{
+	const char *v = getenv(name);
+
+	return v && *v ? strtol(v, NULL, 0) : dflt;
+}
+
+struct fill {
+	void *dst, *stage;
+	hsa_agent_t agent;
+	size_t n;
+	struct ihipStream_t *st;
+	unsigned delay_us;
+};
+
+static void *run_fill(void *arg)
+{
+	struct fill *fl = arg;
+
+	usleep(fl->delay_us);
+	if (F.async_copy(fl->dst, fl->agent, fl->stage, cpu, fl->n, 0, NULL, fl->st->sig))
+		F.signal_subtract(fl->st->sig, 1);
+	free(fl);
+	return NULL;
+}
+
+EXPORT hipError_t hipMemsetAsync(void *dst, int value, size_t n, hipStream_t s)
+{
+	struct ihipStream_t *st = s ? s : &null_stream;
+	hipError_t e = ready();
+	struct fill *fl;
+	pthread_t th;
+	void *d;
+
+	if (e)
+		return e;
+	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(s)))
+		return e;
+	fl = calloc(1, sizeof(*fl));
+	if (!fl)
+		return hipErrorOutOfMemory;
+	d = copyable(dst, n, &fl->agent);
+	if (!d || (e = hipHostMalloc(&fl->stage, n, 0))) {
+		free(fl);
+		return d ? e : hipErrorInvalidValue;
+	}
+	memset(fl->stage, value, n);
+	st->fills[st->n_fills++] = fl->stage;
+	*fl = (struct fill){ .dst = d, .stage = fl->stage, .agent = fl->agent, .n = n, .st = st,
+			     .delay_us = (unsigned)fake_env_long_hip("FAKE_HIP_FILL_US", 20000) };
+	F.signal_add(st->sig, 1);
+	if (pthread_create(&th, NULL, run_fill, fl)) {
+		F.signal_subtract(st->sig, 1);
+		free(fl);
+		return hipErrorOutOfMemory;
+	}
+	pthread_detach(th);
+	return hipSuccess;
 }
 
 EXPORT hipError_t hipMemcpy(void *dst, const void *src, size_t n, hipMemcpyKind kind)

@@ -9,8 +9,18 @@
  *   - hsa_amd_memory_lock_to_pool returns an agent pointer that differs
  *     from the host pointer; a copy given the host pointer of a locked range
  *     fails (as it would where the two differ on real hardware);
- *   - copies run on a worker thread, in order, and decrement the completion
- *     signal (or make it negative on an injected error);
+ *   - copies run on the fake's worker lanes (fake_common.h): one lane per
+ *     SDMA engine for _on_engine, one per direction for the runtime's own
+ *     choice (ROCr's host-to-device and device-to-host blits), in order
+ *     within a lane and in no order among lanes (and after a random delay with
+ *     FAKE_GPU_JITTER_US or "jitter_us"); each decrements its completion
+ *     signal (or makes it negative on an injected error);
+ *   - a GPU memory fault ("fault_copy": the k-th copy faults): it writes
+ *     half its bytes, the process's queues stop (no copy completes or
+ *     signals from then on), and the registered system event handlers
+ *     are called with HSA_AMD_GPU_MEMORY_FAULT_EVENT on the runtime's
+ *     thread; when none returns HSA_STATUS_SUCCESS the fake prints ROCr's
+ *     message and aborts the process, as ROCr does (VMFaultHandler);
  *   - the ROCm 5.6 entry points (_on_engine, copy_engine_status, the SDMA
  *     engine count) exist unless built with FAKE_HSA_52 (ROCm 5.2: absent).
  *   - locks are charged to a pinning budget shared across processes when
@@ -52,7 +62,12 @@ static int init_count;
 static int n_gpus;
 
 /* injection (counters: the k-th next call fails; 0 = off) */
-static atomic_long fail_copy, neg_signal, fail_lock, fail_rect, fail_engine;
+static atomic_long fail_copy, neg_signal, fail_lock, fail_rect, fail_engine, fault_copy;
+#define MAX_HANDLERS 64
+/* system event handlers: ROCr keeps them until the runtime unloads and
+ * offers no way to remove one; the fake keeps them for the process */
+static struct { hsa_amd_system_event_callback_t cb; void *data; } handlers[MAX_HANDLERS];
+static int n_handlers;
 static atomic_long busy_engines; /* engines copy_engine_status reports busy */
 static atomic_long range_split;  /* device memory reported in pieces of this */
 /* statistics */
@@ -75,6 +90,10 @@ EXPORT int kvt_fake_hsa_ctl(const char *key, long v)
 		atomic_store(&busy_engines, v);
 	else if (!strcmp(key, "range_split"))
 		atomic_store(&range_split, v);
+	else if (!strcmp(key, "fault_copy"))
+		atomic_store(&fault_copy, v);
+	else if (!strcmp(key, "jitter_us"))
+		fake_worker_jitter(v);
 	else if (!strcmp(key, "hold"))
 		fake_worker_hold((int)v);
 	else if (!strcmp(key, "reset")) {
@@ -85,6 +104,10 @@ EXPORT int kvt_fake_hsa_ctl(const char *key, long v)
 		atomic_store(&fail_lock, 0);
 		atomic_store(&fail_rect, 0);
 		atomic_store(&fail_engine, 0);
+		atomic_store(&fault_copy, 0);
+		fake_copy_resume();
+		fake_worker_out_of_order(1);
+		fake_worker_jitter(fake_env_long("FAKE_GPU_JITTER_US", 0));
 		atomic_store(&st_copies, 0);
 		atomic_store(&st_engine_copies, 0);
 		atomic_store(&st_rect_copies, 0);
@@ -103,6 +126,10 @@ EXPORT long kvt_fake_hsa_stat(const char *key)
 {
 	if (!strcmp(key, "copies"))
 		return atomic_load(&st_copies);
+	if (!strcmp(key, "out_of_order"))
+		return fake_worker_out_of_order(0);
+	if (!strcmp(key, "queues_dead"))
+		return fake_copy_halted();
 	if (!strcmp(key, "engine_copies"))
 		return atomic_load(&st_engine_copies);
 	if (!strcmp(key, "engine0"))
@@ -696,16 +723,59 @@ struct ctask {
 	uint64_t dslice, sslice;
 	struct fsig *sig;
 	int negative;
+	int fault;
+	uint64_t va;      /* the device address faulted on */
+	int gpu;
 };
+
+/* The fault path of ROCr: handlers first, abort unless one took it. */
+static void gpu_fault(struct ctask *t)
+{
+	hsa_amd_event_t ev;
+	int claimed = 0, n;
+
+	fake_copy_halt(); /* KFD evicts the process's queues, then reports */
+	memset(&ev, 0, sizeof(ev));
+	ev.event_type = HSA_AMD_GPU_MEMORY_FAULT_EVENT;
+	ev.memory_fault.agent.handle = GPU_AGENT + (uint64_t)(t->gpu < 0 ? 0 : t->gpu);
+	ev.memory_fault.virtual_address = t->va;
+	ev.memory_fault.fault_reason_mask = HSA_AMD_MEMORY_FAULT_PAGE_NOT_PRESENT;
+	pthread_mutex_lock(&lock);
+	n = n_handlers;
+	pthread_mutex_unlock(&lock);
+	for (int i = 0; i < n; i++)
+		if (handlers[i].cb(&ev, handlers[i].data) == HSA_STATUS_SUCCESS)
+			claimed = 1;
+	if (!claimed) {
+		fprintf(stderr, "fake hsa: Memory access fault by GPU node-%d on address %#llx. "
+			"Reason: Page not present or supervisor privilege.\n", t->gpu + 1,
+			(unsigned long long)t->va);
+		abort();
+	}
+}
 
 static void run_copy(void *arg)
 {
 	struct ctask *t = arg;
 
+	if (t->fault) {
+		if (fake_copy_begin()) {
+			memcpy(t->dst, t->src, t->len / 2); /* torn: the fault hit midway */
+			fake_copy_end();
+			gpu_fault(t);
+		}
+		free(t);
+		return;
+	}
+	if (!fake_copy_begin()) { /* a stopped queue runs nothing, signals nothing */
+		free(t);
+		return;
+	}
 	for (uint32_t z = 0; z < t->slices; z++)
 		for (uint32_t r = 0; r < t->rows; r++)
 			memcpy(t->dst + z * t->dslice + r * t->dpitch,
 			       t->src + z * t->sslice + r * t->spitch, t->len);
+	fake_copy_end();
 	if (t->negative)
 		sig_update(t->sig, 1, -1);
 	else
@@ -737,7 +807,8 @@ static char *side(const void *p, uint64_t len, hsa_agent_t agent, const char *wh
 }
 
 static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *src,
-				hsa_agent_t src_agent, size_t size, hsa_signal_t completion)
+				hsa_agent_t src_agent, size_t size, hsa_signal_t completion,
+				int lane)
 {
 	struct fsig *f = sig_of(completion);
 	struct ctask *t;
@@ -766,9 +837,14 @@ static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *sr
 	if (!t)
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
 	*t = (struct ctask){ .dst = d, .src = s, .len = size, .rows = 1, .slices = 1,
-			     .sig = f, .negative = trip(&neg_signal) };
+			     .sig = f, .negative = trip(&neg_signal), .fault = trip(&fault_copy),
+			     .gpu = gpu_of(dst_agent) >= 0 ? gpu_of(dst_agent) : gpu_of(src_agent),
+			     .va = (uint64_t)(uintptr_t)(gpu_of(dst_agent) >= 0 ? dst : src) +
+				   size / 2 };
 	atomic_fetch_add(&st_copies, 1);
-	fake_worker_push(run_copy, t);
+	if (lane < 0) /* ROCr's own choice: one blit queue per direction */
+		lane = gpu_of(dst_agent) >= 0 ? N_SDMA + 1 : N_SDMA;
+	fake_worker_push_lane(lane, run_copy, t);
 	return HSA_STATUS_SUCCESS;
 }
 
@@ -780,7 +856,7 @@ EXPORT hsa_status_t hsa_amd_memory_async_copy(void *dst, hsa_agent_t dst_agent, 
 {
 	if (num_dep_signals && !dep_signals)
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
-	return submit_copy(dst, dst_agent, src, src_agent, size, completion_signal);
+	return submit_copy(dst, dst_agent, src, src_agent, size, completion_signal, -1);
 }
 
 #ifndef FAKE_HSA_52
@@ -802,7 +878,7 @@ EXPORT hsa_status_t hsa_amd_memory_async_copy_on_engine(void *dst, hsa_agent_t d
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
 	if (trip(&fail_engine))
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
-	st = submit_copy(dst, dst_agent, src, src_agent, size, completion_signal);
+	st = submit_copy(dst, dst_agent, src, src_agent, size, completion_signal, e);
 	if (st == HSA_STATUS_SUCCESS) {
 		atomic_fetch_add(&st_engine_copies, 1);
 		atomic_fetch_add(&st_engine_used[e], 1);
@@ -887,10 +963,33 @@ EXPORT hsa_status_t hsa_amd_memory_async_copy_rect(
 		.len = range->x, .rows = range->y, .slices = range->z,
 		.dpitch = dst->pitch, .spitch = src->pitch,
 		.dslice = dst->slice, .sslice = src->slice,
-		.sig = f, .negative = trip(&neg_signal),
+		.sig = f, .negative = trip(&neg_signal), .fault = trip(&fault_copy),
+		.gpu = gpu_of(copy_agent),
+		.va = (uint64_t)(uintptr_t)(dir == hsaHostToDevice ? dst->base : src->base),
 	};
 	atomic_fetch_add(&st_copies, 1);
 	atomic_fetch_add(&st_rect_copies, 1);
-	fake_worker_push(run_copy, t);
+	fake_worker_push_lane(dir == hsaHostToDevice ? N_SDMA + 1 : N_SDMA, run_copy, t);
 	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_register_system_event_handler(hsa_amd_system_event_callback_t callback,
+							  void *data)
+{
+	hsa_status_t st = HSA_STATUS_SUCCESS;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!callback)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	pthread_mutex_lock(&lock);
+	if (n_handlers == MAX_HANDLERS)
+		st = HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	else {
+		handlers[n_handlers].cb = callback;
+		handlers[n_handlers].data = data;
+		n_handlers++;
+	}
+	pthread_mutex_unlock(&lock);
+	return st;
 }
