@@ -15,6 +15,7 @@ pkgs=(
   libmicrohttpd-dev                     # kvtierd's HTTP server (/healthcheck, /metrics)
   libinih-dev                           # kvtierd's config file (key = value lines)
   libssl-dev                            # the disk tier's chunk MAC (ChaCha20-Poly1305, libcrypto)
+  libhiredis-dev                        # the L3 tier's Redis (Cluster) client
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV
                                         # and HIP ceiling on AMD, the fake HIP of the tests
@@ -28,6 +29,7 @@ pkgs=(
                                         # kvtier-stat --watch, promtool and a real server
   python3-venv                          # the vLLM engine tests' virtual environment
   systemd                               # systemd-analyze: the shipped unit's verify and security checks
+  redis-server redis-tools              # the L3 tests' real Redis Cluster (redis-cli --cluster)
 )
 
 missing=()

@@ -1,0 +1,639 @@
+/* l3_redis.c - the L3 tier's Redis backend against real servers (Debian's
+ * redis-server): a 3-master Redis Cluster on loopback ports made here
+ * (redis-cli --cluster create), and a plain Redis with a password.
+ *   - sealed objects put, found (EXISTS over a chunk's shards) and got
+ *     back byte for byte; spread over the masters;
+ *   - a forged object (a payload byte changed, the tag kept; another
+ *     chunk's object under this key; another layout's) refused, an absent
+ *     one a miss;
+ *   - a reshard while the backend's slot map is stale: MOVED followed,
+ *     every get still exact;
+ *   - a master killed: its requests fail fast (never hang past the
+ *     timeout), the others go on; restarted, it serves again;
+ *   - a password and an ACL user from a file: the wrong one refused at
+ *     open, named; the right one works on a plain (non-cluster) Redis.
+ * Skipped (77) without redis-server / redis-cli.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <cmocka.h>
+
+#include <hiredis/hiredis.h>
+
+#include "kvt_l3.h"
+
+#define N_CHUNKS 48
+#define SHARDS   2
+#define PAYLOAD  (64u << 10)
+#define OBJ      (KVT_L3_HDR_SIZE + PAYLOAD + KVT_L3_TAG_SIZE)
+#define FP       0x6b767469657221ull
+
+static char dir[256];
+static int port[3];
+static pid_t pid[3];
+static kvt_l3_sealer *sealer;
+
+static int free_port(void)
+{
+	for (;;) {
+		struct sockaddr_in a = { .sin_family = AF_INET };
+		socklen_t n = sizeof(a);
+		int s = socket(AF_INET, SOCK_STREAM, 0), p;
+
+		a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+		if (s < 0 || bind(s, (struct sockaddr *)&a, sizeof(a)) ||
+		    getsockname(s, (struct sockaddr *)&a, &n))
+			fail_msg("no loopback port");
+		close(s);
+		p = ntohs(a.sin_port);
+		if (p + 10000 < 65536 && p > 1024) /* the cluster bus: port + 10000 */
+			return p;
+	}
+}
+
+static pid_t start_redis(int p, int cluster, const char *extra1, const char *extra2)
+{
+	char ps[16], conf[300];
+	pid_t c;
+
+	snprintf(ps, sizeof(ps), "%d", p);
+	snprintf(conf, sizeof(conf), "nodes-%d.conf", p);
+	c = fork();
+	if (c == 0) {
+		int fd = open("/dev/null", O_WRONLY);
+		if (fd >= 0) {
+			dup2(fd, 1);
+			dup2(fd, 2);
+		}
+		if (cluster)
+			execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1",
+			       "--dir", dir, "--cluster-enabled", "yes", "--cluster-config-file",
+			       conf, "--save", "", "--appendonly", "no",
+			       "--cluster-node-timeout", "2000",
+			       /* the other masters serve while one is down */
+			       "--cluster-require-full-coverage", "no", (char *)NULL);
+		else
+			execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1",
+			       "--dir", dir, "--save", "", "--appendonly", "no",
+			       extra1 ? extra1 : "--loglevel", extra2 ? extra2 : "notice",
+			       (char *)NULL);
+		_exit(127);
+	}
+	return c;
+}
+
+static redisContext *connect_ok(int p)
+{
+	for (;;) { /* no time limit: the test's timeout */
+		redisContext *c = redisConnect("127.0.0.1", p);
+		if (c && !c->err) {
+			redisReply *y = redisCommand(c, "PING");
+			int ok = y && (y->type == REDIS_REPLY_STATUS ||
+				       (y->type == REDIS_REPLY_ERROR && strstr(y->str, "NOAUTH")));
+			if (y)
+				freeReplyObject(y);
+			if (ok)
+				return c;
+		}
+		if (c)
+			redisFree(c);
+		usleep(20000);
+	}
+}
+
+static void wait_cluster_ok(void)
+{
+	for (int i = 0; i < 3; i++) {
+		redisContext *c = connect_ok(port[i]);
+		for (;;) {
+			redisReply *y = redisCommand(c, "CLUSTER INFO");
+			int ok = y && y->type == REDIS_REPLY_STRING &&
+				 strstr(y->str, "cluster_state:ok");
+			if (y)
+				freeReplyObject(y);
+			if (ok)
+				break;
+			usleep(50000);
+		}
+		redisFree(c);
+	}
+}
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+	char cmd[1024];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(cmd, sizeof(cmd), fmt, ap);
+	va_end(ap);
+	return system(cmd);
+}
+
+static int group_setup(void **st)
+{
+	char keyf[300], err[256];
+
+	(void)st;
+	snprintf(dir, sizeof(dir), "/tmp/kvt-l3-redis-XXXXXX");
+	if (!mkdtemp(dir))
+		return -1;
+	for (int i = 0; i < 3; i++) {
+		port[i] = free_port();
+		pid[i] = start_redis(port[i], 1, NULL, NULL);
+	}
+	for (int i = 0; i < 3; i++)
+		redisFree(connect_ok(port[i]));
+	if (sh("redis-cli --cluster create 127.0.0.1:%d 127.0.0.1:%d 127.0.0.1:%d --cluster-yes "
+	       ">%s/create.log 2>&1", port[0], port[1], port[2], dir))
+		return -1;
+	wait_cluster_ok();
+	snprintf(keyf, sizeof(keyf), "%s/fleet.key", dir);
+	if (kvt_l3_seal_open(keyf, 1, &sealer, err, sizeof(err))) {
+		fprintf(stderr, "seal: %s\n", err);
+		return -1;
+	}
+	return 0;
+}
+
+static int group_teardown(void **st)
+{
+	(void)st;
+	for (int i = 0; i < 3; i++)
+		if (pid[i] > 0) {
+			kill(pid[i], SIGKILL);
+			waitpid(pid[i], NULL, 0);
+		}
+	kvt_l3_seal_close(sealer);
+	sh("rm -rf %s", dir);
+	return 0;
+}
+
+/* ---- objects ---- */
+
+struct obj {
+	uint8_t hdr[KVT_L3_HDR_SIZE], payload[PAYLOAD], tag[KVT_L3_TAG_SIZE];
+	struct iovec iov[3];
+	struct kvt_l3_req q;
+};
+
+static kvt_key key_of(int i)
+{
+	return (kvt_key){ 0x1000 + (uint64_t)i, 0xabc };
+}
+
+static uint8_t stamp(int chunk, int shard, uint64_t b)
+{
+	return (uint8_t)(chunk * 13 + shard * 101 + b % 241);
+}
+
+/* Seals chunk i, shard s into o (the object's pieces, as the arena's). */
+static void make(struct obj *o, int i, int s)
+{
+	uint8_t *whole = malloc(OBJ);
+	kvt_key k = key_of(i);
+
+	assert_non_null(whole);
+	for (uint64_t b = 0; b < PAYLOAD; b++)
+		whole[KVT_L3_HDR_SIZE + b] = stamp(i, s, b);
+	assert_int_equal(kvt_l3_seal(sealer, whole, FP, &k, (uint32_t)s, SHARDS, (uint32_t)i,
+				     PAYLOAD), 0);
+	memcpy(o->hdr, whole, KVT_L3_HDR_SIZE);
+	memcpy(o->payload, whole + KVT_L3_HDR_SIZE, PAYLOAD);
+	memcpy(o->tag, whole + KVT_L3_HDR_SIZE + PAYLOAD, KVT_L3_TAG_SIZE);
+	free(whole);
+}
+
+static void req_init(struct obj *o, uint32_t op, int i, int s)
+{
+	kvt_key k = key_of(i);
+
+	memset(&o->q, 0, sizeof(o->q));
+	o->iov[0] = (struct iovec){ o->hdr, sizeof(o->hdr) };
+	o->iov[1] = (struct iovec){ o->payload, sizeof(o->payload) };
+	o->iov[2] = (struct iovec){ o->tag, sizeof(o->tag) };
+	o->q.op = op;
+	o->q.n_keys = 1;
+	kvt_l3_key(o->q.key, FP, &k, (uint32_t)s);
+	o->q.iov = o->iov;
+	o->q.iovcnt = 3;
+	o->q.tag = (uint64_t)i * SHARDS + (uint64_t)s;
+}
+
+/* Submits n requests (all), waits for every completion (the event fd). */
+static void run(kvt_l3 *l, struct kvt_l3_req **qs, uint32_t n)
+{
+	uint32_t sent = 0, done = 0;
+
+	while (done < n) {
+		if (sent < n) {
+			int k = kvt_l3_submit(l, qs + sent, n - sent);
+			assert_true(k >= 0);
+			sent += (uint32_t)k;
+		}
+		struct kvt_l3_req *got[64];
+		int r = kvt_l3_reap(l, got, 64);
+		assert_true(r >= 0);
+		done += (uint32_t)r;
+		if (!r)
+			usleep(1000);
+	}
+}
+
+/* The payload of a fetched object, checked: 0, or -EBADMSG. */
+static int check(struct obj *o, int i, int s)
+{
+	uint8_t *whole = malloc(OBJ);
+	kvt_key k = key_of(i);
+	int r;
+
+	assert_non_null(whole);
+	memcpy(whole, o->hdr, KVT_L3_HDR_SIZE);
+	memcpy(whole + KVT_L3_HDR_SIZE, o->payload, PAYLOAD);
+	memcpy(whole + KVT_L3_HDR_SIZE + PAYLOAD, o->tag, KVT_L3_TAG_SIZE);
+	r = kvt_l3_open_obj(sealer, whole, OBJ, FP, &k, (uint32_t)s, SHARDS, PAYLOAD);
+	free(whole);
+	if (!r)
+		for (uint64_t b = 0; b < PAYLOAD; b++)
+			if (o->payload[b] != stamp(i, s, b))
+				fail_msg("chunk %d shard %d byte %llu differs", i, s,
+					 (unsigned long long)b);
+	return r;
+}
+
+static kvt_l3 *open_cluster(int seed)
+{
+	char url[64], err[256];
+	struct kvt_l3_conf c = { .size = sizeof(c), .url = url, .timeout_ms = 1000 };
+	kvt_l3 *l = NULL;
+
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%d", port[seed]);
+	if (kvt_l3_open(&c, &l, err, sizeof(err)))
+		fail_msg("open %s: %s", url, err);
+	return l;
+}
+
+static struct obj objs[N_CHUNKS * SHARDS];
+static struct kvt_l3_req *qs[N_CHUNKS * SHARDS];
+
+static void put_all(kvt_l3 *l)
+{
+	for (int i = 0; i < N_CHUNKS; i++)
+		for (int s = 0; s < SHARDS; s++) {
+			struct obj *o = &objs[i * SHARDS + s];
+			make(o, i, s);
+			req_init(o, KVT_L3_PUT, i, s);
+			qs[i * SHARDS + s] = &o->q;
+		}
+	run(l, qs, N_CHUNKS * SHARDS);
+	for (int j = 0; j < N_CHUNKS * SHARDS; j++)
+		if (qs[j]->status)
+			fail_msg("put %s: %d", qs[j]->key, qs[j]->status);
+}
+
+/* Gets every object; returns how many came back exact. */
+static int get_all(kvt_l3 *l, int *failed)
+{
+	int ok = 0;
+
+	*failed = 0;
+	for (int j = 0; j < N_CHUNKS * SHARDS; j++) {
+		memset(objs[j].payload, 0, PAYLOAD);
+		req_init(&objs[j], KVT_L3_GET, j / SHARDS, j % SHARDS);
+		qs[j] = &objs[j].q;
+	}
+	run(l, qs, N_CHUNKS * SHARDS);
+	for (int j = 0; j < N_CHUNKS * SHARDS; j++) {
+		if (qs[j]->status) {
+			(*failed)++;
+			continue;
+		}
+		assert_int_equal(check(&objs[j], j / SHARDS, j % SHARDS), 0);
+		ok++;
+	}
+	return ok;
+}
+
+static void test_round_trip(void **st)
+{
+	struct kvt_l3_status s;
+	kvt_l3 *l;
+	int failed, spread = 0;
+
+	(void)st;
+	l = open_cluster(1);
+	kvt_l3_status(l, &s);
+	assert_non_null(strstr(s.describe, "redis cluster"));
+	assert_int_equal(s.nodes, 3);
+	put_all(l);
+	/* every chunk present: one EXISTS over its shards' keys */
+	{
+		static char keys[N_CHUNKS][SHARDS][KVT_L3_KEY_MAX];
+		static struct kvt_l3_req ex[N_CHUNKS + 1];
+		struct kvt_l3_req *eq[N_CHUNKS + 1];
+		for (int i = 0; i <= N_CHUNKS; i++) {
+			kvt_key k = key_of(i);
+			for (int sh = 0; sh < SHARDS && i < N_CHUNKS; sh++)
+				kvt_l3_key(keys[i][sh], FP, &k, (uint32_t)sh);
+			memset(&ex[i], 0, sizeof(ex[i]));
+			ex[i].op = KVT_L3_EXISTS;
+			ex[i].n_keys = SHARDS;
+			ex[i].keys = (const char (*)[KVT_L3_KEY_MAX])keys[i < N_CHUNKS ? i : 0];
+			eq[i] = &ex[i];
+		}
+		/* the last: a chunk never put (key N_CHUNKS) */
+		static char absent[SHARDS][KVT_L3_KEY_MAX];
+		kvt_key k = key_of(N_CHUNKS);
+		for (int sh = 0; sh < SHARDS; sh++)
+			kvt_l3_key(absent[sh], FP, &k, (uint32_t)sh);
+		ex[N_CHUNKS].keys = (const char (*)[KVT_L3_KEY_MAX])absent;
+		run(l, eq, N_CHUNKS + 1);
+		for (int i = 0; i < N_CHUNKS; i++)
+			assert_int_equal(ex[i].status, 0);
+		assert_int_equal(ex[N_CHUNKS].status, -ENOENT);
+	}
+	assert_int_equal(get_all(l, &failed), N_CHUNKS * SHARDS);
+	/* spread over the masters, a chunk's shards on one of them */
+	for (int i = 0; i < 3; i++) {
+		redisContext *c = connect_ok(port[i]);
+		redisReply *y = redisCommand(c, "DBSIZE");
+		assert_non_null(y);
+		spread += y->integer > 0;
+		assert_int_equal(y->integer % SHARDS, 0);
+		freeReplyObject(y);
+		redisFree(c);
+	}
+	assert_int_equal(spread, 3);
+	kvt_l3_close(l);
+}
+
+/* Which master holds key. */
+static int master_of(const char *key)
+{
+	for (int i = 0; i < 3; i++) {
+		redisContext *c = connect_ok(port[i]);
+		redisReply *y = redisCommand(c, "EXISTS %s", key);
+		int has = y && y->type == REDIS_REPLY_INTEGER && y->integer == 1;
+		if (y)
+			freeReplyObject(y);
+		redisFree(c);
+		if (has)
+			return i;
+	}
+	return -1;
+}
+
+static void raw_set(const char *key, const struct obj *o)
+{
+	int m = master_of(key);
+	redisContext *c;
+	redisReply *y;
+	uint8_t *whole = malloc(OBJ);
+
+	assert_true(m >= 0);
+	assert_non_null(whole);
+	memcpy(whole, o->hdr, KVT_L3_HDR_SIZE);
+	memcpy(whole + KVT_L3_HDR_SIZE, o->payload, PAYLOAD);
+	memcpy(whole + KVT_L3_HDR_SIZE + PAYLOAD, o->tag, KVT_L3_TAG_SIZE);
+	c = connect_ok(port[m]);
+	y = redisCommand(c, "SET %s %b", key, whole, (size_t)OBJ);
+	assert_non_null(y);
+	assert_int_equal(y->type, REDIS_REPLY_STATUS);
+	freeReplyObject(y);
+	redisFree(c);
+	free(whole);
+}
+
+/* One object fetched and checked: 0 exact, -EBADMSG refused, or the
+ * request's status. */
+static int get_check(kvt_l3 *l, int i, int s)
+{
+	static struct obj o;
+	struct kvt_l3_req *q = &o.q;
+
+	memset(o.payload, 0, PAYLOAD);
+	req_init(&o, KVT_L3_GET, i, s);
+	run(l, &q, 1);
+	return o.q.status ? o.q.status : check(&o, i, s);
+}
+
+static void test_forged(void **st)
+{
+	static struct obj o;
+	kvt_l3 *l;
+
+	(void)st;
+	l = open_cluster(0);
+	put_all(l);
+	assert_int_equal(get_check(l, 3, 1), 0);
+	/* a payload byte changed, header and tag kept */
+	make(&o, 3, 1);
+	o.payload[777] ^= 0x40;
+	req_init(&o, KVT_L3_PUT, 3, 1);
+	raw_set(o.q.key, &o);
+	assert_int_equal(get_check(l, 3, 1), -EBADMSG);
+	/* a tag made up by someone without the key */
+	make(&o, 6, 0);
+	memset(o.tag, 0x5a, sizeof(o.tag));
+	req_init(&o, KVT_L3_PUT, 6, 0);
+	raw_set(o.q.key, &o);
+	assert_int_equal(get_check(l, 6, 0), -EBADMSG);
+	/* chunk 5's object (valid, sealed) stored under chunk 4's key */
+	make(&o, 5, 0);
+	{
+		kvt_key k = key_of(4);
+		char key4[KVT_L3_KEY_MAX];
+		kvt_l3_key(key4, FP, &k, 0);
+		raw_set(key4, &o);
+	}
+	assert_int_equal(get_check(l, 4, 0), -EBADMSG);
+	/* another layout's reader: the fingerprint differs */
+	{
+		uint8_t *whole = malloc(OBJ);
+		kvt_key k = key_of(7);
+		assert_non_null(whole);
+		make(&o, 7, 1);
+		memcpy(whole, o.hdr, KVT_L3_HDR_SIZE);
+		memcpy(whole + KVT_L3_HDR_SIZE, o.payload, PAYLOAD);
+		memcpy(whole + KVT_L3_HDR_SIZE + PAYLOAD, o.tag, KVT_L3_TAG_SIZE);
+		assert_int_equal(kvt_l3_open_obj(sealer, whole, OBJ, FP, &k, 1, SHARDS, PAYLOAD), 0);
+		assert_int_equal(kvt_l3_open_obj(sealer, whole, OBJ, FP + 1, &k, 1, SHARDS,
+						 PAYLOAD), -EBADMSG);
+		assert_int_equal(kvt_l3_open_obj(sealer, whole, OBJ - 1, FP, &k, 1, SHARDS,
+						 PAYLOAD), -EBADMSG);
+		free(whole);
+	}
+	/* never put: a miss */
+	assert_int_equal(get_check(l, N_CHUNKS + 3, 0), -ENOENT);
+	kvt_l3_close(l);
+}
+
+static void node_id(int i, char out[64])
+{
+	redisContext *c = connect_ok(port[i]);
+	redisReply *y = redisCommand(c, "CLUSTER MYID");
+
+	assert_non_null(y);
+	assert_int_equal(y->type, REDIS_REPLY_STRING);
+	snprintf(out, 64, "%s", y->str);
+	freeReplyObject(y);
+	redisFree(c);
+}
+
+static void test_reshard(void **st)
+{
+	struct kvt_l3_status s;
+	char from[64], to[64];
+	kvt_l3 *l;
+	int failed;
+
+	(void)st;
+	l = open_cluster(2);
+	put_all(l);
+	/* the backend's slot map goes stale: a third of node 0's slots move */
+	node_id(0, from);
+	node_id(1, to);
+	assert_int_equal(sh("redis-cli --cluster reshard 127.0.0.1:%d --cluster-from %s "
+			    "--cluster-to %s --cluster-slots 2000 --cluster-yes >%s/reshard.log "
+			    "2>&1", port[0], from, to, dir), 0);
+	wait_cluster_ok();
+	assert_int_equal(get_all(l, &failed), N_CHUNKS * SHARDS);
+	kvt_l3_status(l, &s);
+	assert_true(s.redirects > 0); /* MOVED was followed */
+	kvt_l3_close(l);
+}
+
+static void test_master_killed(void **st)
+{
+	struct kvt_l3_status s;
+	kvt_l3 *l;
+	int failed, ok;
+
+	(void)st;
+	l = open_cluster(0);
+	put_all(l);
+	kill(pid[2], SIGKILL);
+	waitpid(pid[2], NULL, 0);
+	pid[2] = 0;
+	/* its requests fail (not hang: each ends within the timeout), the
+	 * other masters' succeed */
+	ok = get_all(l, &failed);
+	assert_true(failed > 0);
+	assert_true(ok > 0);
+	assert_int_equal(ok + failed, N_CHUNKS * SHARDS);
+	kvt_l3_status(l, &s);
+	assert_true(s.errors > 0);
+	assert_true(s.nodes_up < 3);
+	/* back (empty: no persistence): a miss, then a put, then a hit */
+	pid[2] = start_redis(port[2], 1, NULL, NULL);
+	wait_cluster_ok();
+	for (;;) { /* the backoff passes, the node is reconnected */
+		ok = get_all(l, &failed);
+		if (ok + failed == N_CHUNKS * SHARDS && ok == N_CHUNKS * SHARDS - failed &&
+		    get_check(l, 0, 0) != -ENOTCONN)
+			break;
+		usleep(100000);
+	}
+	put_all(l);
+	assert_int_equal(get_all(l, &failed), N_CHUNKS * SHARDS);
+	kvt_l3_close(l);
+}
+
+static void write_file(const char *path, const char *text)
+{
+	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+
+	assert_true(fd >= 0);
+	assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+	close(fd);
+}
+
+static void test_auth(void **st)
+{
+	char url[64], err[256], auth[300];
+	struct kvt_l3_conf c = { .size = sizeof(c), .url = url, .timeout_ms = 1000 };
+	struct kvt_l3_status s;
+	int p = free_port(), failed;
+	pid_t r;
+	kvt_l3 *l = NULL;
+
+	(void)st;
+	r = start_redis(p, 0, "--requirepass", "s3cret");
+	redisFree(connect_ok(p));
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%d", p);
+	snprintf(auth, sizeof(auth), "%s/auth", dir);
+	/* no credentials, the wrong password: refused at open, named */
+	assert_int_equal(kvt_l3_open(&c, &l, err, sizeof(err)), -EACCES);
+	assert_non_null(strstr(err, "NOAUTH"));
+	write_file(auth, "wrong\n");
+	c.auth_file = auth;
+	assert_int_equal(kvt_l3_open(&c, &l, err, sizeof(err)), -EACCES);
+	assert_non_null(strstr(err, "AUTH refused"));
+	/* a file others can read is refused too */
+	chmod(auth, 0644);
+	assert_int_equal(kvt_l3_open(&c, &l, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "chmod 600"));
+	chmod(auth, 0600);
+	/* the right one: a plain Redis, every slot on it */
+	write_file(auth, "s3cret\n");
+	if (kvt_l3_open(&c, &l, err, sizeof(err)))
+		fail_msg("open: %s", err);
+	kvt_l3_status(l, &s);
+	assert_non_null(strstr(s.describe, "one node"));
+	put_all(l);
+	assert_int_equal(get_all(l, &failed), N_CHUNKS * SHARDS);
+	kvt_l3_close(l);
+	/* an ACL user: "user password" */
+	{
+		redisContext *rc = connect_ok(p);
+		redisReply *y = redisCommand(rc, "AUTH s3cret");
+		freeReplyObject(y);
+		y = redisCommand(rc, "ACL SETUSER kvt on >pw2 ~kvt:* +@all");
+		assert_non_null(y);
+		assert_int_equal(y->type, REDIS_REPLY_STATUS);
+		freeReplyObject(y);
+		redisFree(rc);
+	}
+	write_file(auth, "kvt nope\n");
+	assert_int_equal(kvt_l3_open(&c, &l, err, sizeof(err)), -EACCES);
+	assert_non_null(strstr(err, "as kvt"));
+	write_file(auth, "kvt pw2\n");
+	if (kvt_l3_open(&c, &l, err, sizeof(err)))
+		fail_msg("open as kvt: %s", err);
+	assert_int_equal(get_all(l, &failed), N_CHUNKS * SHARDS);
+	kvt_l3_close(l);
+	kill(r, SIGKILL);
+	waitpid(r, NULL, 0);
+}
+
+int main(void)
+{
+	if (sh("command -v redis-server >/dev/null && command -v redis-cli >/dev/null")) {
+		fprintf(stderr, "l3_redis: needs redis-server and redis-cli (Debian redis-server, "
+			"redis-tools): skipped\n");
+		return 77;
+	}
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_round_trip),
+		cmocka_unit_test(test_forged),
+		cmocka_unit_test(test_reshard),
+		cmocka_unit_test(test_master_killed),
+		cmocka_unit_test(test_auth),
+	};
+
+	return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}

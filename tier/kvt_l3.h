@@ -1,0 +1,158 @@
+/* kvt_l3.h - the L3 tier: chunks of the arena kept in an existing
+ * distributed store (Redis Cluster first, Mooncake Store next), so that a
+ * prefix computed on one node is a hit on every node.  Internal to
+ * kvtier: kvtierd drives it, kvtier-bench measures it, tests exercise it.
+ *
+ * Design.
+ *   Who does what.  kvtierd keeps every protocol step, as for the disk
+ *   tier (tier/disk.c): it picks what to put (admission ahead of eviction,
+ *   a READY slot read without a pin and the put kept only when the slot is
+ *   still in the same life afterwards: kvt_slot_same_life), claims the
+ *   slots a get lands in (kvt_write_begin, one per shard), verifies what
+ *   arrived and publishes it (kvt_write_end).  A backend only moves bytes
+ *   between sub-slots and the store: it never touches the segment.
+ *   Interface.  Modelled on the disk engine and on LMCache's L2 adapters:
+ *   submit (never blocks: -EAGAIN when the backend's queue is full) of
+ *   put / get / exists requests that point into arena sub-slots; the
+ *   backend completes them in any order, sets each one's status, and
+ *   makes its event descriptor (an eventfd) readable; reap takes the
+ *   completed ones.  close drains: every submitted request completes
+ *   (with -ECANCELED if it could not run) before it returns, so no
+ *   backend thread writes into a sub-slot after the caller let go of it.
+ *   A second backend is one more struct kvt_l3_ops: the tier does not
+ *   change.
+ *   Objects.  One per (chunk, shard): each shard's put goes straight from
+ *   its sub-slot, with no staging copy to join the shards, and a rank's
+ *   shard is the unit the arena holds.  The store key carries a hash tag
+ *   of the layout fingerprint and the 128-bit chunk key, so that all the
+ *   shards of a chunk live on one master of a cluster: one multi-key
+ *   EXISTS answers for the chunk, and a chunk is present only when all
+ *   its shards are.  Each object is a header (struct kvt_l3_hdr: magic,
+ *   layout fingerprint, key, shard, shard count, depth, payload length, a
+ *   nonce) and the payload, and a tag: ChaCha20-Poly1305 over the header
+ *   and the payload under the fleet's key (the same key file on every
+ *   node).  A chunk of another model (another fingerprint), an object
+ *   written by anyone without the key, a torn or truncated one: its tag
+ *   fails, and it is a miss, never served.
+ *   Failure is a miss.  A backend reports -EIO, -ETIMEDOUT, -ENOTCONN,
+ *   -ENOENT (absent), -ENOSPC (the store is full) per request; it is never
+ *   an error to the engine, and kvtierd marks the L3 down (degraded) while
+ *   requests fail and up again when they succeed.
+ *   The store evicts on its own (Redis: maxmemory-policy allkeys-lru);
+ *   kvtier never deletes.
+ */
+#ifndef KVT_L3_H
+#define KVT_L3_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "kvt_core.h"
+
+#define KVT_L3_MAX_SHARDS 64
+#define KVT_L3_KEY_MAX    96   /* a store key's text, NUL included */
+
+enum kvt_l3_op {
+	KVT_L3_PUT = 1,    /* the object from iov[0..iovcnt): header, the
+			    * sub-slot itself, tag (no staging copy) */
+	KVT_L3_GET = 2,    /* into iov[0..iovcnt), filled in order; got: the
+			    * object's length */
+	KVT_L3_EXISTS = 3, /* n_keys keys: status 0 only when all exist */
+};
+
+struct kvt_l3_req {
+	uint32_t op;
+	uint32_t n_keys;           /* EXISTS: keys in keys[]; else 1 */
+	char key[KVT_L3_KEY_MAX];  /* PUT, GET */
+	const char (*keys)[KVT_L3_KEY_MAX]; /* EXISTS */
+	const struct iovec *iov;   /* PUT: source; GET: destination */
+	uint32_t iovcnt;           /* at most 8 */
+	uint64_t tag;              /* the caller's */
+	/* set by the backend at completion */
+	int status;                /* 0, -ENOENT (absent), -EMSGSIZE (not the
+				    * iov's size), -ENOSPC (store full), -EIO,
+				    * -ETIMEDOUT, -ENOTCONN, -EACCES, -ECANCELED */
+	uint64_t got;              /* GET: the object's length */
+	uint64_t ns;               /* submit to completion */
+	/* the backend's */
+	struct kvt_l3_req *next;
+	uint64_t t0;
+	int32_t ask;               /* node an ASK redirect named, or -1 */
+	uint32_t hops;             /* redirects followed */
+};
+
+struct kvt_l3_conf {
+	size_t size;               /* sizeof(struct kvt_l3_conf) */
+	const char *url;           /* redis://HOST:PORT[,HOST:PORT...] */
+	const char *auth_file;     /* "password" or "user password"; NULL: none */
+	uint32_t timeout_ms;       /* connect and per-command; 0: 1000 */
+	uint32_t depth;            /* requests queued at most; 0: 256 */
+	void (*log)(int level, const char *msg, void *arg); /* NULL: stderr */
+	void *log_arg;
+};
+
+struct kvt_l3_status {
+	int up;                    /* the last round trip succeeded */
+	uint32_t nodes, nodes_up;  /* masters known, reachable */
+	uint64_t round_trips, errors, redirects, reconnects;
+	char last_error[256];
+	char describe[256];        /* "redis cluster: 3 masters (127.0.0.1:7000, ...)" */
+};
+
+typedef struct kvt_l3 kvt_l3;
+
+/* Opens the backend the URL names (its scheme), checking the store is
+ * reachable and the credentials work: -EINVAL (a bad URL or auth file,
+ * named), -EACCES (the store refused the credentials), -ECONNREFUSED /
+ * -ETIMEDOUT (no node answered), -ENOSYS (built without that backend).
+ * The message is in err.  Blocks (connects). */
+int kvt_l3_open(const struct kvt_l3_conf *c, kvt_l3 **out, char *err, size_t len);
+/* Queues n requests; never blocks.  Returns how many were taken (0..n;
+ * fewer when the queue is full), or -errno. */
+int kvt_l3_submit(kvt_l3 *l, struct kvt_l3_req *const *reqs, uint32_t n);
+/* Takes up to max completed requests; returns how many. */
+int kvt_l3_reap(kvt_l3 *l, struct kvt_l3_req **done, uint32_t max);
+/* Readable when a request completed (an eventfd; reap clears it). */
+int kvt_l3_event_fd(const kvt_l3 *l);
+void kvt_l3_status(kvt_l3 *l, struct kvt_l3_status *out);
+/* Completes every queued request (-ECANCELED where it could not run)
+ * and closes.  NULL is ignored. */
+void kvt_l3_close(kvt_l3 *l);
+
+/* ---- objects ---- */
+
+#define KVT_L3_MAGIC    0x314c33544b56ull /* "KVT3L1" */
+#define KVT_L3_HDR_SIZE 64
+#define KVT_L3_TAG_SIZE 16
+
+struct kvt_l3_hdr {
+	uint64_t magic;
+	uint64_t fingerprint;      /* the layout's */
+	uint64_t key_lo, key_hi;
+	uint32_t shard, n_shards;
+	uint32_t depth, version;
+	uint32_t payload;          /* bytes after the header (one sub-slot) */
+	uint8_t nonce[12];
+};
+
+/* The store key of (fingerprint, chunk key, shard). */
+void kvt_l3_key(char out[KVT_L3_KEY_MAX], uint64_t fingerprint, const kvt_key *k,
+		uint32_t shard);
+
+typedef struct kvt_l3_sealer kvt_l3_sealer;
+/* The fleet key (32 bytes) from a key file (the disk tier's file rules:
+ * this euid's, no access for others), made when missing and create. */
+int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, char *err,
+		     size_t len);
+void kvt_l3_seal_close(kvt_l3_sealer *s);
+/* Writes the header before payload (obj[0..64)) and the tag after it
+ * (obj[64 + payload .. + 16)): the object is obj[0 .. 80 + payload). */
+int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_key *k,
+		uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t payload);
+/* Checks an object of len bytes against what it must be: 0, or -EBADMSG
+ * (tag, magic, length, or a field that is not the expected one). */
+int kvt_l3_open_obj(kvt_l3_sealer *s, const uint8_t *obj, uint64_t len, uint64_t fingerprint,
+		    const kvt_key *k, uint32_t shard, uint32_t n_shards, uint64_t payload);
+
+#endif

@@ -1,0 +1,187 @@
+/* l3.c - the L3 tier's common part (kvt_l3.h): the backend chosen by the
+ * URL's scheme, store keys, and the objects' seal (header and tag). */
+#include "kvt_l3_int.h"
+#include "kvt_disk_trust.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+_Static_assert(sizeof(struct kvt_l3_hdr) == KVT_L3_HDR_SIZE, "the header is 64 bytes");
+
+struct kvt_l3 {
+	const struct kvt_l3_ops *ops;
+	void *be;
+};
+
+static const struct kvt_l3_ops *const backends[] = {
+#ifdef KVTIER_HAVE_HIREDIS
+	&kvt__l3_redis_ops,
+#endif
+	NULL,
+};
+
+int kvt_l3_open(const struct kvt_l3_conf *c, kvt_l3 **out, char *err, size_t len)
+{
+	kvt_l3 *l;
+	int rc;
+
+	err[0] = 0;
+	*out = NULL;
+	if (!c || c->size < sizeof(*c) || !c->url)
+		return snprintf(err, len, "l3: no configuration or URL"), -EINVAL;
+	for (size_t i = 0; backends[i]; i++) {
+		if (strncmp(c->url, backends[i]->scheme, strlen(backends[i]->scheme)))
+			continue;
+		l = calloc(1, sizeof(*l));
+		if (!l)
+			return snprintf(err, len, "out of memory"), -ENOMEM;
+		l->ops = backends[i];
+		rc = l->ops->open(c, &l->be, err, len);
+		if (rc) {
+			free(l);
+			return rc;
+		}
+		*out = l;
+		return 0;
+	}
+	if (!strncmp(c->url, "redis://", 8))
+		return snprintf(err, len, "l3 %s: kvtier was built without hiredis "
+				"(libhiredis-dev)", c->url), -ENOSYS;
+	return snprintf(err, len, "l3 %s: unknown scheme (redis://HOST:PORT[,HOST:PORT...])",
+			c->url), -EINVAL;
+}
+
+int kvt_l3_submit(kvt_l3 *l, struct kvt_l3_req *const *reqs, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvt_l3_req *q = reqs[i];
+
+		if (!q || q->op < KVT_L3_PUT || q->op > KVT_L3_EXISTS || q->iovcnt > 8 ||
+		    (q->op != KVT_L3_EXISTS && (!q->key[0] || !q->iovcnt || !q->iov)) ||
+		    (q->op == KVT_L3_EXISTS && (!q->keys || !q->n_keys || q->n_keys > 64)))
+			return -EINVAL;
+	}
+	return l->ops->submit(l->be, reqs, n);
+}
+
+int kvt_l3_reap(kvt_l3 *l, struct kvt_l3_req **done, uint32_t max)
+{
+	return l->ops->reap(l->be, done, max);
+}
+
+int kvt_l3_event_fd(const kvt_l3 *l)
+{
+	return l->ops->event_fd(l->be);
+}
+
+void kvt_l3_status(kvt_l3 *l, struct kvt_l3_status *out)
+{
+	memset(out, 0, sizeof(*out));
+	l->ops->status(l->be, out);
+}
+
+void kvt_l3_close(kvt_l3 *l)
+{
+	if (!l)
+		return;
+	l->ops->close(l->be);
+	free(l);
+}
+
+/* ---- keys and objects ---- */
+
+void kvt_l3_key(char out[KVT_L3_KEY_MAX], uint64_t fingerprint, const kvt_key *k,
+		uint32_t shard)
+{
+	/* the hash tag {...}: every shard of a chunk on one master */
+	snprintf(out, KVT_L3_KEY_MAX, "kvt:{%016" PRIx64 "%016" PRIx64 "%016" PRIx64 "}:%u",
+		 fingerprint, k->hi, k->lo, shard);
+}
+
+struct kvt_l3_sealer {
+	kvt_mac *mac;
+};
+
+int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, char *err,
+		     size_t len)
+{
+	uint8_t key[KVT_MAC_KEY_BYTES];
+	kvt_l3_sealer *s;
+	int created = 0, rc;
+
+	*out = NULL;
+	rc = kvt_disk_key_load(key_path, create, key, &created, err, len);
+	if (rc)
+		return rc;
+	s = calloc(1, sizeof(*s));
+	if (!s || !(s->mac = kvt_mac_new(key))) {
+		free(s);
+		kvt_mac_wipe(key, sizeof(key));
+		return snprintf(err, len, "l3: the MAC could not be set up"), -ENOMEM;
+	}
+	kvt_mac_wipe(key, sizeof(key));
+	*out = s;
+	return 0;
+}
+
+void kvt_l3_seal_close(kvt_l3_sealer *s)
+{
+	if (!s)
+		return;
+	kvt_mac_free(s->mac);
+	free(s);
+}
+
+static int tag_of(kvt_l3_sealer *s, const struct kvt_l3_hdr *h, const uint8_t *payload,
+		  uint8_t tag[KVT_L3_TAG_SIZE])
+{
+	if (kvt_mac_begin(s->mac, h->nonce) || kvt_mac_update(s->mac, h, sizeof(*h)) ||
+	    kvt_mac_update(s->mac, payload, h->payload) || kvt_mac_final(s->mac, tag))
+		return -EIO;
+	return 0;
+}
+
+int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_key *k,
+		uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t payload)
+{
+	struct kvt_l3_hdr h;
+
+	if (payload > UINT32_MAX)
+		return -EMSGSIZE;
+	memset(&h, 0, sizeof(h));
+	h.magic = KVT_L3_MAGIC;
+	h.fingerprint = fingerprint;
+	h.key_lo = k->lo;
+	h.key_hi = k->hi;
+	h.shard = shard;
+	h.n_shards = n_shards;
+	h.depth = depth;
+	h.version = 1;
+	h.payload = (uint32_t)payload;
+	if (kvt_mac_nonce(h.nonce))
+		return -EIO;
+	memcpy(obj, &h, sizeof(h));
+	return tag_of(s, &h, obj + KVT_L3_HDR_SIZE, obj + KVT_L3_HDR_SIZE + payload);
+}
+
+int kvt_l3_open_obj(kvt_l3_sealer *s, const uint8_t *obj, uint64_t len, uint64_t fingerprint,
+		    const kvt_key *k, uint32_t shard, uint32_t n_shards, uint64_t payload)
+{
+	struct kvt_l3_hdr h;
+	uint8_t tag[KVT_L3_TAG_SIZE];
+
+	if (len != KVT_L3_HDR_SIZE + payload + KVT_L3_TAG_SIZE)
+		return -EBADMSG;
+	memcpy(&h, obj, sizeof(h));
+	if (h.magic != KVT_L3_MAGIC || h.version != 1 || h.fingerprint != fingerprint ||
+	    h.key_lo != k->lo || h.key_hi != k->hi || h.shard != shard ||
+	    h.n_shards != n_shards || h.payload != payload)
+		return -EBADMSG;
+	if (tag_of(s, &h, obj + KVT_L3_HDR_SIZE, tag) ||
+	    !kvt_mac_equal(tag, obj + KVT_L3_HDR_SIZE + payload))
+		return -EBADMSG;
+	return 0;
+}
