@@ -34,6 +34,9 @@
 #include <hiredis/hiredis.h>
 
 #include "kvt_l3.h"
+#include "kvt_l3e.h"
+#include "kvt_disk.h"
+#include "kvt_test.h"
 
 #define N_CHUNKS 48
 #define SHARDS   2
@@ -404,17 +407,22 @@ static void raw_set(const char *key, const struct obj *o)
 	redisReply *y;
 	uint8_t *whole = malloc(OBJ);
 
-	assert_true(m >= 0);
 	assert_non_null(whole);
 	memcpy(whole, o->hdr, KVT_L3_HDR_SIZE);
 	memcpy(whole + KVT_L3_HDR_SIZE, o->payload, PAYLOAD);
 	memcpy(whole + KVT_L3_HDR_SIZE + PAYLOAD, o->tag, KVT_L3_TAG_SIZE);
-	c = connect_ok(port[m]);
-	y = redisCommand(c, "SET %s %b", key, whole, (size_t)OBJ);
-	assert_non_null(y);
-	assert_int_equal(y->type, REDIS_REPLY_STATUS);
-	freeReplyObject(y);
-	redisFree(c);
+	/* a new key: the master that takes it (the others answer MOVED) */
+	for (int i = m >= 0 ? m : 0; i < 3; i++) {
+		c = connect_ok(port[i]);
+		y = redisCommand(c, "SET %s %b", key, whole, (size_t)OBJ);
+		assert_non_null(y);
+		int ok = y->type == REDIS_REPLY_STATUS;
+		freeReplyObject(y);
+		redisFree(c);
+		if (ok)
+			break;
+		assert_true(m < 0 && i < 2);
+	}
 	free(whole);
 }
 
@@ -620,6 +628,267 @@ static void test_auth(void **st)
 	waitpid(r, NULL, 0);
 }
 
+/* ---- two nodes: the engine's protocol over two segments ---- */
+
+#define NODE_CHUNKS 24
+
+static uint8_t node_stamp(uint64_t i, uint32_t sh, uint64_t b)
+{
+	return (uint8_t)(i * 29 + sh * 7 + b % 239 + 1);
+}
+
+/* A node: its own segment (world 2: two shards per chunk), owned. */
+static kvt_seg *node_seg(const char *name)
+{
+	struct kvt_geometry g = kvt_test_geo(2, 64);
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+					 .role = KVT_ROLE_CLIENT };
+	kvt_seg *sg;
+
+	g.groups[0].bytes_per_token = 1024; /* 16 KiB shards */
+	sg = kvt_test_create(name, &g, &a);
+	assert_int_equal(kvt_seg_own(sg), 0);
+	return sg;
+}
+
+static kvt_l3e *node_engine(kvt_seg *sg, uint32_t admit)
+{
+	static char url[64], keyf[300];
+	struct kvt_l3e_opts o = { .size = sizeof(o), .key_path = keyf, .create_key = 1,
+				  .admit = admit };
+	char err[256];
+	kvt_l3e *e = NULL;
+
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%d", port[0]);
+	snprintf(keyf, sizeof(keyf), "%s/fleet.key", dir); /* one key, both nodes */
+	o.store = (struct kvt_l3_conf){ .size = sizeof(o.store), .url = url, .timeout_ms = 1000 };
+	if (kvt_l3e_open(sg, &o, &e, err, sizeof(err)))
+		fail_msg("l3 engine: %s", err);
+	return e;
+}
+
+/* The slot holding key in sg, or -1. */
+static int slot_of(kvt_seg *sg, const kvt_key *k)
+{
+	for (uint32_t x = 0; x < kvt_seg_geometry(sg)->n_slots; x++) {
+		kvt_key kk;
+		uint32_t d, ref;
+		uint64_t w;
+
+		if (kvt_slot_ready(sg, x, &kk, &d, &ref, &w) && kk.lo == k->lo && kk.hi == k->hi)
+			return (int)x;
+	}
+	return -1;
+}
+
+static void test_two_nodes(void **st)
+{
+	char na[64], nb[64];
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+	struct kvt_l3e_info ia, ib;
+	kvt_key keys[NODE_CHUNKS + 2];
+	uint32_t depths[NODE_CHUNKS + 2];
+	uint64_t lease;
+	uint64_t pay;
+
+	(void)st;
+	snprintf(na, sizeof(na), "t-l3a-%d", (int)getpid());
+	snprintf(nb, sizeof(nb), "t-l3b-%d", (int)getpid());
+	a = node_seg(na);
+	b = node_seg(nb);
+	pay = kvt_seg_chunk_bytes(a);
+	/* node A: a prefix saved by its ranks, stamped */
+	for (uint32_t i = 0; i < NODE_CHUNKS + 2; i++) {
+		keys[i] = (kvt_key){ 0x77000 + i + (uint64_t)getpid() * 1000, 0x4242 };
+		depths[i] = i;
+	}
+	for (uint32_t i = 0; i < NODE_CHUNKS; i++)
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			struct kvt_wref w;
+			assert_int_equal(kvt_write_begin(a, &keys[i], i, sh, &w), 0);
+			uint8_t *p = kvt_slot_shard_ptr(a, w.slot, sh);
+			for (uint64_t o = 0; o < pay; o++)
+				p[o] = node_stamp(i, sh, o);
+			assert_true(kvt_write_end(a, &w, 1) >= 0);
+		}
+	/* A's engine puts them (admission all), ahead of eviction */
+	ea = node_engine(a, KVT_ADMIT_ALL);
+	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	kvt_l3e_info(ea, &ia);
+	assert_int_equal(ia.puts, NODE_CHUNKS);
+	assert_int_equal(ia.put_drops, 0);
+	/* ... once: a second scan puts nothing more */
+	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	kvt_l3e_info(ea, &ia);
+	assert_int_equal(ia.puts, NODE_CHUNKS);
+	/* a forged object for chunk NODE_CHUNKS (never saved): the right size
+	 * and header, a tag made up without the fleet key -- refused */
+	{
+		uint64_t olen = KVT_L3_HDR_SIZE + pay + KVT_L3_TAG_SIZE;
+		uint8_t *whole = calloc(1, olen);
+		char key[KVT_L3_KEY_MAX];
+		struct kvt_l3_hdr h = { .magic = KVT_L3_MAGIC, .version = 1, .n_shards = 2,
+					.depth = NODE_CHUNKS, .payload = (uint32_t)pay };
+		kvt_key fpk;
+		assert_non_null(whole);
+		kvt_seg_fingerprint(b, &fpk);
+		h.fingerprint = fpk.lo ^ fpk.hi;
+		h.key_lo = keys[NODE_CHUNKS].lo;
+		h.key_hi = keys[NODE_CHUNKS].hi;
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			h.shard = sh;
+			memcpy(whole, &h, sizeof(h));
+			memset(whole + KVT_L3_HDR_SIZE, 0x33, pay);
+			memset(whole + KVT_L3_HDR_SIZE + pay, 0x44, KVT_L3_TAG_SIZE);
+			kvt_l3_key(key, h.fingerprint, &keys[NODE_CHUNKS], sh);
+			for (int i = 0; i < 3; i++) { /* the master that takes it */
+				redisContext *c = connect_ok(port[i]);
+				redisReply *y = redisCommand(c, "SET %s %b", key, whole, (size_t)olen);
+				int ok = y && y->type == REDIS_REPLY_STATUS;
+				if (y)
+					freeReplyObject(y);
+				redisFree(c);
+				if (ok)
+					break;
+			}
+		}
+		free(whole);
+	}
+	/* node B never saw them: one fetch, and they are READY, exact */
+	eb = node_engine(b, KVT_ADMIT_NONE);
+	assert_int_equal(kvt_seg_lookup(b, keys, NODE_CHUNKS, &lease), 0);
+	assert_int_equal(kvt_l3e_fetch(eb, keys, depths, NODE_CHUNKS + 2), NODE_CHUNKS + 2);
+	assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
+	kvt_l3e_info(eb, &ib);
+	assert_int_equal(ib.gets, NODE_CHUNKS);
+	assert_int_equal(ib.misses, 1);          /* chunk NODE_CHUNKS + 1: absent */
+	assert_int_equal(ib.refused, 1);          /* the forged one, by its tag */
+	assert_int_equal(ib.get_drops, 0);
+	assert_int_equal(kvt_seg_lookup(b, keys, NODE_CHUNKS + 2, &lease), NODE_CHUNKS);
+	kvt_lease_release(b, lease);
+	for (uint32_t i = 0; i < NODE_CHUNKS; i++) {
+		int x = slot_of(b, &keys[i]);
+		assert_true(x >= 0);
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			const uint8_t *p = kvt_slot_shard_ptr(b, (uint32_t)x, sh);
+			for (uint64_t o = 0; o < pay; o++)
+				if (p[o] != node_stamp(i, sh, o))
+					fail_msg("node B: chunk %u shard %u byte %llu differs", i, sh,
+						 (unsigned long long)o);
+		}
+	}
+	assert_true(slot_of(b, &keys[NODE_CHUNKS]) < 0); /* never published */
+	/* the miss is remembered: asked again at once, no round trip */
+	assert_int_equal(kvt_l3e_fetch(eb, &keys[NODE_CHUNKS + 1], &depths[NODE_CHUNKS + 1], 1), 0);
+	kvt_l3e_info(eb, &ib);
+	assert_int_equal(ib.negative_hits, 1);
+	/* in DRAM now: a fetch asks nothing */
+	assert_int_equal(kvt_l3e_fetch(eb, keys, depths, NODE_CHUNKS), 0);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	kvt_seg_detach(a);
+	kvt_seg_detach(b);
+	kvt_seg_unlink(na, NULL);
+	kvt_seg_unlink(nb, NULL);
+}
+
+/* A slot evicted while its put is in flight: the engine drops the put (its
+ * life ended: the bytes sent may be another chunk's), never records it,
+ * and whatever reached the store is exact or refused on the other node --
+ * never served wrong.  Deterministic: the puts are submitted by one poll,
+ * the slots are reused before the next one takes the completions. */
+static void test_put_window(void **st)
+{
+	char na[64], nb[64];
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+	struct kvt_l3e_info ia, ib;
+	kvt_key keys[64], other;
+	uint32_t depths[64];
+	uint64_t pay;
+	uint32_t inflight;
+
+	(void)st;
+	snprintf(na, sizeof(na), "t-l3wa-%d", (int)getpid());
+	snprintf(nb, sizeof(nb), "t-l3wb-%d", (int)getpid());
+	a = node_seg(na);
+	b = node_seg(nb);
+	pay = kvt_seg_chunk_bytes(a);
+	for (uint32_t i = 0; i < 64; i++) {
+		keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)getpid() * 1000, 0x5151 };
+		depths[i] = i;
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			struct kvt_wref w;
+			assert_int_equal(kvt_write_begin(a, &keys[i], i, sh, &w), 0);
+			uint8_t *p = kvt_slot_shard_ptr(a, w.slot, sh);
+			for (uint64_t o = 0; o < pay; o++)
+				p[o] = node_stamp(i, sh, o);
+			assert_true(kvt_write_end(a, &w, 1) >= 0);
+		}
+	}
+	ea = node_engine(a, KVT_ADMIT_ALL);
+	assert_true(kvt_l3e_poll(ea) > 0); /* puts submitted, completions not taken */
+	kvt_l3e_info(ea, &ia);
+	inflight = ia.inflight;
+	assert_true(inflight > 0);
+	/* a rank (another process, as ranks are) saves 64 other chunks:
+	 * every old slot gets a new life while the puts read them */
+	pid_t c = fork();
+	assert_true(c >= 0);
+	if (c == 0) {
+		kvt_seg *r = NULL;
+		if (kvt_test_attach(na, KVT_ROLE_CLIENT, 0, 0, 0, &r))
+			_exit(2);
+		for (uint32_t i = 0; i < 64; i++) {
+			other = (kvt_key){ 0xee000 + i + (uint64_t)getppid() * 1000, 0x5151 };
+			for (uint32_t sh = 0; sh < 2; sh++) {
+				struct kvt_wref w;
+				if (kvt_write_begin(r, &other, 100 + i, sh, &w))
+					_exit(3);
+				memset(kvt_slot_shard_ptr(r, w.slot, sh), 0xcc, pay);
+				if (kvt_write_end(r, &w, 1) < 0)
+					_exit(4);
+			}
+		}
+		kvt_seg_detach(r);
+		_exit(0);
+	}
+	int status;
+	assert_int_equal(waitpid(c, &status, 0), c);
+	assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	assert_int_equal(kvt_l3e_drain(ea, 0, -1), 0);
+	kvt_l3e_info(ea, &ia);
+	assert_int_equal(ia.put_drops, inflight); /* every one of them voided */
+	assert_int_equal(ia.puts, 0);
+	/* node B: each old chunk exact, refused, or absent -- never wrong */
+	eb = node_engine(b, KVT_ADMIT_NONE);
+	assert_true(kvt_l3e_fetch(eb, keys, depths, 64) > 0);
+	assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
+	kvt_l3e_info(eb, &ib);
+	for (uint32_t i = 0; i < 64; i++) {
+		int x = slot_of(b, &keys[i]);
+		if (x < 0)
+			continue;
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			const uint8_t *p = kvt_slot_shard_ptr(b, (uint32_t)x, sh);
+			for (uint64_t o = 0; o < pay; o++)
+				if (p[o] != node_stamp(i, sh, o))
+					fail_msg("node B served chunk %u shard %u wrong at %llu", i,
+						 sh, (unsigned long long)o);
+		}
+	}
+	fprintf(stderr, "put window: %u puts voided; node B: %llu exact, %llu refused, "
+		"%llu absent\n", inflight, (unsigned long long)ib.gets,
+		(unsigned long long)ib.refused, (unsigned long long)ib.misses);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	kvt_seg_detach(a);
+	kvt_seg_detach(b);
+	kvt_seg_unlink(na, NULL);
+	kvt_seg_unlink(nb, NULL);
+}
+
 int main(void)
 {
 	if (sh("command -v redis-server >/dev/null && command -v redis-cli >/dev/null")) {
@@ -630,6 +899,8 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_forged),
+		cmocka_unit_test(test_two_nodes),
+		cmocka_unit_test(test_put_window),
 		cmocka_unit_test(test_reshard),
 		cmocka_unit_test(test_master_killed),
 		cmocka_unit_test(test_auth),

@@ -146,6 +146,19 @@ typedef struct kvt_l3_sealer kvt_l3_sealer;
 int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, char *err,
 		     size_t len);
 void kvt_l3_seal_close(kvt_l3_sealer *s);
+/* The same over pieces: the header (hdr, 64 bytes) and the tag (16) for a
+ * payload left where it is (an arena sub-slot); and the check of such an
+ * object, also requiring the header's depth (the chunk's position).  The
+ * MAC is computed over the payload's bytes as they are now: a payload
+ * that changes before the put completes makes an object that fails. */
+int kvt_l3_seal_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
+		       uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint, const kvt_key *k,
+		       uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t len);
+int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE],
+			const void *payload, const uint8_t tag[KVT_L3_TAG_SIZE],
+			uint64_t fingerprint, const kvt_key *k, uint32_t shard,
+			uint32_t n_shards, uint32_t depth, uint64_t len);
+
 /* Writes the header before payload (obj[0..64)) and the tag after it
  * (obj[64 + payload .. + 16)): the object is obj[0 .. 80 + payload). */
 int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_key *k,

@@ -135,7 +135,7 @@ void kvt_l3_seal_close(kvt_l3_sealer *s)
 	free(s);
 }
 
-static int tag_of(kvt_l3_sealer *s, const struct kvt_l3_hdr *h, const uint8_t *payload,
+static int tag_of(kvt_l3_sealer *s, const struct kvt_l3_hdr *h, const void *payload,
 		  uint8_t tag[KVT_L3_TAG_SIZE])
 {
 	if (kvt_mac_begin(s->mac, h->nonce) || kvt_mac_update(s->mac, h, sizeof(*h)) ||
@@ -144,12 +144,13 @@ static int tag_of(kvt_l3_sealer *s, const struct kvt_l3_hdr *h, const uint8_t *p
 	return 0;
 }
 
-int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_key *k,
-		uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t payload)
+int kvt_l3_seal_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
+		       uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint, const kvt_key *k,
+		       uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t len)
 {
 	struct kvt_l3_hdr h;
 
-	if (payload > UINT32_MAX)
+	if (len > UINT32_MAX)
 		return -EMSGSIZE;
 	memset(&h, 0, sizeof(h));
 	h.magic = KVT_L3_MAGIC;
@@ -160,28 +161,44 @@ int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_
 	h.n_shards = n_shards;
 	h.depth = depth;
 	h.version = 1;
-	h.payload = (uint32_t)payload;
+	h.payload = (uint32_t)len;
 	if (kvt_mac_nonce(h.nonce))
 		return -EIO;
-	memcpy(obj, &h, sizeof(h));
-	return tag_of(s, &h, obj + KVT_L3_HDR_SIZE, obj + KVT_L3_HDR_SIZE + payload);
+	memcpy(hdr, &h, sizeof(h));
+	return tag_of(s, &h, payload, tag);
+}
+
+int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE],
+			const void *payload, const uint8_t tag[KVT_L3_TAG_SIZE],
+			uint64_t fingerprint, const kvt_key *k, uint32_t shard,
+			uint32_t n_shards, uint32_t depth, uint64_t len)
+{
+	struct kvt_l3_hdr h;
+	uint8_t want[KVT_L3_TAG_SIZE];
+
+	memcpy(&h, hdr, sizeof(h));
+	if (h.magic != KVT_L3_MAGIC || h.version != 1 || h.fingerprint != fingerprint ||
+	    h.key_lo != k->lo || h.key_hi != k->hi || h.shard != shard ||
+	    h.n_shards != n_shards || h.payload != len ||
+	    (depth != UINT32_MAX && h.depth != depth))
+		return -EBADMSG;
+	if (tag_of(s, &h, payload, want) || !kvt_mac_equal(want, tag))
+		return -EBADMSG;
+	return 0;
+}
+
+int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_key *k,
+		uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t payload)
+{
+	return kvt_l3_seal_pieces(s, obj, obj + KVT_L3_HDR_SIZE, obj + KVT_L3_HDR_SIZE + payload,
+				  fingerprint, k, shard, n_shards, depth, payload);
 }
 
 int kvt_l3_open_obj(kvt_l3_sealer *s, const uint8_t *obj, uint64_t len, uint64_t fingerprint,
 		    const kvt_key *k, uint32_t shard, uint32_t n_shards, uint64_t payload)
 {
-	struct kvt_l3_hdr h;
-	uint8_t tag[KVT_L3_TAG_SIZE];
-
 	if (len != KVT_L3_HDR_SIZE + payload + KVT_L3_TAG_SIZE)
 		return -EBADMSG;
-	memcpy(&h, obj, sizeof(h));
-	if (h.magic != KVT_L3_MAGIC || h.version != 1 || h.fingerprint != fingerprint ||
-	    h.key_lo != k->lo || h.key_hi != k->hi || h.shard != shard ||
-	    h.n_shards != n_shards || h.payload != payload)
-		return -EBADMSG;
-	if (tag_of(s, &h, obj + KVT_L3_HDR_SIZE, tag) ||
-	    !kvt_mac_equal(tag, obj + KVT_L3_HDR_SIZE + payload))
-		return -EBADMSG;
-	return 0;
+	return kvt_l3_check_pieces(s, obj, obj + KVT_L3_HDR_SIZE, obj + KVT_L3_HDR_SIZE + payload,
+				   fingerprint, k, shard, n_shards, UINT32_MAX, payload);
 }

@@ -1,0 +1,81 @@
+/* kvt_l3e.h - the L3 engine: kvtierd's side of the L3 tier (kvt_l3.h),
+ * every protocol step that touches the segment.  One engine per segment,
+ * in its owner (the handle must have a table entry: the claims of a get
+ * are its); not thread-safe: one thread polls it, as the disk engine.
+ *
+ *   put (admission, ahead of eviction): the scan walks the slots from the
+ *     CLOCK hand, where the next evictions come from; a READY chunk not
+ *     already put (a bounded record of the keys this node put or found in
+ *     the store) and admitted (all, or second-hit: hit in DRAM since it was
+ *     saved, or asked for before) is sealed shard by shard -- header and
+ *     tag over the sub-slot as it is -- and put from the sub-slot, without
+ *     a pin.  At completion the slot must still be in the same life
+ *     (kvt_slot_same_life): else the object may hold another chunk's bytes
+ *     under this chunk's tag, which its check refuses -- a miss, never a
+ *     wrong byte -- and it is not recorded as put.
+ *   fetch (promotion): for chunks in neither DRAM nor the disk, one EXISTS
+ *     over the chunk's shard keys (a chunk is there only when all its
+ *     shards are); then one claim per shard (kvt_write_begin), a GET of
+ *     each shard into its sub-slot, the check of every shard (tag, key,
+ *     shard, layout, depth), and kvt_write_end(ok): the chunk is published
+ *     only when every shard checked.  A miss is remembered (negative_ms),
+ *     so a cold prefix costs one round trip, not one per lookup.
+ *   failure: every store error is a miss, counted; the engine never
+ *     blocks and never fails the segment.  kvtierd killed with gets in
+ *     flight: the claims die with its entry (the reaper frees them) and
+ *     its socket reads die with it -- nothing is published half-written.
+ */
+#ifndef KVT_L3E_H
+#define KVT_L3E_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvt_core.h"
+#include "kvt_l3.h"
+
+typedef struct kvt_l3e kvt_l3e;
+
+struct kvt_l3e_opts {
+	size_t size;               /* sizeof(struct kvt_l3e_opts) */
+	struct kvt_l3_conf store;  /* the store: URL, auth file, timeout */
+	const char *key_path;      /* the fleet key (the same file on every node) */
+	uint32_t create_key;       /* make it (32 random bytes, 0600) when missing */
+	uint32_t admit;            /* enum kvt_disk_admit: all, second-hit, none */
+	uint32_t jobs;             /* chunks in flight, 1..256; 0: 32 */
+	uint32_t scan;             /* slots the put scan looks at per poll; 0: 1024 */
+	uint32_t negative_ms;      /* how long a miss is remembered; 0: 2000 */
+	void (*log)(int level, const char *msg, void *arg); /* NULL: stderr */
+	void *log_arg;
+};
+
+struct kvt_l3e_info {
+	uint64_t puts, put_bytes, put_drops, put_skips;
+	uint64_t fetches, gets, get_bytes, misses, refused, get_drops, negative_hits;
+	uint32_t inflight;
+	struct kvt_l3_status store;
+};
+
+/* Opens the store (kvt_l3_open) and the fleet key; s must be owned by the
+ * caller.  -errno with the message in err (the store's reasons, the key
+ * file's rules). */
+int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *err,
+		 size_t len);
+/* One round: completions, the put scan.  Never waits.  The number of
+ * things done (0: idle). */
+int kvt_l3e_poll(kvt_l3e *e);
+/* Asks the store for these chunks (keys[i] at depth depths[i]): those not
+ * in DRAM, not remembered as missing, not already asked.  Returns how many
+ * were asked (the rest: no free job, or not needed). */
+int kvt_l3e_fetch(kvt_l3e *e, const kvt_key *keys, const uint32_t *depths, uint32_t n);
+/* Readable when the store completed something. */
+int kvt_l3e_event_fd(const kvt_l3e *e);
+/* Polls until nothing is in flight (and, with put_all, the scan found
+ * nothing more to put), up to timeout_ns (< 0: no limit): 0, -ETIMEDOUT. */
+int kvt_l3e_drain(kvt_l3e *e, int put_all, int64_t timeout_ns);
+void kvt_l3e_info(kvt_l3e *e, struct kvt_l3e_info *out);
+/* Drains (every request completes: claims released, nothing published
+ * that was not checked) and closes.  NULL is ignored. */
+void kvt_l3e_close(kvt_l3e *e);
+
+#endif

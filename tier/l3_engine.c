@@ -1,0 +1,521 @@
+/* l3_engine.c - the L3 engine (kvt_l3e.h: the design).  The segment's
+ * protocols are core's: kvt_slot_ready / kvt_slot_same_life around a put
+ * (no pin: a READY slot's payload does not change in its life, and a life
+ * that ended during the put voids it), kvt_write_begin / kvt_write_end
+ * around a get (the claims are this handle's; published only checked).
+ * No new shared-memory step: the engine's state is its own. */
+#include "kvt_l3e.h"
+#include "kvt_disk.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define REC_BITS 16 /* the put record: 65,536 keys */
+#define NEG_BITS 12 /* the negative cache: 4,096 keys */
+
+enum { J_FREE = 0, J_PUT, J_EXISTS, J_GET };
+
+struct job {
+	int kind;
+	kvt_key key;
+	uint32_t depth, slot;
+	uint64_t w;                /* put: the slot's life */
+	uint32_t left;             /* requests not completed */
+	int err;                   /* the first failure */
+	uint64_t t0;
+	char keys[KVT_L3_MAX_SHARDS][KVT_L3_KEY_MAX];
+	uint8_t hdr[KVT_L3_MAX_SHARDS][KVT_L3_HDR_SIZE];
+	uint8_t tag[KVT_L3_MAX_SHARDS][KVT_L3_TAG_SIZE];
+	struct iovec iov[KVT_L3_MAX_SHARDS][3];
+	struct kvt_l3_req q[KVT_L3_MAX_SHARDS];
+	struct kvt_wref wr[KVT_L3_MAX_SHARDS];
+};
+
+struct kvt_l3e {
+	kvt_seg *s;
+	struct kvt_l3e_opts o;
+	kvt_l3 *l3;
+	kvt_l3_sealer *seal;
+	uint64_t fp;
+	uint32_t n_shards, n_slots;
+	uint64_t payload;
+	struct job *jobs;
+	uint32_t live;
+	uint64_t cursor;
+	kvt_key rec[1u << REC_BITS];
+	struct { kvt_key k; uint64_t ns; } neg[1u << NEG_BITS];
+	kvt_key ghost[1u << NEG_BITS]; /* second-hit: refused once */
+	struct kvt_l3e_info info;
+};
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void elog(const kvt_l3e *e, int level, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static void elog(const kvt_l3e *e, int level, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (e->o.log)
+		e->o.log(level, msg, e->o.log_arg);
+	else
+		fprintf(stderr, "kvtier l3: %s\n", msg);
+}
+
+static uint32_t hash_of(const kvt_key *k, int bits)
+{
+	uint64_t h = (k->lo ^ (k->hi * 0x9e3779b97f4a7c15ull)) * 0xbf58476d1ce4e5b9ull;
+
+	return (uint32_t)(h >> (64 - bits));
+}
+
+static int same(const kvt_key *a, const kvt_key *b)
+{
+	return a->lo == b->lo && a->hi == b->hi;
+}
+
+static int rec_has(const kvt_l3e *e, const kvt_key *k)
+{
+	return same(&e->rec[hash_of(k, REC_BITS)], k);
+}
+
+static void rec_add(kvt_l3e *e, const kvt_key *k)
+{
+	e->rec[hash_of(k, REC_BITS)] = *k; /* bounded: a collision forgets one */
+}
+
+static int neg_has(kvt_l3e *e, const kvt_key *k, uint64_t now)
+{
+	uint32_t i = hash_of(k, NEG_BITS);
+
+	return same(&e->neg[i].k, k) &&
+	       now - e->neg[i].ns < (uint64_t)e->o.negative_ms * 1000000ull;
+}
+
+static void neg_add(kvt_l3e *e, const kvt_key *k)
+{
+	uint32_t i = hash_of(k, NEG_BITS);
+
+	e->neg[i].k = *k;
+	e->neg[i].ns = mono_ns();
+}
+
+static struct job *job_get(kvt_l3e *e, int kind)
+{
+	for (uint32_t i = 0; i < e->o.jobs; i++)
+		if (e->jobs[i].kind == J_FREE) {
+			struct job *j = &e->jobs[i];
+			j->kind = kind;
+			j->err = 0;
+			j->left = 0;
+			j->t0 = mono_ns();
+			e->live++;
+			return j;
+		}
+	return NULL;
+}
+
+static void job_put(kvt_l3e *e, struct job *j)
+{
+	j->kind = J_FREE;
+	e->live--;
+}
+
+static void req_set(kvt_l3e *e, struct job *j, uint32_t sh, uint32_t op, void *payload)
+{
+	struct kvt_l3_req *q = &j->q[sh];
+
+	memset(q, 0, sizeof(*q));
+	j->iov[sh][0] = (struct iovec){ j->hdr[sh], KVT_L3_HDR_SIZE };
+	j->iov[sh][1] = (struct iovec){ payload, (size_t)e->payload };
+	j->iov[sh][2] = (struct iovec){ j->tag[sh], KVT_L3_TAG_SIZE };
+	q->op = op;
+	q->n_keys = 1;
+	memcpy(q->key, j->keys[sh], KVT_L3_KEY_MAX);
+	q->iov = j->iov[sh];
+	q->iovcnt = 3;
+	q->tag = (uint64_t)(j - e->jobs) << 8 | sh;
+}
+
+/* Submits the job's first n requests; the store's queue is sized for every
+ * job's (open), so all are taken. */
+static int submit(kvt_l3e *e, struct job *j, uint32_t n)
+{
+	struct kvt_l3_req *qs[KVT_L3_MAX_SHARDS];
+
+	for (uint32_t i = 0; i < n; i++)
+		qs[i] = &j->q[i];
+	j->left = n;
+	int r = kvt_l3_submit(e->l3, qs, n);
+	if (r == (int)n)
+		return 0;
+	/* cannot happen with the queue's size; if it does, the job waits
+	 * for what was taken and fails */
+	j->left = r > 0 ? (uint32_t)r : 0;
+	j->err = -EAGAIN;
+	return -EAGAIN;
+}
+
+/* ---- put ---- */
+
+static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, uint64_t w)
+{
+	struct job *j = job_get(e, J_PUT);
+
+	if (!j)
+		return 0;
+	j->key = *k;
+	j->depth = depth;
+	j->slot = x;
+	j->w = w;
+	for (uint32_t sh = 0; sh < e->n_shards; sh++) {
+		void *p = kvt_slot_shard_ptr(e->s, x, sh);
+
+		kvt_l3_key(j->keys[sh], e->fp, k, sh);
+		if (!p || kvt_l3_seal_pieces(e->seal, j->hdr[sh], p, j->tag[sh], e->fp, k, sh,
+					     e->n_shards, depth, e->payload)) {
+			e->info.put_drops++;
+			job_put(e, j);
+			return -1;
+		}
+		req_set(e, j, sh, KVT_L3_PUT, p);
+	}
+	submit(e, j, e->n_shards);
+	if (!j->left) {
+		e->info.put_drops++;
+		job_put(e, j);
+		return -1;
+	}
+	return 1;
+}
+
+static void put_done(kvt_l3e *e, struct job *j)
+{
+	/* the life must not have ended while the pieces were read */
+	if (j->err || !kvt_slot_same_life(e->s, j->slot, j->w)) {
+		e->info.put_drops++;
+	} else {
+		rec_add(e, &j->key);
+		e->info.puts++;
+		e->info.put_bytes += e->payload * e->n_shards;
+	}
+	job_put(e, j);
+}
+
+static int ghost_has(kvt_l3e *e, const kvt_key *k)
+{
+	return same(&e->ghost[hash_of(k, NEG_BITS)], k);
+}
+
+/* Slot x: 1 put started, 0 stop (no job), -1 next. */
+static int put_consider(kvt_l3e *e, uint32_t x)
+{
+	kvt_key k;
+	uint32_t depth, ref;
+	uint64_t w;
+
+	if (!kvt_slot_ready(e->s, x, &k, &depth, &ref, &w) || rec_has(e, &k))
+		return -1;
+	for (uint32_t i = 0; i < e->o.jobs; i++) /* in flight already */
+		if (e->jobs[i].kind != J_FREE && same(&e->jobs[i].key, &k))
+			return -1;
+	if (e->o.admit == KVT_ADMIT_SECOND_HIT && ref < 2 && !ghost_has(e, &k)) {
+		e->ghost[hash_of(&k, NEG_BITS)] = k;
+		e->info.put_skips++;
+		return -1;
+	}
+	return put_start(e, x, &k, depth, w);
+}
+
+static int put_scan(kvt_l3e *e)
+{
+	uint64_t h = kvt_seg_clock_hand(e->s), n = e->n_slots;
+	int started = 0;
+
+	if (e->o.admit == KVT_ADMIT_NONE)
+		return 0;
+	if (e->cursor < h || e->cursor >= h + n)
+		e->cursor = h; /* from the hand: what is evicted next goes first */
+	for (uint32_t i = 0; i < e->o.scan && e->cursor < h + n && e->live < e->o.jobs; i++) {
+		int r = put_consider(e, (uint32_t)(e->cursor % n));
+		if (r == 0)
+			break;
+		e->cursor++;
+		started += r == 1;
+	}
+	return started;
+}
+
+/* ---- fetch ---- */
+
+static void get_start(kvt_l3e *e, struct job *j)
+{
+	uint32_t sh;
+
+	/* in DRAM meanwhile (a rank saved it, another fetch): nothing to do */
+	if (kvt_seg_peek(e->s, &j->key, 1) == 1) {
+		job_put(e, j);
+		return;
+	}
+	for (sh = 0; sh < e->n_shards; sh++) {
+		int r = kvt_write_begin(e->s, &j->key, j->depth, sh, &j->wr[sh]);
+
+		if (r == KVT_SKIP && sh == 0) {
+			job_put(e, j);
+			return;
+		}
+		if (r) { /* no slot, or a rank writes a shard now: its save wins */
+			while (sh--)
+				kvt_write_end(e->s, &j->wr[sh], 0);
+			e->info.get_drops++;
+			job_put(e, j);
+			return;
+		}
+	}
+	j->kind = J_GET;
+	j->slot = j->wr[0].slot;
+	for (sh = 0; sh < e->n_shards; sh++)
+		req_set(e, j, sh, KVT_L3_GET, kvt_slot_shard_ptr(e->s, j->wr[sh].slot, sh));
+	if (submit(e, j, e->n_shards) && !j->left) {
+		for (sh = 0; sh < e->n_shards; sh++)
+			kvt_write_end(e->s, &j->wr[sh], 0);
+		e->info.get_drops++;
+		job_put(e, j);
+	}
+}
+
+static void exists_done(kvt_l3e *e, struct job *j)
+{
+	if (j->err == -ENOENT) {
+		neg_add(e, &j->key);
+		e->info.misses++;
+		job_put(e, j);
+	} else if (j->err) {
+		e->info.get_drops++;
+		job_put(e, j);
+	} else {
+		get_start(e, j);
+	}
+}
+
+static void get_done(kvt_l3e *e, struct job *j)
+{
+	int ok = !j->err;
+
+	for (uint32_t sh = 0; ok && sh < e->n_shards; sh++)
+		if (kvt_l3_check_pieces(e->seal, j->hdr[sh],
+					kvt_slot_shard_ptr(e->s, j->wr[sh].slot, sh), j->tag[sh],
+					e->fp, &j->key, sh, e->n_shards, j->depth, e->payload)) {
+			ok = 0;
+			e->info.refused++;
+			elog(e, 1, "key %016llx%016llx shard %u: the object's check failed (torn, "
+			     "forged, another layout's or written without the fleet key): a "
+			     "miss, not served", (unsigned long long)j->key.hi,
+			     (unsigned long long)j->key.lo, sh);
+		}
+	for (uint32_t sh = 0; sh < e->n_shards; sh++)
+		kvt_write_end(e->s, &j->wr[sh], ok);
+	if (ok) {
+		rec_add(e, &j->key); /* in the store: not put again */
+		e->info.gets++;
+		e->info.get_bytes += e->payload * e->n_shards;
+	} else if (j->err == -ENOENT) { /* evicted since the EXISTS */
+		neg_add(e, &j->key);
+		e->info.misses++;
+	} else if (j->err) {
+		e->info.get_drops++;
+	}
+	job_put(e, j);
+}
+
+int kvt_l3e_fetch(kvt_l3e *e, const kvt_key *keys, const uint32_t *depths, uint32_t n)
+{
+	uint64_t now = mono_ns();
+	int asked = 0;
+
+	for (uint32_t i = 0; i < n; i++) {
+		const kvt_key *k = &keys[i];
+		struct job *j;
+		int busy = 0;
+
+		if (kvt_seg_peek(e->s, k, 1) == 1)
+			continue;
+		if (neg_has(e, k, now)) {
+			e->info.negative_hits++;
+			continue;
+		}
+		for (uint32_t x = 0; x < e->o.jobs && !busy; x++)
+			busy = e->jobs[x].kind != J_FREE && same(&e->jobs[x].key, k);
+		if (busy)
+			continue;
+		if (!(j = job_get(e, J_EXISTS)))
+			break;
+		j->key = *k;
+		j->depth = depths[i];
+		for (uint32_t sh = 0; sh < e->n_shards; sh++)
+			kvt_l3_key(j->keys[sh], e->fp, k, sh);
+		memset(&j->q[0], 0, sizeof(j->q[0]));
+		j->q[0].op = KVT_L3_EXISTS;
+		j->q[0].n_keys = e->n_shards;
+		j->q[0].keys = (const char (*)[KVT_L3_KEY_MAX])j->keys;
+		j->q[0].tag = (uint64_t)(j - e->jobs) << 8;
+		e->info.fetches++;
+		if (submit(e, j, 1)) {
+			job_put(e, j);
+			continue;
+		}
+		asked++;
+	}
+	return asked;
+}
+
+/* ---- the loop ---- */
+
+static int completions(kvt_l3e *e)
+{
+	struct kvt_l3_req *done[64];
+	int n, total = 0;
+
+	while ((n = kvt_l3_reap(e->l3, done, 64)) > 0) {
+		for (int i = 0; i < n; i++) {
+			uint64_t ji = done[i]->tag >> 8;
+			struct job *j;
+
+			if (ji >= e->o.jobs)
+				continue;
+			j = &e->jobs[ji];
+			if (done[i]->status && !j->err)
+				j->err = done[i]->status;
+			if (j->left && --j->left)
+				continue;
+			if (j->kind == J_PUT)
+				put_done(e, j);
+			else if (j->kind == J_EXISTS)
+				exists_done(e, j);
+			else if (j->kind == J_GET)
+				get_done(e, j);
+		}
+		total += n;
+	}
+	return total;
+}
+
+int kvt_l3e_poll(kvt_l3e *e)
+{
+	int n = completions(e);
+
+	return n + put_scan(e);
+}
+
+int kvt_l3e_event_fd(const kvt_l3e *e)
+{
+	return kvt_l3_event_fd(e->l3);
+}
+
+int kvt_l3e_drain(kvt_l3e *e, int put_all, int64_t timeout_ns)
+{
+	uint64_t end = timeout_ns < 0 ? UINT64_MAX : mono_ns() + (uint64_t)timeout_ns;
+
+	for (;;) {
+		/* the scan only when asked to put everything: a close must end */
+		int n = put_all ? kvt_l3e_poll(e) : completions(e);
+
+		if (!e->live && (!put_all || !n))
+			return 0;
+		if (mono_ns() >= end)
+			return -ETIMEDOUT;
+		if (e->live) {
+			struct pollfd p = { .fd = kvt_l3_event_fd(e->l3), .events = POLLIN };
+			poll(&p, 1, 10);
+		}
+	}
+}
+
+void kvt_l3e_info(kvt_l3e *e, struct kvt_l3e_info *out)
+{
+	*out = e->info;
+	out->inflight = e->live;
+	kvt_l3_status(e->l3, &out->store);
+}
+
+int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *err,
+		 size_t len)
+{
+	kvt_l3e *e;
+	kvt_key fp;
+	int rc;
+
+	*out = NULL;
+	if (!s || !o || o->size < sizeof(*o) || !o->key_path || o->jobs > 256 ||
+	    o->admit > KVT_ADMIT_NONE)
+		return snprintf(err, len, "l3: bad options (a key file is required; jobs <= 256)"),
+		       -EINVAL;
+	if (kvt_seg_n_shards(s) > KVT_L3_MAX_SHARDS)
+		return snprintf(err, len, "l3: %u shards, at most %u", kvt_seg_n_shards(s),
+				KVT_L3_MAX_SHARDS), -EINVAL;
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return snprintf(err, len, "out of memory"), -ENOMEM;
+	e->s = s;
+	e->o = *o;
+	if (!e->o.jobs)
+		e->o.jobs = 32;
+	if (!e->o.scan)
+		e->o.scan = 1024;
+	if (!e->o.negative_ms)
+		e->o.negative_ms = 2000;
+	e->n_shards = kvt_seg_n_shards(s);
+	e->n_slots = kvt_seg_geometry(s)->n_slots;
+	e->payload = kvt_seg_chunk_bytes(s);
+	kvt_seg_fingerprint(s, &fp);
+	e->fp = fp.lo ^ fp.hi;
+	e->jobs = calloc(e->o.jobs, sizeof(*e->jobs));
+	if (!e->jobs) {
+		free(e);
+		return snprintf(err, len, "out of memory"), -ENOMEM;
+	}
+	rc = kvt_l3_seal_open(o->key_path, (int)o->create_key, &e->seal, err, len);
+	if (rc)
+		goto fail;
+	/* room for every job's requests: submit never comes back short */
+	if (e->o.store.depth < e->o.jobs * e->n_shards)
+		e->o.store.depth = e->o.jobs * e->n_shards;
+	rc = kvt_l3_open(&e->o.store, &e->l3, err, len);
+	if (rc)
+		goto fail;
+	*out = e;
+	return 0;
+fail:
+	kvt_l3_seal_close(e->seal);
+	free(e->jobs);
+	free(e);
+	return rc;
+}
+
+void kvt_l3e_close(kvt_l3e *e)
+{
+	if (!e)
+		return;
+	/* every request completes within the store's timeouts: gets release
+	 * their claims (unchecked ones unpublished), puts end */
+	kvt_l3e_drain(e, 0, -1);
+	kvt_l3_close(e->l3);
+	kvt_l3_seal_close(e->seal);
+	free(e->jobs);
+	free(e);
+}
