@@ -8,6 +8,7 @@
  *   kvtier-bench chaos [options]      kill -9 trials over a running workload (bench/chaos.c)
  *   kvtier-bench disk [options]       the disk tier against fio (bench/disk.c)
  *   kvtier-bench pin [options]        N processes locking one arena (bench/pin.c)
+ *   kvtier-bench l3 [options]         the L3 store's put/get GB/s (bench/l3.c)
  */
 #include <stdio.h>
 #include <string.h>
@@ -21,6 +22,7 @@ int kvt_bench_chaos(int argc, char **argv);
 int kvt_bench_disk(int argc, char **argv);
 int kvt_bench_diskkill(int argc, char **argv);
 int kvt_bench_pin(int argc, char **argv);
+int kvt_bench_l3(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -37,6 +39,7 @@ static void usage(FILE *f)
 		"  disk       the disk tier's demotion and promotion GB/s against fio\n"
 		"  diskkill   the disk tier under kill -9 of its engine and clients: 0 wrong\n"
 		"  pin        N processes locking one arena: AMD's pinning budget against kvtier-size\n"
+		"  l3         the L3 store (Redis): put/get GB/s against redis-benchmark\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -65,6 +68,14 @@ int main(int argc, char **argv)
 		return kvt_bench_diskkill(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "pin"))
 		return kvt_bench_pin(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "l3")) {
+#ifdef KVTIER_BENCH_L3
+		return kvt_bench_l3(argc - 1, argv + 1);
+#else
+		fprintf(stderr, "kvtier-bench l3: built without the L3 tier (libhiredis-dev)\n");
+		return 2;
+#endif
+	}
 	fprintf(stderr, "kvtier-bench: unknown command '%s'\n\n", argv[1]);
 	usage(stderr);
 	return 2;

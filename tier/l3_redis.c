@@ -302,10 +302,10 @@ static int map_refresh(struct rl3 *r, char *msg, size_t len)
 
 /* ---- requests ---- */
 
+/* A request done: on the done list; the event descriptor is written once
+ * per round (round_run), not per request. */
 static void complete(struct rl3 *r, struct kvt_l3_req *q, int status)
 {
-	uint64_t one = 1;
-
 	q->status = status;
 	q->ns = mono_ns() - q->t0;
 	q->next = NULL;
@@ -318,6 +318,12 @@ static void complete(struct rl3 *r, struct kvt_l3_req *q, int status)
 	if (status == 0 || status == -ENOENT)
 		r->st.up = 1;
 	pthread_mutex_unlock(&r->mu);
+}
+
+static void wake(struct rl3 *r)
+{
+	uint64_t one = 1;
+
 	(void)!write(r->efd, &one, sizeof(one));
 }
 
@@ -560,10 +566,13 @@ static void round_run(struct rl3 *r, struct kvt_l3_req *batch)
 			per[ni][cnt[ni]++] = q;
 		}
 		for (uint32_t i = 0; i < r->n_nodes; i++)
-			if (cnt[i])
+			if (cnt[i]) {
 				node_round(r, &r->nodes[i], per[i], cnt[i], &again);
+				wake(r); /* this master's completions, before the next one's */
+			}
 		batch = again;
 	}
+	wake(r);
 }
 
 static void *io_thread(void *arg)
