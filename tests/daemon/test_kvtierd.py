@@ -951,3 +951,115 @@ def test_http_requests_refused(name, procs):
     assert code == 408, (code, body)
     assert d.get("/healthcheck/segment")[0] == 200
     assert d.stop() == 0
+
+
+class Redis:
+    """A redis-server of the test's own on a loopback port (no persistence)."""
+
+    def __init__(self, tmp_path, port=None, *extra):
+        need("redis-server")
+        need("redis-cli")
+        self.port, self.extra, self.dir = port or free_port(), list(extra), str(tmp_path)
+        self.p = None
+        self.start()
+
+    def start(self):
+        self.p = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind",
+                                   "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
+                                   self.dir] + self.extra,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        until(lambda: self.cli("ping") in ("PONG", "NOAUTH"), "redis-server up")
+
+    def cli(self, *args):
+        p = subprocess.run(["redis-cli", "-p", str(self.port)] + list(args),
+                           capture_output=True, text=True, timeout=10)
+        return (p.stdout + p.stderr).strip().split(" ")[0]
+
+    def kill(self):
+        if self.p and self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+    def close(self):
+        self.kill()
+
+
+def test_l3_puts_and_store_failure(name, procs, tmp_path):
+    """kvtierd with an L3 store (a real redis-server): the chunks ranks save
+    are put, one sealed object per shard; the store killed, lookups still
+    answer, /healthcheck stays 200 with the L3 down and the node degraded,
+    kvtier_l3_up 0; the store back, the L3 is up again by itself and new
+    chunks are put; a wrong password stops the start, named; --l3 without
+    --l3-key is refused."""
+    r = Redis(tmp_path)
+    procs.append(r)
+    key = str(tmp_path / "fleet.key")
+    extra = ["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-key", key, "--l3-admit", "all",
+             "--l3-timeout-ms", "300"]
+    d = Daemon(name, extra=extra, instances=1, slots=32)
+    procs.append(d)
+    assert "l3 tier: redis (one node)" in d.log(), d.log()
+    assert os.stat(key).st_mode & 0o777 == 0o600
+    ranks = [Rank(name, 0, k) for k in range(WORLD)]
+    procs.extend(ranks)
+    for k in ranks:
+        assert k.cmd(cmd="save", seed=11, chunks=8)["count"] == 8
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_l3_puts_total") >= 8,
+          "the daemon to put the 8 chunks")
+    assert int(r.cli("dbsize")) == 8 * WORLD  # one object per (chunk, shard)
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_l3_up") == 1
+    assert metric(m, "kvtier_l3_put_bytes_total") > 0
+    assert metric(m, "kvtier_l3_put_drops_total") == 0
+    code, body = d.get("/healthcheck")
+    assert code == 200 and json.loads(body)["l3"] == "up", body
+    if shutil.which("promtool"):
+        p = subprocess.run(["promtool", "check", "metrics"], input=m, capture_output=True,
+                           text=True, timeout=30)
+        assert p.returncode == 0, p.stdout + p.stderr
+    st = json.loads(d.get("/status")[1])
+    assert st["l3"]["up"] and st["l3"]["puts"] >= 8
+
+    # the store goes away: puts fail, the node is degraded, not unhealthy
+    r.kill()
+    for k in ranks:
+        k.cmd(cmd="save", seed=12, chunks=4)
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_l3_up") == 0, "the L3 marked down")
+    code, body = d.get("/healthcheck")
+    h = json.loads(body)
+    assert code == 200 and h["l3"] == "down" and h["status"] == "degraded", body
+    s = scheduler(name, 0)
+    procs.append(s)
+    got = s.lookup_ex(s.hash_tokens(prompt(8, seed=11)))
+    assert got.hits == 8  # DRAM still answers
+    got.release()
+    assert "the store does not answer" in d.log()
+    # back: up again by itself, and what is saved now is put
+    r.start()
+    for k in ranks:
+        k.cmd(cmd="save", seed=13, chunks=4)
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_l3_up") == 1, "the L3 up again")
+    until(lambda: int(r.cli("dbsize")) >= 4 * WORLD, "the new chunks put")
+    assert "the store answers again" in d.log()
+    for k in ranks:
+        k.close()
+    s.close()
+    assert d.stop() == 0
+    assert "l3 tier closed" in d.log()
+
+    # a password the store refuses: the start fails, the reason named
+    r2 = Redis(tmp_path, None, "--requirepass", "right")
+    procs.append(r2)
+    auth = tmp_path / "auth"
+    auth.write_text("wrong\n")
+    os.chmod(auth, 0o600)
+    bad = Daemon(name, extra=["--l3", "redis://127.0.0.1:%d" % r2.port, "--l3-key", key,
+                              "--l3-auth-file", str(auth)], instances=1, slots=32, expect=False)
+    procs.append(bad)
+    assert bad.p.wait(timeout=T) == 1
+    assert "AUTH refused" in bad.log(), bad.log()
+    nokey = Daemon(name, extra=["--l3", "redis://127.0.0.1:%d" % r.port], instances=1,
+                   slots=32, expect=False)
+    procs.append(nokey)
+    assert nokey.p.wait(timeout=T) != 0
+    assert "--l3 needs --l3-key" in nokey.p.stdout.read()

@@ -66,6 +66,9 @@
 #include "kvt_tier_int.h"
 #include "kvt_config.h"
 #include "kvt_disk.h"
+#ifdef KVTIERD_L3
+#include "kvt_l3e.h"
+#endif
 #include "http.h"
 #include "options.h"
 #include "snap.h"
@@ -83,6 +86,9 @@ static struct {
 	kvt_seg *seg;            /* the tier's; main thread */
 	kvt_seg *obs;            /* observer; HTTP thread */
 	kvt_disk *disk;          /* the disk tier's engine; main thread */
+#ifdef KVTIERD_L3
+	kvt_l3e *l3;             /* the L3 tier's engine; main thread */
+#endif
 	kvt_wsrv *wsrv;          /* the exit witness's holds; main thread */
 	kvtd_http *http;
 	struct kvtd_pages pages; /* what the HTTP side reads */
@@ -430,6 +436,53 @@ static void disk_log(int level, const char *msg, void *arg)
 	else
 		LOG_INFO("disk tier: %s", msg);
 }
+
+#ifdef KVTIERD_L3
+static void l3_log(int level, const char *msg, void *arg)
+{
+	(void)arg;
+	if (level)
+		LOG_WARN("l3: %s", msg);
+	else
+		LOG_INFO("l3: %s", msg);
+}
+
+/* One round of the L3 engine, its figures copied for the HTTP side, and a
+ * line when the store goes down or comes back. */
+static int l3_round(void)
+{
+	struct kvt_l3e_info in;
+	int n;
+
+	if (!D.l3)
+		return 0;
+	n = kvt_l3e_poll(D.l3);
+	kvt_l3e_info(D.l3, &in);
+	if (in.store.up != D.ctx.l3_up) {
+		if (in.store.up)
+			LOG_INFO("l3: the store answers again (%s)", in.store.describe);
+		else
+			LOG_WARN("l3: the store does not answer: %s; lookups go on from DRAM and "
+				 "disk, the L3 is retried", in.store.last_error);
+	}
+	D.ctx.l3_up = in.store.up;
+	D.ctx.l3_nodes = in.store.nodes;
+	D.ctx.l3_nodes_up = in.store.nodes_up;
+	D.ctx.l3_inflight = in.inflight;
+	D.ctx.l3_puts = in.puts;
+	D.ctx.l3_put_bytes = in.put_bytes;
+	D.ctx.l3_put_drops = in.put_drops;
+	D.ctx.l3_gets = in.gets;
+	D.ctx.l3_get_bytes = in.get_bytes;
+	D.ctx.l3_misses = in.misses;
+	D.ctx.l3_refused = in.refused;
+	D.ctx.l3_get_drops = in.get_drops;
+	D.ctx.l3_errors = in.store.errors;
+	D.ctx.l3_redirects = in.store.redirects;
+	D.ctx.l3_round_trips = in.store.round_trips;
+	return n;
+}
+#endif
 
 static int owned_refusal(const char *name, int pid)
 {
@@ -967,6 +1020,36 @@ int main(int argc, char **argv)
 			return 1;
 		}
 	}
+	if (o.l3_url) {
+#ifdef KVTIERD_L3
+		struct kvt_l3e_opts lo = {
+			.size = sizeof(lo), .key_path = o.l3_key, .create_key = 1,
+			.admit = o.l3_admit, .log = l3_log };
+		struct kvt_l3e_info in;
+		lo.store = (struct kvt_l3_conf){ .size = sizeof(lo.store), .url = o.l3_url,
+						 .auth_file = o.l3_auth,
+						 .timeout_ms = o.l3_timeout_ms, .log = l3_log };
+		r = kvt_l3e_open(D.seg, &lo, &D.l3, err, sizeof(err));
+		if (r) {
+			LOG_ERR("l3 %s: %s", o.l3_url, err);
+			if (D.disk)
+				kvt_disk_close(D.disk);
+			kvt_close(D.tier);
+			return 1;
+		}
+		kvt_l3e_info(D.l3, &in);
+		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
+		D.ctx.l3_on = 1;
+		D.ctx.l3_up = in.store.up;
+		LOG_INFO("l3 tier: %s, admission %s, fleet key %s", in.store.describe,
+			 kvt_disk_admit_name(o.l3_admit), o.l3_key);
+#else
+		LOG_ERR("--l3 %s: kvtierd was built without the L3 tier (liburing-dev, "
+			"libhiredis-dev)", o.l3_url);
+		kvt_close(D.tier);
+		return 1;
+#endif
+	}
 	{
 		struct kvt_seg_attach_opts a = {
 			.size = sizeof(a), .name = D.name, .dir = D.dir[0] ? D.dir : NULL,
@@ -1019,18 +1102,26 @@ int main(int argc, char **argv)
 		/* With a disk tier the loop turns every few milliseconds
 		 * (promotion requests arrive in the segment, with no wake-up)
 		 * and at every I/O completion. */
-		struct pollfd p[3] = { { .fd = sfd, .events = POLLIN },
+		struct pollfd p[4] = { { .fd = sfd, .events = POLLIN },
 				       { .fd = kvt_wsrv_fd(D.wsrv), .events = POLLIN },
 				       { .fd = D.disk ? kvt_disk_event_fd(D.disk) : -1,
-					 .events = POLLIN } };
-		int busy = D.disk ? kvt_disk_poll(D.disk) : 0;
+					 .events = POLLIN },
+				       { .fd = -1, .events = POLLIN } };
+		int busy = D.disk ? kvt_disk_poll(D.disk) : 0, tiers = D.disk != NULL;
+#ifdef KVTIERD_L3
+		if (D.l3) {
+			p[3].fd = kvt_l3e_event_fd(D.l3);
+			busy += l3_round();
+			tiers = 1;
+		}
+#endif
 		if (busy)
 			last_work = mono_ns();
-		/* 1 ms while the disk tier has had work in the last 100 ms, 5 ms
-		 * when it is idle (a first request waits at most that long; idle,
-		 * the loop cost 1.4% of a core on the CI VM) */
+		/* 1 ms while a tier below DRAM has had work in the last 100 ms,
+		 * 5 ms when it is idle (a first request waits at most that long;
+		 * idle, the loop cost 1.4% of a core on the CI VM) */
 		int tick = mono_ns() - last_work < 100000000ULL ? 1 : 5;
-		int n = poll(p, 3, D.disk ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
+		int n = poll(p, 4, tiers ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
 		if (n > 0 && p[1].revents)
 			witness_service();
 		if (n > 0 && (p[0].revents & POLLIN)) {
@@ -1065,6 +1156,13 @@ int main(int argc, char **argv)
 	 * witness may still hold); the drain above let live ranks detach. */
 	kvt_wsrv_close(D.wsrv);
 	D.wsrv = NULL;
+#ifdef KVTIERD_L3
+	if (D.l3) {
+		kvt_l3e_close(D.l3); /* every request completed: claims released */
+		D.l3 = NULL;
+		LOG_INFO("l3 tier closed");
+	}
+#endif
 	if (D.disk) {
 		kvt_disk_close(D.disk); /* its I/O finished, its records written */
 		D.disk = NULL;

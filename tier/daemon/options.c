@@ -30,7 +30,8 @@ enum {
 	O_EXPECT_SCHEDULERS, O_HTTP, O_NO_HTTP, O_RECREATE, O_UNLINK, O_DRAIN_TIMEOUT,
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
 	O_VERSION, O_VLLM_BLOCK, O_DISK, O_DISK_GIB, O_DISK_DIRECT, O_DISK_ADMIT,
-	O_DISK_DEPTH, O_DISK_RESET, O_DISK_KEY,
+	O_DISK_DEPTH, O_DISK_RESET, O_DISK_KEY, O_L3, O_L3_ADMIT, O_L3_AUTH_FILE, O_L3_KEY,
+	O_L3_TIMEOUT,
 };
 
 static const struct option LONGOPTS[] = {
@@ -72,6 +73,11 @@ static const struct option LONGOPTS[] = {
 	{ "disk-depth", required_argument, NULL, O_DISK_DEPTH },
 	{ "disk-reset", no_argument, NULL, O_DISK_RESET },
 	{ "disk-key", required_argument, NULL, O_DISK_KEY },
+	{ "l3", required_argument, NULL, O_L3 },
+	{ "l3-admit", required_argument, NULL, O_L3_ADMIT },
+	{ "l3-auth-file", required_argument, NULL, O_L3_AUTH_FILE },
+	{ "l3-key", required_argument, NULL, O_L3_KEY },
+	{ "l3-timeout-ms", required_argument, NULL, O_L3_TIMEOUT },
 	{ "version", no_argument, NULL, O_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -135,7 +141,15 @@ static void usage(FILE *f)
 "                          with another key (its chunks are lost)\n"
 "  --disk-key PATH         the chunk MAC's key file (default: PATH.key beside the\n"
 "                          disk file; a block device needs one); made, mode 0600,\n"
-"                          when the disk is formatted\n",
+"                          when the disk is formatted\n"
+"L3 tier (a distributed store shared by the nodes: Redis Cluster, or one Redis)\n"
+"  --l3 URL                redis://HOST:PORT[,HOST:PORT...] (any of the cluster's\n"
+"                          masters; the rest are found)\n"
+"  --l3-key PATH           the fleet's object key: the same file on every node\n"
+"                          (made, mode 0600, when missing: copy it to the others)\n"
+"  --l3-admit POLICY       all | second-hit | none (default all)\n"
+"  --l3-auth-file PATH     \"password\" or \"user password\" (an ACL user), mode 0600\n"
+"  --l3-timeout-ms N       connect and command timeout (default 1000)\n",
 		DEFAULT_PORT);
 }
 
@@ -319,6 +333,25 @@ static int apply(struct opts *o, int c, const char *arg)
 			return bad("disk-key", arg, "a file path");
 		o->disk_key = arg;
 		return 0;
+	case O_L3:
+		if (strncmp(arg, "redis://", 8) || !arg[8])
+			return bad("l3", arg, "redis://HOST:PORT[,HOST:PORT...]");
+		o->l3_url = arg;
+		return 0;
+	case O_L3_ADMIT:
+		return kvt_disk_admit_parse(arg, &o->l3_admit) ?
+		       bad("l3-admit", arg, "expected all, second-hit or none") : 0;
+	case O_L3_AUTH_FILE:
+		if (!*arg)
+			return bad("l3-auth-file", arg, "a file path");
+		o->l3_auth = arg;
+		return 0;
+	case O_L3_KEY:
+		if (!*arg)
+			return bad("l3-key", arg, "a file path");
+		o->l3_key = arg;
+		return 0;
+	case O_L3_TIMEOUT: return parse_u32("l3-timeout-ms", arg, 10, 600000, &o->l3_timeout_ms);
 	default: return -EINVAL;
 	}
 }
@@ -592,6 +625,16 @@ int kvtd_opts_parse(struct opts *o, int argc, char **argv)
 	}
 	if (!!o->tier_bytes + !!o->slots + !!o->tokens > 1) {
 		fprintf(stderr, "kvtierd: give one of --tier-gib, --slots, --tokens\n");
+		return -EINVAL;
+	}
+	if (o->l3_url && !o->l3_key) {
+		fprintf(stderr, "kvtierd: --l3 needs --l3-key PATH: the fleet's object key, the "
+			"same file on every node\n");
+		return -EINVAL;
+	}
+	if (!o->l3_url && (o->l3_key || o->l3_auth || o->l3_timeout_ms)) {
+		fprintf(stderr, "kvtierd: --l3-key, --l3-auth-file and --l3-timeout-ms go with "
+			"--l3 URL\n");
 		return -EINVAL;
 	}
 	if (!o->model_config && !o->n_groups) {

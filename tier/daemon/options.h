@@ -42,6 +42,9 @@ struct opts {
 	int disk_reset;
 	const char *disk_key;     /* --disk-key: the chunk MAC's key file */
 	uint64_t disk_chunks;     /* planned from the file: the segment's index */
+	/* the L3 tier */
+	const char *l3_url, *l3_auth, *l3_key;
+	uint32_t l3_admit, l3_timeout_ms;
 	struct kvtd_str *strings; /* the config file's values, owned */
 };
 

@@ -342,7 +342,13 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 			    s->disk.online ? "online" : "offline");
 	else
 		kvtd_printf(&b, "]");
-	kvtd_printf(&b, ",\"status\":\"%s\"}\n", !ok ? "unhealthy" : disk_failed ? "degraded" : "ok");
+	/* so is an L3 store that does not answer: lookups still answer from
+	 * DRAM and disk, the store comes back by itself */
+	int l3_down = c && c->l3_on && !c->l3_up;
+	if (c && c->l3_on)
+		kvtd_printf(&b, ",\"l3\":\"%s\"", l3_down ? "down" : "up");
+	kvtd_printf(&b, ",\"status\":\"%s\"}\n", !ok ? "unhealthy" :
+		    disk_failed || l3_down ? "degraded" : "ok");
 	*json = buf_done(&b);
 	return ok;
 }
@@ -444,6 +450,40 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			  "Disk tier reads and writes the device failed, since the engine started");
 		kvtd_printf(&b, "kvtier_disk_io_errors_total %llu\n",
 			    (unsigned long long)s->disk.io_errors);
+	}
+	if (c && c->l3_on) {
+		prom_head(&b, "kvtier_l3_up", "gauge", "1 while the L3 store answers");
+		kvtd_printf(&b, "kvtier_l3_up %d\n", c->l3_up);
+		prom_head(&b, "kvtier_l3_nodes", "gauge", "The L3 store's masters, known and reachable");
+		kvtd_printf(&b, "kvtier_l3_nodes{state=\"known\"} %u\n", c->l3_nodes);
+		kvtd_printf(&b, "kvtier_l3_nodes{state=\"up\"} %u\n", c->l3_nodes_up);
+		prom_head(&b, "kvtier_l3_inflight", "gauge", "Chunks being put or got");
+		kvtd_printf(&b, "kvtier_l3_inflight %u\n", c->l3_inflight);
+		prom_head(&b, "kvtier_l3_puts_total", "counter", "Chunks put into the L3 store");
+		kvtd_printf(&b, "kvtier_l3_puts_total %llu\n", (unsigned long long)c->l3_puts);
+		prom_head(&b, "kvtier_l3_put_bytes_total", "counter", "Payload bytes put");
+		kvtd_printf(&b, "kvtier_l3_put_bytes_total %llu\n", (unsigned long long)c->l3_put_bytes);
+		prom_head(&b, "kvtier_l3_put_drops_total", "counter",
+			  "Puts voided: a store error, or the slot's life ended during the put");
+		kvtd_printf(&b, "kvtier_l3_put_drops_total %llu\n", (unsigned long long)c->l3_put_drops);
+		prom_head(&b, "kvtier_l3_gets_total", "counter", "Chunks got from the L3 store and published");
+		kvtd_printf(&b, "kvtier_l3_gets_total %llu\n", (unsigned long long)c->l3_gets);
+		prom_head(&b, "kvtier_l3_get_bytes_total", "counter", "Payload bytes got");
+		kvtd_printf(&b, "kvtier_l3_get_bytes_total %llu\n", (unsigned long long)c->l3_get_bytes);
+		prom_head(&b, "kvtier_l3_misses_total", "counter", "Chunks the store did not have");
+		kvtd_printf(&b, "kvtier_l3_misses_total %llu\n", (unsigned long long)c->l3_misses);
+		prom_head(&b, "kvtier_l3_refused_total", "counter",
+			  "Objects whose check failed (torn, forged, another layout's): misses, never served");
+		kvtd_printf(&b, "kvtier_l3_refused_total %llu\n", (unsigned long long)c->l3_refused);
+		prom_head(&b, "kvtier_l3_get_drops_total", "counter",
+			  "Gets abandoned: a store error, or no slot to land in");
+		kvtd_printf(&b, "kvtier_l3_get_drops_total %llu\n", (unsigned long long)c->l3_get_drops);
+		prom_head(&b, "kvtier_l3_errors_total", "counter", "Store errors (connections, timeouts, refusals)");
+		kvtd_printf(&b, "kvtier_l3_errors_total %llu\n", (unsigned long long)c->l3_errors);
+		prom_head(&b, "kvtier_l3_redirects_total", "counter", "MOVED and ASK redirects followed");
+		kvtd_printf(&b, "kvtier_l3_redirects_total %llu\n", (unsigned long long)c->l3_redirects);
+		prom_head(&b, "kvtier_l3_round_trips_total", "counter", "Store replies read");
+		kvtd_printf(&b, "kvtier_l3_round_trips_total %llu\n", (unsigned long long)c->l3_round_trips);
 	}
 	if (c->start_wall_ns) {
 		prom_head(&b, "kvtier_daemon_witness_up", "gauge",
@@ -660,6 +700,16 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 			    (unsigned long long)s->disk.used, (unsigned long long)s->disk.inflight,
 			    s->disk.direct ? "true" : "false", s->geo.disk_chunks,
 			    (unsigned long long)s->disk.io_errors, s->disk.failed ? "true" : "false");
+	}
+	if (c && c->l3_on) {
+		kvtd_printf(&b, ",\"l3\":{\"up\":%s,\"store\":", c->l3_up ? "true" : "false");
+		json_str(&b, c->l3_describe);
+		kvtd_printf(&b, ",\"nodes\":%u,\"nodes_up\":%u,\"inflight\":%u,\"puts\":%llu,"
+			    "\"gets\":%llu,\"misses\":%llu,\"refused\":%llu,\"errors\":%llu}",
+			    c->l3_nodes, c->l3_nodes_up, c->l3_inflight,
+			    (unsigned long long)c->l3_puts, (unsigned long long)c->l3_gets,
+			    (unsigned long long)c->l3_misses, (unsigned long long)c->l3_refused,
+			    (unsigned long long)c->l3_errors);
 	}
 	kvtd_printf(&b, ",\"counters\":{");
 	for (int i = 0; i < KVT_C__COUNT; i++)

@@ -63,6 +63,12 @@ struct kvtd_ctx {
 	int witness_up;                /* its socket listens */
 	uint32_t witness_ranks;        /* ranks whose lock it holds now */
 	uint64_t witness_exited, witness_byes, witness_refused;
+	/* the L3 tier (kvt_l3e.h), copied by the daemon's loop */
+	int l3_on, l3_up;
+	uint32_t l3_nodes, l3_nodes_up, l3_inflight;
+	uint64_t l3_puts, l3_put_bytes, l3_put_drops, l3_gets, l3_get_bytes, l3_misses,
+		l3_refused, l3_get_drops, l3_errors, l3_redirects, l3_round_trips;
+	char l3_describe[256];
 };
 
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);
