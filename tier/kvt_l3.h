@@ -116,8 +116,9 @@ int kvt_l3_reap(kvt_l3 *l, struct kvt_l3_req **done, uint32_t max);
 /* Readable when a request completed (an eventfd; reap clears it). */
 int kvt_l3_event_fd(const kvt_l3 *l);
 void kvt_l3_status(kvt_l3 *l, struct kvt_l3_status *out);
-/* Completes every queued request (-ECANCELED where it could not run)
- * and closes.  NULL is ignored. */
+/* Runs every queued request to its completion (each bounded by the
+ * timeouts) and closes: no backend thread touches a request's pieces
+ * after it returns.  NULL is ignored. */
 void kvt_l3_close(kvt_l3 *l);
 
 /* ---- objects ---- */
@@ -143,8 +144,8 @@ void kvt_l3_key(char out[KVT_L3_KEY_MAX], uint64_t fingerprint, const kvt_key *k
 typedef struct kvt_l3_sealer kvt_l3_sealer;
 /* The fleet key (32 bytes) from a key file (the disk tier's file rules:
  * this euid's, no access for others), made when missing and create. */
-int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, char *err,
-		     size_t len);
+int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, int *created,
+		     char *err, size_t len);
 void kvt_l3_seal_close(kvt_l3_sealer *s);
 /* The same over pieces: the header (hdr, 64 bytes) and the tag (16) for a
  * payload left where it is (an arena sub-slot); and the check of such an

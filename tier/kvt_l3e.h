@@ -9,10 +9,12 @@
  *     the store) and admitted (all, or second-hit: hit in DRAM since it was
  *     saved, or asked for before) is sealed shard by shard -- header and
  *     tag over the sub-slot as it is -- and put from the sub-slot, without
- *     a pin.  At completion the slot must still be in the same life
- *     (kvt_slot_same_life): else the object may hold another chunk's bytes
- *     under this chunk's tag, which its check refuses -- a miss, never a
- *     wrong byte -- and it is not recorded as put.
+ *     a pin.  Two life checks (kvt_slot_same_life): after the seal, before
+ *     the submit -- a life that ended between kvt_slot_ready and the seal
+ *     would give another chunk's bytes a valid tag under this chunk's key,
+ *     an object no check could refuse, so the put is not made; and at
+ *     completion -- bytes that changed during the transfer no longer match
+ *     the tag (a miss, never a wrong byte), and the put is not recorded.
  *   fetch (promotion): for chunks in neither DRAM nor the disk, one EXISTS
  *     over the chunk's shard keys (a chunk is there only when all its
  *     shards are); then one claim per shard (kvt_write_begin), a GET of
@@ -47,12 +49,17 @@ struct kvt_l3e_opts {
 	uint32_t negative_ms;      /* how long a miss is remembered; 0: 2000 */
 	void (*log)(int level, const char *msg, void *arg); /* NULL: stderr */
 	void *log_arg;
+	/* testing: called between a put's kvt_slot_ready and its seal (the
+	 * window the life check after the seal closes); NULL in production */
+	void (*test_before_seal)(void *arg, uint32_t slot);
+	void *test_arg;
 };
 
 struct kvt_l3e_info {
 	uint64_t puts, put_bytes, put_drops, put_skips;
 	uint64_t fetches, gets, get_bytes, misses, refused, get_drops, negative_hits;
 	uint32_t inflight;
+	int key_created;           /* the fleet key file was made at open */
 	struct kvt_l3_status store;
 };
 

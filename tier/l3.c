@@ -105,15 +105,17 @@ struct kvt_l3_sealer {
 	kvt_mac *mac;
 };
 
-int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, char *err,
-		     size_t len)
+int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, int *created,
+		     char *err, size_t len)
 {
 	uint8_t key[KVT_MAC_KEY_BYTES];
 	kvt_l3_sealer *s;
-	int created = 0, rc;
+	int made = 0, rc;
 
 	*out = NULL;
-	rc = kvt_disk_key_load(key_path, create, key, &created, err, len);
+	rc = kvt_disk_key_load(key_path, create, key, &made, err, len);
+	if (created)
+		*created = made;
 	if (rc)
 		return rc;
 	s = calloc(1, sizeof(*s));

@@ -50,6 +50,9 @@ struct kvt_l3e {
 	kvt_key rec[1u << REC_BITS];
 	struct { kvt_key k; uint64_t ns; } neg[1u << NEG_BITS];
 	kvt_key ghost[1u << NEG_BITS]; /* second-hit: refused once */
+	uint32_t *seen;            /* per slot: the life considered (gen + 1) */
+	uint8_t *rejected;         /* ... and refused by second-hit */
+	uint64_t lap_idle, idle_hand, idle_ns;
 	struct kvt_l3e_info info;
 };
 
@@ -183,6 +186,8 @@ static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, u
 	j->depth = depth;
 	j->slot = x;
 	j->w = w;
+	if (e->o.test_before_seal) /* the window the life check closes */
+		e->o.test_before_seal(e->o.test_arg, x);
 	for (uint32_t sh = 0; sh < e->n_shards; sh++) {
 		void *p = kvt_slot_shard_ptr(e->s, x, sh);
 
@@ -194,6 +199,15 @@ static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, u
 			return -1;
 		}
 		req_set(e, j, sh, KVT_L3_PUT, p);
+	}
+	/* Sealed over the bytes of this life only: a life that ended between
+	 * kvt_slot_ready and the seal leaves another chunk's bytes under this
+	 * chunk's tag -- a valid object with the wrong content, which no get
+	 * could refuse.  (After the seal, a change fails the tag instead.) */
+	if (!kvt_slot_same_life(e->s, x, w)) {
+		e->info.put_drops++;
+		job_put(e, j);
+		return -1;
 	}
 	submit(e, j, e->n_shards);
 	if (!j->left) {
@@ -229,17 +243,39 @@ static int put_consider(kvt_l3e *e, uint32_t x)
 	uint32_t depth, ref;
 	uint64_t w;
 
-	if (!kvt_slot_ready(e->s, x, &k, &depth, &ref, &w) || rec_has(e, &k))
+	if (!kvt_slot_ready(e->s, x, &k, &depth, &ref, &w))
 		return -1;
+	uint32_t g = (uint32_t)(w >> 24) + 1;
+	if (!g)
+		g = 1;
+	if (e->seen[x] == g && !e->rejected[x])
+		return -1; /* this life was put, found, or dropped already */
+	if (rec_has(e, &k)) {
+		e->seen[x] = g;
+		e->rejected[x] = 0;
+		return -1;
+	}
 	for (uint32_t i = 0; i < e->o.jobs; i++) /* in flight already */
 		if (e->jobs[i].kind != J_FREE && same(&e->jobs[i].key, &k))
 			return -1;
-	if (e->o.admit == KVT_ADMIT_SECOND_HIT && ref < 2 && !ghost_has(e, &k)) {
-		e->ghost[hash_of(&k, NEG_BITS)] = k;
-		e->info.put_skips++;
+	/* second-hit: hit in DRAM since it was saved, or a new life of a key
+	 * refused before (evicted and saved again: asked for twice) */
+	if (e->o.admit == KVT_ADMIT_SECOND_HIT && ref < 2 &&
+	    (e->seen[x] == g || !ghost_has(e, &k))) {
+		if (e->seen[x] != g) {
+			e->ghost[hash_of(&k, NEG_BITS)] = k;
+			e->info.put_skips++;
+		}
+		e->seen[x] = g;
+		e->rejected[x] = 1;
 		return -1;
 	}
-	return put_start(e, x, &k, depth, w);
+	int r = put_start(e, x, &k, depth, w);
+	if (r != 0) { /* started or dropped: this life is done with */
+		e->seen[x] = g;
+		e->rejected[x] = 0;
+	}
+	return r;
 }
 
 static int put_scan(kvt_l3e *e)
@@ -247,8 +283,17 @@ static int put_scan(kvt_l3e *e)
 	uint64_t h = kvt_seg_clock_hand(e->s), n = e->n_slots;
 	int started = 0;
 
+	uint64_t now = mono_ns();
+
 	if (e->o.admit == KVT_ADMIT_NONE)
 		return 0;
+	/* a lap that started nothing, and no slot allocated since: look again
+	 * after 100 ms (a chunk refused by second-hit may have been hit) */
+	if (e->lap_idle >= n) {
+		if (h == e->idle_hand && now - e->idle_ns < 100000000ull)
+			return 0;
+		e->lap_idle = 0;
+	}
 	if (e->cursor < h || e->cursor >= h + n)
 		e->cursor = h; /* from the hand: what is evicted next goes first */
 	for (uint32_t i = 0; i < e->o.scan && e->cursor < h + n && e->live < e->o.jobs; i++) {
@@ -256,7 +301,13 @@ static int put_scan(kvt_l3e *e)
 		if (r == 0)
 			break;
 		e->cursor++;
-		started += r == 1;
+		if (r == 1) {
+			started++;
+			e->lap_idle = 0;
+		} else if (++e->lap_idle == n) {
+			e->idle_hand = h;
+			e->idle_ns = now;
+		}
 	}
 	return started;
 }
@@ -484,12 +535,24 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 	e->payload = kvt_seg_chunk_bytes(s);
 	kvt_seg_fingerprint(s, &fp);
 	e->fp = fp.lo ^ fp.hi;
+	if (e->payload > UINT32_MAX) {
+		snprintf(err, len, "l3: a shard of %llu bytes: objects hold at most 4 GiB",
+			 (unsigned long long)e->payload);
+		free(e);
+		return -EINVAL;
+	}
 	e->jobs = calloc(e->o.jobs, sizeof(*e->jobs));
-	if (!e->jobs) {
+	e->seen = calloc(e->n_slots, sizeof(*e->seen));
+	e->rejected = calloc(e->n_slots, 1);
+	if (!e->jobs || !e->seen || !e->rejected) {
+		free(e->jobs);
+		free(e->seen);
+		free(e->rejected);
 		free(e);
 		return snprintf(err, len, "out of memory"), -ENOMEM;
 	}
-	rc = kvt_l3_seal_open(o->key_path, (int)o->create_key, &e->seal, err, len);
+	rc = kvt_l3_seal_open(o->key_path, (int)o->create_key, &e->seal, &e->info.key_created,
+			      err, len);
 	if (rc)
 		goto fail;
 	/* room for every job's requests: submit never comes back short */
@@ -503,6 +566,8 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 fail:
 	kvt_l3_seal_close(e->seal);
 	free(e->jobs);
+	free(e->seen);
+	free(e->rejected);
 	free(e);
 	return rc;
 }
@@ -517,5 +582,7 @@ void kvt_l3e_close(kvt_l3e *e)
 	kvt_l3_close(e->l3);
 	kvt_l3_seal_close(e->seal);
 	free(e->jobs);
+	free(e->seen);
+	free(e->rejected);
 	free(e);
 }

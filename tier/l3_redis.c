@@ -42,6 +42,7 @@
 #include <unistd.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 
 #include <hiredis/hiredis.h>
@@ -72,6 +73,7 @@ struct rl3 {
 	uint32_t n_nodes;
 	uint32_t n_seeds;          /* nodes[0..n_seeds): the URL's */
 	int cluster;
+	int known;                 /* the map was read once (cluster or not) */
 	uint16_t slot[N_SLOTS];    /* node of each slot (cluster) */
 	int map_stale;
 
@@ -104,7 +106,22 @@ static void set_error(struct rl3 *r, const char *fmt, ...)
 	vsnprintf(r->st.last_error, sizeof(r->st.last_error), fmt, ap);
 	va_end(ap);
 	r->st.errors++;
-	r->st.up = 0;
+	pthread_mutex_unlock(&r->mu);
+}
+
+/* The store is up when every master known is connected (or has not been
+ * needed since it came back): a store with a master down is "down" --
+ * degraded -- until that master answers again.  An error reply (a full
+ * store, a refused command) says nothing about reachability. */
+static void up_update(struct rl3 *r)
+{
+	int up = r->n_nodes > 0;
+
+	for (uint32_t i = 0; i < r->n_nodes; i++)
+		if (!r->nodes[i].c && r->nodes[i].retry_ns)
+			up = 0; /* dropped, not reconnected yet */
+	pthread_mutex_lock(&r->mu);
+	r->st.up = up;
 	pthread_mutex_unlock(&r->mu);
 }
 
@@ -167,6 +184,9 @@ static void node_drop(struct rl3 *r, struct rnode *n, const char *why_in)
 	n->retry_ns = mono_ns() + (uint64_t)n->backoff_ms * 1000000ull;
 	set_error(r, "%s:%d: %s", n->host, n->port, why);
 	r->map_stale = 1;
+	pthread_mutex_lock(&r->mu);
+	r->st.up = 0;
+	pthread_mutex_unlock(&r->mu);
 }
 
 static int reply_errno(const redisReply *y)
@@ -221,6 +241,7 @@ static int node_connect(struct rl3 *r, struct rnode *n, char *msg, size_t len)
 	}
 	__atomic_store_n(&n->up, 1, __ATOMIC_RELAXED);
 	n->backoff_ms = 0;
+	n->retry_ns = 0;
 	return 0;
 }
 
@@ -260,6 +281,7 @@ static int map_refresh(struct rl3 *r, char *msg, size_t len)
 				*n = t;
 			}
 			r->map_stale = 0;
+			r->known = 1;
 			return 0;
 		}
 		if (y->type != REDIS_REPLY_ARRAY) {
@@ -294,6 +316,7 @@ static int map_refresh(struct rl3 *r, char *msg, size_t len)
 		}
 		freeReplyObject(y);
 		r->cluster = 1;
+		r->known = 1;
 		r->map_stale = covered != N_SLOTS;
 		return 0;
 	}
@@ -315,8 +338,6 @@ static void complete(struct rl3 *r, struct kvt_l3_req *q, int status)
 	else
 		r->d_head = q;
 	r->d_tail = q;
-	if (status == 0 || status == -ENOENT)
-		r->st.up = 1;
 	pthread_mutex_unlock(&r->mu);
 }
 
@@ -347,10 +368,13 @@ static int flush(redisContext *c)
 	return 0;
 }
 
+/* sendmsg, not writev: MSG_NOSIGNAL, so a store gone away is EPIPE, not
+ * SIGPIPE in the engine's process. */
 static int write_all(int fd, struct iovec *v, int n)
 {
 	while (n > 0) {
-		ssize_t w = writev(fd, v, n);
+		struct msghdr m = { .msg_iov = v, .msg_iovlen = (size_t)n };
+		ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
 
 		if (w < 0) {
 			if (errno == EINTR)
@@ -415,7 +439,7 @@ static int take_reply(struct rl3 *r, struct kvt_l3_req *q, redisReply *y)
 		unsigned slot;
 		char host[64];
 		int port;
-		const char *addr = strchr(y->str + 4, ' ');
+		const char *addr = strchr(y->str + (ask ? 4 : 6), ' ');
 		const char *colon = addr ? strrchr(addr, ':') : NULL;
 
 		if (!addr || !colon || sscanf(y->str + (ask ? 4 : 6), "%u", &slot) != 1 ||
@@ -504,13 +528,20 @@ static void node_round(struct rl3 *r, struct rnode *n, struct kvt_l3_req **list,
 	for (; sent < cnt; sent++)
 		if (send_req(n->c, list[sent]))
 			break;
-	if (sent == cnt && flush(n->c))
-		sent = 0;
+	if (sent < cnt || flush(n->c)) {
+		/* What reached the server is unknown (hiredis' buffer half
+		 * written, a SET cut in its value): the stream cannot be
+		 * matched to replies any more.  Drop it; the round fails. */
+		node_drop(r, n, n->c->err ? n->c->errstr : "send failed");
+		for (uint32_t i = 0; i < cnt; i++)
+			complete(r, list[i], -ENOTCONN);
+		return;
+	}
 	for (uint32_t i = 0; i < cnt; i++) {
 		redisReply *y = NULL;
 		int st;
 
-		if (i >= sent || !n->c) {
+		if (!n->c) { /* dropped by an earlier reply's error */
 			complete(r, list[i], -ENOTCONN);
 			continue;
 		}
@@ -544,6 +575,18 @@ static void node_round(struct rl3 *r, struct rnode *n, struct kvt_l3_req **list,
 	}
 }
 
+static void describe_set(struct rl3 *r)
+{
+	char d[sizeof(r->st.describe)];
+
+	snprintf(d, sizeof(d), "redis %s: %u node%s (%s:%d%s)",
+		 r->cluster ? "cluster" : "(one node)", r->n_nodes, r->n_nodes == 1 ? "" : "s",
+		 r->nodes[0].host, r->nodes[0].port, r->n_nodes > 1 ? ", ..." : "");
+	pthread_mutex_lock(&r->mu);
+	memcpy(r->st.describe, d, sizeof(d));
+	pthread_mutex_unlock(&r->mu);
+}
+
 static void round_run(struct rl3 *r, struct kvt_l3_req *batch)
 {
 	struct kvt_l3_req *per[MAX_NODES][BATCH];
@@ -553,8 +596,18 @@ static void round_run(struct rl3 *r, struct kvt_l3_req *batch)
 	while (batch) {
 		struct kvt_l3_req *again = NULL;
 
-		if (r->map_stale && r->cluster && map_refresh(r, msg, sizeof(msg)) == -EACCES)
+		if (((r->map_stale && r->cluster) || !r->known) &&
+		    map_refresh(r, msg, sizeof(msg)) == -EACCES)
 			set_error(r, "%s", msg);
+		if (r->known && !r->st.describe[0])
+			describe_set(r);
+		if (!r->known) { /* no node answered yet: the round fails */
+			for (struct kvt_l3_req *q = batch, *nx; q; q = nx) {
+				nx = q->next;
+				complete(r, q, -ENOTCONN);
+			}
+			break;
+		}
 		memset(cnt, 0, sizeof(cnt));
 		for (struct kvt_l3_req *q = batch, *nx; q; q = nx) {
 			nx = q->next;
@@ -572,6 +625,7 @@ static void round_run(struct rl3 *r, struct kvt_l3_req *batch)
 			}
 		batch = again;
 	}
+	up_update(r);
 	wake(r);
 }
 
@@ -697,16 +751,20 @@ static int rl3_open(const struct kvt_l3_conf *c, void **out, char *err, size_t l
 		goto fail;
 	}
 	rc = map_refresh(r, err, len);
+	if (rc == -EACCES || rc == -EINVAL)
+		goto fail; /* credentials: named at start, never retried */
 	if (rc) {
-		if (rc == -ENOTCONN)
-			snprintf(err + strlen(err), len - strlen(err), "%sno node of %s answered",
-				 err[0] ? "; " : "", c->url);
-		goto fail;
+		/* no node answers now: start down, the thread retries (a store
+		 * that is away is a miss, not a reason for the node not to run) */
+		snprintf(r->st.last_error, sizeof(r->st.last_error), "%s%sno node of %s answered",
+			 err, err[0] ? "; " : "", c->url);
+		r->st.describe[0] = 0; /* set by the thread once a node answers */
+		err[0] = 0;
+		r->st.up = 0;
+	} else {
+		describe_set(r);
+		r->st.up = 1;
 	}
-	snprintf(r->st.describe, sizeof(r->st.describe), "redis %s: %u node%s (%s:%d%s)",
-		 r->cluster ? "cluster" : "(one node)", r->n_nodes, r->n_nodes == 1 ? "" : "s",
-		 r->nodes[0].host, r->nodes[0].port, r->n_nodes > 1 ? ", ..." : "");
-	r->st.up = 1;
 	if (pthread_create(&r->th, NULL, io_thread, r)) {
 		rc = -EAGAIN;
 		snprintf(err, len, "cannot start the L3 thread");

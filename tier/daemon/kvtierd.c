@@ -465,7 +465,10 @@ static int l3_round(void)
 			LOG_WARN("l3: the store does not answer: %s; lookups go on from DRAM and "
 				 "disk, the L3 is retried", in.store.last_error);
 	}
+	pthread_mutex_lock(&D.mu); /* http_ctx copies it under D.mu */
 	D.ctx.l3_up = in.store.up;
+	if (in.store.describe[0])
+		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
 	D.ctx.l3_nodes = in.store.nodes;
 	D.ctx.l3_nodes_up = in.store.nodes_up;
 	D.ctx.l3_inflight = in.inflight;
@@ -480,6 +483,7 @@ static int l3_round(void)
 	D.ctx.l3_errors = in.store.errors;
 	D.ctx.l3_redirects = in.store.redirects;
 	D.ctx.l3_round_trips = in.store.round_trips;
+	pthread_mutex_unlock(&D.mu);
 	return n;
 }
 #endif
@@ -1041,8 +1045,16 @@ int main(int argc, char **argv)
 		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
 		D.ctx.l3_on = 1;
 		D.ctx.l3_up = in.store.up;
-		LOG_INFO("l3 tier: %s, admission %s, fleet key %s", in.store.describe,
-			 kvt_disk_admit_name(o.l3_admit), o.l3_key);
+		if (in.key_created)
+			LOG_WARN("l3: made a new fleet key at %s: copy this file to every other "
+				 "node (a node with another key refuses these objects, and its "
+				 "own are refused here)", o.l3_key);
+		if (in.store.up)
+			LOG_INFO("l3 tier: %s, admission %s, fleet key %s", in.store.describe,
+				 kvt_disk_admit_name(o.l3_admit), o.l3_key);
+		else
+			LOG_WARN("l3 tier: %s does not answer yet (%s); starting without it, it is "
+				 "retried", o.l3_url, in.store.last_error);
 #else
 		LOG_ERR("--l3 %s: kvtierd was built without the L3 tier (liburing-dev, "
 			"libhiredis-dev)", o.l3_url);
