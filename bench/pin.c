@@ -142,6 +142,11 @@ int kvt_bench_pin(int argc, char **argv)
 		budget = kvt_size_kfd_limit(ram);
 	if (!bytes)
 		bytes = (uint64_t)((double)budget * fraction);
+	if (bytes < (2u << 20) || bytes > ram) {
+		fprintf(stderr, "kvtier-bench pin: an arena of %llu bytes: from 2 MiB to the RAM\n",
+			(unsigned long long)bytes);
+		return 2;
+	}
 	bytes = (bytes + (2u << 20) - 1) & ~((uint64_t)(2u << 20) - 1);
 	predicted = (int)(budget / bytes) < procs ? (int)(budget / bytes) : procs;
 	if (bytes > ram / 10 * 9) {

@@ -776,8 +776,8 @@ static int cu_poll(struct kvt_dma *d, uint32_t slot)
 	struct cu_be *be = d->be;
 	CUresult r;
 
-	if (be->lost)
-		return -EIO; /* the context cannot report success for anything now */
+	if (be->lost) /* the context cannot report success for anything now */
+		return cu_lost_err(be);
 	if (push(be))
 		return -EIO;
 	r = be->f.event_query(be->slots[slot].ev);
@@ -792,7 +792,7 @@ static int cu_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
 	CUresult r;
 
 	if (be->lost)
-		return -EIO;
+		return cu_lost_err(be);
 	if (push(be))
 		return -EIO;
 	if (deadline == UINT64_MAX) {

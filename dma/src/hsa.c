@@ -45,10 +45,16 @@
  * has no way to unregister one, so the small note it points at is never
  * freed: closing the backend only marks it closed, and a closed note
  * answers "not mine").  The handler, on ROCr's event thread:
- *   - records the fault in the note (release: fault_seen / acquire in
- *     hsa_dead), so every later submit, poll and wait of this backend
- *     fails at once with -EIO naming the fault -- the copies it had in
- *     flight will never complete, and none of them may publish a chunk;
+ *   - only for a fault on the GPU the backend is bound to (KFD stops the
+ *     faulting device's queues; another GPU's copies go on, and a backend
+ *     there must not let go of sub-slots they still write), and only the
+ *     first: records it in the note (seen: CAS 0 -> 1, va and reason, 2
+ *     with release / acquire in hsa_dead and fault_err), so every later
+ *     submit, poll and wait of this backend fails at once with -EIO naming
+ *     the fault -- the copies it had in flight will never complete, and
+ *     none of them may publish a chunk.  A hardware exception (a hang or
+ *     reset, HSA_AMD_GPU_HW_EXCEPTION_EVENT on ROCm 6+) is taken the same
+ *     way;
  *   - writes one line to stderr saying where the address lies (kvtier's
  *     arena, the KV cache, neither) and what happens next -- with write(2),
  *     since the process is about to end and a logger callback may not be
@@ -136,7 +142,8 @@ struct hsa_fns {
 struct hsa_fault {
 	uint64_t magic;
 	int closed;                 /* __atomic: the backend is gone */
-	int seen;                   /* __atomic release/acquire: a fault noted */
+	int seen;                   /* __atomic: 0, 1 (being noted), 2 (noted:
+				     * va and reason written, release) */
 	uint64_t va;                /* written before `seen` */
 	uint32_t reason;
 	uint64_t gpu_handle;        /* the bound GPU agent; 0 before bind */
@@ -259,35 +266,58 @@ static const char *fault_reason(uint32_t m)
 	return "reason unknown";
 }
 
-/* ROCr's event thread, once per fault.  Touches the note only. */
+#define HW_EXCEPTION_EVENT 1 /* HSA_AMD_GPU_HW_EXCEPTION_EVENT (ROCm 6+: a GPU
+			      * hang or reset); its info starts with the agent */
+
+/* ROCr's event thread, once per fault.  Touches the note only.  A fault
+ * stops the queues of the GPU it happened on (KFD evicts the process's
+ * queues on that device): a backend bound to another GPU keeps copying,
+ * and is not marked.  The first fault is the one recorded: seen 0 -> 1
+ * (CAS), va and reason written, then 2 (release; fault_err reads them
+ * only at 2). */
 static hsa_status_t on_system_event(const hsa_amd_event_t *ev, void *data)
 {
 	struct hsa_fault *f = data;
-	const hsa_amd_gpu_memory_fault_info_t *m;
+	uint64_t gpu, va = 0;
+	uint32_t reason = HSA_AMD_MEMORY_FAULT_HANG;
 	const char *where;
 	char line[640];
-	int n;
+	int n, zero = 0;
 
 	if (!f || f->magic != FAULT_MAGIC || !ev ||
-	    ev->event_type != HSA_AMD_GPU_MEMORY_FAULT_EVENT ||
+	    (ev->event_type != HSA_AMD_GPU_MEMORY_FAULT_EVENT &&
+	     (int)ev->event_type != HW_EXCEPTION_EVENT) ||
 	    __atomic_load_n(&f->closed, __ATOMIC_ACQUIRE))
 		return HSA_STATUS_ERROR;
-	m = &ev->memory_fault;
-	f->va = m->virtual_address;
-	f->reason = m->fault_reason_mask;
-	__atomic_store_n(&f->seen, 1, __ATOMIC_RELEASE);
-	where = f->va >= f->kv_lo && f->va < f->kv_hi ? "inside the KV cache kvtier copies" :
-		f->va >= f->arena_lo && f->va < f->arena_hi ? "inside kvtier's locked arena" :
-		"outside what kvtier copies (the engine's own work?)";
-	n = snprintf(line, sizeof(line), "kvtier: hsa: GPU memory fault at %#llx (%s), %s, on "
-		     "%s: the driver stopped this process's GPU queues; kvtier makes no more "
-		     "copies here and publishes none that was in flight. Unless another handler "
-		     "takes the fault, the HSA runtime ends the process now, and the segment "
-		     "releases this rank's claims once it is gone\n",
-		     (unsigned long long)f->va, fault_reason(f->reason), where,
-		     m->agent.handle == f->gpu_handle ? "the GPU this rank copies with" :
-		     "another GPU of this process");
-	if (n > 0 && f->gpu_handle) /* a backend with no KV cache bound says nothing */
+	gpu = __atomic_load_n(&f->gpu_handle, __ATOMIC_RELAXED);
+	/* the agent is the union's first member in both events */
+	if (ev->memory_fault.agent.handle != gpu || !gpu)
+		return HSA_STATUS_ERROR; /* another GPU's queues; or unbound: no copies */
+	if (ev->event_type == HSA_AMD_GPU_MEMORY_FAULT_EVENT) {
+		va = ev->memory_fault.virtual_address;
+		reason = ev->memory_fault.fault_reason_mask;
+	}
+	if (!__atomic_compare_exchange_n(&f->seen, &zero, 1, 0, __ATOMIC_ACQ_REL,
+					 __ATOMIC_ACQUIRE))
+		return HSA_STATUS_ERROR; /* noted already */
+	f->va = va;
+	f->reason = reason;
+	__atomic_store_n(&f->seen, 2, __ATOMIC_RELEASE);
+	where = ev->event_type != HSA_AMD_GPU_MEMORY_FAULT_EVENT ? "a hang or reset" :
+		va >= __atomic_load_n(&f->kv_lo, __ATOMIC_RELAXED) &&
+		va < __atomic_load_n(&f->kv_hi, __ATOMIC_RELAXED) ?
+		"inside the KV cache kvtier copies" :
+		va >= __atomic_load_n(&f->arena_lo, __ATOMIC_RELAXED) &&
+		va < __atomic_load_n(&f->arena_hi, __ATOMIC_RELAXED) ?
+		"inside kvtier's locked arena" : "outside what kvtier copies (the engine's own work?)";
+	n = snprintf(line, sizeof(line), "kvtier: hsa: GPU %s at %#llx (%s), %s, on the GPU this "
+		     "rank copies with: the driver stopped its queues in this process; kvtier "
+		     "makes no more copies here and publishes none that was in flight. Unless "
+		     "another handler takes the fault, the HSA runtime ends the process now, and "
+		     "the segment releases this rank's claims once it is gone\n",
+		     ev->event_type == HSA_AMD_GPU_MEMORY_FAULT_EVENT ? "memory fault" :
+		     "hardware exception", (unsigned long long)va, fault_reason(reason), where);
+	if (n > 0)
 		(void)!write(2, line, (size_t)n < sizeof(line) ? (size_t)n : sizeof(line) - 1);
 	return HSA_STATUS_ERROR; /* never claimed: the runtime's default stands */
 }
@@ -299,6 +329,9 @@ static int hsa_dead(const struct hsa_be *be)
 
 static int fault_err(const struct hsa_be *be)
 {
+	if (__atomic_load_n(&be->fault->seen, __ATOMIC_ACQUIRE) != 2)
+		return kvt__dma_err(-EIO, "hsa: a GPU fault stopped this process's queues on "
+				    "this GPU: no copy can complete here any more; restart it");
 	return kvt__dma_err(-EIO, "hsa: a GPU memory fault at %#llx (%s) stopped this "
 			    "process's GPU queues: no copy can complete in this process any "
 			    "more, the copies in flight failed; restart it",
@@ -321,7 +354,7 @@ static void fault_register(struct kvt_dma *d)
 	st = be->f.register_event_handler(on_system_event, f);
 	if (st != HSA_STATUS_SUCCESS) {
 		free(f);
-		kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: no GPU fault handler (%s; runtimes "
+		kvt__dma_log(d, KVT_DMA_LOG_ERR, "hsa: no GPU fault handler (%s; runtimes "
 			     "before ROCm 6 take one handler per process): a GPU fault ends the "
 			     "process without kvtier's report", st_str(be, st));
 		return;
@@ -608,6 +641,7 @@ static int gpu_index(const struct hsa_be *be, hsa_agent_t a)
 static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 {
 	struct hsa_be *be = d->be;
+	uint64_t kv_lo = 0, kv_hi = 0;
 	int g = -1;
 
 	for (uint32_t k = 0; k < l->n_groups; k++) {
@@ -661,14 +695,10 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				return kvt__dma_err(-EINVAL, "hsa: the KV cache spans GPUs %d "
 						    "and %d", g, gi);
 			g = gi;
-			if (be->fault) {
-				struct hsa_fault *f = be->fault;
-
-				if (!f->kv_hi || gr->layer_base[i] < f->kv_lo)
-					f->kv_lo = gr->layer_base[i];
-				if (need > f->kv_hi)
-					f->kv_hi = need;
-			}
+			if (!kv_hi || gr->layer_base[i] < kv_lo)
+				kv_lo = gr->layer_base[i];
+			if (need > kv_hi)
+				kv_hi = need;
 		}
 	}
 	if (be->g >= 0 && g != be->g)
@@ -676,8 +706,11 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				    g, be->g);
 	if (be->g < 0)
 		set_gpu(d, g);
-	if (be->fault)
-		be->fault->gpu_handle = be->gpus[be->g].handle;
+	if (be->fault) { /* for the report only: relaxed */
+		__atomic_store_n(&be->fault->kv_lo, kv_lo, __ATOMIC_RELAXED);
+		__atomic_store_n(&be->fault->kv_hi, kv_hi, __ATOMIC_RELAXED);
+		__atomic_store_n(&be->fault->gpu_handle, be->gpus[be->g].handle, __ATOMIC_RELAXED);
+	}
 	return 0;
 }
 
@@ -713,11 +746,13 @@ static int hsa_mem_reg(struct kvt_dma *d, struct kvt_dma_piece *p)
 	p->dev = (uint64_t)(uintptr_t)agent_ptr;
 	if (be->fault) {
 		struct hsa_fault *f = be->fault;
+		uint64_t lo = __atomic_load_n(&f->arena_lo, __ATOMIC_RELAXED);
+		uint64_t hi = __atomic_load_n(&f->arena_hi, __ATOMIC_RELAXED);
 
-		if (!f->arena_hi || p->dev < f->arena_lo)
-			f->arena_lo = p->dev;
-		if (p->dev + p->len > f->arena_hi)
-			f->arena_hi = p->dev + p->len;
+		if (!hi || p->dev < lo)
+			__atomic_store_n(&f->arena_lo, p->dev, __ATOMIC_RELAXED);
+		if (p->dev + p->len > hi)
+			__atomic_store_n(&f->arena_hi, p->dev + p->len, __ATOMIC_RELAXED);
 	}
 	return 0;
 }

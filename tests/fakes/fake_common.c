@@ -303,35 +303,58 @@ long fake_worker_out_of_order(int reset)
 	return n;
 }
 
-/* Copies against a stop of the process's queues (a fault). */
+/* Copies against a stop of a device's queues (a fault), per device. */
+#define CP_DEVS 64
 static pthread_mutex_t cp_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cp_cond = PTHREAD_COND_INITIALIZER;
-static int cp_running, cp_halted;
+static int cp_running[CP_DEVS];
+static uint64_t cp_halted, cp_reported; /* device bits */
 
-int fake_copy_begin(void)
+static uint64_t dev_bit(int dev)
+{
+	return 1ull << ((unsigned)dev % CP_DEVS);
+}
+
+int fake_copy_begin(int dev)
 {
 	int ok;
 
 	pthread_mutex_lock(&cp_lock);
-	ok = !cp_halted;
-	cp_running += ok;
+	ok = !(cp_halted & dev_bit(dev));
+	cp_running[(unsigned)dev % CP_DEVS] += ok;
 	pthread_mutex_unlock(&cp_lock);
 	return ok;
 }
 
-void fake_copy_end(void)
+void fake_copy_end(int dev)
 {
 	pthread_mutex_lock(&cp_lock);
-	cp_running--;
+	cp_running[(unsigned)dev % CP_DEVS]--;
 	pthread_cond_broadcast(&cp_cond);
 	pthread_mutex_unlock(&cp_lock);
 }
 
-void fake_copy_halt(void)
+void fake_copy_halt(int dev)
 {
 	pthread_mutex_lock(&cp_lock);
-	cp_halted = 1;
-	while (cp_running)
+	cp_halted |= dev_bit(dev);
+	while (cp_running[(unsigned)dev % CP_DEVS])
+		pthread_cond_wait(&cp_cond, &cp_lock);
+	pthread_mutex_unlock(&cp_lock);
+}
+
+void fake_copy_report(int dev)
+{
+	pthread_mutex_lock(&cp_lock);
+	cp_reported |= dev_bit(dev);
+	pthread_cond_broadcast(&cp_cond);
+	pthread_mutex_unlock(&cp_lock);
+}
+
+void fake_copy_settled(int dev)
+{
+	pthread_mutex_lock(&cp_lock);
+	while ((cp_halted & dev_bit(dev)) && !(cp_reported & dev_bit(dev)))
 		pthread_cond_wait(&cp_cond, &cp_lock);
 	pthread_mutex_unlock(&cp_lock);
 }
@@ -339,7 +362,8 @@ void fake_copy_halt(void)
 void fake_copy_resume(void)
 {
 	pthread_mutex_lock(&cp_lock);
-	cp_halted = 0;
+	cp_halted = cp_reported = 0;
+	pthread_cond_broadcast(&cp_cond);
 	pthread_mutex_unlock(&cp_lock);
 }
 
@@ -348,7 +372,7 @@ int fake_copy_halted(void)
 	int h;
 
 	pthread_mutex_lock(&cp_lock);
-	h = cp_halted;
+	h = cp_halted != 0;
 	pthread_mutex_unlock(&cp_lock);
 	return h;
 }

@@ -59,15 +59,21 @@ void fake_worker_jitter(long max_us);
 /* Tasks that finished after one pushed later than them (reset: to 0). */
 long fake_worker_out_of_order(int reset);
 
-/* A fault stops every queue of the process before it is reported (the
- * KFD driver evicts the process's queues, CUDA's channel recovery tears
- * down the context's): a copy runs between fake_copy_begin (0: the queues
- * are stopped, drop the copy) and fake_copy_end; the faulting copy calls
- * fake_copy_halt, outside a begin/end pair, which returns once the copies
- * running on other lanes have finished.  "reset" resumes. */
-int fake_copy_begin(void);
-void fake_copy_end(void);
-void fake_copy_halt(void);
+/* A fault stops the faulting device's queues before it is reported (the
+ * KFD driver evicts the process's queues on that GPU, CUDA's channel
+ * recovery tears down the context's): a copy of device dev runs between
+ * fake_copy_begin (0: its queues are stopped, drop the copy) and
+ * fake_copy_end; the faulting copy calls fake_copy_halt, outside a
+ * begin/end pair, which returns once the device's copies running on other
+ * lanes have finished, then makes the error visible and calls
+ * fake_copy_report.  Work that reports completion (an event's record)
+ * waits in fake_copy_settled until then, so nothing reports success for a
+ * copy that was dropped.  "reset" resumes. */
+int fake_copy_begin(int dev);
+void fake_copy_end(int dev);
+void fake_copy_halt(int dev);
+void fake_copy_report(int dev);
+void fake_copy_settled(int dev);
 void fake_copy_resume(void);
 int fake_copy_halted(void);
 

@@ -403,8 +403,11 @@ static void run_marker(void *arg)
 	struct marker *k = arg;
 
 	stream_ready(k->s);
+	fake_copy_settled(0); /* a fault being torn down: after its error */
 	if (k->e) {
 		pthread_mutex_lock(&k->e->m);
+		if (atomic_load(&lost))
+			k->e->status = (CUresult)atomic_load(&lost);
 		if (k->s && k->s->err) {
 			k->e->status = k->s->err;
 			k->s->err = CUDA_SUCCESS;
@@ -862,15 +865,17 @@ static void run_copy(void *arg)
 	stream_ready(t->s);
 	if (t->error) {
 		/* the context's channels stop (copies running elsewhere end
-		 * first), then the error is there for every call to see */
-		fake_copy_halt();
+		 * first), then the error is there for every call to see, and
+		 * only then do records report (fake_copy_settled) */
+		fake_copy_halt(0);
 		if (t->s)
 			t->s->err = CUDA_ERROR_ILLEGAL_ADDRESS;
 		atomic_store(&lost, CUDA_ERROR_ILLEGAL_ADDRESS);
-	} else if (fake_copy_begin()) {
+		fake_copy_report(0);
+	} else if (fake_copy_begin(0)) { /* one context: device 0's queues */
 		for (uint64_t r = 0; r < t->rows; r++)
 			memcpy(t->dst + r * t->dpitch, t->src + r * t->spitch, t->len);
-		fake_copy_end();
+		fake_copy_end(0);
 	} /* else: the context is lost, the copy never runs */
 	free(t);
 }

@@ -734,7 +734,7 @@ static void gpu_fault(struct ctask *t)
 	hsa_amd_event_t ev;
 	int claimed = 0, n;
 
-	fake_copy_halt(); /* KFD evicts the process's queues, then reports */
+	fake_copy_halt(t->gpu); /* KFD evicts the process's queues on that GPU, then reports */
 	memset(&ev, 0, sizeof(ev));
 	ev.event_type = HSA_AMD_GPU_MEMORY_FAULT_EVENT;
 	ev.memory_fault.agent.handle = GPU_AGENT + (uint64_t)(t->gpu < 0 ? 0 : t->gpu);
@@ -759,15 +759,15 @@ static void run_copy(void *arg)
 	struct ctask *t = arg;
 
 	if (t->fault) {
-		if (fake_copy_begin()) {
+		if (fake_copy_begin(t->gpu)) {
 			memcpy(t->dst, t->src, t->len / 2); /* torn: the fault hit midway */
-			fake_copy_end();
+			fake_copy_end(t->gpu);
 			gpu_fault(t);
 		}
 		free(t);
 		return;
 	}
-	if (!fake_copy_begin()) { /* a stopped queue runs nothing, signals nothing */
+	if (!fake_copy_begin(t->gpu)) { /* a stopped queue runs nothing, signals nothing */
 		free(t);
 		return;
 	}
@@ -775,7 +775,7 @@ static void run_copy(void *arg)
 		for (uint32_t r = 0; r < t->rows; r++)
 			memcpy(t->dst + z * t->dslice + r * t->dpitch,
 			       t->src + z * t->sslice + r * t->spitch, t->len);
-	fake_copy_end();
+	fake_copy_end(t->gpu);
 	if (t->negative)
 		sig_update(t->sig, 1, -1);
 	else
