@@ -40,6 +40,32 @@ static int free_port(void)
 	return p;
 }
 
+/* A redis-server of the bench's own on a free loopback port (no
+ * persistence, no output): its pid, or -1; *port set. */
+pid_t kvt_bench_redis_start(int *port);
+pid_t kvt_bench_redis_start(int *port)
+{
+	char ps[16];
+	pid_t server;
+
+	*port = free_port();
+	if (*port < 0)
+		return -1;
+	snprintf(ps, sizeof(ps), "%d", *port);
+	server = fork();
+	if (server == 0) {
+		int fd = open("/dev/null", O_WRONLY);
+		if (fd >= 0) {
+			dup2(fd, 1);
+			dup2(fd, 2);
+		}
+		execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1",
+		       "--save", "", "--appendonly", "no", "--loglevel", "warning", (char *)NULL);
+		_exit(127);
+	}
+	return server;
+}
+
 struct item {
 	uint8_t hdr[KVT_L3_HDR_SIZE], tag[KVT_L3_TAG_SIZE];
 	struct iovec iov[3];
@@ -173,21 +199,7 @@ int kvt_bench_l3(int argc, char **argv)
 		}
 	}
 	if (!url) {
-		char ps[16];
-		port = free_port();
-		snprintf(ps, sizeof(ps), "%d", port);
-		server = fork();
-		if (server == 0) {
-			int fd = open("/dev/null", O_WRONLY);
-			if (fd >= 0) {
-				dup2(fd, 1);
-				dup2(fd, 2);
-			}
-			execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1",
-			       "--save", "", "--appendonly", "no", "--loglevel", "warning",
-			       (char *)NULL);
-			_exit(127);
-		}
+		server = kvt_bench_redis_start(&port);
 		snprintf(own_url, sizeof(own_url), "redis://127.0.0.1:%d", port);
 		url = own_url;
 	} else if (sscanf(url, "redis://%63[^:]:%d", host, &port) != 2) {

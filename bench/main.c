@@ -9,6 +9,7 @@
  *   kvtier-bench disk [options]       the disk tier against fio (bench/disk.c)
  *   kvtier-bench pin [options]        N processes locking one arena (bench/pin.c)
  *   kvtier-bench l3 [options]         the L3 store's put/get GB/s (bench/l3.c)
+ *   kvtier-bench replay-l3 [options]  the trace over N nodes and one L3 (bench/replay_l3.c)
  */
 #include <stdio.h>
 #include <string.h>
@@ -23,6 +24,7 @@ int kvt_bench_disk(int argc, char **argv);
 int kvt_bench_diskkill(int argc, char **argv);
 int kvt_bench_pin(int argc, char **argv);
 int kvt_bench_l3(int argc, char **argv);
+int kvt_bench_replay_l3(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -40,6 +42,7 @@ static void usage(FILE *f)
 		"  diskkill   the disk tier under kill -9 of its engine and clients: 0 wrong\n"
 		"  pin        N processes locking one arena: AMD's pinning budget against kvtier-size\n"
 		"  l3         the L3 store (Redis): put/get GB/s against redis-benchmark\n"
+		"  replay-l3  the trace over N nodes sharing one L3 store: hit rates\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
 }
@@ -68,8 +71,10 @@ int main(int argc, char **argv)
 		return kvt_bench_diskkill(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "pin"))
 		return kvt_bench_pin(argc - 1, argv + 1);
-	if (!strcmp(argv[1], "l3")) {
+	if (!strcmp(argv[1], "l3") || !strcmp(argv[1], "replay-l3")) {
 #ifdef KVTIER_BENCH_L3
+		if (!strcmp(argv[1], "replay-l3"))
+			return kvt_bench_replay_l3(argc - 1, argv + 1);
 		return kvt_bench_l3(argc - 1, argv + 1);
 #else
 		fprintf(stderr, "kvtier-bench l3: built without the L3 tier (libhiredis-dev)\n");

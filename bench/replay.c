@@ -982,7 +982,11 @@ static int parse_opts(int argc, char **argv, struct opts *o)
 
 /* The default trace: from the current directory when it is the
  * repository root, else from the root above this program (build/bench/). */
-static const char *default_trace(char *buf, size_t len)
+const char *kvt_bench_default_trace(char *buf, size_t len);
+
+/* The trace shipped with the source tree, found from the executable's
+ * place (<root>/build/bench) when not from the current directory. */
+const char *kvt_bench_default_trace(char *buf, size_t len)
 {
 	char exe[PATH_MAX];
 	ssize_t n;
@@ -1016,7 +1020,7 @@ int kvt_bench_replay(int argc, char **argv)
 	if (r)
 		return r == 1 ? 0 : r;
 	if (!o.trace) {
-		o.trace = default_trace(buf, sizeof(buf));
+		o.trace = kvt_bench_default_trace(buf, sizeof(buf));
 		if (!o.trace) {
 			fprintf(stderr, "kvtier-bench replay: no TRACE given and %s not found from "
 				"the repository root\n", DEFAULT_TRACE);

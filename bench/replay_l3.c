@@ -1,0 +1,290 @@
+/* replay_l3.c - kvtier-bench replay-l3: the production trace over N nodes
+ * that share one L3 store, through the real segment and the real L3
+ * engine on a real redis-server (the bench's own, or --url).
+ *
+ *   kvtier-bench replay-l3 [TRACE] [--nodes 2,4] [--capacity C] [--limit N]
+ *
+ * Each node is a segment of C chunks (world 1) with its L3 engine
+ * (admission all).  Request q goes to node q mod N ("round robin") or to
+ * the node its conversation's first chunk hashes to ("by session": the
+ * trace has no session ids; a conversation's requests share their first
+ * chunk).  Per request, on its node:
+ *   1. the DRAM hits: the longest READY prefix (kvt_seg_lookup, released);
+ *   2. with the L3: the chunks after them are fetched (kvt_l3e_fetch, in
+ *      windows of the engine's jobs, each drained) and the prefix looked
+ *      up again: what the L3 gave is the difference -- the fetch a
+ *      scheduler's pending lookup would wait for;
+ *   3. the misses are saved (kvt_write_begin / kvt_write_end, a small
+ *      payload: a hit rate does not depend on the bytes) and, with the
+ *      L3, put (kvt_l3e_drain with puts: before the next request).
+ * Reported per configuration: the prefix hit rate (hit chunks / chunks),
+ * of it from the L3, against the same N nodes without the L3 and against
+ * one node holding N x C.  The store is emptied (a fresh redis-server)
+ * for every configuration.  The goal (issue 26): N nodes with the L3
+ * within 0.9 x of the one big node. */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/wait.h>
+
+#include "bench_util.h"
+#include "kvt_disk.h"
+#include "kvt_l3e.h"
+#include "trace.h"
+
+const char *kvt_bench_default_trace(char *buf, size_t len);
+pid_t kvt_bench_redis_start(int *port);
+
+#define MAX_NODES 16
+
+struct run {
+	uint64_t chunks, hits, l3_hits, saved;
+	double seconds;
+};
+
+static kvt_key key_of(uint32_t id)
+{
+	return (kvt_key){ (uint64_t)id + 1, 0x7e91a3 };
+}
+
+static kvt_seg *node_open(const char *name, uint32_t slots, uint32_t max_len)
+{
+	struct kvt_geometry g;
+	struct kvt_seg_create_opts c = { .size = sizeof(c), .name = name, .geo = &g,
+					 .flags = KVT_SEG_F_REPLACE };
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
+					 .role = KVT_ROLE_CLIENT };
+	kvt_seg *s = NULL;
+
+	memset(&g, 0, sizeof(g));
+	g.chunk_tokens = 16;
+	g.world = 1;
+	g.n_instances = 1;
+	g.mode = KVT_MODE_SHARDED;
+	g.n_groups = 1;
+	g.groups[0].layers = 1;
+	g.groups[0].bytes_per_token = 16; /* 256-byte chunks: rates, not bytes */
+	g.model_id.lo = 0x4e0de;
+	g.n_slots = slots;
+	g.n_leases = 64;
+	g.lease_max_chunks = max_len > 64 ? max_len : 64;
+	if (kvt_seg_create(&c, &a, &s) || kvt_seg_own(s)) {
+		fprintf(stderr, "kvtier-bench replay-l3: segment %s: %s\n", name,
+			kvt_core_last_error());
+		if (s)
+			kvt_seg_detach(s);
+		return NULL;
+	}
+	return s;
+}
+
+static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, int by_session,
+		   const char *key_path, struct run *out)
+{
+	kvt_seg *seg[MAX_NODES] = { 0 };
+	kvt_l3e *eng[MAX_NODES] = { 0 };
+	char names[MAX_NODES][64], url[64], err[256];
+	kvt_key *keys = malloc((size_t)t->max_len * sizeof(*keys));
+	uint32_t *depths = malloc((size_t)t->max_len * sizeof(*depths));
+	pid_t server = -1;
+	int port = 0, rc = -1;
+	uint64_t t0;
+
+	memset(out, 0, sizeof(*out));
+	if (!keys || !depths)
+		goto out;
+	if (l3) {
+		server = kvt_bench_redis_start(&port);
+		if (server < 0)
+			goto out;
+		snprintf(url, sizeof(url), "redis://127.0.0.1:%d", port);
+	}
+	for (uint32_t n = 0; n < nodes; n++) {
+		snprintf(names[n], sizeof(names[n]), "kvtier-bench-l3r-%d-%u", (int)getpid(), n);
+		seg[n] = node_open(names[n], cap, t->max_len);
+		if (!seg[n])
+			goto out;
+		if (!l3)
+			continue;
+		struct kvt_l3e_opts o = { .size = sizeof(o), .key_path = key_path, .create_key = 1,
+					  .admit = KVT_ADMIT_ALL };
+		o.store = (struct kvt_l3_conf){ .size = sizeof(o.store), .url = url,
+						.timeout_ms = 2000 };
+		for (int tries = 0; tries < 250; tries++) { /* the server starting */
+			if (!kvt_l3e_open(seg[n], &o, &eng[n], err, sizeof(err))) {
+				struct kvt_l3e_info in;
+				kvt_l3e_info(eng[n], &in);
+				if (in.store.up)
+					break;
+				kvt_l3e_close(eng[n]);
+				eng[n] = NULL;
+			}
+			usleep(20000);
+		}
+		if (!eng[n]) {
+			fprintf(stderr, "kvtier-bench replay-l3: l3: %s\n", err);
+			goto out;
+		}
+	}
+	t0 = now_ns();
+	for (uint32_t q = 0; q < t->n_req; q++) {
+		const uint32_t *c = t->ids + t->off[q];
+		uint32_t len = t->off[q + 1] - t->off[q];
+		uint32_t n = by_session ? (uint32_t)((c[0] * 0x9e3779b1u) >> 7) % nodes : q % nodes;
+		uint64_t lease;
+		int h, h2;
+
+		if (!len)
+			continue;
+		for (uint32_t i = 0; i < len; i++) {
+			keys[i] = key_of(c[i]);
+			depths[i] = i;
+		}
+		h = kvt_seg_lookup(seg[n], keys, len, &lease);
+		if (h < 0)
+			h = 0;
+		if (lease)
+			kvt_lease_release(seg[n], lease);
+		h2 = h;
+		if (l3 && (uint32_t)h < len) {
+			for (uint32_t i = (uint32_t)h; i < len; i += 32) {
+				uint32_t w = len - i < 32 ? len - i : 32;
+				kvt_l3e_fetch(eng[n], keys + i, depths + i, w);
+				kvt_l3e_drain(eng[n], 0, -1);
+			}
+			h2 = kvt_seg_lookup(seg[n], keys, len, &lease);
+			if (h2 < 0)
+				h2 = h;
+			if (lease)
+				kvt_lease_release(seg[n], lease);
+		}
+		out->chunks += len;
+		out->hits += (uint64_t)h2;
+		out->l3_hits += (uint64_t)(h2 - h);
+		for (uint32_t i = (uint32_t)h2; i < len; i++) {
+			struct kvt_wref w;
+			int r = kvt_write_begin(seg[n], &keys[i], i, 0, &w);
+			if (r == KVT_SKIP)
+				continue;
+			if (r)
+				break;
+			memset(kvt_slot_shard_ptr(seg[n], w.slot, 0), (int)(c[i] & 0xff),
+			       (size_t)kvt_seg_chunk_bytes(seg[n]));
+			kvt_write_end(seg[n], &w, 1);
+			out->saved++;
+		}
+		if (l3)
+			kvt_l3e_drain(eng[n], 1, -1);
+	}
+	out->seconds = (now_ns() - t0) * 1e-9;
+	rc = 0;
+out:
+	for (uint32_t n = 0; n < nodes; n++) {
+		kvt_l3e_close(eng[n]);
+		if (seg[n]) {
+			kvt_seg_detach(seg[n]);
+			kvt_seg_unlink(names[n], NULL);
+		}
+	}
+	if (server > 0) {
+		kill(server, SIGTERM);
+		waitpid(server, NULL, 0);
+	}
+	free(keys);
+	free(depths);
+	return rc;
+}
+
+int kvt_bench_replay_l3(int argc, char **argv)
+{
+	static const struct option lo[] = {
+		{ "nodes", required_argument, NULL, 'n' },
+		{ "capacity", required_argument, NULL, 'c' },
+		{ "limit", required_argument, NULL, 'l' },
+		{ "help", no_argument, NULL, 'h' },
+		{ 0, 0, 0, 0 },
+	};
+	uint32_t node_list[8] = { 2, 4 }, n_nodes = 2, cap = 1024, limit = 0;
+	char buf[4096], keyf[128];
+	const char *path = NULL;
+	struct trace t;
+	int opt;
+
+	while ((opt = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+		char *end = NULL, *tok, *save = NULL;
+		switch (opt) {
+		case 'n':
+			n_nodes = 0;
+			for (tok = strtok_r(optarg, ",", &save); tok && n_nodes < 8;
+			     tok = strtok_r(NULL, ",", &save)) {
+				node_list[n_nodes] = (uint32_t)strtoul(tok, &end, 10);
+				if (*end || node_list[n_nodes] < 1 || node_list[n_nodes] > MAX_NODES)
+					goto usage;
+				n_nodes++;
+			}
+			if (!n_nodes)
+				goto usage;
+			break;
+		case 'c':
+			cap = (uint32_t)strtoul(optarg, &end, 10);
+			if (*end || cap < 16)
+				goto usage;
+			break;
+		case 'l':
+			limit = (uint32_t)strtoul(optarg, &end, 10);
+			if (*end)
+				goto usage;
+			break;
+		case 'h':
+		default:
+		usage:
+			fprintf(opt == 'h' ? stdout : stderr,
+				"usage: kvtier-bench replay-l3 [TRACE] [--nodes 2,4] [--capacity C "
+				"(1024 chunks per node)] [--limit N requests]\n");
+			return opt == 'h' ? 0 : 2;
+		}
+	}
+	path = optind < argc ? argv[optind] : kvt_bench_default_trace(buf, sizeof(buf));
+	if (!path) {
+		fprintf(stderr, "kvtier-bench replay-l3: no trace (give its path)\n");
+		return 2;
+	}
+	if (trace_load(path, limit, &t))
+		return 1;
+	snprintf(keyf, sizeof(keyf), "/tmp/kvtier-bench-l3-%d.key", (int)getpid());
+	printf("kvtier-bench replay-l3: %s, %u requests, %u chunks per node; prefix hit "
+	       "rate (of it from the L3)\n", path, t.n_req, cap);
+	printf("  %-5s %-13s %12s %18s %18s %14s\n", "nodes", "routing", "no L3", "with L3",
+	       "one node N x C", "L3 / one node");
+	for (uint32_t i = 0; i < n_nodes; i++) {
+		uint32_t N = node_list[i];
+		struct run one, none, with;
+
+		if (one_run(&t, 1, cap * N, 0, 0, keyf, &one))
+			goto fail;
+		for (int by = 0; by < 2; by++) {
+			if (one_run(&t, N, cap, 0, by, keyf, &none) ||
+			    one_run(&t, N, cap, 1, by, keyf, &with))
+				goto fail;
+			double r1 = (double)one.hits / (double)one.chunks;
+			double r0 = (double)none.hits / (double)none.chunks;
+			double rl = (double)with.hits / (double)with.chunks;
+			printf("  %-5u %-13s %11.1f%% %10.1f%% (%4.1f%%) %17.1f%% %13.2fx   (%.0f s)\n",
+			       N, by ? "by session" : "round robin", 100 * r0, 100 * rl,
+			       100.0 * (double)with.l3_hits / (double)with.chunks, 100 * r1,
+			       r1 > 0 ? rl / r1 : 0, with.seconds);
+			fflush(stdout);
+		}
+	}
+	unlink(keyf);
+	trace_free(&t);
+	return 0;
+fail:
+	unlink(keyf);
+	trace_free(&t);
+	return 1;
+}
