@@ -995,7 +995,7 @@ def test_l3_puts_and_store_failure(name, procs, tmp_path):
     procs.append(r)
     key = str(tmp_path / "fleet.key")
     extra = ["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-key", key, "--l3-admit", "all",
-             "--l3-timeout-ms", "300"]
+             "--l3-timeout-ms", "300", "--l3-negative-ms", "500"]
     d = Daemon(name, extra=extra, instances=1, slots=32)
     procs.append(d)
     assert "l3 tier: redis (one node)" in d.log(), d.log()

@@ -1028,7 +1028,7 @@ int main(int argc, char **argv)
 #ifdef KVTIERD_L3
 		struct kvt_l3e_opts lo = {
 			.size = sizeof(lo), .key_path = o.l3_key, .create_key = 1,
-			.admit = o.l3_admit, .log = l3_log };
+			.admit = o.l3_admit, .negative_ms = o.l3_negative_ms, .log = l3_log };
 		struct kvt_l3e_info in;
 		lo.store = (struct kvt_l3_conf){ .size = sizeof(lo.store), .url = o.l3_url,
 						 .auth_file = o.l3_auth,
