@@ -687,6 +687,47 @@ static int slot_of(kvt_seg *sg, const kvt_key *k)
 	return -1;
 }
 
+/* A rank of the node saving chunks keys[0..n) (depth = index), stamped. */
+static void node_save(kvt_seg *sg, const kvt_key *keys, uint32_t n)
+{
+	uint64_t pay = kvt_seg_chunk_bytes(sg);
+
+	for (uint32_t i = 0; i < n; i++)
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			struct kvt_wref w;
+			assert_int_equal(kvt_write_begin(sg, &keys[i], i, sh, &w), 0);
+			uint8_t *p = kvt_slot_shard_ptr(sg, w.slot, sh);
+			for (uint64_t o = 0; o < pay; o++)
+				p[o] = node_stamp(i, sh, o);
+			assert_true(kvt_write_end(sg, &w, 1) >= 0);
+		}
+}
+
+/* Every chunk of keys[0..n) READY in sg holds its stamp; returns how many
+ * are READY (all of them when need_all). */
+static uint32_t node_check(kvt_seg *sg, const kvt_key *keys, uint32_t n, int need_all)
+{
+	uint64_t pay = kvt_seg_chunk_bytes(sg);
+	uint32_t ready = 0;
+
+	for (uint32_t i = 0; i < n; i++) {
+		int x = slot_of(sg, &keys[i]);
+		if (need_all)
+			assert_true(x >= 0);
+		if (x < 0)
+			continue;
+		ready++;
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			const uint8_t *p = kvt_slot_shard_ptr(sg, (uint32_t)x, sh);
+			for (uint64_t o = 0; o < pay; o++)
+				if (p[o] != node_stamp(i, sh, o))
+					fail_msg("chunk %u shard %u: another chunk's bytes or none at "
+						 "byte %llu (%#x)", i, sh, (unsigned long long)o, p[o]);
+		}
+	}
+	return ready;
+}
+
 static void test_two_nodes(void **st)
 {
 	char na[64], nb[64];
@@ -709,15 +750,7 @@ static void test_two_nodes(void **st)
 		keys[i] = (kvt_key){ 0x77000 + i + (uint64_t)getpid() * 1000, 0x4242 };
 		depths[i] = i;
 	}
-	for (uint32_t i = 0; i < NODE_CHUNKS; i++)
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			struct kvt_wref w;
-			assert_int_equal(kvt_write_begin(a, &keys[i], i, sh, &w), 0);
-			uint8_t *p = kvt_slot_shard_ptr(a, w.slot, sh);
-			for (uint64_t o = 0; o < pay; o++)
-				p[o] = node_stamp(i, sh, o);
-			assert_true(kvt_write_end(a, &w, 1) >= 0);
-		}
+	node_save(a, keys, NODE_CHUNKS);
 	/* A's engine puts them (admission all), ahead of eviction */
 	ea = node_engine(a, KVT_ADMIT_ALL);
 	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
@@ -773,17 +806,7 @@ static void test_two_nodes(void **st)
 	assert_int_equal(ib.get_drops, 0);
 	assert_int_equal(kvt_seg_lookup(b, keys, NODE_CHUNKS + 2, &lease), NODE_CHUNKS);
 	kvt_lease_release(b, lease);
-	for (uint32_t i = 0; i < NODE_CHUNKS; i++) {
-		int x = slot_of(b, &keys[i]);
-		assert_true(x >= 0);
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			const uint8_t *p = kvt_slot_shard_ptr(b, (uint32_t)x, sh);
-			for (uint64_t o = 0; o < pay; o++)
-				if (p[o] != node_stamp(i, sh, o))
-					fail_msg("node B: chunk %u shard %u byte %llu differs", i, sh,
-						 (unsigned long long)o);
-		}
-	}
+	assert_int_equal(node_check(b, keys, NODE_CHUNKS, 1), NODE_CHUNKS);
 	assert_true(slot_of(b, &keys[NODE_CHUNKS]) < 0); /* never published */
 	/* the miss is remembered: asked again at once, no round trip */
 	assert_int_equal(kvt_l3e_fetch(eb, &keys[NODE_CHUNKS + 1], &depths[NODE_CHUNKS + 1], 1), 0);
@@ -824,15 +847,8 @@ static void test_put_window(void **st)
 	for (uint32_t i = 0; i < 64; i++) {
 		keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)getpid() * 1000, 0x5151 };
 		depths[i] = i;
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			struct kvt_wref w;
-			assert_int_equal(kvt_write_begin(a, &keys[i], i, sh, &w), 0);
-			uint8_t *p = kvt_slot_shard_ptr(a, w.slot, sh);
-			for (uint64_t o = 0; o < pay; o++)
-				p[o] = node_stamp(i, sh, o);
-			assert_true(kvt_write_end(a, &w, 1) >= 0);
-		}
 	}
+	node_save(a, keys, 64);
 	ea = node_engine(a, KVT_ADMIT_ALL);
 	assert_true(kvt_l3e_poll(ea) > 0); /* puts submitted, completions not taken */
 	kvt_l3e_info(ea, &ia);
@@ -872,18 +888,7 @@ static void test_put_window(void **st)
 	assert_true(kvt_l3e_fetch(eb, keys, depths, 64) > 0);
 	assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
 	kvt_l3e_info(eb, &ib);
-	for (uint32_t i = 0; i < 64; i++) {
-		int x = slot_of(b, &keys[i]);
-		if (x < 0)
-			continue;
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			const uint8_t *p = kvt_slot_shard_ptr(b, (uint32_t)x, sh);
-			for (uint64_t o = 0; o < pay; o++)
-				if (p[o] != node_stamp(i, sh, o))
-					fail_msg("node B served chunk %u shard %u wrong at %llu", i,
-						 sh, (unsigned long long)o);
-		}
-	}
+	node_check(b, keys, 64, 0); /* exact, or not there */
 	fprintf(stderr, "put window: %u puts voided; node B: %llu exact, %llu refused, "
 		"%llu absent\n", inflight, (unsigned long long)ib.gets,
 		(unsigned long long)ib.refused, (unsigned long long)ib.misses);
@@ -944,15 +949,8 @@ static void test_seal_window(void **st)
 	for (uint32_t i = 0; i < 64; i++) {
 		keys[i] = (kvt_key){ 0xaa000 + i + (uint64_t)getpid() * 1000, 0x6161 };
 		depths[i] = i;
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			struct kvt_wref w;
-			assert_int_equal(kvt_write_begin(a, &keys[i], i, sh, &w), 0);
-			uint8_t *p = kvt_slot_shard_ptr(a, w.slot, sh);
-			for (uint64_t o = 0; o < wa.pay; o++)
-				p[o] = node_stamp(i, sh, o);
-			assert_true(kvt_write_end(a, &w, 1) >= 0);
-		}
 	}
+	node_save(a, keys, 64);
 	ea = node_engine_hooked(a, KVT_ADMIT_ALL, rewrite_all, &wa);
 	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
 	assert_int_equal(wa.fired > 0, 1);
@@ -966,19 +964,7 @@ static void test_seal_window(void **st)
 		assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
 	}
 	kvt_l3e_info(eb, &ib);
-	for (uint32_t i = 0; i < 64; i++) {
-		int x = slot_of(b, &keys[i]);
-		if (x < 0)
-			continue;
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			const uint8_t *p = kvt_slot_shard_ptr(b, (uint32_t)x, sh);
-			for (uint64_t o = 0; o < wa.pay; o++)
-				if (p[o] != node_stamp(i, sh, o))
-					fail_msg("node B served chunk %u shard %u with another chunk's "
-						 "bytes (byte %llu: %#x)", i, sh, (unsigned long long)o,
-						 p[o]);
-		}
-	}
+	node_check(b, keys, 64, 0); /* exact, or not there */
 	fprintf(stderr, "seal window: %llu puts dropped; node B: %llu exact, %llu refused\n",
 		(unsigned long long)ia.put_drops, (unsigned long long)ib.gets,
 		(unsigned long long)ib.refused);
