@@ -255,9 +255,8 @@ static int put_consider(kvt_l3e *e, uint32_t x)
 		e->rejected[x] = 0;
 		return -1;
 	}
-	for (uint32_t i = 0; i < e->o.jobs; i++) /* in flight already */
-		if (e->jobs[i].kind != J_FREE && same(&e->jobs[i].key, &k))
-			return -1;
+	/* (a put in flight for this life was marked seen when it started;
+	 * a get in flight holds its slot FILLING, never READY) */
 	/* second-hit: hit in DRAM since it was saved, or a new life of a key
 	 * refused before (evicted and saved again: asked for twice) */
 	if (e->o.admit == KVT_ADMIT_SECOND_HIT && ref < 2 &&

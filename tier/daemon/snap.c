@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -459,31 +460,29 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 		kvtd_printf(&b, "kvtier_l3_nodes{state=\"up\"} %u\n", c->l3_nodes_up);
 		prom_head(&b, "kvtier_l3_inflight", "gauge", "Chunks being put or got");
 		kvtd_printf(&b, "kvtier_l3_inflight %u\n", c->l3_inflight);
-		prom_head(&b, "kvtier_l3_puts_total", "counter", "Chunks put into the L3 store");
-		kvtd_printf(&b, "kvtier_l3_puts_total %llu\n", (unsigned long long)c->l3_puts);
-		prom_head(&b, "kvtier_l3_put_bytes_total", "counter", "Payload bytes put");
-		kvtd_printf(&b, "kvtier_l3_put_bytes_total %llu\n", (unsigned long long)c->l3_put_bytes);
-		prom_head(&b, "kvtier_l3_put_drops_total", "counter",
-			  "Puts voided: a store error, or the slot's life ended during the put");
-		kvtd_printf(&b, "kvtier_l3_put_drops_total %llu\n", (unsigned long long)c->l3_put_drops);
-		prom_head(&b, "kvtier_l3_gets_total", "counter", "Chunks got from the L3 store and published");
-		kvtd_printf(&b, "kvtier_l3_gets_total %llu\n", (unsigned long long)c->l3_gets);
-		prom_head(&b, "kvtier_l3_get_bytes_total", "counter", "Payload bytes got");
-		kvtd_printf(&b, "kvtier_l3_get_bytes_total %llu\n", (unsigned long long)c->l3_get_bytes);
-		prom_head(&b, "kvtier_l3_misses_total", "counter", "Chunks the store did not have");
-		kvtd_printf(&b, "kvtier_l3_misses_total %llu\n", (unsigned long long)c->l3_misses);
-		prom_head(&b, "kvtier_l3_refused_total", "counter",
-			  "Objects whose check failed (torn, forged, another layout's): misses, never served");
-		kvtd_printf(&b, "kvtier_l3_refused_total %llu\n", (unsigned long long)c->l3_refused);
-		prom_head(&b, "kvtier_l3_get_drops_total", "counter",
-			  "Gets abandoned: a store error, or no slot to land in");
-		kvtd_printf(&b, "kvtier_l3_get_drops_total %llu\n", (unsigned long long)c->l3_get_drops);
-		prom_head(&b, "kvtier_l3_errors_total", "counter", "Store errors (connections, timeouts, refusals)");
-		kvtd_printf(&b, "kvtier_l3_errors_total %llu\n", (unsigned long long)c->l3_errors);
-		prom_head(&b, "kvtier_l3_redirects_total", "counter", "MOVED and ASK redirects followed");
-		kvtd_printf(&b, "kvtier_l3_redirects_total %llu\n", (unsigned long long)c->l3_redirects);
-		prom_head(&b, "kvtier_l3_round_trips_total", "counter", "Store replies read");
-		kvtd_printf(&b, "kvtier_l3_round_trips_total %llu\n", (unsigned long long)c->l3_round_trips);
+		static const struct { const char *name, *help; size_t off; } l3c[] = {
+#define L3C(n, f, h) { "kvtier_l3_" n "_total", h, offsetof(struct kvtd_ctx, l3_##f) }
+			L3C("puts", puts, "Chunks put into the L3 store"),
+			L3C("put_bytes", put_bytes, "Payload bytes put"),
+			L3C("put_drops", put_drops,
+			    "Puts voided: a store error, or the slot's life ended during the put"),
+			L3C("gets", gets, "Chunks got from the L3 store and published"),
+			L3C("get_bytes", get_bytes, "Payload bytes got"),
+			L3C("misses", misses, "Chunks the store did not have"),
+			L3C("refused", refused, "Objects whose check failed (torn, forged, another "
+			    "layout's): misses, never served"),
+			L3C("get_drops", get_drops, "Gets abandoned: a store error, or no slot to land in"),
+			L3C("errors", errors, "Store errors (connections, timeouts, refusals)"),
+			L3C("redirects", redirects, "MOVED and ASK redirects followed"),
+			L3C("round_trips", round_trips, "Store replies read"),
+#undef L3C
+		};
+		for (size_t k = 0; k < sizeof(l3c) / sizeof(l3c[0]); k++) {
+			uint64_t v;
+			memcpy(&v, (const char *)c + l3c[k].off, sizeof(v));
+			prom_head(&b, l3c[k].name, "counter", l3c[k].help);
+			kvtd_printf(&b, "%s %llu\n", l3c[k].name, (unsigned long long)v);
+		}
 	}
 	if (c->start_wall_ns) {
 		prom_head(&b, "kvtier_daemon_witness_up", "gauge",
