@@ -69,11 +69,14 @@ static struct { char *host; void *dev; size_t len; } regs[MAX_REG];
 
 /* a stream: one signal counting the copies in flight (they complete in
  * any order, on the fake HSA's lanes; a synchronize waits for all), and
- * the staging buffers of its fills, freed at the synchronize */
+ * the staging buffers and threads of its fills, freed and joined at the
+ * synchronize: no fill thread outlives it, so none runs in a library the
+ * process unloaded after it */
 #define MAX_FILLS 64
 struct ihipStream_t {
 	hsa_signal_t sig;
 	void *fills[MAX_FILLS];
+	pthread_t fill_th[MAX_FILLS];
 	int n_fills;
 };
 static struct ihipStream_t null_stream;
@@ -335,8 +338,11 @@ EXPORT hipError_t hipStreamSynchronize(hipStream_t s)
 	hsa_signal_value_t v = F.signal_wait(st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
 					     HSA_WAIT_STATE_BLOCKED);
 
-	while (st->n_fills)
-		hipHostFree(st->fills[--st->n_fills]);
+	while (st->n_fills) {
+		--st->n_fills;
+		pthread_join(st->fill_th[st->n_fills], NULL);
+		hipHostFree(st->fills[st->n_fills]);
+	}
 	return v < 0 ? hipErrorUnknown : hipSuccess;
 }
 
@@ -449,16 +455,18 @@ EXPORT hipError_t hipMemsetAsync(void *dst, int value, size_t n, hipStream_t s)
 		return d ? e : hipErrorInvalidValue;
 	}
 	memset(fl->stage, value, n);
-	st->fills[st->n_fills++] = fl->stage;
 	*fl = (struct fill){ .dst = d, .stage = fl->stage, .agent = fl->agent, .n = n, .st = st,
 			     .delay_us = (unsigned)fake_env_long_hip("FAKE_HIP_FILL_US", 20000) };
 	F.signal_add(st->sig, 1);
+	void *stage = fl->stage;
 	if (pthread_create(&th, NULL, run_fill, fl)) {
 		F.signal_subtract(st->sig, 1);
+		hipHostFree(stage);
 		free(fl);
 		return hipErrorOutOfMemory;
 	}
-	pthread_detach(th);
+	st->fills[st->n_fills] = stage;
+	st->fill_th[st->n_fills++] = th;
 	return hipSuccess;
 }
 
