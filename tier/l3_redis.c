@@ -629,14 +629,58 @@ static void round_run(struct rl3 *r, struct kvt_l3_req *batch)
 	wake(r);
 }
 
+/* With nothing queued, a store that is down is tried again by the thread
+ * itself once each node's backoff passed: a failed request is not retried
+ * (a put is voided, a get a miss), so without this the store's return
+ * would be noticed only by the next request that happened to come after
+ * the backoff -- or never.  The thread's own nodes; called unlocked. */
+static void probe(struct rl3 *r)
+{
+	char msg[256];
+	uint64_t now = mono_ns();
+
+	if (!r->known) {
+		if (map_refresh(r, msg, sizeof(msg)) == 0)
+			describe_set(r);
+	} else {
+		for (uint32_t i = 0; i < r->n_nodes; i++) {
+			struct rnode *n = &r->nodes[i];
+			if (n->c || !n->retry_ns || now < n->retry_ns)
+				continue;
+			if (node_connect(r, n, msg, sizeof(msg)))
+				node_drop(r, n, msg);
+			else if (r->cluster)
+				r->map_stale = 1; /* back: the map may have moved meanwhile */
+		}
+	}
+	up_update(r);
+}
+
 static void *io_thread(void *arg)
 {
 	struct rl3 *r = arg;
 
 	pthread_mutex_lock(&r->mu);
 	for (;;) {
-		while (!r->q_head && !r->stop)
-			pthread_cond_wait(&r->cv, &r->mu);
+		while (!r->q_head && !r->stop) {
+			if (r->st.up) {
+				pthread_cond_wait(&r->cv, &r->mu);
+				continue;
+			}
+			struct timespec ts;
+			clock_gettime(CLOCK_REALTIME, &ts);
+			ts.tv_nsec += BACKOFF_MIN * 1000000L;
+			if (ts.tv_nsec >= 1000000000L) {
+				ts.tv_sec++;
+				ts.tv_nsec -= 1000000000L;
+			}
+			if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) == ETIMEDOUT && !r->q_head &&
+			    !r->stop) {
+				pthread_mutex_unlock(&r->mu);
+				probe(r);
+				pthread_mutex_lock(&r->mu);
+			}
+		}
 		if (!r->q_head)
 			break;
 		struct kvt_l3_req *b = r->q_head, *t = b;

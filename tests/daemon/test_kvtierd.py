@@ -1034,11 +1034,12 @@ def test_l3_puts_and_store_failure(name, procs, tmp_path):
     assert got.hits == 8  # DRAM still answers
     got.release()
     assert "the store does not answer" in d.log()
-    # back: up again by itself, and what is saved now is put
+    # back: up again by itself -- with no request to notice it (a failed
+    # put is not retried) -- and what is saved now is put
     r.start()
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_l3_up") == 1, "the L3 up again")
     for k in ranks:
         k.cmd(cmd="save", seed=13, chunks=4)
-    until(lambda: metric(d.get("/metrics")[1], "kvtier_l3_up") == 1, "the L3 up again")
     until(lambda: int(r.cli("dbsize")) >= 4 * WORLD, "the new chunks put")
     assert "the store answers again" in d.log()
     for k in ranks:
