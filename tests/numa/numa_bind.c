@@ -78,6 +78,18 @@ static struct kvt_nodemask node(int n)
 	return m;
 }
 
+/* Every page counted is on the target node.  A page may read as absent
+ * (a busy machine's compaction is migrating it: move_pages' query sees a
+ * migration entry), never as misplaced; a prefault that did not happen
+ * would leave them all absent. */
+static void assert_placed(const struct kvt_numa_bind_report *rep, uint64_t pages)
+{
+	assert_int_equal(rep->pages, pages);
+	assert_int_equal(rep->misplaced, 0);
+	assert_int_equal(rep->on_target + rep->absent, rep->pages);
+	assert_true(rep->absent <= rep->pages / 16);
+}
+
 static void t_bind_node0(void **state)
 {
 	struct logcap cap = {0};
@@ -92,10 +104,7 @@ static void t_bind_node0(void **state)
 		assert_int_equal(rep.bound, 1);
 		assert_int_equal(rep.bytes, LEN);
 		assert_int_equal(rep.page_bytes, 4096);
-		assert_int_equal(rep.pages, LEN / 4096);
-		assert_int_equal(rep.on_target, LEN / 4096);
-		assert_int_equal(rep.misplaced, 0);
-		assert_int_equal(rep.absent, 0);
+		assert_placed(&rep, LEN / 4096);
 		assert_int_equal(rep.first_bad_node, -1);
 		assert_int_equal(rep.prefault, 1);   /* MADV_POPULATE_WRITE */
 		assert_int_equal(cap.warns, 0);
@@ -119,7 +128,7 @@ static void t_bind_modes(void **state)
 
 		assert_int_equal(kvt_numa_bind_region(p, LEN, modes[i], &n0, &o, &rep), 0);
 		assert_int_equal(rep.bound, modes[i] != KVT_NUMA_NONE);
-		assert_int_equal(rep.on_target, LEN / 4096);
+		assert_placed(&rep, LEN / 4096);
 		munmap(p, LEN);
 	}
 	/* NONE needs no node set. */
@@ -255,8 +264,7 @@ static void t_bind_segment(void **state)
 	assert_int_equal(kvt_numa_bind_segment(seg, &plan, &o, &rep), 0);
 	assert_int_equal(rep.bound, 2);
 	assert_true(rep.pages > 0);
-	assert_int_equal(rep.on_target, rep.pages);
-	assert_int_equal(rep.misplaced, 0);
+	assert_placed(&rep, rep.pages);
 	/* Every shard part is 2 MiB aligned, as binding needs. */
 	for (uint32_t s = 0; s < 2; s++) {
 		void *ptr;
