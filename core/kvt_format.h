@@ -500,6 +500,7 @@ void kvt__witness_forget(kvt_seg *s);
 /* witness_srv.c: the socket kvtierd's witness listens on, beside the
  * segment's file (kvtier-witness.<name>); 0 or -errno. */
 int kvt__witness_sock_path(int seg_fd, const char *name, char *out, size_t len);
+int kvt__side_path(int seg_fd, const char *prefix, const char *name, char *out, size_t len);
 /* A rank's message to kvtierd's witness: one datagram; HOLD carries the
  * lock description and the rank's pidfd (SCM_RIGHTS). */
 struct kvt_wmsg {

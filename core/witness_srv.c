@@ -122,6 +122,11 @@ enum { EV_LISTEN = 1, EV_CONN = 2, EV_PIDFD = 3 };
 
 int kvt__witness_sock_path(int seg_fd, const char *name, char *out, size_t len)
 {
+	return kvt__side_path(seg_fd, W_NAME, name, out, len);
+}
+
+int kvt__side_path(int seg_fd, const char *prefix, const char *name, char *out, size_t len)
+{
 	char link[64], p[4096];
 	ssize_t n;
 	char *slash;
@@ -138,7 +143,7 @@ int kvt__witness_sock_path(int seg_fd, const char *name, char *out, size_t len)
 	if (!slash)
 		return -ENOENT;
 	*slash = 0;
-	r = snprintf(out, len, "%s/" W_NAME "%s", p, name);
+	r = snprintf(out, len, "%s/%s%s", p, prefix, name);
 	if (r < 0 || (size_t)r >= len)
 		return -ENAMETOOLONG;
 	return 0;
@@ -178,7 +183,6 @@ static void slot_free(struct kvt_wsrv *w, struct held *h)
 
 int kvt_wsrv_open(const kvt_seg *s, uint32_t max, kvt_wsrv **out)
 {
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
 	struct kvt_wsrv *w;
 	struct stat st;
 	int r;
@@ -198,26 +202,14 @@ int kvt_wsrv_open(const kvt_seg *s, uint32_t max, kvt_wsrv **out)
 	w->n_slots = max + W_SPARE;
 	w->dev = st.st_dev;
 	w->ino = st.st_ino;
-	r = kvt__witness_sock_path(s->fd, s->name, w->path, sizeof(w->path));
-	if (r) {
-		r = kvt__err(r, "witness server: no socket path beside the segment's file: %s",
-			     strerror(-r));
-		goto fail;
-	}
-	w->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	w->ep = epoll_create1(EPOLL_CLOEXEC);
-	if (w->lfd < 0 || w->ep < 0) {
-		r = kvt__err(-errno, "witness server: socket: %s", strerror(errno));
+	if (w->ep < 0) {
+		r = kvt__err(-errno, "witness server: epoll: %s", strerror(errno));
 		goto fail;
 	}
-	memcpy(a.sun_path, w->path, strlen(w->path) + 1);
-	/* The caller owns the segment (one owner at a time, owner.c): a
-	 * socket file there is a dead predecessor's. */
-	(void)unlink(w->path);
-	if (bind(w->lfd, (struct sockaddr *)&a, sizeof(a)) ||
-	    chmod(w->path, st.st_mode & 0666) || listen(w->lfd, 64)) {
-		r = kvt__err(-errno, "witness server: %s: %s", w->path, strerror(errno));
-		(void)unlink(w->path);
+	r = w->lfd = kvt_seg_side_listen(s, W_NAME, w->path, sizeof(w->path));
+	if (r < 0) {
+		r = kvt__err(r, "witness server: %s", kvt_core_last_error());
 		goto fail;
 	}
 	ep_add(w, w->lfd, EV(EV_LISTEN, 0));
@@ -231,6 +223,52 @@ fail:
 	free(w->h);
 	free(w);
 	return r;
+}
+
+int kvt_seg_side_path(const kvt_seg *s, const char *prefix, char *out, size_t len)
+{
+	if (!s || s->fd < 0 || !prefix || !out || !len || strchr(prefix, '/'))
+		return -EINVAL;
+	return kvt__side_path(s->fd, prefix, s->name, out, len);
+}
+
+long long kvt_seg_file_uid(const kvt_seg *s)
+{
+	struct stat st;
+
+	if (!s || s->fd < 0 || fstat(s->fd, &st))
+		return -1;
+	return (long long)st.st_uid;
+}
+
+int kvt_seg_side_listen(const kvt_seg *s, const char *prefix, char *path, size_t len)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	struct stat st;
+	int fd, r;
+
+	r = kvt_seg_side_path(s, prefix, path, len);
+	if (!r && strlen(path) >= sizeof(a.sun_path))
+		r = -ENAMETOOLONG;
+	if (r)
+		return kvt__err(r, "no socket path beside the segment's file: %s", strerror(-r));
+	if (fstat(s->fd, &st))
+		return kvt__err(-errno, "fstat of the segment: %s", strerror(errno));
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return kvt__err(-errno, "socket: %s", strerror(errno));
+	memcpy(a.sun_path, path, strlen(path) + 1);
+	/* The caller owns the segment (one owner at a time, owner.c): a
+	 * socket file there is a dead predecessor's. */
+	(void)unlink(path);
+	if (bind(fd, (struct sockaddr *)&a, sizeof(a)) || chmod(path, st.st_mode & 0666) ||
+	    listen(fd, 64)) {
+		r = kvt__err(-errno, "%s: %s", path, strerror(errno));
+		(void)unlink(path);
+		close(fd);
+		return r;
+	}
+	return fd;
 }
 
 int kvt_wsrv_fd(const kvt_wsrv *w)

@@ -11,7 +11,10 @@
  *   - a master killed: its requests fail fast (never hang past the
  *     timeout), the others go on; restarted, it serves again;
  *   - a password and an ACL user from a file: the wrong one refused at
- *     open, named; the right one works on a plain (non-cluster) Redis.
+ *     open, named; the right one works on a plain (non-cluster) Redis;
+ *   - the lookups' channel (kvt_l3_chan.h): a node's asks over the socket
+ *     beside its segment answered HERE (then READY, exact) or MISSING, a
+ *     malformed ask ends only that connection.
  * Skipped (77) without redis-server / redis-cli.
  */
 #include <errno.h>
@@ -24,10 +27,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <cmocka.h>
 
@@ -35,6 +40,9 @@
 
 #include "kvt_l3.h"
 #include "kvt_l3e.h"
+#include "kvt_l3_chan.h"
+#include "kvt_l3_client.h"
+#include "kvt_l3_srv.h"
 #include "kvt_disk.h"
 #include "kvt_test.h"
 
@@ -822,6 +830,142 @@ static void test_two_nodes(void **st)
 	kvt_seg_unlink(nb, NULL);
 }
 
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Polls B's channel and engine (one thread drives both, as kvtierd) and
+ * reads the answers into c, until no key of keys[0..n) is pending. */
+static void channel_settle(kvt_l3srv *v, kvt_l3e *e, kvt_l3c *c, kvt_seg *sg,
+			   const kvt_key *keys, uint32_t n)
+{
+	for (int round = 0; round < 20000; round++) {
+		uint64_t now = mono_ns();
+		uint32_t waiting = 0;
+
+		kvt_l3srv_service(v);
+		kvt_l3e_poll(e);
+		kvt_l3srv_flush(v);
+		assert_int_equal(kvt__l3c_begin(c, sg, now), 1);
+		for (uint32_t i = 0; i < n; i++)
+			waiting += kvt__l3c_state(c, &keys[i], now) == KVT_L3C_PENDING ||
+				   (kvt_seg_peek(sg, &keys[i], 1) == 1 && slot_of(sg, &keys[i]) < 0);
+		if (!waiting)
+			return;
+		usleep(500);
+	}
+	fail_msg("the channel's answers did not come");
+}
+
+/* The lookups' channel, as kvt_lookup_ex drives it: node B asks over the
+ * socket beside its segment for A's chunks, one it never had, and one
+ * forged; the first are HERE and then READY with A's bytes, the others
+ * MISSING (and remembered).  A malformed ask closes that connection only;
+ * a client whose daemon went away has nothing pending. */
+static void test_channel(void **st)
+{
+	char na[64], nb[64], err[256];
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+	kvt_l3srv *v;
+	kvt_l3c *c;
+	struct kvt_l3srv_info si;
+	kvt_key keys[NODE_CHUNKS + 1];
+	uint64_t now;
+
+	(void)st;
+	snprintf(na, sizeof(na), "t-l3ca-%d", (int)getpid());
+	snprintf(nb, sizeof(nb), "t-l3cb-%d", (int)getpid());
+	a = node_seg(na);
+	b = node_seg(nb);
+	for (uint32_t i = 0; i < NODE_CHUNKS + 1; i++)
+		keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)getpid() * 1000, 0x4343 };
+	node_save(a, keys, NODE_CHUNKS);
+	ea = node_engine(a, KVT_ADMIT_ALL);
+	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	eb = node_engine(b, KVT_ADMIT_NONE);
+	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
+	assert_non_null(strstr(kvt_l3srv_path(v), "kvtier-l3."));
+	c = kvt__l3c_new();
+	assert_non_null(c);
+	now = mono_ns();
+	assert_int_equal(kvt__l3c_begin(c, b, now), 1); /* connected */
+	for (uint32_t i = 0; i < NODE_CHUNKS + 1; i++) {
+		assert_int_equal(kvt__l3c_state(c, &keys[i], now), KVT_L3C_NOT_ASKED);
+		assert_int_equal(kvt__l3c_queue(c, &keys[i], i, now), 0);
+		assert_int_equal(kvt__l3c_state(c, &keys[i], now), KVT_L3C_PENDING);
+	}
+	assert_int_equal(kvt__l3c_send(c, now), 0);
+	channel_settle(v, eb, c, b, keys, NODE_CHUNKS + 1);
+	assert_int_equal(node_check(b, keys, NODE_CHUNKS, 1), NODE_CHUNKS);
+	now = mono_ns();
+	for (uint32_t i = 0; i < NODE_CHUNKS; i++)
+		assert_int_equal(kvt__l3c_state(c, &keys[i], now), KVT_L3C_NOT_ASKED);
+	/* never saved anywhere: MISSING, believed for a while */
+	assert_int_equal(kvt__l3c_state(c, &keys[NODE_CHUNKS], now), KVT_L3C_NOT_THERE);
+	assert_true(slot_of(b, &keys[NODE_CHUNKS]) < 0);
+	kvt_l3srv_info(v, &si);
+	assert_int_equal(si.asks, NODE_CHUNKS + 1);
+	assert_int_equal(si.answers, NODE_CHUNKS + 1);
+	assert_int_equal(si.conns, 1);
+	/* asked again: answered at once from the negative cache */
+	assert_int_equal(kvt__l3c_begin(c, b, now + 2000000000ull), 1);
+	assert_int_equal(kvt__l3c_state(c, &keys[NODE_CHUNKS], now + 2000000000ull),
+			 KVT_L3C_NOT_ASKED);
+	assert_int_equal(kvt__l3c_queue(c, &keys[NODE_CHUNKS], NODE_CHUNKS, now), 0);
+	assert_int_equal(kvt__l3c_send(c, now), 0);
+	channel_settle(v, eb, c, b, &keys[NODE_CHUNKS], 1);
+	assert_int_equal(kvt__l3c_state(c, &keys[NODE_CHUNKS], mono_ns()),
+			 KVT_L3C_NOT_THERE);
+	/* a malformed ask (a count past its datagram): that connection ends,
+	 * nothing asked; the well-formed client is untouched */
+	{
+		struct sockaddr_un sa = { .sun_family = AF_UNIX };
+		struct kvt_l3c_msg m = { .h = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
+						.op = KVT_L3C_ASK, .n = 5 } };
+		int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+		char buf[8];
+
+		assert_true(fd >= 0);
+		memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
+		assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+		assert_int_equal(send(fd, &m, sizeof(m.h) + 2 * sizeof(m.it[0]), 0),
+				 (ssize_t)(sizeof(m.h) + 2 * sizeof(m.it[0])));
+		for (int i = 0; i < 200; i++) {
+			kvt_l3srv_service(v);
+			kvt_l3srv_info(v, &si);
+			if (si.bad)
+				break;
+			usleep(1000);
+		}
+		assert_int_equal(si.bad, 1);
+		assert_int_equal(si.asks, NODE_CHUNKS + 2);   /* nothing from it */
+		assert_int_equal(recv(fd, buf, sizeof(buf), 0), 0); /* closed */
+		close(fd);
+		assert_int_equal(si.conns, 1);
+	}
+	/* the daemon goes away with an ask unanswered: not pending any more */
+	now = mono_ns();
+	keys[0].hi ^= 0x1000; /* a key no one has */
+	assert_int_equal(kvt__l3c_queue(c, &keys[0], 0, now), 0);
+	assert_int_equal(kvt__l3c_send(c, now), 0);
+	assert_int_equal(kvt__l3c_state(c, &keys[0], now), KVT_L3C_PENDING);
+	kvt_l3srv_close(v);
+	assert_int_equal(kvt__l3c_begin(c, b, now), 0);
+	assert_int_equal(kvt__l3c_state(c, &keys[0], now), KVT_L3C_NOT_ASKED);
+	kvt__l3c_free(c);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	kvt_seg_detach(a);
+	kvt_seg_detach(b);
+	kvt_seg_unlink(na, NULL);
+	kvt_seg_unlink(nb, NULL);
+}
+
 /* A slot evicted while its put is in flight: the engine drops the put (its
  * life ended: the bytes sent may be another chunk's), never records it,
  * and whatever reached the store is exact or refused on the other node --
@@ -988,6 +1132,7 @@ int main(void)
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_forged),
 		cmocka_unit_test(test_two_nodes),
+		cmocka_unit_test(test_channel),
 		cmocka_unit_test(test_put_window),
 		cmocka_unit_test(test_seal_window),
 		cmocka_unit_test(test_reshard),

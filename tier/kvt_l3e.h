@@ -49,6 +49,13 @@ struct kvt_l3e_opts {
 	uint32_t negative_ms;      /* how long a miss is remembered; 0: 2000 */
 	void (*log)(int level, const char *msg, void *arg); /* NULL: stderr */
 	void *log_arg;
+	/* the answer to a kvt_l3e_ask that returned KVT_L3E_ASKED (and to
+	 * every ask of the same key meanwhile): KVT_L3E_HERE once the chunk
+	 * is claimed in DRAM (being got: lookups see it; a get that then
+	 * fails is remembered as missing), KVT_L3E_MISSING when it is not in
+	 * the store or the store failed.  Called from kvt_l3e_poll. */
+	void (*answer)(void *arg, const kvt_key *key, int result);
+	void *answer_arg;
 	/* testing: called between a put's kvt_slot_ready and its seal (the
 	 * window the life check after the seal closes); NULL in production */
 	void (*test_before_seal)(void *arg, uint32_t slot);
@@ -59,6 +66,8 @@ struct kvt_l3e_info {
 	uint64_t puts, put_bytes, put_drops, put_skips;
 	uint64_t fetches, gets, get_bytes, misses, refused, get_drops, negative_hits;
 	uint32_t inflight;
+	struct kvt_hist_snap put_ns, get_ns; /* put: sealed to stored; get:
+					      * asked to published (core's buckets) */
 	int key_created;           /* the fleet key file was made at open */
 	struct kvt_l3_status store;
 };
@@ -71,10 +80,19 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 /* One round: completions, the put scan.  Never waits.  The number of
  * things done (0: idle). */
 int kvt_l3e_poll(kvt_l3e *e);
+/* kvt_l3e_ask's results and the answers' (opts.answer). */
+enum { KVT_L3E_HERE = 1, KVT_L3E_ASKED = 2, KVT_L3E_MISSING = 3 };
+/* Asks the store for one chunk at this depth, for a lookup: HERE (in DRAM
+ * already, or being written), MISSING (remembered as not in the store, or
+ * every job busy: recompute), or ASKED (a job asks the store, this one or
+ * one already under way: the answer comes through opts.answer). */
+int kvt_l3e_ask(kvt_l3e *e, const kvt_key *key, uint32_t depth);
 /* Asks the store for these chunks (keys[i] at depth depths[i]): those not
  * in DRAM, not remembered as missing, not already asked.  Returns how many
  * were asked (the rest: no free job, or not needed). */
 int kvt_l3e_fetch(kvt_l3e *e, const kvt_key *keys, const uint32_t *depths, uint32_t n);
+/* Sets (or, with NULL, clears) opts.answer after open. */
+void kvt_l3e_set_answer(kvt_l3e *e, void (*answer)(void *, const kvt_key *, int), void *arg);
 /* Readable when the store completed something. */
 int kvt_l3e_event_fd(const kvt_l3e *e);
 /* Polls until nothing is in flight (and, with put_all, the scan found

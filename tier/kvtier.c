@@ -32,6 +32,7 @@
 #include "kvt_dma.h"
 #include "kvt_config.h"
 #include "kvt_hash.h"
+#include "kvt_l3_client.h"
 #if defined(KVTIER_HAVE_NUMA) && defined(KVTIER_NUMA_HAVE_SEG)
 #include "kvt_numa.h"
 #define TIER_PLACEMENT 1
@@ -86,6 +87,7 @@ struct kvt_tier {
 	/* Disk chunks this handle asked back lately (kvt_lookup_ex), by index
 	 * entry: a scheduler asking again each step queues a chunk once. */
 	struct { uint32_t pos, seq; uint64_t ns; } asked[256];
+	kvt_l3c *l3c;                    /* the L3 channel (kvt_lookup_ex) */
 };
 
 static _Thread_local char tier_err[768];
@@ -1102,6 +1104,11 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 			    sizeof(*res));
 	if (flags & ~KVT_LOOKUP_F_MASK)
 		return terr(-EINVAL, "lookup_ex: unknown flag bits 0x%x", flags & ~KVT_LOOKUP_F_MASK);
+	uint32_t first = (flags & KVT_LOOKUP_DEPTH) ? res->first_depth : 0;
+	if (first > UINT32_MAX - n)
+		return terr(-EINVAL, "lookup_ex: first_depth %u + %u keys overflows", first, n);
+	if ((flags & KVT_LOOKUP_PROMOTE) && !t->l3c)
+		t->l3c = kvt__l3c_new(); /* NULL (no memory): no L3 asks */
 	uint64_t t0 = now_ns();
 	r = kvt_seg_lookup(t->seg, keys, n, &lease);
 	if (r < 0)
@@ -1109,22 +1116,45 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 	kvt_seg *s = t->seg;
 	uint32_t hits = (uint32_t)r;
 	uint32_t cap = kvt_seg_geometry(s)->lease_max_chunks;
-	if (hits < n && kvt_disk_online(s)) {
-		/* The chunks after the hits: on disk (ask for them), or in
-		 * DRAM already (promoted, or being written) behind one that
-		 * is not yet. */
+	int disk = hits < n && kvt_disk_online(s);
+	int l3 = hits < n && t->l3c && kvt__l3c_begin(t->l3c, s, t0);
+	if (disk || l3) {
+		/* The chunks after the hits: on disk (ask for them), in DRAM
+		 * already (promoted, got from the L3, or being written) behind
+		 * one that is not yet, or asked of the L3 (kvt_l3_chan.h) and
+		 * not answered "missing". */
+		uint32_t l3_from = 0, l3_asked = 0;
 		for (uint32_t i = hits; i < n && hits + pending < cap; i++) {
 			struct kvt_disk_ref ref;
-			if (kvt_disk_find(s, &keys[i], &ref)) {
+			if (disk && kvt_disk_find(s, &keys[i], &ref)) {
 				if ((flags & KVT_LOOKUP_PROMOTE) && !asked_lately(t, &ref, t0, 0) &&
 				    kvt_disk_request(s, &ref) == 0) {
 					asked_lately(t, &ref, t0, 1);
 					requested++;
 				}
-			} else if (kvt_seg_peek(s, &keys[i], 1) != 1) {
+			} else if (kvt_seg_peek(s, &keys[i], 1) == 1) {
+				/* in DRAM, not READY yet */
+			} else if (l3) {
+				int st = kvt__l3c_state(t->l3c, &keys[i], t0);
+				if (st == KVT_L3C_NOT_THERE)
+					break;
+				if (st == KVT_L3C_NOT_ASKED) {
+					if (!(flags & KVT_LOOKUP_PROMOTE) ||
+					    kvt__l3c_queue(t->l3c, &keys[i], first + i, t0))
+						break;
+					if (!l3_asked++)
+						l3_from = pending;
+					requested++;
+				}
+			} else {
 				break;
 			}
 			pending++;
+		}
+		if (l3_asked && kvt__l3c_send(t->l3c, t0)) {
+			/* not asked after all: pending up to the first ask only */
+			pending = l3_from;
+			requested -= l3_asked;
 		}
 	}
 	kvt_hist_add(s, KVT_H_LOOKUP, now_ns() - t0);
@@ -1132,7 +1162,6 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 	res->hits = hits;
 	res->pending = pending;
 	res->requested = requested;
-	res->reserved0 = 0;
 	memset(res->reserved, 0, sizeof(res->reserved));
 	return (int)hits;
 }
@@ -1293,6 +1322,7 @@ void kvt_close(kvt_tier *t)
 			kvt_dma_mem_unregister(t->dma, t->mr);
 		kvt_dma_close(t->dma);
 	}
+	kvt__l3c_free(t->l3c);
 	kvt_seg_detach(t->seg);
 	free(t->bases);
 	free(t);

@@ -118,6 +118,24 @@ static void neg_add(kvt_l3e *e, const kvt_key *k)
 	e->neg[i].ns = mono_ns();
 }
 
+static void hist_add(struct kvt_hist_snap *h, uint64_t ns)
+{
+	uint32_t i = 0;
+
+	while (i + 1 < KVT_HIST_BUCKETS && ns > kvt_hist_bound_ns(i))
+		i++;
+	h->bucket[i]++;
+	h->sum_ns += ns;
+	h->count++;
+}
+
+/* The asker's answer for a fetch's key (kvt_l3e_opts.answer). */
+static void answer(kvt_l3e *e, const kvt_key *k, int result)
+{
+	if (e->o.answer)
+		e->o.answer(e->o.answer_arg, k, result);
+}
+
 static struct job *job_get(kvt_l3e *e, int kind)
 {
 	for (uint32_t i = 0; i < e->o.jobs; i++)
@@ -227,6 +245,7 @@ static void put_done(kvt_l3e *e, struct job *j)
 		rec_add(e, &j->key);
 		e->info.puts++;
 		e->info.put_bytes += e->payload * e->n_shards;
+		hist_add(&e->info.put_ns, mono_ns() - j->t0);
 	}
 	job_put(e, j);
 }
@@ -319,6 +338,7 @@ static void get_start(kvt_l3e *e, struct job *j)
 
 	/* in DRAM meanwhile (a rank saved it, another fetch): nothing to do */
 	if (kvt_seg_peek(e->s, &j->key, 1) == 1) {
+		answer(e, &j->key, KVT_L3E_HERE);
 		job_put(e, j);
 		return;
 	}
@@ -326,6 +346,7 @@ static void get_start(kvt_l3e *e, struct job *j)
 		int r = kvt_write_begin(e->s, &j->key, j->depth, sh, &j->wr[sh]);
 
 		if (r == KVT_SKIP && sh == 0) {
+			answer(e, &j->key, KVT_L3E_HERE);
 			job_put(e, j);
 			return;
 		}
@@ -333,6 +354,8 @@ static void get_start(kvt_l3e *e, struct job *j)
 			while (sh--)
 				kvt_write_end(e->s, &j->wr[sh], 0);
 			e->info.get_drops++;
+			neg_add(e, &j->key);
+			answer(e, &j->key, KVT_L3E_MISSING);
 			job_put(e, j);
 			return;
 		}
@@ -345,18 +368,27 @@ static void get_start(kvt_l3e *e, struct job *j)
 		for (sh = 0; sh < e->n_shards; sh++)
 			kvt_write_end(e->s, &j->wr[sh], 0);
 		e->info.get_drops++;
+		neg_add(e, &j->key);
+		answer(e, &j->key, KVT_L3E_MISSING);
 		job_put(e, j);
+		return;
 	}
+	/* claimed: the asker's lookups see the chunk (FILLING) until the
+	 * gets end, published or freed */
+	answer(e, &j->key, KVT_L3E_HERE);
 }
 
 static void exists_done(kvt_l3e *e, struct job *j)
 {
-	if (j->err == -ENOENT) {
+	if (j->err) {
+		/* not there, or the store failed: a miss either way, and
+		 * remembered, so that asking again is answered at once */
+		if (j->err == -ENOENT)
+			e->info.misses++;
+		else
+			e->info.get_drops++;
 		neg_add(e, &j->key);
-		e->info.misses++;
-		job_put(e, j);
-	} else if (j->err) {
-		e->info.get_drops++;
+		answer(e, &j->key, KVT_L3E_MISSING);
 		job_put(e, j);
 	} else {
 		get_start(e, j);
@@ -384,52 +416,72 @@ static void get_done(kvt_l3e *e, struct job *j)
 		rec_add(e, &j->key); /* in the store: not put again */
 		e->info.gets++;
 		e->info.get_bytes += e->payload * e->n_shards;
-	} else if (j->err == -ENOENT) { /* evicted since the EXISTS */
+		hist_add(&e->info.get_ns, mono_ns() - j->t0);
+	} else {
+		/* the asker, told HERE at the claim, finds the chunk gone and
+		 * asks again: the negative cache answers MISSING at once */
 		neg_add(e, &j->key);
-		e->info.misses++;
-	} else if (j->err) {
-		e->info.get_drops++;
+		if (j->err == -ENOENT) /* evicted since the EXISTS */
+			e->info.misses++;
+		else if (j->err)
+			e->info.get_drops++;
 	}
 	job_put(e, j);
 }
 
+int kvt_l3e_ask(kvt_l3e *e, const kvt_key *k, uint32_t depth)
+{
+	struct job *j;
+
+	if (kvt_seg_peek(e->s, k, 1) == 1)
+		return KVT_L3E_HERE;
+	if (neg_has(e, k, mono_ns())) {
+		e->info.negative_hits++;
+		return KVT_L3E_MISSING;
+	}
+	for (uint32_t x = 0; x < e->o.jobs; x++)
+		if (e->jobs[x].kind != J_FREE && e->jobs[x].kind != J_PUT &&
+		    same(&e->jobs[x].key, k))
+			return KVT_L3E_ASKED; /* its answer comes with that job's */
+	if (!(j = job_get(e, J_EXISTS)))
+		return KVT_L3E_MISSING; /* every job busy: a miss, not a wait */
+	j->key = *k;
+	j->depth = depth;
+	for (uint32_t sh = 0; sh < e->n_shards; sh++)
+		kvt_l3_key(j->keys[sh], e->fp, k, sh);
+	memset(&j->q[0], 0, sizeof(j->q[0]));
+	j->q[0].op = KVT_L3_EXISTS;
+	j->q[0].n_keys = e->n_shards;
+	j->q[0].keys = (const char (*)[KVT_L3_KEY_MAX])j->keys;
+	j->q[0].tag = (uint64_t)(j - e->jobs) << 8;
+	e->info.fetches++;
+	if (submit(e, j, 1)) {
+		/* the store refused at once (down): its completion, if any, is
+		 * not awaited by anyone */
+		if (!j->left)
+			job_put(e, j);
+		return KVT_L3E_MISSING;
+	}
+	return KVT_L3E_ASKED;
+}
+
 int kvt_l3e_fetch(kvt_l3e *e, const kvt_key *keys, const uint32_t *depths, uint32_t n)
 {
-	uint64_t now = mono_ns();
 	int asked = 0;
 
 	for (uint32_t i = 0; i < n; i++) {
-		const kvt_key *k = &keys[i];
-		struct job *j;
 		int busy = 0;
 
-		if (kvt_seg_peek(e->s, k, 1) == 1)
-			continue;
-		if (neg_has(e, k, now)) {
-			e->info.negative_hits++;
-			continue;
-		}
+		/* a key another job already asks for is not asked twice */
 		for (uint32_t x = 0; x < e->o.jobs && !busy; x++)
-			busy = e->jobs[x].kind != J_FREE && same(&e->jobs[x].key, k);
+			busy = e->jobs[x].kind != J_FREE && same(&e->jobs[x].key, &keys[i]);
 		if (busy)
 			continue;
-		if (!(j = job_get(e, J_EXISTS)))
+		int r = kvt_l3e_ask(e, &keys[i], depths[i]);
+		if (r == KVT_L3E_ASKED)
+			asked++;
+		else if (r == KVT_L3E_MISSING && e->live >= e->o.jobs)
 			break;
-		j->key = *k;
-		j->depth = depths[i];
-		for (uint32_t sh = 0; sh < e->n_shards; sh++)
-			kvt_l3_key(j->keys[sh], e->fp, k, sh);
-		memset(&j->q[0], 0, sizeof(j->q[0]));
-		j->q[0].op = KVT_L3_EXISTS;
-		j->q[0].n_keys = e->n_shards;
-		j->q[0].keys = (const char (*)[KVT_L3_KEY_MAX])j->keys;
-		j->q[0].tag = (uint64_t)(j - e->jobs) << 8;
-		e->info.fetches++;
-		if (submit(e, j, 1)) {
-			job_put(e, j);
-			continue;
-		}
-		asked++;
 	}
 	return asked;
 }
@@ -470,6 +522,12 @@ int kvt_l3e_poll(kvt_l3e *e)
 	int n = completions(e);
 
 	return n + put_scan(e);
+}
+
+void kvt_l3e_set_answer(kvt_l3e *e, void (*fn)(void *, const kvt_key *, int), void *arg)
+{
+	e->o.answer = fn;
+	e->o.answer_arg = arg;
 }
 
 int kvt_l3e_event_fd(const kvt_l3e *e)

@@ -200,6 +200,21 @@ int kvt_seg_witness_pid(const kvt_seg *s);
  * with the reason in why (no daemon, it refused, no answer). */
 int kvt_seg_witness_daemon(const kvt_seg *s, char *why, size_t len);
 
+/* The path of a file beside the segment's own (the directory its file is
+ * in, as this process opened it): prefix + the segment's name, e.g.
+ * "kvtier-l3." for the L3 channel.  A socket there is seen by every
+ * process that sees the segment, whatever its PID or network namespace.
+ * 0, -EINVAL (a prefix with '/'), -ENOENT (the file was unlinked),
+ * -ENAMETOOLONG. */
+int kvt_seg_side_path(const kvt_seg *s, const char *prefix, char *out, size_t len);
+/* The uid owning the segment's file, -1 when it cannot be read. */
+long long kvt_seg_file_uid(const kvt_seg *s);
+/* Listens there (the caller owns the segment): a non-blocking
+ * SOCK_SEQPACKET socket with the segment file's permissions, a dead
+ * predecessor's file replaced.  The descriptor, the path in path; or
+ * -errno with kvt_core_last_error(). */
+int kvt_seg_side_listen(const kvt_seg *s, const char *prefix, char *path, size_t len);
+
 /* kvtierd's side of the witness (witness_srv.c): a unix socket beside the
  * segment's file on which ranks hand it their lock description and pidfd.
  * Opened by the segment's owner; `max` ranks at most at once.  Poll

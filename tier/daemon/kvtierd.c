@@ -68,6 +68,7 @@
 #include "kvt_disk.h"
 #ifdef KVTIERD_L3
 #include "kvt_l3e.h"
+#include "kvt_l3_srv.h"
 #endif
 #include "http.h"
 #include "options.h"
@@ -88,6 +89,7 @@ static struct {
 	kvt_disk *disk;          /* the disk tier's engine; main thread */
 #ifdef KVTIERD_L3
 	kvt_l3e *l3;             /* the L3 tier's engine; main thread */
+	kvt_l3srv *l3srv;        /* lookups' asks for L3 chunks; main thread */
 #endif
 	kvt_wsrv *wsrv;          /* the exit witness's holds; main thread */
 	kvtd_http *http;
@@ -458,13 +460,17 @@ static int l3_round(void)
 
 	if (!D.l3)
 		return 0;
-	n = kvt_l3e_poll(D.l3);
+	n = kvt_l3srv_service(D.l3srv); /* asks: EXISTS submitted */
+	n += kvt_l3e_poll(D.l3);        /* completions: answers gathered */
+	kvt_l3srv_flush(D.l3srv);
 	/* the figures for the HTTP side: after work, else every 100 ms (the
 	 * loop turns every 1-5 ms; the copy takes two locks) */
 	if (!n && mono_ns() < next_copy)
 		return 0;
 	next_copy = mono_ns() + 100000000ull;
 	kvt_l3e_info(D.l3, &in);
+	struct kvt_l3srv_info si;
+	kvt_l3srv_info(D.l3srv, &si);
 	if (in.store.up != D.ctx.l3_up) {
 		if (in.store.up)
 			LOG_INFO("l3: the store answers again (%s)", in.store.describe);
@@ -490,6 +496,12 @@ static int l3_round(void)
 	D.ctx.l3_errors = in.store.errors;
 	D.ctx.l3_redirects = in.store.redirects;
 	D.ctx.l3_round_trips = in.store.round_trips;
+	D.ctx.l3_fetches = in.fetches;
+	D.ctx.l3_negative_hits = in.negative_hits;
+	D.ctx.l3_asks = si.asks;
+	D.ctx.l3_askers = si.conns;
+	D.ctx.l3_put_ns = in.put_ns;
+	D.ctx.l3_get_ns = in.get_ns;
 	pthread_mutex_unlock(&D.mu);
 	return n;
 }
@@ -1052,6 +1064,16 @@ int main(int argc, char **argv)
 		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
 		D.ctx.l3_on = 1;
 		D.ctx.l3_up = in.store.up;
+		r = kvt_l3srv_open(D.seg, D.l3, &D.l3srv, err, sizeof(err));
+		if (r) {
+			LOG_ERR("l3: the lookups' channel: %s", err);
+			kvt_l3e_close(D.l3);
+			if (D.disk)
+				kvt_disk_close(D.disk);
+			kvt_close(D.tier);
+			return 1;
+		}
+		LOG_INFO("l3: lookups ask at %s", kvt_l3srv_path(D.l3srv));
 		if (in.key_created)
 			LOG_WARN("l3: made a new fleet key at %s: copy this file to every other "
 				 "node (a node with another key refuses these objects, and its "
@@ -1121,15 +1143,17 @@ int main(int argc, char **argv)
 		/* With a disk tier the loop turns every few milliseconds
 		 * (promotion requests arrive in the segment, with no wake-up)
 		 * and at every I/O completion. */
-		struct pollfd p[4] = { { .fd = sfd, .events = POLLIN },
+		struct pollfd p[5] = { { .fd = sfd, .events = POLLIN },
 				       { .fd = kvt_wsrv_fd(D.wsrv), .events = POLLIN },
 				       { .fd = D.disk ? kvt_disk_event_fd(D.disk) : -1,
 					 .events = POLLIN },
+				       { .fd = -1, .events = POLLIN },
 				       { .fd = -1, .events = POLLIN } };
 		int busy = D.disk ? kvt_disk_poll(D.disk) : 0, tiers = D.disk != NULL;
 #ifdef KVTIERD_L3
 		if (D.l3) {
 			p[3].fd = kvt_l3e_event_fd(D.l3);
+			p[4].fd = kvt_l3srv_fd(D.l3srv);
 			busy += l3_round();
 			tiers = 1;
 		}
@@ -1140,7 +1164,7 @@ int main(int argc, char **argv)
 		 * 5 ms when it is idle (a first request waits at most that long;
 		 * idle, the loop cost 1.4% of a core on the CI VM) */
 		int tick = mono_ns() - last_work < 100000000ULL ? 1 : 5;
-		int n = poll(p, 4, tiers ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
+		int n = poll(p, 5, tiers ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
 		if (n > 0 && p[1].revents)
 			witness_service();
 		if (n > 0 && (p[0].revents & POLLIN)) {
@@ -1177,6 +1201,8 @@ int main(int argc, char **argv)
 	D.wsrv = NULL;
 #ifdef KVTIERD_L3
 	if (D.l3) {
+		kvt_l3srv_close(D.l3srv); /* askers see the end: nothing pending */
+		D.l3srv = NULL;
 		kvt_l3e_close(D.l3); /* every request completed: claims released */
 		D.l3 = NULL;
 		LOG_INFO("l3 tier closed");

@@ -460,6 +460,9 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 		kvtd_printf(&b, "kvtier_l3_nodes{state=\"up\"} %u\n", c->l3_nodes_up);
 		prom_head(&b, "kvtier_l3_inflight", "gauge", "Chunks being put or got");
 		kvtd_printf(&b, "kvtier_l3_inflight %u\n", c->l3_inflight);
+		prom_head(&b, "kvtier_l3_askers", "gauge",
+			  "Lookups' connections to the L3 channel (schedulers, ranks)");
+		kvtd_printf(&b, "kvtier_l3_askers %u\n", c->l3_askers);
 		static const struct { const char *name, *help; size_t off; } l3c[] = {
 #define L3C(n, f, h) { "kvtier_l3_" n "_total", h, offsetof(struct kvtd_ctx, l3_##f) }
 			L3C("puts", puts, "Chunks put into the L3 store"),
@@ -475,6 +478,10 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			L3C("errors", errors, "Store errors (connections, timeouts, refusals)"),
 			L3C("redirects", redirects, "MOVED and ASK redirects followed"),
 			L3C("round_trips", round_trips, "Store replies read"),
+			L3C("asks", asks, "Chunks lookups asked of the L3 (over the channel)"),
+			L3C("fetches", fetches, "Chunks asked of the store (EXISTS sent)"),
+			L3C("negative_hits", negative_hits,
+			    "Asks answered missing from the negative cache, without a round trip"),
 #undef L3C
 		};
 		for (size_t k = 0; k < sizeof(l3c) / sizeof(l3c[0]); k++) {
@@ -483,6 +490,11 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			prom_head(&b, l3c[k].name, "counter", l3c[k].help);
 			kvtd_printf(&b, "%s %llu\n", l3c[k].name, (unsigned long long)v);
 		}
+		prom_hist(&b, "kvtier_l3_put_duration_seconds",
+			  "An L3 put, sealed to stored (every shard)", &c->l3_put_ns);
+		prom_hist(&b, "kvtier_l3_get_duration_seconds",
+			  "An L3 get, asked (EXISTS) to published (every shard checked)",
+			  &c->l3_get_ns);
 	}
 	if (c->start_wall_ns) {
 		prom_head(&b, "kvtier_daemon_witness_up", "gauge",

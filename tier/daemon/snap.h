@@ -67,7 +67,10 @@ struct kvtd_ctx {
 	int l3_on, l3_up;
 	uint32_t l3_nodes, l3_nodes_up, l3_inflight;
 	uint64_t l3_puts, l3_put_bytes, l3_put_drops, l3_gets, l3_get_bytes, l3_misses,
-		l3_refused, l3_get_drops, l3_errors, l3_redirects, l3_round_trips;
+		l3_refused, l3_get_drops, l3_errors, l3_redirects, l3_round_trips,
+		l3_fetches, l3_negative_hits, l3_asks;
+	uint32_t l3_askers;                  /* lookups' connections now */
+	struct kvt_hist_snap l3_put_ns, l3_get_ns;
 	char l3_describe[256];
 };
 

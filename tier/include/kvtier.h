@@ -41,10 +41,11 @@ extern "C" {
 #endif
 
 /* 2: kvt_lookup_ex (the disk tier's "ask again"), kvt_config.disk_chunks,
- * the disk fields of kvt_stats.  3: kvt_order_after.  A caller built
- * against an earlier version keeps working unchanged: the library speaks
- * every one. */
-#define KVT_API_VERSION 3
+ * the disk fields of kvt_stats.  3: kvt_order_after.  4: the L3 tier in
+ * kvt_lookup_ex (KVT_LOOKUP_DEPTH, kvt_lookup_res.first_depth).  A caller
+ * built against an earlier version keeps working unchanged: the library
+ * speaks every one. */
+#define KVT_API_VERSION 4
 
 typedef struct kvt_tier kvt_tier;
 
@@ -172,34 +173,41 @@ int kvt_hash_tokens(const kvt_tier *t, const uint32_t *tokens, size_t n_tokens,
  * -ENOSPC (lease table full; nothing pinned).  Never blocks. */
 int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease);
 
-/* A lookup that also reports the disk tier (API version 2).
+/* A lookup that also reports the tiers below DRAM (API version 2; the
+ * L3, version 4).
  *
  * The hits are the longest READY prefix, pinned under res->lease exactly
  * as kvt_lookup pins them.  res->pending counts the chunks right after
- * the hits that are not in DRAM yet but will be soon: the disk tier holds
- * them, or they are being read back (or were, and sit behind a chunk that
- * still is).  With KVT_LOOKUP_PROMOTE the call asks the disk tier (kvtierd)
- * to read those chunks back into the arena, asynchronously; it never waits
- * for the disk.  The scheduler then decides, per request: load the hits
+ * the hits that are not in DRAM yet but may be soon: the disk tier holds
+ * them, they are being read back or got from the L3 (or were, and sit
+ * behind a chunk that still is), or kvtierd's L3 was asked for them and
+ * has not answered "missing" yet (for at most 2 s).  With
+ * KVT_LOOKUP_PROMOTE the call asks kvtierd to read those chunks back into
+ * the arena, from the disk or from the L3 store (over a unix socket beside
+ * the segment, tier/kvt_l3_chan.h), asynchronously; it never waits for
+ * either.  The L3 is asked for a chunk at its prefix depth: keys[0] is at
+ * depth 0 (a prompt's keys from kvt_hash_tokens without a parent), or at
+ * res->first_depth with KVT_LOOKUP_DEPTH.  The scheduler then decides, per request: load the hits
  * now (pending chunks are recomputed), or release the lease and ask again
  * next step, when the promoted chunks are hits -- vLLM's "load
  * asynchronously / ask again" shape.  Asking again within ~200 ms does not
  * queue the same chunk twice.  A promotion can fail (a checksum mismatch,
  * no free slot): the chunk then stops being pending, so a scheduler that
  * asks again always converges; it should still bound its wait (a step
- * count or a deadline).  pending is 0 when the segment has no disk tier or
- * its engine is not running.  Returns res->hits, or -ENOSPC (lease table
+ * count or a deadline).  pending is 0 when the segment has neither a disk
+ * tier nor an L3, or their engine is not running.  Returns res->hits, or -ENOSPC (lease table
  * full; nothing pinned, nothing asked), -EINVAL (NULL, bad flags or size).
  * Never blocks. */
 #define KVT_LOOKUP_PROMOTE 0x1u
-#define KVT_LOOKUP_F_MASK  0x1u
+#define KVT_LOOKUP_DEPTH   0x2u  /* res->first_depth is keys[0]'s depth (in) */
+#define KVT_LOOKUP_F_MASK  0x3u
 struct kvt_lookup_res {
 	size_t size;          /* sizeof(struct kvt_lookup_res) */
 	kvt_lease_id lease;   /* the hits' lease, 0 when no hit */
 	uint32_t hits;        /* READY chunks pinned under lease */
-	uint32_t pending;     /* chunks after the hits coming from the disk */
+	uint32_t pending;     /* chunks after the hits coming from the disk or L3 */
 	uint32_t requested;   /* of those, asked back by this call */
-	uint32_t reserved0;
+	uint32_t first_depth; /* in, with KVT_LOOKUP_DEPTH: keys[0]'s depth */
 	uint64_t reserved[2];
 };
 int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,

@@ -105,6 +105,7 @@ class kvt_stats(ctypes.Structure):
 
 
 LOOKUP_PROMOTE = 0x1
+LOOKUP_DEPTH = 0x2
 
 
 class kvt_lookup_res(ctypes.Structure):
@@ -114,7 +115,7 @@ class kvt_lookup_res(ctypes.Structure):
         ("hits", c_u32),
         ("pending", c_u32),
         ("requested", c_u32),
-        ("reserved0", c_u32),
+        ("first_depth", c_u32),
         ("reserved", c_u64 * 2),
     ]
 

@@ -790,19 +790,27 @@ class Tier:
             _raise(r, func)
         return Lease(self, self._lease_out.value, r)
 
-    def lookup_ex(self, keys, promote=True):
-        """kvt_lookup_ex: like lookup, and the disk tier's view.  The Lease
-        also has pending (chunks right after the hits that the disk tier
-        holds or is reading back) and requested (of those, asked back by
-        this call; promote=False only reports).  When pending > 0 a
-        scheduler may release the lease and ask again next step."""
+    def lookup_ex(self, keys, promote=True, first_depth=None):
+        """kvt_lookup_ex: like lookup, and the view of the tiers below DRAM.
+        The Lease also has pending (chunks right after the hits that the
+        disk tier holds or is reading back, or that kvtierd's L3 was asked
+        for and is getting) and requested (of those, asked back by this
+        call; promote=False only reports).  When pending > 0 a scheduler
+        may release the lease and ask again next step.  first_depth: the
+        prefix depth of keys[0] when they do not start the prompt (the L3
+        is asked for each chunk at its depth); None: 0."""
         func = "kvt_lookup_ex"
         h = self._handle(func)
         addr, n, keep = _key_array(keys, func)
         res = L.kvt_lookup_res()
         res.size = ctypes.sizeof(res)
-        r = L.lib().kvt_lookup_ex(h, addr, n, L.LOOKUP_PROMOTE if promote else 0,
-                                  ctypes.byref(res))
+        flags = L.LOOKUP_PROMOTE if promote else 0
+        if first_depth is not None:
+            if not isinstance(first_depth, int) or not 0 <= first_depth < 2 ** 32:
+                raise ValueError("first_depth: an int in [0, 2**32), not %r" % (first_depth,))
+            res.first_depth = first_depth
+            flags |= L.LOOKUP_DEPTH
+        r = L.lib().kvt_lookup_ex(h, addr, n, flags, ctypes.byref(res))
         if r < 0:
             _raise(r, func)
         return Lease(self, res.lease, res.hits, pending=res.pending, requested=res.requested)

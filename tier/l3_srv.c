@@ -1,0 +1,351 @@
+/* l3_srv.c - kvtierd's side of the L3 channel (kvt_l3_chan.h: the
+ * protocol and why it is a socket).
+ *
+ * Invariants:
+ *  S1  nothing a peer sends keeps kvtierd's loop: every socket is
+ *      non-blocking, a call serves one batch of epoll events and at most
+ *      S_MSGS messages per connection, an answer that does not fit in a
+ *      peer's socket buffer is dropped (the rank's ask then times out,
+ *      KVT_L3C_ASK_NS, and it asks again).
+ *  S2  every field of an ASK is checked (magic, version, op, count against
+ *      the datagram's length); a bad message ends that connection.  The
+ *      store is asked only through kvt_l3e_ask, which holds the engine's
+ *      limits (jobs, negative cache); a depth past the segment's is
+ *      refused there by kvt_write_begin's own checks.
+ *  S3  bounded: S_CONNS connections (a scheduler and its ranks per
+ *      instance), one past them closed unanswered; S_ROUTES keys waiting
+ *      for an answer, an ask that finds no room answered MISSING at once.
+ *
+ * Acquire/release pairs: none (no shared memory here; the claims are the
+ * engine's, through core).  Schedule points: none; a step that matters
+ * for bytes is the engine's.
+ */
+#include "kvt_l3_srv.h"
+#include "kvt_l3_chan.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define S_CONNS   64
+#define S_ROUTES  4096   /* power of two */
+#define S_PROBE   8
+#define S_MSGS    16
+#define S_ROUTE_NS 10000000000ull /* a route no answer came for: freed */
+
+_Static_assert((int)KVT_L3C_HERE == (int)KVT_L3E_HERE && (int)KVT_L3C_MISSING == (int)KVT_L3E_MISSING,
+	       "the channel's results are the engine's");
+
+struct conn {
+	int fd;            /* -1: free */
+	uint32_t n_out;
+	struct kvt_l3c_msg out;
+};
+
+struct route {
+	kvt_key k;
+	uint64_t mask;     /* 0: free */
+	uint64_t ns;
+};
+
+struct kvt_l3srv {
+	int lfd, ep;
+	kvt_l3e *e;
+	struct conn c[S_CONNS];
+	struct route rt[S_ROUTES];
+	struct kvt_l3srv_info info;
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+};
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint32_t route_hash(const kvt_key *k)
+{
+	uint64_t h = (k->lo ^ (k->hi * 0x9e3779b97f4a7c15ull)) * 0xff51afd7ed558ccdull;
+
+	return (uint32_t)(h >> 40) & (S_ROUTES - 1);
+}
+
+static void conn_close(kvt_l3srv *v, uint32_t i)
+{
+	struct conn *c = &v->c[i];
+
+	if (c->fd < 0)
+		return;
+	(void)epoll_ctl(v->ep, EPOLL_CTL_DEL, c->fd, NULL);
+	close(c->fd);
+	c->fd = -1;
+	c->n_out = 0;
+	/* its routes: the bit, so that a newcomer in this slot is not sent
+	 * another's answers */
+	for (uint32_t r = 0; r < S_ROUTES; r++)
+		v->rt[r].mask &= ~(1ull << i);
+	v->info.conns--;
+}
+
+static void conn_flush(kvt_l3srv *v, uint32_t i)
+{
+	struct conn *c = &v->c[i];
+	size_t len;
+	ssize_t n;
+
+	if (c->fd < 0 || !c->n_out)
+		return;
+	c->out.h = (struct kvt_l3c_hdr){ .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
+					 .op = KVT_L3C_ANSWER, .n = c->n_out };
+	len = sizeof(c->out.h) + c->n_out * sizeof(c->out.it[0]);
+	do
+		n = send(c->fd, &c->out, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+	while (n < 0 && errno == EINTR);
+	if (n == (ssize_t)len) {
+		v->info.answers += c->n_out;
+	} else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS)) {
+		v->info.answers_dropped += c->n_out; /* S1: the rank asks again */
+	} else {
+		c->n_out = 0;
+		conn_close(v, i);
+		return;
+	}
+	c->n_out = 0;
+}
+
+static void conn_answer(kvt_l3srv *v, uint32_t i, const kvt_key *k, int result)
+{
+	struct conn *c = &v->c[i];
+
+	if (c->fd < 0)
+		return;
+	if (c->n_out == KVT_L3C_MAX)
+		conn_flush(v, i);
+	if (c->fd < 0)
+		return;
+	c->out.it[c->n_out++] = (struct kvt_l3c_item){ .lo = k->lo, .hi = k->hi,
+						       .value = (uint32_t)result };
+}
+
+/* The engine's answer for a key some connections asked for. */
+static void on_answer(void *arg, const kvt_key *k, int result)
+{
+	kvt_l3srv *v = arg;
+	uint32_t h = route_hash(k);
+
+	for (uint32_t p = 0; p < S_PROBE; p++) {
+		struct route *r = &v->rt[(h + p) & (S_ROUTES - 1)];
+
+		if (!r->mask || r->k.lo != k->lo || r->k.hi != k->hi)
+			continue;
+		for (uint64_t m = r->mask; m; m &= m - 1)
+			conn_answer(v, (uint32_t)__builtin_ctzll(m), k, result);
+		r->mask = 0;
+		return;
+	}
+}
+
+/* Remembers that connection i waits for k's answer; 0, or -ENOSPC. */
+static int route_add(kvt_l3srv *v, uint32_t i, const kvt_key *k, uint64_t now)
+{
+	uint32_t h = route_hash(k);
+	struct route *room = NULL;
+
+	for (uint32_t p = 0; p < S_PROBE; p++) {
+		struct route *r = &v->rt[(h + p) & (S_ROUTES - 1)];
+
+		if (r->mask && r->k.lo == k->lo && r->k.hi == k->hi) {
+			r->mask |= 1ull << i;
+			return 0;
+		}
+		if (!room && (!r->mask || now - r->ns > S_ROUTE_NS))
+			room = r;
+	}
+	if (!room)
+		return -ENOSPC;
+	room->k = *k;
+	room->mask = 1ull << i;
+	room->ns = now;
+	return 0;
+}
+
+static void on_ask(kvt_l3srv *v, uint32_t i, const struct kvt_l3c_msg *m, size_t len)
+{
+	uint64_t now = now_ns();
+
+	for (uint32_t x = 0; x < m->h.n; x++) {
+		kvt_key k = { .lo = m->it[x].lo, .hi = m->it[x].hi };
+		int r = kvt_l3e_ask(v->e, &k, m->it[x].value);
+
+		v->info.asks++;
+		if (r == KVT_L3E_ASKED && route_add(v, i, &k, now)) {
+			r = KVT_L3E_MISSING;
+			v->info.routes_full++;
+		}
+		if (r != KVT_L3E_ASKED)
+			conn_answer(v, i, &k, r);
+	}
+	(void)len;
+}
+
+static void on_conn(kvt_l3srv *v, uint32_t i)
+{
+	struct kvt_l3c_msg m;
+
+	for (int k = 0; k < S_MSGS && v->c[i].fd >= 0; k++) {
+		ssize_t n = recv(v->c[i].fd, &m, sizeof(m), MSG_DONTWAIT);
+
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+			break;
+		if (n <= 0) { /* the asker is gone (or ECONNRESET) */
+			conn_close(v, i);
+			return;
+		}
+		/* S2: every field, before anything is used */
+		if ((size_t)n < sizeof(m.h) || m.h.magic != KVT_L3C_MAGIC ||
+		    m.h.version != KVT_L3C_VERSION || m.h.op != KVT_L3C_ASK ||
+		    m.h.n > KVT_L3C_MAX ||
+		    (size_t)n != sizeof(m.h) + m.h.n * sizeof(m.it[0])) {
+			v->info.bad++;
+			conn_close(v, i);
+			return;
+		}
+		on_ask(v, i, &m, (size_t)n);
+	}
+	conn_flush(v, i);
+}
+
+static void on_listen(kvt_l3srv *v)
+{
+	for (;;) {
+		int fd = accept4(v->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		uint32_t i;
+
+		if (fd < 0)
+			return;
+		for (i = 0; i < S_CONNS && v->c[i].fd >= 0; i++)
+			;
+		if (i == S_CONNS) { /* S3 */
+			close(fd);
+			v->info.refused++;
+			continue;
+		}
+		struct epoll_event ev = { .events = EPOLLIN, .data.u32 = i + 1 };
+		if (epoll_ctl(v->ep, EPOLL_CTL_ADD, fd, &ev)) {
+			close(fd);
+			continue;
+		}
+		v->c[i].fd = fd;
+		v->c[i].n_out = 0;
+		v->info.conns++;
+	}
+}
+
+int kvt_l3srv_open(kvt_seg *s, kvt_l3e *e, kvt_l3srv **out, char *err, size_t len)
+{
+	struct epoll_event ev = { .events = EPOLLIN, .data.u32 = 0 };
+	kvt_l3srv *v;
+	int r;
+
+	*out = NULL;
+	v = calloc(1, sizeof(*v));
+	if (!v) {
+		snprintf(err, len, "out of memory");
+		return -ENOMEM;
+	}
+	v->e = e;
+	v->lfd = v->ep = -1;
+	for (uint32_t i = 0; i < S_CONNS; i++)
+		v->c[i].fd = -1;
+	v->ep = epoll_create1(EPOLL_CLOEXEC);
+	if (v->ep < 0) {
+		r = -errno;
+		snprintf(err, len, "epoll: %s", strerror(errno));
+		goto fail;
+	}
+	r = v->lfd = kvt_seg_side_listen(s, KVT_L3C_NAME, v->path, sizeof(v->path));
+	if (r < 0) {
+		snprintf(err, len, "%s", kvt_core_last_error());
+		goto fail;
+	}
+	if (epoll_ctl(v->ep, EPOLL_CTL_ADD, v->lfd, &ev)) {
+		r = -errno;
+		snprintf(err, len, "epoll: %s", strerror(errno));
+		goto fail;
+	}
+	kvt_l3e_set_answer(e, on_answer, v);
+	*out = v;
+	return 0;
+fail:
+	if (v->lfd >= 0) {
+		close(v->lfd);
+		(void)unlink(v->path);
+	}
+	if (v->ep >= 0)
+		close(v->ep);
+	free(v);
+	return r;
+}
+
+int kvt_l3srv_fd(const kvt_l3srv *v)
+{
+	return v ? v->ep : -1;
+}
+
+const char *kvt_l3srv_path(const kvt_l3srv *v)
+{
+	return v ? v->path : "";
+}
+
+int kvt_l3srv_service(kvt_l3srv *v)
+{
+	struct epoll_event ev[32];
+	int n;
+
+	if (!v)
+		return 0;
+	n = epoll_wait(v->ep, ev, 32, 0);
+	for (int k = 0; k < n; k++) {
+		if (!ev[k].data.u32)
+			on_listen(v);
+		else if (ev[k].data.u32 <= S_CONNS)
+			on_conn(v, ev[k].data.u32 - 1);
+	}
+	return n > 0 ? n : 0;
+}
+
+void kvt_l3srv_flush(kvt_l3srv *v)
+{
+	if (!v)
+		return;
+	for (uint32_t i = 0; i < S_CONNS; i++)
+		conn_flush(v, i);
+}
+
+void kvt_l3srv_info(const kvt_l3srv *v, struct kvt_l3srv_info *out)
+{
+	memset(out, 0, sizeof(*out));
+	if (v)
+		*out = v->info;
+}
+
+void kvt_l3srv_close(kvt_l3srv *v)
+{
+	if (!v)
+		return;
+	kvt_l3e_set_answer(v->e, NULL, NULL);
+	for (uint32_t i = 0; i < S_CONNS; i++)
+		conn_close(v, i);
+	(void)unlink(v->path);
+	close(v->lfd);
+	close(v->ep);
+	free(v);
+}
