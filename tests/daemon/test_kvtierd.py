@@ -1064,3 +1064,211 @@ def test_l3_puts_and_store_failure(name, procs, tmp_path):
     procs.append(nokey)
     assert nokey.p.wait(timeout=T) != 0
     assert "--l3 needs --l3-key" in nokey.p.stdout.read()
+
+
+class TearProxy:
+    """A TCP proxy of the test's own in front of a redis-server.  Armed, it
+    forwards half of the first bulk reply that comes from the server (a
+    GET's object: a shard then lies half-read) and holds the rest, and
+    everything after it, until released -- gets in flight, deterministically,
+    for as long as the test wants."""
+
+    def __init__(self, target):
+        import threading
+        self.threading = threading
+        self.target = target
+        self.ls = socket.socket()
+        self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(16)
+        self.port = self.ls.getsockname()[1]
+        self.armed = False
+        self.torn = threading.Event()
+        self.released = threading.Event()
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            s = socket.create_connection(("127.0.0.1", self.target))
+            self.socks += [c, s]
+            self.threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
+            self.threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
+
+    def _pipe(self, src, dst, from_server):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if from_server and self.armed and data[:1] == b"$" and \
+                        not self.released.is_set():
+                    dst.sendall(data[:len(data) // 2])
+                    self.torn.set()
+                    self.released.wait()
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for x in (src, dst):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def release(self):
+        self.armed = False
+        self.released.set()
+
+    def close(self):
+        self.release()
+        self.ls.close()
+        for x in self.socks:
+            x.close()
+
+
+def side_files(name):
+    return ["/dev/shm/kvtier-%s.%s" % (k, name) for k in ("l3", "witness")]
+
+
+def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
+    """Two nodes (two segments, each with its own kvtierd) over one Redis:
+    node A's ranks save a prefix, A's daemon puts it; on node B, which never
+    saw it, the scheduler's kvt_lookup_ex (the Python binding) reports the
+    chunks pending, asks kvtierd over the L3 channel, asks again each step
+    until they are hits, and B's ranks load A's bytes exactly.  A prefix no
+    one has is answered missing: not pending, recomputed.  Then node B's
+    kvtierd is killed -9 with L3 gets in flight (a proxy holds the store's
+    replies half-sent): nothing half-got is ever a hit, and the daemon
+    restarted gets the chunks again, byte-exact."""
+    r = Redis(tmp_path)
+    procs.append(r)
+    key = str(tmp_path / "fleet.key")
+    l3 = ["--l3-key", key, "--l3-timeout-ms", "1000", "--l3-negative-ms", "300"]
+    name_b = name[:-2] + "-b"
+    remove_segment(name_b)
+    try:
+        a = Daemon(name, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit", "all"]
+                   + l3, instances=1, slots=32)
+        procs.append(a)
+        ranks_a = [Rank(name, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_a)
+        for k in ranks_a:
+            assert k.cmd(cmd="save", seed=21, chunks=8)["count"] == 8
+            assert k.cmd(cmd="save", seed=22, chunks=8)["count"] == 8
+        until(lambda: metric(a.get("/metrics")[1], "kvtier_l3_puts_total") >= 16,
+              "node A to put its 16 chunks")
+
+        # node B, which never saw them; admission none: B puts nothing
+        b = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit",
+                                  "none"] + l3, instances=1, slots=32)
+        procs.append(b)
+        assert "l3: lookups ask at /dev/shm/kvtier-l3.%s" % name_b in b.log(), b.log()
+        ranks_b = [Rank(name_b, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_b)
+        s = scheduler(name_b, 0)
+        procs.append(s)
+
+        def promoted(keys, want):
+            def f():
+                s.step([])
+                got = s.lookup_ex(keys)
+                if got.hits == want:
+                    return got
+                assert got.hits + got.pending <= len(keys)
+                got.release()
+                return None
+            return f
+
+        keys = s.hash_tokens(prompt(8, seed=21))
+        first = s.lookup_ex(keys)
+        assert (first.hits, first.pending, first.requested) == (0, 8, 8), \
+            (first.hits, first.pending, first.requested)
+        first.release()
+        lease = until(promoted(keys, 8), "node B's lookups to hit A's chunks")
+        lid = lease.hand_off()
+        s.step([lease])
+        for k in ranks_b:
+            assert k.cmd(cmd="load", lease=lid, chunks=8)["sha"] == expected_sha(k.r, 21, 8), \
+                "node B's rank %d loaded other bytes than node A saved" % k.r
+        _, m = b.get("/metrics")
+        assert metric(m, "kvtier_l3_gets_total") == 8
+        assert metric(m, "kvtier_l3_asks_total") >= 8
+        assert metric(m, "kvtier_l3_askers") == 1
+        assert metric(m, "kvtier_l3_get_duration_seconds_count") == 8
+        assert metric(m, "kvtier_l3_refused_total") == 0
+        if shutil.which("promtool"):
+            p = subprocess.run(["promtool", "check", "metrics"], input=m, capture_output=True,
+                               text=True, timeout=30)
+            assert p.returncode == 0, p.stdout + p.stderr
+
+        # a prefix no node has: asked, answered missing, then not pending
+        cold = s.hash_tokens(prompt(4, seed=23))
+        got = s.lookup_ex(cold)
+        assert (got.hits, got.pending) == (0, 4), (got.hits, got.pending)
+        got.release()
+
+        def answered():
+            g = s.lookup_ex(cold)
+            g.release()
+            return g.pending == 0 and g.hits == 0
+
+        until(answered, "the cold prefix to be answered missing")
+        assert metric(b.get("/metrics")[1], "kvtier_l3_misses_total") >= 1
+
+        # node B's kvtierd killed -9 with gets in flight
+        for x in ranks_b:
+            x.close()
+        s.close()
+        assert b.stop() == 0
+        assert not os.path.exists("/dev/shm/kvtier-l3.%s" % name_b)  # removed at a stop
+        px = TearProxy(r.port)
+        procs.append(px)
+        b2 = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % px.port, "--l3-admit",
+                                   "none"] + l3, instances=1, slots=32)
+        procs.append(b2)
+        s = scheduler(name_b, 0)
+        procs.append(s)
+        keys = s.hash_tokens(prompt(8, seed=22))
+        px.armed = True
+        got = s.lookup_ex(keys)
+        assert (got.hits, got.pending) == (0, 8), (got.hits, got.pending)
+        got.release()
+        assert px.torn.wait(T), "no get reached the store"
+        until(lambda: metric(b2.get("/metrics")[1], "kvtier_l3_inflight") > 0,
+              "gets in flight")
+        b2.p.kill()
+        b2.p.wait()
+        # claimed, half-read: never a hit
+        for _ in range(5):
+            g = s.lookup_ex(keys, promote=False)
+            assert g.hits == 0, "a chunk half-got by a killed kvtierd was served"
+            g.release()
+            time.sleep(0.05)
+        px.release()
+        b3 = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit",
+                                   "none"] + l3, instances=1, slots=32)
+        procs.append(b3)
+        ranks_b = [Rank(name_b, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_b)
+        lease = until(promoted(keys, 8), "the restarted kvtierd to get the chunks again")
+        lid = lease.hand_off()
+        s.step([lease])
+        for k in ranks_b:
+            assert k.cmd(cmd="load", lease=lid, chunks=8)["sha"] == expected_sha(k.r, 22, 8), \
+                "rank %d loaded other bytes after the kill" % k.r
+        assert metric(b3.get("/metrics")[1], "kvtier_l3_refused_total") == 0
+        for x in ranks_b + ranks_a:
+            x.close()
+        s.close()
+        assert b3.stop() == 0
+        assert a.stop() == 0
+    finally:
+        remove_segment(name_b)
+        for f in side_files(name_b) + side_files(name):
+            if os.path.exists(f):
+                os.unlink(f)
