@@ -22,6 +22,9 @@
  * header and up to KVT_L3C_MAX items.
  *
  *   ASK     rank -> kvtierd  items: key, depth
+ *   STATUS  either way       asked with no items (kvtier-stat); answered
+ *                            with struct kvt_l3c_status: the L3's figures
+ *                            for a view that reads the segment, not HTTP
  *   ANSWER  kvtierd -> rank  items: key, result (KVT_L3C_HERE: claimed in
  *                            DRAM, the lookups see it pending until it is
  *                            READY; KVT_L3C_MISSING: recompute)
@@ -47,7 +50,7 @@
 #define KVT_L3C_MAX     64          /* items per message */
 #define KVT_L3C_ASK_NS  2000000000ull /* an unanswered ask is pending this long */
 
-enum { KVT_L3C_ASK = 1, KVT_L3C_ANSWER = 2 };
+enum { KVT_L3C_ASK = 1, KVT_L3C_ANSWER = 2, KVT_L3C_STATUS = 3 };
 /* ANSWER results: the values of kvt_l3e.h's KVT_L3E_HERE / _MISSING */
 enum { KVT_L3C_HERE = 1, KVT_L3C_MISSING = 3 };
 
@@ -61,6 +64,18 @@ struct kvt_l3c_item {
 	uint64_t lo, hi;       /* the chunk key */
 	uint32_t value;        /* ASK: the depth; ANSWER: the result */
 	uint32_t reserved;
+};
+
+struct kvt_l3c_status {
+	uint32_t up, nodes, nodes_up, inflight, askers, admit;
+	uint64_t puts, put_bytes, put_drops, gets, get_bytes, get_drops;
+	uint64_t misses, refused, negative_hits, errors, redirects, asks;
+	char describe[160];    /* NUL-terminated */
+};
+
+struct kvt_l3c_status_msg {
+	struct kvt_l3c_hdr h;
+	struct kvt_l3c_status st;
 };
 
 struct kvt_l3c_msg {

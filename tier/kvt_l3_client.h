@@ -24,4 +24,9 @@ int kvt__l3c_queue(kvt_l3c *c, const kvt_key *k, uint32_t depth, uint64_t now);
 /* Sends what was queued: 0, or -errno (the asks then are not pending). */
 int kvt__l3c_send(kvt_l3c *c, uint64_t now);
 
+/* The L3's figures from the segment's kvtierd (kvtier-stat): 0, or -errno
+ * (no kvtierd with an L3 for this segment, no answer in timeout_ms). */
+struct kvt_l3c_status;
+int kvt__l3c_status(kvt_seg *s, struct kvt_l3c_status *out, int timeout_ms);
+
 #endif

@@ -18,6 +18,7 @@
 #include "kvt_l3_chan.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -77,31 +78,79 @@ static void drop(kvt_l3c *c, uint64_t now)
 			c->t[i].st = C_NONE;
 }
 
-static void try_connect(kvt_l3c *c, kvt_seg *s, uint64_t now)
+/* A non-blocking connection to the segment's kvtierd L3 channel, or
+ * -errno.  A unix connect completes at once or fails at once (EAGAIN: the
+ * backlog is full) -- C1. */
+static int chan_connect(kvt_seg *s)
 {
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
 	struct ucred cr;
 	socklen_t cl = sizeof(cr);
+	int fd, r;
+
+	r = kvt_seg_side_path(s, KVT_L3C_NAME, a.sun_path, sizeof(a.sun_path));
+	if (r)
+		return r;
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	if (connect(fd, (struct sockaddr *)&a, sizeof(a)) ||
+	    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl)) {
+		r = -errno;
+		close(fd);
+		return r;
+	}
+	/* a name in a shared directory can be taken by anyone first: only
+	 * root's, ours or the segment file's owner's (as the witness) */
+	if (cr.uid != 0 && cr.uid != geteuid() && (long long)cr.uid != kvt_seg_file_uid(s)) {
+		close(fd);
+		return -EPERM;
+	}
+	return fd;
+}
+
+static void try_connect(kvt_l3c *c, kvt_seg *s, uint64_t now)
+{
 	int fd;
 
 	c->next_try = now + C_RETRY_NS;
-	if (kvt_seg_side_path(s, KVT_L3C_NAME, a.sun_path, sizeof(a.sun_path)))
-		return;
-	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	fd = chan_connect(s);
 	if (fd < 0)
 		return;
-	/* a unix connect completes at once or fails at once (EAGAIN: the
-	 * backlog is full) -- C1 */
-	if (connect(fd, (struct sockaddr *)&a, sizeof(a)) ||
-	    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) ||
-	    /* a name in a shared directory can be taken by anyone first: only
-	     * root's, ours or the segment file's owner's (as the witness) */
-	    (cr.uid != 0 && cr.uid != geteuid() && (long long)cr.uid != kvt_seg_file_uid(s))) {
-		close(fd);
-		return;
-	}
 	c->fd = fd;
 	c->pid = getpid();
+}
+
+int kvt__l3c_status(kvt_seg *s, struct kvt_l3c_status *out, int timeout_ms)
+{
+	struct kvt_l3c_hdr q = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
+				 .op = KVT_L3C_STATUS };
+	struct kvt_l3c_status_msg m;
+	struct pollfd p;
+	ssize_t n;
+	int fd = chan_connect(s), r = -ETIMEDOUT;
+
+	if (fd < 0)
+		return fd;
+	if (send(fd, &q, sizeof(q), MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof(q)) {
+		r = -errno;
+		goto out;
+	}
+	p = (struct pollfd){ .fd = fd, .events = POLLIN };
+	if (poll(&p, 1, timeout_ms) != 1)
+		goto out;
+	n = recv(fd, &m, sizeof(m), MSG_DONTWAIT);
+	if (n != (ssize_t)sizeof(m) || m.h.magic != KVT_L3C_MAGIC ||
+	    m.h.version != KVT_L3C_VERSION || m.h.op != KVT_L3C_STATUS) {
+		r = -EPROTO;
+		goto out;
+	}
+	m.st.describe[sizeof(m.st.describe) - 1] = 0;
+	*out = m.st;
+	r = 0;
+out:
+	close(fd);
+	return r;
 }
 
 static void take(kvt_l3c *c, const struct kvt_l3c_msg *m, ssize_t n, uint64_t now)

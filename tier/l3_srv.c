@@ -196,6 +196,27 @@ static void on_ask(kvt_l3srv *v, uint32_t i, const struct kvt_l3c_msg *m, size_t
 	(void)len;
 }
 
+static void on_status(kvt_l3srv *v, uint32_t i)
+{
+	struct kvt_l3c_status_msg m = { .h = { .magic = KVT_L3C_MAGIC,
+					       .version = KVT_L3C_VERSION,
+					       .op = KVT_L3C_STATUS } };
+	struct kvt_l3e_info in;
+
+	kvt_l3e_info(v->e, &in);
+	m.st = (struct kvt_l3c_status){
+		.up = (uint32_t)in.store.up, .nodes = in.store.nodes,
+		.nodes_up = in.store.nodes_up, .inflight = in.inflight, .askers = v->info.conns,
+		.puts = in.puts, .put_bytes = in.put_bytes, .put_drops = in.put_drops,
+		.gets = in.gets, .get_bytes = in.get_bytes, .get_drops = in.get_drops,
+		.misses = in.misses, .refused = in.refused, .negative_hits = in.negative_hits,
+		.errors = in.store.errors, .redirects = in.store.redirects,
+		.asks = v->info.asks };
+	snprintf(m.st.describe, sizeof(m.st.describe), "%.159s", in.store.describe);
+	/* S1: dropped when it does not fit, the viewer shows no L3 line */
+	(void)send(v->c[i].fd, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
 static void on_conn(kvt_l3srv *v, uint32_t i)
 {
 	struct kvt_l3c_msg m;
@@ -208,6 +229,11 @@ static void on_conn(kvt_l3srv *v, uint32_t i)
 		if (n <= 0) { /* the asker is gone (or ECONNRESET) */
 			conn_close(v, i);
 			return;
+		}
+		if ((size_t)n == sizeof(m.h) && m.h.magic == KVT_L3C_MAGIC &&
+		    m.h.version == KVT_L3C_VERSION && m.h.op == KVT_L3C_STATUS && !m.h.n) {
+			on_status(v, i);
+			continue;
 		}
 		/* S2: every field, before anything is used */
 		if ((size_t)n < sizeof(m.h) || m.h.magic != KVT_L3C_MAGIC ||

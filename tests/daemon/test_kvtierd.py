@@ -1205,6 +1205,14 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
             p = subprocess.run(["promtool", "check", "metrics"], input=m, capture_output=True,
                                text=True, timeout=30)
             assert p.returncode == 0, p.stdout + p.stderr
+        # kvtier-stat, which reads the segment, asks the daemon for the L3's line
+        st = subprocess.run([KVTIER_STAT, name_b], capture_output=True, text=True, timeout=30)
+        assert st.returncode == 0, st.stderr
+        l3line = [ln for ln in st.stdout.splitlines() if ln.startswith("l3 ")]
+        assert l3line and " up  redis (one node)" in l3line[0] and " 8 got " in l3line[0], \
+            st.stdout
+        st = subprocess.run([KVTIER_STAT, name], capture_output=True, text=True, timeout=30)
+        assert " 16 put " in [ln for ln in st.stdout.splitlines() if ln.startswith("l3 ")][0]
 
         # a prefix no node has: asked, answered missing, then not pending
         cold = s.hash_tokens(prompt(4, seed=23))

@@ -812,3 +812,53 @@ def test_kvtierd_disk_tier(model, tmp_path):
         if e is not None:
             e.close()
         d.stop()
+
+
+def test_kvtierd_l3_two_nodes(model, tmp_path):
+    """Two nodes, one vLLM engine on each, over one Redis (kvtierd --l3 on
+    both, one fleet key): the long prompt served on node A is put into the
+    L3 by A's daemon; node B's engine, which never saw it, is answered "ask
+    again" while B's daemon gets the chunks from the store, then loads
+    them: B's output is A's, and vLLM's external hits equal kvtier's."""
+    import shutil
+    import socket
+    if not shutil.which("redis-server"):
+        pytest.fail("redis-server is not installed (scripts/deps.sh installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    l3 = ["--l3", "redis://127.0.0.1:%d" % port, "--l3-key", str(tmp_path / "fleet.key")]
+    na, nb = "vllm-l3a-%d" % os.getpid(), "vllm-l3b-%d" % os.getpid()
+    da = db = e = None
+    opts = {"kvtier_create": False, "kvtier_model": "tiny-llama/bf16",
+            "kvtier_disk_wait_ms": 10000}
+    try:
+        da = Kvtierd(model, na, ["--tier-gib", "0.25", "--l3-admit", "all"] + l3)
+        db = Kvtierd(model, nb, ["--tier-gib", "0.25", "--l3-admit", "none"] + l3)
+        e = Engine(model, dict(opts, kvtier_segment=na))
+        a = e.generate([LONG])
+        da.until(lambda: da.metric("kvtier_l3_puts_total") >= 37, "node A's puts")
+        e.close()
+        e = Engine(model, dict(opts, kvtier_segment=nb))
+        m0 = e.metrics()
+        assert e.generate([LONG]) == a
+        m1 = e.metrics()
+        hit = db.metric('kvtier_instance_hit_tokens_total{engine="0"}')
+        ext = m1.get("vllm:external_prefix_cache_hits", 0) - \
+            m0.get("vllm:external_prefix_cache_hits", 0)
+        assert hit >= 32 * CHUNK, hit   # LONG's prefix came from the L3
+        assert ext == hit, ("vLLM external hits", ext, "kvtier hit tokens", hit)
+        assert db.metric("kvtier_l3_gets_total") >= 32
+        assert db.metric("kvtier_l3_refused_total") == 0
+        assert db.metric("kvtier_l3_puts_total") == 0
+    finally:
+        if e is not None:
+            e.close()
+        for d in (da, db):
+            if d is not None:
+                d.stop()
+        redis.kill()
+        redis.wait()

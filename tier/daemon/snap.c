@@ -864,6 +864,14 @@ char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
 			    (unsigned long long)s->ctr[KVT_C_DISK_READS],
 			    (unsigned long long)s->ctr[KVT_C_DISK_CSUM_ERRORS],
 			    (unsigned long long)s->disk.io_errors);
+	if (c && c->l3_on)
+		kvtd_printf(&b, "l3         %s  %s  %u/%u up  %u in flight  %llu put  %llu got  "
+			    "%llu missing  %llu refused  %llu errors  %u askers\n",
+			    c->l3_up ? "up" : "DOWN", c->l3_describe, c->l3_nodes_up, c->l3_nodes,
+			    c->l3_inflight, (unsigned long long)c->l3_puts,
+			    (unsigned long long)c->l3_gets, (unsigned long long)c->l3_misses,
+			    (unsigned long long)c->l3_refused, (unsigned long long)c->l3_errors,
+			    c->l3_askers);
 	kvtd_printf(&b, "\nranks\n");
 	for (uint32_t i = 0; i < g->n_instances; i++) {
 		const struct kvtd_inst *in = &s->inst[i];

@@ -12,7 +12,7 @@ import threading
 
 #: The version of kvtier.h this binding was written against; passed to
 #: kvt_open_v, which refuses a version the library does not speak.
-API_VERSION = 3
+API_VERSION = 4
 
 # Roles (kvtier.h KVT_TIER_*).
 TIER_RANK = 1

@@ -97,12 +97,13 @@ kvtier_tier_gib, kvtier_create, kvtier_dma, kvtier_model,
 kvtier_disk_wait_ms), else the KVTIER_* variables, else defaults (README,
 "vLLM").
 
-The disk tier.  When the segment has one (kvtierd --disk) the scheduler's
-lookup is kvt_lookup_ex: chunks right after the DRAM hits that sit on disk
-are asked back, and the request is answered "ask again" (None: vLLM's
-scheduler skips it this step and asks next step) until they are hits, or
-until it has waited kvtier_disk_wait_ms (default 500; 0: never wait, load
-what is in DRAM).  Waiting costs the request its place for a step or a
+The disk tier and the L3.  When the segment has one (kvtierd --disk,
+kvtierd --l3) the scheduler's lookup is kvt_lookup_ex: chunks right after
+the DRAM hits that sit on disk, or that the L3 store may hold, are asked
+back, and the request is answered "ask again" (None: vLLM's scheduler
+skips it this step and asks next step) until they are hits (or the L3
+answered that it has not got them), or until it has waited
+kvtier_disk_wait_ms (default 500; 0: never wait, load what is in DRAM).  Waiting costs the request its place for a step or a
 few; recomputing those chunks costs their prefill.
 """
 
@@ -529,7 +530,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._stat("lookup_tokens", (usable - first) * s.chunk_tokens)
         try:
             if s.disk_wait_ms > 0:
-                lease = self._tier.lookup_ex(keys)
+                # the keys start at chunk `first`: the L3 asks each at its depth
+                lease = self._tier.lookup_ex(keys, first_depth=first)
             else:
                 lease = self._tier.lookup(keys)
         except kvtier.KvtierError as e:
