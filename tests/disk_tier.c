@@ -1518,8 +1518,10 @@ static void test_lookup_ex_ask_again(void **state)
 	assert_true(st.promote_requests >= 12 - h0);
 	struct kvt_stats v1 = { .size = KVT_STATS_V1_SIZE };
 	assert_int_equal(kvt_stats(t, (struct kvt_stats *)&v1), 0);
-	/* bad flags */
+	/* bad flags; a first depth that overflows with the keys */
 	assert_int_equal(kvt_lookup_ex(t, keys, 12, 0x80, &res), -EINVAL);
+	res.first_depth = UINT32_MAX - 3;
+	assert_int_equal(kvt_lookup_ex(t, keys, 12, KVT_LOOKUP_DEPTH, &res), -EINVAL);
 	kvt_disk_close(d);
 	/* engine offline: nothing pending */
 	r = kvt_lookup_ex(t, keys + 12 - 1, 1, KVT_LOOKUP_PROMOTE, &res);

@@ -1153,15 +1153,15 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
     remove_segment(name_b)
     try:
         a = Daemon(name, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit", "all"]
-                   + l3, instances=1, slots=32)
+                   + l3, instances=1, slots=64)
         procs.append(a)
         ranks_a = [Rank(name, 0, k) for k in range(WORLD)]
         procs.extend(ranks_a)
         for k in ranks_a:
-            assert k.cmd(cmd="save", seed=21, chunks=8)["count"] == 8
-            assert k.cmd(cmd="save", seed=22, chunks=8)["count"] == 8
-        until(lambda: metric(a.get("/metrics")[1], "kvtier_l3_puts_total") >= 16,
-              "node A to put its 16 chunks")
+            for seed in (21, 22, 24, 25):
+                assert k.cmd(cmd="save", seed=seed, chunks=8)["count"] == 8
+        until(lambda: metric(a.get("/metrics")[1], "kvtier_l3_puts_total") >= 32,
+              "node A to put its 32 chunks")
 
         # node B, which never saw them; admission none: B puts nothing
         b = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit",
@@ -1172,6 +1172,17 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
         procs.extend(ranks_b)
         s = scheduler(name_b, 0)
         procs.append(s)
+
+        def promoted_at(keys, want, depth):
+            def f():
+                s.step([])
+                got = s.lookup_ex(keys, first_depth=depth)
+                if got.hits == want:
+                    got.release()
+                    return got
+                got.release()
+                return None
+            return f
 
         def promoted(keys, want):
             def f():
@@ -1212,7 +1223,26 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
         assert l3line and " up  redis (one node)" in l3line[0] and " 8 got " in l3line[0], \
             st.stdout
         st = subprocess.run([KVTIER_STAT, name], capture_output=True, text=True, timeout=30)
-        assert " 16 put " in [ln for ln in st.stdout.splitlines() if ln.startswith("l3 ")][0]
+        assert " 32 put " in [ln for ln in st.stdout.splitlines() if ln.startswith("l3 ")][0]
+
+        # keys that do not start the prompt: asked at their depth
+        # (first_depth), they are hits; asked as if they did, each object's
+        # header names another depth -- refused, never served
+        tail = s.hash_tokens(prompt(8, seed=24))[2:]
+        until(promoted_at(tail, 6, 2), "the prefix's tail asked at its depth")
+        wrong = s.hash_tokens(prompt(8, seed=25))[2:]
+        got = s.lookup_ex(wrong)
+        assert got.pending == 6, got.pending
+        got.release()
+
+        def settled():
+            g = s.lookup_ex(wrong)
+            g.release()
+            assert g.hits == 0, "a chunk got at the wrong depth was served"
+            return g.pending == 0
+
+        until(settled, "the wrongly asked chunks to be refused")
+        assert metric(b.get("/metrics")[1], "kvtier_l3_refused_total") >= 6
 
         # a prefix no node has: asked, answered missing, then not pending
         cold = s.hash_tokens(prompt(4, seed=23))

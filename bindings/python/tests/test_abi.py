@@ -28,7 +28,7 @@ def test_library_exports_the_api():
     assert os.path.exists(kvtier.library_path())
     for name in L.SYMBOLS:
         assert hasattr(lib, name), name
-    assert kvtier.API_VERSION == 3
+    assert kvtier.API_VERSION == 4
 
 
 def test_open_refuses_another_api_version():
