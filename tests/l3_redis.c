@@ -12,6 +12,9 @@
  *     timeout), the others go on; restarted, it serves again;
  *   - a password and an ACL user from a file: the wrong one refused at
  *     open, named; the right one works on a plain (non-cluster) Redis;
+ *   - a store at maxmemory: evicting (allkeys-lru) some chunks whole,
+ *     some a shard short (misses), none wrong; refusing writes
+ *     (noeviction): puts dropped, the store still up;
  *   - the lookups' channel (kvt_l3_chan.h): a node's asks over the socket
  *     beside its segment answered HERE (then READY, exact) or MISSING, a
  *     malformed ask ends only that connection.
@@ -659,8 +662,9 @@ static kvt_seg *node_seg(const char *name)
 	return sg;
 }
 
-static kvt_l3e *node_engine_hooked(kvt_seg *sg, uint32_t admit,
-				   void (*hook)(void *, uint32_t), void *arg)
+/* A node's engine on the store at p (0: the cluster). */
+static kvt_l3e *node_engine_at(kvt_seg *sg, uint32_t admit, void (*hook)(void *, uint32_t),
+			       void *arg, int p)
 {
 	static char url[64], keyf[300];
 	struct kvt_l3e_opts o = { .size = sizeof(o), .key_path = keyf, .create_key = 1,
@@ -668,12 +672,18 @@ static kvt_l3e *node_engine_hooked(kvt_seg *sg, uint32_t admit,
 	char err[256];
 	kvt_l3e *e = NULL;
 
-	snprintf(url, sizeof(url), "redis://127.0.0.1:%d", port[0]);
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%d", p ? p : port[0]);
 	snprintf(keyf, sizeof(keyf), "%s/fleet.key", dir); /* one key, both nodes */
 	o.store = (struct kvt_l3_conf){ .size = sizeof(o.store), .url = url, .timeout_ms = 1000 };
 	if (kvt_l3e_open(sg, &o, &e, err, sizeof(err)))
 		fail_msg("l3 engine: %s", err);
 	return e;
+}
+
+static kvt_l3e *node_engine_hooked(kvt_seg *sg, uint32_t admit,
+				   void (*hook)(void *, uint32_t), void *arg)
+{
+	return node_engine_at(sg, admit, hook, arg, 0);
 }
 
 static kvt_l3e *node_engine(kvt_seg *sg, uint32_t admit)
@@ -966,6 +976,105 @@ static void test_channel(void **st)
 	kvt_seg_unlink(nb, NULL);
 }
 
+static long long redis_int(redisContext *c, const char *cmd)
+{
+	redisReply *y = redisCommand(c, cmd);
+	long long v = -1;
+
+	if (y && y->type == REDIS_REPLY_INTEGER)
+		v = y->integer;
+	if (y)
+		freeReplyObject(y);
+	return v;
+}
+
+static void redis_ok(redisContext *c, const char *cmd)
+{
+	redisReply *y = redisCommand(c, cmd);
+
+	assert_non_null(y);
+	if (y->type != REDIS_REPLY_STATUS)
+		fail_msg("%s: %s", cmd, y->type == REDIS_REPLY_ERROR ? y->str : "not OK");
+	freeReplyObject(y);
+}
+
+/* A store at maxmemory.  With allkeys-lru it evicts on its own (kvtier
+ * never deletes): node B then finds some chunks whole, some with a shard
+ * evicted (a miss: a chunk is there only when all its shards are), some
+ * gone -- every one it publishes exact, none refused, none an error.
+ * With noeviction the store refuses writes (OOM): puts are dropped and
+ * counted, the store stays up, and gets go on. */
+#define MM_SLICES 6
+#define MM_SLICE  32
+static void test_maxmemory(void **st)
+{
+	char na[64], nb[64];
+	kvt_key keys[MM_SLICES * MM_SLICE];
+	uint32_t depths[MM_SLICE];
+	struct kvt_l3e_info ia, ib;
+	redisContext *rc;
+	uint32_t ready = 0;
+	int p = free_port();
+	pid_t r;
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+
+	(void)st;
+	r = start_redis(p, 0, "--maxmemory", "3mb");
+	rc = connect_ok(p);
+	redis_ok(rc, "CONFIG SET maxmemory-policy allkeys-lru");
+	snprintf(na, sizeof(na), "t-l3ma-%d", (int)getpid());
+	snprintf(nb, sizeof(nb), "t-l3mb-%d", (int)getpid());
+	a = node_seg(na);
+	b = node_seg(nb);
+	for (uint32_t i = 0; i < MM_SLICES * MM_SLICE; i++)
+		keys[i] = (kvt_key){ 0xaa000 + i + (uint64_t)getpid() * 1000, 0x6161 };
+	for (uint32_t i = 0; i < MM_SLICE; i++)
+		depths[i] = i;
+	/* 192 chunks of two 16 KiB shards (6.3 MB) through a 3 MB store */
+	ea = node_engine_at(a, KVT_ADMIT_ALL, NULL, NULL, p);
+	for (uint32_t k = 0; k < MM_SLICES; k++) {
+		node_save(a, keys + k * MM_SLICE, MM_SLICE);
+		assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	}
+	kvt_l3e_info(ea, &ia);
+	assert_int_equal(ia.puts, MM_SLICES * MM_SLICE);
+	assert_true(redis_int(rc, "DBSIZE") < MM_SLICES * MM_SLICE * 2); /* it evicted */
+	eb = node_engine_at(b, KVT_ADMIT_NONE, NULL, NULL, p);
+	for (uint32_t k = 0; k < MM_SLICES; k++) {
+		assert_true(kvt_l3e_fetch(eb, keys + k * MM_SLICE, depths, MM_SLICE) > 0);
+		assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
+		ready += node_check(b, keys + k * MM_SLICE, MM_SLICE, 0); /* exact, or absent */
+	}
+	kvt_l3e_info(eb, &ib);
+	assert_true(ready > 0 && ready < MM_SLICES * MM_SLICE);
+	assert_int_equal(ib.gets, ready);
+	assert_int_equal(ib.misses, MM_SLICES * MM_SLICE - ready);
+	assert_int_equal(ib.refused, 0);
+	assert_int_equal(ib.get_drops, 0);
+	assert_int_equal(ib.store.up, 1);
+	/* noeviction: writes refused with OOM -- dropped puts, the store up */
+	redis_ok(rc, "CONFIG SET maxmemory-policy noeviction");
+	for (uint32_t i = 0; i < MM_SLICES * MM_SLICE; i++)
+		keys[i].hi ^= 0x10000; /* new chunks */
+	for (uint32_t k = 0; k < 2; k++) {
+		node_save(a, keys + k * MM_SLICE, MM_SLICE);
+		assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	}
+	kvt_l3e_info(ea, &ia);
+	assert_true(ia.put_drops > 0);
+	assert_int_equal(ia.store.up, 1);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	redisFree(rc);
+	kill(r, SIGKILL);
+	waitpid(r, NULL, 0);
+	kvt_seg_detach(a);
+	kvt_seg_detach(b);
+	kvt_seg_unlink(na, NULL);
+	kvt_seg_unlink(nb, NULL);
+}
+
 /* A slot evicted while its put is in flight: the engine drops the put (its
  * life ended: the bytes sent may be another chunk's), never records it,
  * and whatever reached the store is exact or refused on the other node --
@@ -1133,6 +1242,7 @@ int main(void)
 		cmocka_unit_test(test_forged),
 		cmocka_unit_test(test_two_nodes),
 		cmocka_unit_test(test_channel),
+		cmocka_unit_test(test_maxmemory),
 		cmocka_unit_test(test_put_window),
 		cmocka_unit_test(test_seal_window),
 		cmocka_unit_test(test_reshard),
