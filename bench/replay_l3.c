@@ -20,8 +20,11 @@
  * Reported per configuration: the prefix hit rate (hit chunks / chunks),
  * of it from the L3, against the same N nodes without the L3, one node
  * holding N x C, and one node that never evicts -- the one node of the
- * same total capacity, since the store here has no memory limit.  The
- * store is emptied (a fresh redis-server) for every configuration.  The
+ * same total capacity, since the store has no memory limit unless
+ * --store-mb gives it one (maxmemory, allkeys-lru: the store then evicts
+ * as an operator's would, and the objects it holds at the end are
+ * printed).  The store is emptied (a fresh redis-server) for every
+ * configuration.  The
  * goal (issue 26): N nodes with the L3 within 0.9 x of that one node. */
 #include <errno.h>
 #include <getopt.h>
@@ -43,7 +46,7 @@ pid_t kvt_bench_redis_start(int *port);
 #define MAX_NODES 16
 
 struct run {
-	uint64_t chunks, hits, l3_hits, saved;
+	uint64_t chunks, hits, l3_hits, saved, store_keys;
 	double seconds;
 };
 
@@ -83,7 +86,30 @@ static kvt_seg *node_open(const char *name, uint32_t slots, uint32_t max_len)
 	return s;
 }
 
-static uint32_t neg_ms; /* --negative-ms */
+static uint32_t neg_ms;   /* --negative-ms */
+static uint32_t store_mb; /* --store-mb: the store's maxmemory (0: none) */
+
+/* redis-cli against the bench's server: 0, or -1. */
+static int cli(int port, const char *args, char *out, size_t len)
+{
+	char cmd[256];
+	FILE *f;
+	size_t n = 0;
+
+	snprintf(cmd, sizeof(cmd), "redis-cli -p %d %s 2>&1", port, args);
+	f = popen(cmd, "r");
+	if (!f)
+		return -1;
+	if (out && len) {
+		n = fread(out, 1, len - 1, f);
+		out[n] = 0;
+	} else {
+		char sink[256];
+		while (fread(sink, 1, sizeof(sink), f) > 0)
+			;
+	}
+	return pclose(f) == 0 ? 0 : -1;
+}
 
 static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, int by_session,
 		   const char *key_path, struct run *out)
@@ -130,6 +156,16 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 		}
 		if (!eng[n]) {
 			fprintf(stderr, "kvtier-bench replay-l3: l3: %s\n", err);
+			goto out;
+		}
+	}
+	if (l3 && store_mb) {
+		char a[96], r[64];
+		snprintf(a, sizeof(a), "CONFIG SET maxmemory %umb", store_mb);
+		if (cli(port, a, r, sizeof(r)) || strncmp(r, "OK", 2) ||
+		    cli(port, "CONFIG SET maxmemory-policy allkeys-lru", r, sizeof(r)) ||
+		    strncmp(r, "OK", 2)) {
+			fprintf(stderr, "kvtier-bench replay-l3: redis-cli CONFIG SET failed (%s)\n", r);
 			goto out;
 		}
 	}
@@ -188,6 +224,11 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 			kvt_l3e_drain(eng[n], 1, -1);
 	}
 	out->seconds = (now_ns() - t0) * 1e-9;
+	if (l3) {
+		char r[64];
+		if (!cli(port, "DBSIZE", r, sizeof(r)))
+			out->store_keys = strtoull(r, NULL, 10);
+	}
 	rc = 0;
 out:
 	for (uint32_t n = 0; n < nodes; n++) {
@@ -213,6 +254,7 @@ int kvt_bench_replay_l3(int argc, char **argv)
 		{ "capacity", required_argument, NULL, 'c' },
 		{ "limit", required_argument, NULL, 'l' },
 		{ "negative-ms", required_argument, NULL, 'g' },
+		{ "store-mb", required_argument, NULL, 's' },
 		{ "help", no_argument, NULL, 'h' },
 		{ 0, 0, 0, 0 },
 	};
@@ -252,13 +294,19 @@ int kvt_bench_replay_l3(int argc, char **argv)
 			if (*end || !neg_ms)
 				goto usage;
 			break;
+		case 's':
+			store_mb = (uint32_t)strtoul(optarg, &end, 10);
+			if (*end || !store_mb || store_mb > 1u << 20)
+				goto usage;
+			break;
 		case 'h':
 		default:
 		usage:
 			fprintf(opt == 'h' ? stdout : stderr,
 				"usage: kvtier-bench replay-l3 [TRACE] [--nodes 2,4] [--capacity C "
 				"(1024 chunks per node)] [--limit N requests]\n"
-				"                          [--negative-ms MS (the engine's, 2000)]\n");
+				"                          [--negative-ms MS (the engine's, 2000)] "
+				"[--store-mb M (maxmemory, allkeys-lru)]\n");
 			return opt == 'h' ? 0 : 2;
 		}
 	}
@@ -272,8 +320,10 @@ int kvt_bench_replay_l3(int argc, char **argv)
 	snprintf(keyf, sizeof(keyf), "/tmp/kvtier-bench-l3-%d.key", (int)getpid());
 	printf("kvtier-bench replay-l3: %s, %u requests, %u chunks per node; prefix hit "
 	       "rate (of it from the L3)\n", path, t.n_req, cap);
-	/* the L3 holds everything (no maxmemory here): the one node of the
-	 * same total capacity is one that never evicts */
+	/* the L3 holds everything without --store-mb: the one node of the
+	 * same total capacity is then one that never evicts */
+	if (store_mb)
+		printf("  the store: maxmemory %u MB, allkeys-lru\n", store_mb);
 	struct run inf;
 	if (one_run(&t, 1, (uint32_t)(t.n_ids + 16), 0, 0, keyf, &inf))
 		goto fail;
@@ -294,10 +344,12 @@ int kvt_bench_replay_l3(int argc, char **argv)
 			double r1 = (double)one.hits / (double)one.chunks;
 			double r0 = (double)none.hits / (double)none.chunks;
 			double rl = (double)with.hits / (double)with.chunks;
-			printf("  %-5u %-13s %11.1f%% %10.1f%% (%4.1f%%) %15.1f%% %17.2fx   (%.0f s)\n",
+			printf("  %-5u %-13s %11.1f%% %10.1f%% (%4.1f%%) %15.1f%% %17.2fx   (%.0f s, "
+			       "%llu objects left in the store)\n",
 			       N, by ? "by session" : "round robin", 100 * r0, 100 * rl,
 			       100.0 * (double)with.l3_hits / (double)with.chunks, 100 * r1,
-			       rinf > 0 ? rl / rinf : 0, with.seconds);
+			       rinf > 0 ? rl / rinf : 0, with.seconds,
+			       (unsigned long long)with.store_keys);
 			fflush(stdout);
 		}
 	}

@@ -42,6 +42,7 @@
 #ifndef KVT_L3_CHAN_H
 #define KVT_L3_CHAN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define KVT_L3C_NAME    "kvtier-l3."
@@ -82,5 +83,15 @@ struct kvt_l3c_msg {
 	struct kvt_l3c_hdr h;
 	struct kvt_l3c_item it[KVT_L3C_MAX];
 };
+
+/* Whether a datagram of len bytes is a well-formed message of op (ASK or
+ * ANSWER; STATUS has its own shapes): every field checked, the count
+ * against the length, before anything in it is used. */
+static inline int kvt_l3c_ok(const struct kvt_l3c_msg *m, size_t len, uint16_t op)
+{
+	return len >= sizeof(m->h) && m->h.magic == KVT_L3C_MAGIC &&
+	       m->h.version == KVT_L3C_VERSION && m->h.op == op && m->h.n <= KVT_L3C_MAX &&
+	       len == sizeof(m->h) + (size_t)m->h.n * sizeof(m->it[0]);
+}
 
 #endif

@@ -155,9 +155,7 @@ out:
 
 static void take(kvt_l3c *c, const struct kvt_l3c_msg *m, ssize_t n, uint64_t now)
 {
-	if ((size_t)n < sizeof(m->h) || m->h.magic != KVT_L3C_MAGIC ||
-	    m->h.version != KVT_L3C_VERSION || m->h.op != KVT_L3C_ANSWER ||
-	    m->h.n > KVT_L3C_MAX || (size_t)n != sizeof(m->h) + m->h.n * sizeof(m->it[0]))
+	if (n < 0 || !kvt_l3c_ok(m, (size_t)n, KVT_L3C_ANSWER))
 		return; /* not an answer we know: ignored (C3) */
 	for (uint32_t i = 0; i < m->h.n; i++) {
 		kvt_key k = { .lo = m->it[i].lo, .hi = m->it[i].hi };

@@ -230,16 +230,12 @@ static void on_conn(kvt_l3srv *v, uint32_t i)
 			conn_close(v, i);
 			return;
 		}
-		if ((size_t)n == sizeof(m.h) && m.h.magic == KVT_L3C_MAGIC &&
-		    m.h.version == KVT_L3C_VERSION && m.h.op == KVT_L3C_STATUS && !m.h.n) {
+		if (kvt_l3c_ok(&m, (size_t)n, KVT_L3C_STATUS) && !m.h.n) {
 			on_status(v, i);
 			continue;
 		}
 		/* S2: every field, before anything is used */
-		if ((size_t)n < sizeof(m.h) || m.h.magic != KVT_L3C_MAGIC ||
-		    m.h.version != KVT_L3C_VERSION || m.h.op != KVT_L3C_ASK ||
-		    m.h.n > KVT_L3C_MAX ||
-		    (size_t)n != sizeof(m.h) + m.h.n * sizeof(m.it[0])) {
+		if (!kvt_l3c_ok(&m, (size_t)n, KVT_L3C_ASK)) {
 			v->info.bad++;
 			conn_close(v, i);
 			return;
