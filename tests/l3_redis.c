@@ -662,6 +662,23 @@ static kvt_seg *node_seg(const char *name)
 	return sg;
 }
 
+/* Nodes A and B: two owned segments named after the test (tag). */
+static void two_nodes(const char *tag, char na[64], char nb[64], kvt_seg **a, kvt_seg **b)
+{
+	snprintf(na, 64, "t-l3%sa-%d", tag, (int)getpid());
+	snprintf(nb, 64, "t-l3%sb-%d", tag, (int)getpid());
+	*a = node_seg(na);
+	*b = node_seg(nb);
+}
+
+static void two_nodes_close(const char *na, const char *nb, kvt_seg *a, kvt_seg *b)
+{
+	kvt_seg_detach(a);
+	kvt_seg_detach(b);
+	kvt_seg_unlink(na, NULL);
+	kvt_seg_unlink(nb, NULL);
+}
+
 /* A node's engine on the store at p (0: the cluster). */
 static kvt_l3e *node_engine_at(kvt_seg *sg, uint32_t admit, void (*hook)(void *, uint32_t),
 			       void *arg, int p)
@@ -758,10 +775,7 @@ static void test_two_nodes(void **st)
 	uint64_t pay;
 
 	(void)st;
-	snprintf(na, sizeof(na), "t-l3a-%d", (int)getpid());
-	snprintf(nb, sizeof(nb), "t-l3b-%d", (int)getpid());
-	a = node_seg(na);
-	b = node_seg(nb);
+	two_nodes("", na, nb, &a, &b);
 	pay = kvt_seg_chunk_bytes(a);
 	/* node A: a prefix saved by its ranks, stamped */
 	for (uint32_t i = 0; i < NODE_CHUNKS + 2; i++) {
@@ -834,10 +848,7 @@ static void test_two_nodes(void **st)
 	assert_int_equal(kvt_l3e_fetch(eb, keys, depths, NODE_CHUNKS), 0);
 	kvt_l3e_close(ea);
 	kvt_l3e_close(eb);
-	kvt_seg_detach(a);
-	kvt_seg_detach(b);
-	kvt_seg_unlink(na, NULL);
-	kvt_seg_unlink(nb, NULL);
+	two_nodes_close(na, nb, a, b);
 }
 
 static uint64_t mono_ns(void)
@@ -888,10 +899,7 @@ static void test_channel(void **st)
 	uint64_t now;
 
 	(void)st;
-	snprintf(na, sizeof(na), "t-l3ca-%d", (int)getpid());
-	snprintf(nb, sizeof(nb), "t-l3cb-%d", (int)getpid());
-	a = node_seg(na);
-	b = node_seg(nb);
+	two_nodes("c", na, nb, &a, &b);
 	for (uint32_t i = 0; i < NODE_CHUNKS + 1; i++)
 		keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)getpid() * 1000, 0x4343 };
 	node_save(a, keys, NODE_CHUNKS);
@@ -970,10 +978,7 @@ static void test_channel(void **st)
 	kvt__l3c_free(c);
 	kvt_l3e_close(ea);
 	kvt_l3e_close(eb);
-	kvt_seg_detach(a);
-	kvt_seg_detach(b);
-	kvt_seg_unlink(na, NULL);
-	kvt_seg_unlink(nb, NULL);
+	two_nodes_close(na, nb, a, b);
 }
 
 static long long redis_int(redisContext *c, const char *cmd)
@@ -1023,10 +1028,7 @@ static void test_maxmemory(void **st)
 	r = start_redis(p, 0, "--maxmemory", "3mb");
 	rc = connect_ok(p);
 	redis_ok(rc, "CONFIG SET maxmemory-policy allkeys-lru");
-	snprintf(na, sizeof(na), "t-l3ma-%d", (int)getpid());
-	snprintf(nb, sizeof(nb), "t-l3mb-%d", (int)getpid());
-	a = node_seg(na);
-	b = node_seg(nb);
+	two_nodes("m", na, nb, &a, &b);
 	for (uint32_t i = 0; i < MM_SLICES * MM_SLICE; i++)
 		keys[i] = (kvt_key){ 0xaa000 + i + (uint64_t)getpid() * 1000, 0x6161 };
 	for (uint32_t i = 0; i < MM_SLICE; i++)
@@ -1069,10 +1071,7 @@ static void test_maxmemory(void **st)
 	redisFree(rc);
 	kill(r, SIGKILL);
 	waitpid(r, NULL, 0);
-	kvt_seg_detach(a);
-	kvt_seg_detach(b);
-	kvt_seg_unlink(na, NULL);
-	kvt_seg_unlink(nb, NULL);
+	two_nodes_close(na, nb, a, b);
 }
 
 /* A slot evicted while its put is in flight: the engine drops the put (its
@@ -1092,10 +1091,7 @@ static void test_put_window(void **st)
 	uint32_t inflight;
 
 	(void)st;
-	snprintf(na, sizeof(na), "t-l3wa-%d", (int)getpid());
-	snprintf(nb, sizeof(nb), "t-l3wb-%d", (int)getpid());
-	a = node_seg(na);
-	b = node_seg(nb);
+	two_nodes("w", na, nb, &a, &b);
 	pay = kvt_seg_chunk_bytes(a);
 	for (uint32_t i = 0; i < 64; i++) {
 		keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)getpid() * 1000, 0x5151 };
@@ -1147,10 +1143,7 @@ static void test_put_window(void **st)
 		(unsigned long long)ib.refused, (unsigned long long)ib.misses);
 	kvt_l3e_close(ea);
 	kvt_l3e_close(eb);
-	kvt_seg_detach(a);
-	kvt_seg_detach(b);
-	kvt_seg_unlink(na, NULL);
-	kvt_seg_unlink(nb, NULL);
+	two_nodes_close(na, nb, a, b);
 }
 
 /* The put's other window, between kvt_slot_ready and the seal: the slot
@@ -1193,10 +1186,7 @@ static void test_seal_window(void **st)
 	uint32_t depths[64];
 
 	(void)st;
-	snprintf(na, sizeof(na), "t-l3sa-%d", (int)getpid());
-	snprintf(nb, sizeof(nb), "t-l3sb-%d", (int)getpid());
-	a = node_seg(na);
-	b = node_seg(nb);
+	two_nodes("s", na, nb, &a, &b);
 	wa.s = a;
 	wa.pay = kvt_seg_chunk_bytes(a);
 	for (uint32_t i = 0; i < 64; i++) {
@@ -1223,10 +1213,7 @@ static void test_seal_window(void **st)
 		(unsigned long long)ib.refused);
 	kvt_l3e_close(ea);
 	kvt_l3e_close(eb);
-	kvt_seg_detach(a);
-	kvt_seg_detach(b);
-	kvt_seg_unlink(na, NULL);
-	kvt_seg_unlink(nb, NULL);
+	two_nodes_close(na, nb, a, b);
 }
 
 int main(void)
