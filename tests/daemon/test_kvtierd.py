@@ -55,10 +55,10 @@ def until(pred, what, timeout=T):
         time.sleep(0.05)
 
 
-def curl(port, path):
+def curl(port, path, host="127.0.0.1"):
     """GET with curl: (status, body)."""
     p = subprocess.run(["curl", "-s", "--max-time", "5", "-w", "\n%{http_code}",
-                        "http://127.0.0.1:%d%s" % (port, path)],
+                        "http://%s:%d%s" % (host, port, path)],
                        capture_output=True, text=True, timeout=10)
     body, _, code = p.stdout.rpartition("\n")
     return int(code or 0), body
@@ -73,10 +73,13 @@ def metric(text, name, labels=""):
 
 
 class Daemon:
-    def __init__(self, name, extra=(), instances=2, slots=64, expect=True):
-        self.name, self.port = name, free_port()
+    def __init__(self, name, extra=(), instances=2, slots=64, expect=True, prefix=(),
+                 host="127.0.0.1"):
+        """prefix: run under it (`ip netns exec NS`); host: the HTTP address."""
+        self.name, self.port, self.host = name, free_port(), host
         self.logf = tempfile.NamedTemporaryFile(prefix="kvtierd-", suffix=".log", delete=False)
-        self.args = [KVTIERD, "--segment", name, "--http", "127.0.0.1:%d" % self.port,
+        self.args = list(prefix) + [KVTIERD, "--segment", name, "--http",
+                                    "%s:%d" % (host, self.port),
                      "--log", self.logf.name, "--reap-interval", "0.1"] + \
             daemon_layout_args(instances, slots) + list(extra)
         self.p = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -88,7 +91,7 @@ class Daemon:
 
     def get(self, path):
         try:
-            return curl(self.port, path)
+            return curl(self.port, path, self.host)
         except subprocess.TimeoutExpired:
             return 0, ""
 
@@ -1073,13 +1076,13 @@ class TearProxy:
     it, until released: a shard lies half-read and no get can complete --
     gets in flight, deterministically, for as long as the test wants."""
 
-    def __init__(self, target):
+    def __init__(self, target, host="127.0.0.1"):
         import threading
         self.threading = threading
         self.target = target
         self.ls = socket.socket()
         self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.ls.bind(("127.0.0.1", 0))
+        self.ls.bind((host, 0))
         self.ls.listen(16)
         self.port = self.ls.getsockname()[1]
         self.armed = False
@@ -1154,6 +1157,48 @@ class TearProxy:
             x.close()
 
 
+class TwoNets:
+    """Node A's and node B's networks: a namespace each, with an address of
+    its own on a veth pair to the host's namespace, where the store listens
+    (`ip netns`, where the host allows it); else both on loopback.  The
+    ranks reach their kvtierd through the sockets beside the segment, which
+    every namespace of the same filesystem sees."""
+
+    def __init__(self):
+        pid = os.getpid()
+        net = 10 + pid % 200
+        self.ns, self.store, self.node = [], ["127.0.0.1"] * 2, ["127.0.0.1"] * 2
+        try:
+            for i, ab in enumerate("ab"):
+                ns, hv, nv = "kvt%d%s" % (pid, ab), "kh%d%s" % (pid, ab), "kn%d%s" % (pid, ab)
+                hostip, nodeip = "10.213.%d.%d" % (net, 4 * i + 1), "10.213.%d.%d" % (net, 4 * i + 2)
+                self._ip("netns", "add", ns)
+                self.ns.append(ns)
+                self._ip("link", "add", hv, "type", "veth", "peer", "name", nv)
+                self._ip("link", "set", nv, "netns", ns)
+                self._ip("addr", "add", hostip + "/30", "dev", hv)
+                self._ip("link", "set", hv, "up")
+                for c in (("addr", "add", nodeip + "/30", "dev", nv), ("link", "set", nv, "up"),
+                          ("link", "set", "lo", "up")):
+                    self._ip("netns", "exec", ns, "ip", *c)
+                self.store[i], self.node[i] = hostip, nodeip
+        except (OSError, subprocess.CalledProcessError):
+            self.close()
+            self.store, self.node = ["127.0.0.1"] * 2, ["127.0.0.1"] * 2
+
+    @staticmethod
+    def _ip(*args):
+        subprocess.run(["ip"] + list(args), check=True, capture_output=True, timeout=30)
+
+    def prefix(self, i):
+        return ["ip", "netns", "exec", self.ns[i]] if len(self.ns) == 2 else []
+
+    def close(self):
+        for ns in self.ns:  # its veth ends go with it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.ns = []
+
+
 def side_files(name):
     return ["/dev/shm/kvtier-%s.%s" % (k, name) for k in ("l3", "witness")]
 
@@ -1167,16 +1212,23 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
     one has is answered missing: not pending, recomputed.  Then node B's
     kvtierd is killed -9 with L3 gets in flight (a proxy holds the store's
     replies half-sent): nothing half-got is ever a hit, and the daemon
-    restarted gets the chunks again, byte-exact."""
-    r = Redis(tmp_path)
+    restarted gets the chunks again, byte-exact.  Each node in a network
+    namespace of its own where the host allows (TwoNets), else on loopback."""
+    net = TwoNets()
+    procs.append(net)
+    # (reached from the nodes' own networks: not loopback, so not in
+    # Redis's protected mode; it listens on the test's veth addresses only)
+    r = Redis(tmp_path, None, "--protected-mode", "no", "--bind",
+              *sorted(set(["127.0.0.1"] + net.store)))
     procs.append(r)
     key = str(tmp_path / "fleet.key")
     l3 = ["--l3-key", key, "--l3-timeout-ms", "1000", "--l3-negative-ms", "300"]
     name_b = name[:-2] + "-b"
     remove_segment(name_b)
     try:
-        a = Daemon(name, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit", "all"]
-                   + l3, instances=1, slots=64)
+        a = Daemon(name, extra=["--l3", "redis://%s:%d" % (net.store[0], r.port), "--l3-admit",
+                                "all"] + l3, instances=1, slots=64, prefix=net.prefix(0),
+                   host=net.node[0])
         procs.append(a)
         ranks_a = [Rank(name, 0, k) for k in range(WORLD)]
         procs.extend(ranks_a)
@@ -1187,10 +1239,12 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
               "node A to put its 32 chunks")
 
         # node B, which never saw them; admission none: B puts nothing
-        b = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit",
-                                  "none"] + l3, instances=1, slots=32)
+        node_b = dict(instances=1, slots=32, prefix=net.prefix(1), host=net.node[1])
+        b = Daemon(name_b, extra=["--l3", "redis://%s:%d" % (net.store[1], r.port), "--l3-admit",
+                                  "none"] + l3, **node_b)
         procs.append(b)
         assert "l3: lookups ask at /dev/shm/kvtier-l3.%s" % name_b in b.log(), b.log()
+        assert "1 node (%s:%d)" % (net.store[1], r.port) in b.log(), b.log()
         ranks_b = [Rank(name_b, 0, k) for k in range(WORLD)]
         procs.extend(ranks_b)
         s = scheduler(name_b, 0)
@@ -1292,10 +1346,10 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
         s.close()
         assert b.stop() == 0
         assert not os.path.exists("/dev/shm/kvtier-l3.%s" % name_b)  # removed at a stop
-        px = TearProxy(r.port)
+        px = TearProxy(r.port, net.store[1])
         procs.append(px)
-        b2 = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % px.port, "--l3-admit",
-                                   "none"] + l3, instances=1, slots=32)
+        b2 = Daemon(name_b, extra=["--l3", "redis://%s:%d" % (net.store[1], px.port),
+                                   "--l3-admit", "none"] + l3, **node_b)
         procs.append(b2)
         s = scheduler(name_b, 0)
         procs.append(s)
@@ -1318,8 +1372,8 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
             g.release()
             time.sleep(0.05)
         px.release()
-        b3 = Daemon(name_b, extra=["--l3", "redis://127.0.0.1:%d" % r.port, "--l3-admit",
-                                   "none"] + l3, instances=1, slots=32)
+        b3 = Daemon(name_b, extra=["--l3", "redis://%s:%d" % (net.store[1], r.port),
+                                   "--l3-admit", "none"] + l3, **node_b)
         procs.append(b3)
         ranks_b = [Rank(name_b, 0, k) for k in range(WORLD)]
         procs.extend(ranks_b)
