@@ -679,13 +679,16 @@ static void two_nodes_close(const char *na, const char *nb, kvt_seg *a, kvt_seg 
 	kvt_seg_unlink(nb, NULL);
 }
 
+static uint32_t node_jobs; /* the engines' jobs (0: the default) */
+
 /* A node's engine on the store at p (0: the cluster). */
 static kvt_l3e *node_engine_at(kvt_seg *sg, uint32_t admit, void (*hook)(void *, uint32_t),
 			       void *arg, int p)
 {
 	static char url[64], keyf[300];
 	struct kvt_l3e_opts o = { .size = sizeof(o), .key_path = keyf, .create_key = 1,
-				  .admit = admit, .test_before_seal = hook, .test_arg = arg };
+				  .admit = admit, .jobs = node_jobs, .test_before_seal = hook,
+				  .test_arg = arg };
 	char err[256];
 	kvt_l3e *e = NULL;
 
@@ -905,7 +908,11 @@ static void test_channel(void **st)
 	node_save(a, keys, NODE_CHUNKS);
 	ea = node_engine(a, KVT_ADMIT_ALL);
 	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	/* B with 4 jobs for 25 asks: the rest wait in the engine's queue, not
+	 * answered missing */
+	node_jobs = 4;
 	eb = node_engine(b, KVT_ADMIT_NONE);
+	node_jobs = 0;
 	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
 	assert_non_null(strstr(kvt_l3srv_path(v), "kvtier-l3."));
 	c = kvt__l3c_new();

@@ -89,9 +89,14 @@ struct kvt_l3c_msg {
  * against the length, before anything in it is used. */
 static inline int kvt_l3c_ok(const struct kvt_l3c_msg *m, size_t len, uint16_t op)
 {
-	return len >= sizeof(m->h) && m->h.magic == KVT_L3C_MAGIC &&
-	       m->h.version == KVT_L3C_VERSION && m->h.op == op && m->h.n <= KVT_L3C_MAX &&
-	       len == sizeof(m->h) + (size_t)m->h.n * sizeof(m->it[0]);
+	if (len < sizeof(m->h) || m->h.magic != KVT_L3C_MAGIC ||
+	    m->h.version != KVT_L3C_VERSION || m->h.op != op || m->h.reserved ||
+	    m->h.n > KVT_L3C_MAX || len != sizeof(m->h) + (size_t)m->h.n * sizeof(m->it[0]))
+		return 0;
+	for (uint32_t i = 0; i < m->h.n; i++)
+		if (m->it[i].reserved)
+			return 0;
+	return 1;
 }
 
 #endif

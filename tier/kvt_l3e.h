@@ -21,7 +21,14 @@
  *     each shard into its sub-slot, the check of every shard (tag, key,
  *     shard, layout, depth), and kvt_write_end(ok): the chunk is published
  *     only when every shard checked.  A miss is remembered (negative_ms),
- *     so a cold prefix costs one round trip, not one per lookup.
+ *     so a cold prefix costs one round trip, not one per lookup -- and so
+ *     is every failure (a store error, no slot to land in, a rank
+ *     writing the chunk, a refused object): a store that fails is not
+ *     asked about that chunk again for negative_ms.
+ *   jobs: puts and fetches share them; the put scan leaves a quarter to
+ *     the asks (a put backlog must not turn lookups into misses), and an
+ *     ask that finds none free waits in a queue (AQ_MAX) for the next,
+ *     before the put scan -- a miss only when that queue is full.
  *   failure: every store error is a miss, counted; the engine never
  *     blocks and never fails the segment.  kvtierd killed with gets in
  *     flight: the claims die with its entry (the reaper frees them) and
@@ -65,6 +72,7 @@ struct kvt_l3e_opts {
 struct kvt_l3e_info {
 	uint64_t puts, put_bytes, put_drops, put_skips;
 	uint64_t fetches, gets, get_bytes, misses, refused, get_drops, negative_hits;
+	uint64_t ask_drops;        /* asks answered missing: the queue full */
 	uint32_t inflight;
 	struct kvt_hist_snap put_ns, get_ns; /* put: sealed to stored; get:
 					      * asked to published (core's buckets) */

@@ -1107,7 +1107,11 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 	uint32_t first = (flags & KVT_LOOKUP_DEPTH) ? res->first_depth : 0;
 	if (first > UINT32_MAX - n)
 		return terr(-EINVAL, "lookup_ex: first_depth %u + %u keys overflows", first, n);
-	if ((flags & KVT_LOOKUP_PROMOTE) && !t->l3c)
+	/* the L3 is asked only by a caller that says keys[0]'s depth (an
+	 * object is checked against the depth it is asked at): one built
+	 * against version <= 3 sees the disk only, as before */
+	int depth_known = (flags & KVT_LOOKUP_DEPTH) != 0;
+	if ((flags & KVT_LOOKUP_PROMOTE) && depth_known && !t->l3c)
 		t->l3c = kvt__l3c_new(); /* NULL (no memory): no L3 asks */
 	uint64_t t0 = now_ns();
 	r = kvt_seg_lookup(t->seg, keys, n, &lease);
@@ -1117,13 +1121,14 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 	uint32_t hits = (uint32_t)r;
 	uint32_t cap = kvt_seg_geometry(s)->lease_max_chunks;
 	int disk = hits < n && kvt_disk_online(s);
-	int l3 = hits < n && t->l3c && kvt__l3c_begin(t->l3c, s, t0);
+	int l3 = hits < n && depth_known && t->l3c && kvt__l3c_begin(t->l3c, s, t0);
 	if (disk || l3) {
 		/* The chunks after the hits: on disk (ask for them), in DRAM
 		 * already (promoted, got from the L3, or being written) behind
 		 * one that is not yet, or asked of the L3 (kvt_l3_chan.h) and
 		 * not answered "missing". */
-		uint32_t l3_from = 0, l3_asked = 0;
+		/* pending and requested before the first chunk the L3 counts */
+		uint32_t l3_from = UINT32_MAX, l3_req = 0, l3_asked = 0;
 		for (uint32_t i = hits; i < n && hits + pending < cap; i++) {
 			struct kvt_disk_ref ref;
 			if (disk && kvt_disk_find(s, &keys[i], &ref)) {
@@ -1138,12 +1143,16 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 				int st = kvt__l3c_state(t->l3c, &keys[i], t0);
 				if (st == KVT_L3C_NOT_THERE)
 					break;
+				if (st == KVT_L3C_NOT_ASKED &&
+				    (!(flags & KVT_LOOKUP_PROMOTE) ||
+				     kvt__l3c_queue(t->l3c, &keys[i], first + i, t0)))
+					break;
+				if (l3_from == UINT32_MAX) {
+					l3_from = pending;
+					l3_req = requested;
+				}
 				if (st == KVT_L3C_NOT_ASKED) {
-					if (!(flags & KVT_LOOKUP_PROMOTE) ||
-					    kvt__l3c_queue(t->l3c, &keys[i], first + i, t0))
-						break;
-					if (!l3_asked++)
-						l3_from = pending;
+					l3_asked++;
 					requested++;
 				}
 			} else {
@@ -1152,9 +1161,10 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 			pending++;
 		}
 		if (l3_asked && kvt__l3c_send(t->l3c, t0)) {
-			/* not asked after all: pending up to the first ask only */
+			/* not asked after all (and, the connection gone, nothing
+			 * earlier is pending either): up to the L3's first only */
 			pending = l3_from;
-			requested -= l3_asked;
+			requested = l3_req;
 		}
 	}
 	kvt_hist_add(s, KVT_H_LOOKUP, now_ns() - t0);

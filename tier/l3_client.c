@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,6 +36,7 @@ enum { C_NONE = 0, C_ASKED, C_MISSING };
 struct kvt_l3c {
 	int fd;
 	pid_t pid;
+	ino_t ino;         /* the connection's socket (C4) */
 	uint64_t next_try;
 	struct { kvt_key k; uint64_t ns; uint32_t st; } t[C_TABLE];
 	struct kvt_l3c_msg q;
@@ -57,21 +59,31 @@ kvt_l3c *kvt__l3c_new(void)
 	return c;
 }
 
+/* Closes this handle's connection: our own, or a fork child's copy of
+ * its parent's -- unless the child has reused that number for a file of
+ * its own (C4). */
+static void close_own(kvt_l3c *c)
+{
+	struct stat st;
+
+	if (c->fd >= 0 && (c->pid == getpid() ||
+			   (!fstat(c->fd, &st) && S_ISSOCK(st.st_mode) && st.st_ino == c->ino)))
+		close(c->fd);
+	c->fd = -1;
+}
+
 void kvt__l3c_free(kvt_l3c *c)
 {
 	if (!c)
 		return;
-	if (c->fd >= 0 && c->pid == getpid())
-		close(c->fd);
+	close_own(c);
 	free(c);
 }
 
 /* The connection ended: nothing asked is pending any more (C2). */
 static void drop(kvt_l3c *c, uint64_t now)
 {
-	if (c->fd >= 0 && c->pid == getpid())
-		close(c->fd);
-	c->fd = -1;
+	close_own(c);
 	c->next_try = now + C_RETRY_NS;
 	for (uint32_t i = 0; i < C_TABLE; i++)
 		if (c->t[i].st == C_ASKED)
@@ -111,6 +123,7 @@ static int chan_connect(kvt_seg *s)
 
 static void try_connect(kvt_l3c *c, kvt_seg *s, uint64_t now)
 {
+	struct stat st;
 	int fd;
 
 	c->next_try = now + C_RETRY_NS;
@@ -119,6 +132,8 @@ static void try_connect(kvt_l3c *c, kvt_seg *s, uint64_t now)
 		return;
 	c->fd = fd;
 	c->pid = getpid();
+	if (!fstat(fd, &st))
+		c->ino = st.st_ino;
 }
 
 int kvt__l3c_status(kvt_seg *s, struct kvt_l3c_status *out, int timeout_ms)
@@ -139,7 +154,7 @@ int kvt__l3c_status(kvt_seg *s, struct kvt_l3c_status *out, int timeout_ms)
 	p = (struct pollfd){ .fd = fd, .events = POLLIN };
 	if (poll(&p, 1, timeout_ms) != 1)
 		goto out;
-	n = recv(fd, &m, sizeof(m), MSG_DONTWAIT);
+	n = recv(fd, &m, sizeof(m), MSG_DONTWAIT | MSG_TRUNC);
 	if (n != (ssize_t)sizeof(m) || m.h.magic != KVT_L3C_MAGIC ||
 	    m.h.version != KVT_L3C_VERSION || m.h.op != KVT_L3C_STATUS) {
 		r = -EPROTO;
@@ -178,8 +193,8 @@ int kvt__l3c_begin(kvt_l3c *c, kvt_seg *s, uint64_t now)
 	struct kvt_l3c_msg m;
 
 	c->q.h.n = 0;
-	if (c->fd >= 0 && c->pid != getpid()) { /* C4: the parent's */
-		c->fd = -1;
+	if (c->fd >= 0 && c->pid != getpid()) { /* C4: the parent's, closed (kvtierd
+						 * would not see the parent go) */
 		drop(c, now);
 		c->next_try = now;
 	}
@@ -188,7 +203,7 @@ int kvt__l3c_begin(kvt_l3c *c, kvt_seg *s, uint64_t now)
 	if (c->fd < 0)
 		return 0;
 	for (;;) {
-		ssize_t n = recv(c->fd, &m, sizeof(m), MSG_DONTWAIT);
+		ssize_t n = recv(c->fd, &m, sizeof(m), MSG_DONTWAIT | MSG_TRUNC);
 
 		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
 			break;

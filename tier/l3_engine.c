@@ -17,6 +17,7 @@
 
 #define REC_BITS 16 /* the put record: 65,536 keys */
 #define NEG_BITS 12 /* the negative cache: 4,096 keys */
+#define AQ_MAX   1024 /* asks waiting for a job */
 
 enum { J_FREE = 0, J_PUT, J_EXISTS, J_GET };
 
@@ -53,6 +54,9 @@ struct kvt_l3e {
 	uint32_t *seen;            /* per slot: the life considered (gen + 1) */
 	uint8_t *rejected;         /* ... and refused by second-hit */
 	uint64_t lap_idle, idle_hand, idle_ns;
+	uint32_t reserve;          /* jobs the put scan leaves to asks */
+	struct { kvt_key k; uint32_t depth; } aq[AQ_MAX]; /* asks waiting for a job */
+	uint32_t aq_head, aq_n;
 	struct kvt_l3e_info info;
 };
 
@@ -196,7 +200,9 @@ static int submit(kvt_l3e *e, struct job *j, uint32_t n)
 
 static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, uint64_t w)
 {
-	struct job *j = job_get(e, J_PUT);
+	/* the last jobs are the asks': a lookup waits on them, a put does
+	 * not (a put backlog must not turn every ask into a miss) */
+	struct job *j = e->live + e->reserve < e->o.jobs ? job_get(e, J_PUT) : NULL;
 
 	if (!j)
 		return 0;
@@ -314,7 +320,8 @@ static int put_scan(kvt_l3e *e)
 	}
 	if (e->cursor < h || e->cursor >= h + n)
 		e->cursor = h; /* from the hand: what is evicted next goes first */
-	for (uint32_t i = 0; i < e->o.scan && e->cursor < h + n && e->live < e->o.jobs; i++) {
+	for (uint32_t i = 0; i < e->o.scan && e->cursor < h + n &&
+			     e->live + e->reserve < e->o.jobs; i++) {
 		int r = put_consider(e, (uint32_t)(e->cursor % n));
 		if (r == 0)
 			break;
@@ -429,22 +436,22 @@ static void get_done(kvt_l3e *e, struct job *j)
 	job_put(e, j);
 }
 
-int kvt_l3e_ask(kvt_l3e *e, const kvt_key *k, uint32_t depth)
+/* A key a job or the queue asks for already. */
+static int asked_already(const kvt_l3e *e, const kvt_key *k)
 {
-	struct job *j;
-
-	if (kvt_seg_peek(e->s, k, 1) == 1)
-		return KVT_L3E_HERE;
-	if (neg_has(e, k, mono_ns())) {
-		e->info.negative_hits++;
-		return KVT_L3E_MISSING;
-	}
 	for (uint32_t x = 0; x < e->o.jobs; x++)
 		if (e->jobs[x].kind != J_FREE && e->jobs[x].kind != J_PUT &&
 		    same(&e->jobs[x].key, k))
-			return KVT_L3E_ASKED; /* its answer comes with that job's */
-	if (!(j = job_get(e, J_EXISTS)))
-		return KVT_L3E_MISSING; /* every job busy: a miss, not a wait */
+			return 1;
+	for (uint32_t i = 0; i < e->aq_n; i++)
+		if (same(&e->aq[(e->aq_head + i) % AQ_MAX].k, k))
+			return 1;
+	return 0;
+}
+
+/* The EXISTS of an ask, in job j. */
+static int exists_start(kvt_l3e *e, struct job *j, const kvt_key *k, uint32_t depth)
+{
 	j->key = *k;
 	j->depth = depth;
 	for (uint32_t sh = 0; sh < e->n_shards; sh++)
@@ -460,30 +467,86 @@ int kvt_l3e_ask(kvt_l3e *e, const kvt_key *k, uint32_t depth)
 		 * not awaited by anyone */
 		if (!j->left)
 			job_put(e, j);
+		neg_add(e, k);
 		return KVT_L3E_MISSING;
 	}
 	return KVT_L3E_ASKED;
 }
 
+/* fresh: set when this call started (or queued) the ask. */
+static int ask(kvt_l3e *e, const kvt_key *k, uint32_t depth, int *fresh)
+{
+	struct job *j;
+
+	*fresh = 0;
+	if (kvt_seg_peek(e->s, k, 1) == 1)
+		return KVT_L3E_HERE;
+	if (neg_has(e, k, mono_ns())) {
+		e->info.negative_hits++;
+		return KVT_L3E_MISSING;
+	}
+	if (asked_already(e, k))
+		return KVT_L3E_ASKED; /* its answer comes with that one's */
+	*fresh = 1;
+	if (!(j = job_get(e, J_EXISTS))) {
+		/* every job busy: queued (a long prompt asks for more chunks
+		 * than there are jobs), a miss only when the queue is full */
+		if (e->aq_n == AQ_MAX) {
+			*fresh = 0;
+			e->info.ask_drops++;
+			return KVT_L3E_MISSING;
+		}
+		uint32_t t = (e->aq_head + e->aq_n++) % AQ_MAX;
+		e->aq[t].k = *k;
+		e->aq[t].depth = depth;
+		return KVT_L3E_ASKED;
+	}
+	return exists_start(e, j, k, depth);
+}
+
+int kvt_l3e_ask(kvt_l3e *e, const kvt_key *k, uint32_t depth)
+{
+	int fresh;
+
+	return ask(e, k, depth, &fresh);
+}
+
 int kvt_l3e_fetch(kvt_l3e *e, const kvt_key *keys, const uint32_t *depths, uint32_t n)
 {
-	int asked = 0;
+	int asked = 0, fresh;
 
-	for (uint32_t i = 0; i < n; i++) {
-		int busy = 0;
-
-		/* a key another job already asks for is not asked twice */
-		for (uint32_t x = 0; x < e->o.jobs && !busy; x++)
-			busy = e->jobs[x].kind != J_FREE && same(&e->jobs[x].key, &keys[i]);
-		if (busy)
-			continue;
-		int r = kvt_l3e_ask(e, &keys[i], depths[i]);
-		if (r == KVT_L3E_ASKED)
+	for (uint32_t i = 0; i < n; i++)
+		if (ask(e, &keys[i], depths[i], &fresh) == KVT_L3E_ASKED && fresh)
 			asked++;
-		else if (r == KVT_L3E_MISSING && e->live >= e->o.jobs)
-			break;
-	}
 	return asked;
+}
+
+/* The queued asks, while jobs are free (before the put scan takes them):
+ * what meanwhile came into DRAM or was remembered missing is answered. */
+static int asks_start(kvt_l3e *e)
+{
+	int n = 0;
+
+	while (e->aq_n) {
+		struct job *j = NULL;
+		kvt_key k = e->aq[e->aq_head].k;
+		uint32_t depth = e->aq[e->aq_head].depth;
+		int here = kvt_seg_peek(e->s, &k, 1) == 1;
+		int neg = !here && neg_has(e, &k, mono_ns());
+
+		if (!here && !neg && !(j = job_get(e, J_EXISTS)))
+			break;
+		e->aq_head = (e->aq_head + 1) % AQ_MAX;
+		e->aq_n--;
+		n++;
+		if (here)
+			answer(e, &k, KVT_L3E_HERE);
+		else if (neg)
+			answer(e, &k, KVT_L3E_MISSING);
+		else if (exists_start(e, j, &k, depth) == KVT_L3E_MISSING)
+			answer(e, &k, KVT_L3E_MISSING);
+	}
+	return n;
 }
 
 /* ---- the loop ---- */
@@ -517,11 +580,18 @@ static int completions(kvt_l3e *e)
 	return total;
 }
 
-int kvt_l3e_poll(kvt_l3e *e)
+/* Completions, then the queued asks, then (scan) the puts. */
+static int step(kvt_l3e *e, int scan)
 {
 	int n = completions(e);
 
-	return n + put_scan(e);
+	n += asks_start(e);
+	return scan ? n + put_scan(e) : n;
+}
+
+int kvt_l3e_poll(kvt_l3e *e)
+{
+	return step(e, 1);
 }
 
 void kvt_l3e_set_answer(kvt_l3e *e, void (*fn)(void *, const kvt_key *, int), void *arg)
@@ -541,9 +611,9 @@ int kvt_l3e_drain(kvt_l3e *e, int put_all, int64_t timeout_ns)
 
 	for (;;) {
 		/* the scan only when asked to put everything: a close must end */
-		int n = put_all ? kvt_l3e_poll(e) : completions(e);
+		int n = step(e, put_all);
 
-		if (!e->live && (!put_all || !n))
+		if (!e->live && !e->aq_n && (!put_all || !n))
 			return 0;
 		if (mono_ns() >= end)
 			return -ETIMEDOUT;
@@ -587,6 +657,7 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 		e->o.scan = 1024;
 	if (!e->o.negative_ms)
 		e->o.negative_ms = 2000;
+	e->reserve = e->o.jobs / 4;
 	e->n_shards = kvt_seg_n_shards(s);
 	e->n_slots = kvt_seg_geometry(s)->n_slots;
 	e->payload = kvt_seg_chunk_bytes(s);

@@ -7,14 +7,19 @@
  *      S_MSGS messages per connection, an answer that does not fit in a
  *      peer's socket buffer is dropped (the rank's ask then times out,
  *      KVT_L3C_ASK_NS, and it asks again).
- *  S2  every field of an ASK is checked (magic, version, op, count against
- *      the datagram's length); a bad message ends that connection.  The
- *      store is asked only through kvt_l3e_ask, which holds the engine's
- *      limits (jobs, negative cache); a depth past the segment's is
- *      refused there by kvt_write_begin's own checks.
+ *  S2  every field of an ASK is checked (magic, version, op, the reserved
+ *      words, the count against the datagram's real length: MSG_TRUNC); a
+ *      bad message ends that connection.  The store is asked only through
+ *      kvt_l3e_ask, which holds the engine's limits (jobs, its queue, the
+ *      negative cache).  A depth is the asker's word: a wrong one costs
+ *      a get whose object the header check refuses (a miss, counted and
+ *      remembered), never a wrong byte.
  *  S3  bounded: S_CONNS connections (a scheduler and its ranks per
  *      instance), one past them closed unanswered; S_ROUTES keys waiting
  *      for an answer, an ask that finds no room answered MISSING at once.
+ *      A listener kvtierd cannot accept from (no descriptors left) is
+ *      taken out of the epoll set for a second: level-triggered, it would
+ *      wake the loop without end.
  *
  * Acquire/release pairs: none (no shared memory here; the claims are the
  * engine's, through core).  Schedule points: none; a step that matters
@@ -60,6 +65,7 @@ struct kvt_l3srv {
 	struct conn c[S_CONNS];
 	struct route rt[S_ROUTES];
 	struct kvt_l3srv_info info;
+	uint64_t paused_until;     /* S3: the listener out of the set until */
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
 
@@ -164,6 +170,7 @@ static int route_add(kvt_l3srv *v, uint32_t i, const kvt_key *k, uint64_t now)
 
 		if (r->mask && r->k.lo == k->lo && r->k.hi == k->hi) {
 			r->mask |= 1ull << i;
+			r->ns = now; /* still wanted: not taken over */
 			return 0;
 		}
 		if (!room && (!r->mask || now - r->ns > S_ROUTE_NS))
@@ -222,7 +229,9 @@ static void on_conn(kvt_l3srv *v, uint32_t i)
 	struct kvt_l3c_msg m;
 
 	for (int k = 0; k < S_MSGS && v->c[i].fd >= 0; k++) {
-		ssize_t n = recv(v->c[i].fd, &m, sizeof(m), MSG_DONTWAIT);
+		/* MSG_TRUNC: the datagram's real length, so a longer one than
+		 * any message is refused, not read as its first bytes */
+		ssize_t n = recv(v->c[i].fd, &m, sizeof(m), MSG_DONTWAIT | MSG_TRUNC);
 
 		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
 			break;
@@ -251,8 +260,14 @@ static void on_listen(kvt_l3srv *v)
 		int fd = accept4(v->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		uint32_t i;
 
-		if (fd < 0)
+		if (fd < 0) {
+			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+			    errno == ENOMEM) {
+				(void)epoll_ctl(v->ep, EPOLL_CTL_DEL, v->lfd, NULL);
+				v->paused_until = now_ns() + 1000000000ull;
+			}
 			return;
+		}
 		for (i = 0; i < S_CONNS && v->c[i].fd >= 0; i++)
 			;
 		if (i == S_CONNS) { /* S3 */
@@ -334,6 +349,12 @@ int kvt_l3srv_service(kvt_l3srv *v)
 
 	if (!v)
 		return 0;
+	if (v->paused_until && now_ns() >= v->paused_until) {
+		struct epoll_event le = { .events = EPOLLIN, .data.u32 = 0 };
+
+		if (!epoll_ctl(v->ep, EPOLL_CTL_ADD, v->lfd, &le))
+			v->paused_until = 0;
+	}
 	n = epoll_wait(v->ep, ev, 32, 0);
 	for (int k = 0; k < n; k++) {
 		if (!ev[k].data.u32)

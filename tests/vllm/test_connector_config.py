@@ -274,8 +274,8 @@ def test_local_hit_inside_a_chunk():
     lookup starts at chunk 1, vLLM is told the tokens after its own hit,
     and the load skips block 4 (vLLM's) and writes blocks 5-7 onwards."""
     class LookupTier(FakeTier):
-        def lookup_ex(self, keys):
-            self.asked = len(keys)
+        def lookup_ex(self, keys, first_depth=None):
+            self.asked, self.depth = len(keys), first_depth
             return SimpleNamespace(hits=len(keys), pending=0, hand_off=lambda: 9,
                                    release=lambda: None)
 
@@ -288,6 +288,7 @@ def test_local_hit_inside_a_chunk():
     req = request("a", 1200)
     ext, is_async = c.get_num_new_matched_tokens(req, 160)
     assert c._tier.asked == 8 and ext == 8 * 128 - 32 and not is_async   # chunks 1..8
+    assert c._tier.depth == 1   # the L3 is asked for them at their depth in the prompt
     c.update_state_after_alloc(req, None, ext)
     assert c._to_load["a"] == (9, 1, 8, 32)
     meta = c.build_connector_meta(step_output(new=[("a", list(range(100, 138)), 160)],

@@ -1064,16 +1064,14 @@ int main(int argc, char **argv)
 		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
 		D.ctx.l3_on = 1;
 		D.ctx.l3_up = in.store.up;
-		r = kvt_l3srv_open(D.seg, D.l3, &D.l3srv, err, sizeof(err));
-		if (r) {
-			LOG_ERR("l3: the lookups' channel: %s", err);
-			kvt_l3e_close(D.l3);
-			if (D.disk)
-				kvt_disk_close(D.disk);
-			kvt_close(D.tier);
-			return 1;
-		}
-		LOG_INFO("l3: lookups ask at %s", kvt_l3srv_path(D.l3srv));
+		/* not fatal, as the witness's: the puts go on, the lookups of
+		 * this node just never ask (a name squatted in a shared
+		 * directory: SECURITY.md, "The segment's name") */
+		if (kvt_l3srv_open(D.seg, D.l3, &D.l3srv, err, sizeof(err)))
+			LOG_WARN("l3: the lookups' channel: %s; this node puts into the L3 but its "
+				 "lookups do not get from it", err);
+		else
+			LOG_INFO("l3: lookups ask at %s", kvt_l3srv_path(D.l3srv));
 		if (in.key_created)
 			LOG_WARN("l3: made a new fleet key at %s: copy this file to every other "
 				 "node (a node with another key refuses these objects, and its "
@@ -1098,6 +1096,10 @@ int main(int argc, char **argv)
 		r = kvt_seg_attach(&a, &D.obs);
 		if (r) {
 			LOG_ERR("observer handle: %s", kvt_core_last_error());
+#ifdef KVTIERD_L3
+			kvt_l3srv_close(D.l3srv); /* its socket file with it */
+			kvt_l3e_close(D.l3);
+#endif
 			kvt_close(D.tier);
 			return 1;
 		}

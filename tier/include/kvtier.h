@@ -185,9 +185,11 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
  * KVT_LOOKUP_PROMOTE the call asks kvtierd to read those chunks back into
  * the arena, from the disk or from the L3 store (over a unix socket beside
  * the segment, tier/kvt_l3_chan.h), asynchronously; it never waits for
- * either.  The L3 is asked for a chunk at its prefix depth: keys[0] is at
- * depth 0 (a prompt's keys from kvt_hash_tokens without a parent), or at
- * res->first_depth with KVT_LOOKUP_DEPTH.  The scheduler then decides, per request: load the hits
+ * either.  The L3 is asked for a chunk at its prefix depth, so only by a
+ * caller that says keys[0]'s depth: KVT_LOOKUP_DEPTH with
+ * res->first_depth (0 for a prompt's keys from kvt_hash_tokens without a
+ * parent).  Without it (a caller built against version 3 or earlier) the
+ * lookup sees DRAM and the disk only, as before.  The scheduler then decides, per request: load the hits
  * now (pending chunks are recomputed), or release the lease and ask again
  * next step, when the promoted chunks are hits -- vLLM's "load
  * asynchronously / ask again" shape.  Asking again within ~200 ms does not

@@ -790,15 +790,15 @@ class Tier:
             _raise(r, func)
         return Lease(self, self._lease_out.value, r)
 
-    def lookup_ex(self, keys, promote=True, first_depth=None):
+    def lookup_ex(self, keys, promote=True, first_depth=0):
         """kvt_lookup_ex: like lookup, and the view of the tiers below DRAM.
         The Lease also has pending (chunks right after the hits that the
         disk tier holds or is reading back, or that kvtierd's L3 was asked
         for and is getting) and requested (of those, asked back by this
         call; promote=False only reports).  When pending > 0 a scheduler
         may release the lease and ask again next step.  first_depth: the
-        prefix depth of keys[0] when they do not start the prompt (the L3
-        is asked for each chunk at its depth); None: 0."""
+        prefix depth of keys[0] (0: they start the prompt), at which the L3
+        is asked for each chunk; None: not known, the L3 is not asked."""
         func = "kvt_lookup_ex"
         h = self._handle(func)
         addr, n, keep = _key_array(keys, func)
@@ -806,7 +806,11 @@ class Tier:
         res.size = ctypes.sizeof(res)
         flags = L.LOOKUP_PROMOTE if promote else 0
         if first_depth is not None:
-            if not isinstance(first_depth, int) or not 0 <= first_depth < 2 ** 32:
+            try:
+                first_depth = operator.index(first_depth)
+            except TypeError:
+                first_depth = -1
+            if not 0 <= first_depth < 2 ** 32:
                 raise ValueError("first_depth: an int in [0, 2**32), not %r" % (first_depth,))
             res.first_depth = first_depth
             flags |= L.LOOKUP_DEPTH
