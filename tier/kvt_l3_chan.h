@@ -67,10 +67,15 @@ struct kvt_l3c_item {
 	uint32_t reserved;
 };
 
+/* The L3's figures: kvtierd's one account of them, for /metrics, /status,
+ * /healthcheck and (over STATUS) kvtier-stat. */
 struct kvt_l3c_status {
-	uint32_t up, nodes, nodes_up, inflight, askers, admit;
+	uint32_t up, nodes, nodes_up, inflight, askers, reserved;
 	uint64_t puts, put_bytes, put_drops, gets, get_bytes, get_drops;
 	uint64_t misses, refused, negative_hits, errors, redirects, asks;
+	uint64_t round_trips, fetches;
+	uint64_t put_ns[26], get_ns[26];  /* core's histogram buckets (kvt_hist) */
+	uint64_t put_ns_sum, get_ns_sum;
 	char describe[160];    /* NUL-terminated */
 };
 

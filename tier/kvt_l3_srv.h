@@ -27,6 +27,9 @@ int kvt_l3srv_service(kvt_l3srv *v);
 /* Sends the answers gathered (after kvt_l3srv_service and kvt_l3e_poll). */
 void kvt_l3srv_flush(kvt_l3srv *v);
 void kvt_l3srv_info(const kvt_l3srv *v, struct kvt_l3srv_info *out);
+/* The L3's figures: the engine's and (v may be NULL) the channel's. */
+struct kvt_l3c_status;
+void kvt_l3_figures(kvt_l3e *e, const kvt_l3srv *v, struct kvt_l3c_status *out);
 /* Closes every connection and removes the socket; NULL is ignored. */
 void kvt_l3srv_close(kvt_l3srv *v);
 

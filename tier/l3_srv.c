@@ -203,23 +203,37 @@ static void on_ask(kvt_l3srv *v, uint32_t i, const struct kvt_l3c_msg *m, size_t
 	(void)len;
 }
 
+_Static_assert(sizeof(((struct kvt_l3c_status *)0)->put_ns) ==
+	       sizeof(((struct kvt_hist_snap *)0)->bucket), "core's histogram buckets");
+
+void kvt_l3_figures(kvt_l3e *e, const kvt_l3srv *v, struct kvt_l3c_status *st)
+{
+	struct kvt_l3e_info in;
+
+	kvt_l3e_info(e, &in);
+	*st = (struct kvt_l3c_status){
+		.up = (uint32_t)in.store.up, .nodes = in.store.nodes,
+		.nodes_up = in.store.nodes_up, .inflight = in.inflight,
+		.askers = v ? v->info.conns : 0,
+		.puts = in.puts, .put_bytes = in.put_bytes, .put_drops = in.put_drops,
+		.gets = in.gets, .get_bytes = in.get_bytes, .get_drops = in.get_drops,
+		.misses = in.misses, .refused = in.refused, .negative_hits = in.negative_hits,
+		.errors = in.store.errors, .redirects = in.store.redirects,
+		.asks = v ? v->info.asks : 0, .round_trips = in.store.round_trips,
+		.fetches = in.fetches, .put_ns_sum = in.put_ns.sum_ns,
+		.get_ns_sum = in.get_ns.sum_ns };
+	memcpy(st->put_ns, in.put_ns.bucket, sizeof(st->put_ns));
+	memcpy(st->get_ns, in.get_ns.bucket, sizeof(st->get_ns));
+	snprintf(st->describe, sizeof(st->describe), "%.159s", in.store.describe);
+}
+
 static void on_status(kvt_l3srv *v, uint32_t i)
 {
 	struct kvt_l3c_status_msg m = { .h = { .magic = KVT_L3C_MAGIC,
 					       .version = KVT_L3C_VERSION,
 					       .op = KVT_L3C_STATUS } };
-	struct kvt_l3e_info in;
 
-	kvt_l3e_info(v->e, &in);
-	m.st = (struct kvt_l3c_status){
-		.up = (uint32_t)in.store.up, .nodes = in.store.nodes,
-		.nodes_up = in.store.nodes_up, .inflight = in.inflight, .askers = v->info.conns,
-		.puts = in.puts, .put_bytes = in.put_bytes, .put_drops = in.put_drops,
-		.gets = in.gets, .get_bytes = in.get_bytes, .get_drops = in.get_drops,
-		.misses = in.misses, .refused = in.refused, .negative_hits = in.negative_hits,
-		.errors = in.store.errors, .redirects = in.store.redirects,
-		.asks = v->info.asks };
-	snprintf(m.st.describe, sizeof(m.st.describe), "%.159s", in.store.describe);
+	kvt_l3_figures(v->e, v, &m.st);
 	/* S1: dropped when it does not fit, the viewer shows no L3 line */
 	(void)send(v->c[i].fd, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL);
 }

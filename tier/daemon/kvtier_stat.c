@@ -61,29 +61,7 @@ static int attach(const char *name, const char *dir, int any_uid, kvt_seg **out)
  * channel (the segment holds none of them); no line when none answers. */
 static void l3_figures(kvt_seg *s, struct kvtd_ctx *c)
 {
-	struct kvt_l3c_status st;
-
-	c->l3_on = kvt__l3c_status(s, &st, 200) == 0;
-	if (!c->l3_on)
-		return;
-	c->l3_up = (int)st.up;
-	snprintf(c->l3_describe, sizeof(c->l3_describe), "%s", st.describe);
-	c->l3_nodes = st.nodes;
-	c->l3_nodes_up = st.nodes_up;
-	c->l3_inflight = st.inflight;
-	c->l3_askers = st.askers;
-	c->l3_puts = st.puts;
-	c->l3_put_bytes = st.put_bytes;
-	c->l3_put_drops = st.put_drops;
-	c->l3_gets = st.gets;
-	c->l3_get_bytes = st.get_bytes;
-	c->l3_get_drops = st.get_drops;
-	c->l3_misses = st.misses;
-	c->l3_refused = st.refused;
-	c->l3_negative_hits = st.negative_hits;
-	c->l3_errors = st.errors;
-	c->l3_redirects = st.redirects;
-	c->l3_asks = st.asks;
+	c->l3_on = kvt__l3c_status(s, &c->l3, 200) == 0;
 }
 
 static void usage(FILE *f)

@@ -454,6 +454,7 @@ static void l3_log(int level, const char *msg, void *arg)
 static int l3_round(void)
 {
 	struct kvt_l3e_info in;
+	struct kvt_l3c_status st;
 	int n;
 
 	static uint64_t next_copy;
@@ -468,40 +469,19 @@ static int l3_round(void)
 	if (!n && mono_ns() < next_copy)
 		return 0;
 	next_copy = mono_ns() + 100000000ull;
-	kvt_l3e_info(D.l3, &in);
-	struct kvt_l3srv_info si;
-	kvt_l3srv_info(D.l3srv, &si);
-	if (in.store.up != D.ctx.l3_up) {
-		if (in.store.up)
-			LOG_INFO("l3: the store answers again (%s)", in.store.describe);
+	kvt_l3_figures(D.l3, D.l3srv, &st);
+	if ((int)st.up != (int)D.ctx.l3.up) {
+		kvt_l3e_info(D.l3, &in);
+		if (st.up)
+			LOG_INFO("l3: the store answers again (%s)", st.describe);
 		else
 			LOG_WARN("l3: the store does not answer: %s; lookups go on from DRAM and "
 				 "disk, the L3 is retried", in.store.last_error);
 	}
 	pthread_mutex_lock(&D.mu); /* http_ctx copies it under D.mu */
-	D.ctx.l3_up = in.store.up;
-	if (in.store.describe[0])
-		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
-	D.ctx.l3_nodes = in.store.nodes;
-	D.ctx.l3_nodes_up = in.store.nodes_up;
-	D.ctx.l3_inflight = in.inflight;
-	D.ctx.l3_puts = in.puts;
-	D.ctx.l3_put_bytes = in.put_bytes;
-	D.ctx.l3_put_drops = in.put_drops;
-	D.ctx.l3_gets = in.gets;
-	D.ctx.l3_get_bytes = in.get_bytes;
-	D.ctx.l3_misses = in.misses;
-	D.ctx.l3_refused = in.refused;
-	D.ctx.l3_get_drops = in.get_drops;
-	D.ctx.l3_errors = in.store.errors;
-	D.ctx.l3_redirects = in.store.redirects;
-	D.ctx.l3_round_trips = in.store.round_trips;
-	D.ctx.l3_fetches = in.fetches;
-	D.ctx.l3_negative_hits = in.negative_hits;
-	D.ctx.l3_asks = si.asks;
-	D.ctx.l3_askers = si.conns;
-	D.ctx.l3_put_ns = in.put_ns;
-	D.ctx.l3_get_ns = in.get_ns;
+	if (!st.describe[0]) /* the store not reached yet: what it was given */
+		memcpy(st.describe, D.ctx.l3.describe, sizeof(st.describe));
+	D.ctx.l3 = st;
 	pthread_mutex_unlock(&D.mu);
 	return n;
 }
@@ -1061,9 +1041,8 @@ int main(int argc, char **argv)
 			return 1;
 		}
 		kvt_l3e_info(D.l3, &in);
-		snprintf(D.ctx.l3_describe, sizeof(D.ctx.l3_describe), "%s", in.store.describe);
+		kvt_l3_figures(D.l3, NULL, &D.ctx.l3);
 		D.ctx.l3_on = 1;
-		D.ctx.l3_up = in.store.up;
 		/* not fatal, as the witness's: the puts go on, the lookups of
 		 * this node just never ask (a name squatted in a shared
 		 * directory: SECURITY.md, "The segment's name") */

@@ -345,7 +345,7 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 		kvtd_printf(&b, "]");
 	/* so is an L3 store that does not answer: lookups still answer from
 	 * DRAM and disk, the store comes back by itself */
-	int l3_down = c && c->l3_on && !c->l3_up;
+	int l3_down = c && c->l3_on && !c->l3.up;
 	if (c && c->l3_on)
 		kvtd_printf(&b, ",\"l3\":\"%s\"", l3_down ? "down" : "up");
 	kvtd_printf(&b, ",\"status\":\"%s\"}\n", !ok ? "unhealthy" :
@@ -454,17 +454,17 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 	}
 	if (c && c->l3_on) {
 		prom_head(&b, "kvtier_l3_up", "gauge", "1 while the L3 store answers");
-		kvtd_printf(&b, "kvtier_l3_up %d\n", c->l3_up);
+		kvtd_printf(&b, "kvtier_l3_up %d\n", c->l3.up);
 		prom_head(&b, "kvtier_l3_nodes", "gauge", "The L3 store's masters, known and reachable");
-		kvtd_printf(&b, "kvtier_l3_nodes{state=\"known\"} %u\n", c->l3_nodes);
-		kvtd_printf(&b, "kvtier_l3_nodes{state=\"up\"} %u\n", c->l3_nodes_up);
+		kvtd_printf(&b, "kvtier_l3_nodes{state=\"known\"} %u\n", c->l3.nodes);
+		kvtd_printf(&b, "kvtier_l3_nodes{state=\"up\"} %u\n", c->l3.nodes_up);
 		prom_head(&b, "kvtier_l3_inflight", "gauge", "Chunks being put or got");
-		kvtd_printf(&b, "kvtier_l3_inflight %u\n", c->l3_inflight);
+		kvtd_printf(&b, "kvtier_l3_inflight %u\n", c->l3.inflight);
 		prom_head(&b, "kvtier_l3_askers", "gauge",
 			  "Lookups' connections to the L3 channel (schedulers, ranks)");
-		kvtd_printf(&b, "kvtier_l3_askers %u\n", c->l3_askers);
+		kvtd_printf(&b, "kvtier_l3_askers %u\n", c->l3.askers);
 		static const struct { const char *name, *help; size_t off; } l3c[] = {
-#define L3C(n, f, h) { "kvtier_l3_" n "_total", h, offsetof(struct kvtd_ctx, l3_##f) }
+#define L3C(n, f, h) { "kvtier_l3_" n "_total", h, offsetof(struct kvtd_ctx, l3.f) }
 			L3C("puts", puts, "Chunks put into the L3 store"),
 			L3C("put_bytes", put_bytes, "Payload bytes put"),
 			L3C("put_drops", put_drops,
@@ -490,11 +490,14 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			prom_head(&b, l3c[k].name, "counter", l3c[k].help);
 			kvtd_printf(&b, "%s %llu\n", l3c[k].name, (unsigned long long)v);
 		}
+		struct kvt_hist_snap hp = { .sum_ns = c->l3.put_ns_sum },
+				     hg = { .sum_ns = c->l3.get_ns_sum };
+		memcpy(hp.bucket, c->l3.put_ns, sizeof(hp.bucket));
+		memcpy(hg.bucket, c->l3.get_ns, sizeof(hg.bucket));
 		prom_hist(&b, "kvtier_l3_put_duration_seconds",
-			  "An L3 put, sealed to stored (every shard)", &c->l3_put_ns);
+			  "An L3 put, sealed to stored (every shard)", &hp);
 		prom_hist(&b, "kvtier_l3_get_duration_seconds",
-			  "An L3 get, asked (EXISTS) to published (every shard checked)",
-			  &c->l3_get_ns);
+			  "An L3 get, asked (EXISTS) to published (every shard checked)", &hg);
 	}
 	if (c->start_wall_ns) {
 		prom_head(&b, "kvtier_daemon_witness_up", "gauge",
@@ -713,14 +716,14 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 			    (unsigned long long)s->disk.io_errors, s->disk.failed ? "true" : "false");
 	}
 	if (c && c->l3_on) {
-		kvtd_printf(&b, ",\"l3\":{\"up\":%s,\"store\":", c->l3_up ? "true" : "false");
-		json_str(&b, c->l3_describe);
+		kvtd_printf(&b, ",\"l3\":{\"up\":%s,\"store\":", c->l3.up ? "true" : "false");
+		json_str(&b, c->l3.describe);
 		kvtd_printf(&b, ",\"nodes\":%u,\"nodes_up\":%u,\"inflight\":%u,\"puts\":%llu,"
 			    "\"gets\":%llu,\"misses\":%llu,\"refused\":%llu,\"errors\":%llu}",
-			    c->l3_nodes, c->l3_nodes_up, c->l3_inflight,
-			    (unsigned long long)c->l3_puts, (unsigned long long)c->l3_gets,
-			    (unsigned long long)c->l3_misses, (unsigned long long)c->l3_refused,
-			    (unsigned long long)c->l3_errors);
+			    c->l3.nodes, c->l3.nodes_up, c->l3.inflight,
+			    (unsigned long long)c->l3.puts, (unsigned long long)c->l3.gets,
+			    (unsigned long long)c->l3.misses, (unsigned long long)c->l3.refused,
+			    (unsigned long long)c->l3.errors);
 	}
 	kvtd_printf(&b, ",\"counters\":{");
 	for (int i = 0; i < KVT_C__COUNT; i++)
@@ -867,11 +870,11 @@ char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
 	if (c && c->l3_on)
 		kvtd_printf(&b, "l3         %s  %s  %u/%u up  %u in flight  %llu put  %llu got  "
 			    "%llu missing  %llu refused  %llu errors  %u askers\n",
-			    c->l3_up ? "up" : "DOWN", c->l3_describe, c->l3_nodes_up, c->l3_nodes,
-			    c->l3_inflight, (unsigned long long)c->l3_puts,
-			    (unsigned long long)c->l3_gets, (unsigned long long)c->l3_misses,
-			    (unsigned long long)c->l3_refused, (unsigned long long)c->l3_errors,
-			    c->l3_askers);
+			    c->l3.up ? "up" : "DOWN", c->l3.describe, c->l3.nodes_up, c->l3.nodes,
+			    c->l3.inflight, (unsigned long long)c->l3.puts,
+			    (unsigned long long)c->l3.gets, (unsigned long long)c->l3.misses,
+			    (unsigned long long)c->l3.refused, (unsigned long long)c->l3.errors,
+			    c->l3.askers);
 	kvtd_printf(&b, "\nranks\n");
 	for (uint32_t i = 0; i < g->n_instances; i++) {
 		const struct kvtd_inst *in = &s->inst[i];

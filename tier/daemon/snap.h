@@ -16,6 +16,7 @@
 #include <stdio.h>
 
 #include "kvt_core.h"
+#include "kvt_l3_chan.h"
 
 struct kvtd_entry {
 	struct kvt_entry_info info;
@@ -63,15 +64,10 @@ struct kvtd_ctx {
 	int witness_up;                /* its socket listens */
 	uint32_t witness_ranks;        /* ranks whose lock it holds now */
 	uint64_t witness_exited, witness_byes, witness_refused;
-	/* the L3 tier (kvt_l3e.h), copied by the daemon's loop */
-	int l3_on, l3_up;
-	uint32_t l3_nodes, l3_nodes_up, l3_inflight;
-	uint64_t l3_puts, l3_put_bytes, l3_put_drops, l3_gets, l3_get_bytes, l3_misses,
-		l3_refused, l3_get_drops, l3_errors, l3_redirects, l3_round_trips,
-		l3_fetches, l3_negative_hits, l3_asks;
-	uint32_t l3_askers;                  /* lookups' connections now */
-	struct kvt_hist_snap l3_put_ns, l3_get_ns;
-	char l3_describe[256];
+	/* the L3 tier (tier/kvt_l3_chan.h), copied by the daemon's loop, or
+	 * asked of it (kvtier-stat) */
+	int l3_on;
+	struct kvt_l3c_status l3;
 };
 
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);
