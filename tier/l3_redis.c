@@ -54,10 +54,22 @@
 #define BACKOFF_MIN 50
 #define BACKOFF_MAX 2000
 
+/* A round's replies, read by hand (rd_*): a GET's value straight into the
+ * caller's pieces, not through hiredis' reader (16 KiB reads into a
+ * buffer that grows to the value, a reply object with a copy of it, and
+ * the copy out: three copies of every value).  What is left in it is
+ * never a reply: a round reads exactly its own. */
+#define RD_BUF (64u << 10)
+struct rdbuf {
+	char b[RD_BUF];
+	size_t pos, len;
+};
+
 struct rnode {
 	char host[64];
 	int port;
 	redisContext *c;
+	struct rdbuf *rd;    /* allocated at the first round */
 	uint64_t retry_ns;   /* not before: down, backing off */
 	uint32_t backoff_ms;
 	int up;
@@ -177,6 +189,8 @@ static void node_drop(struct rl3 *r, struct rnode *n, const char *why_in)
 		redisFree(n->c);
 		n->c = NULL;
 	}
+	if (n->rd)
+		n->rd->pos = n->rd->len = 0;
 	__atomic_store_n(&n->up, 0, __ATOMIC_RELAXED);
 	n->backoff_ms = n->backoff_ms ? n->backoff_ms * 2 : BACKOFF_MIN;
 	if (n->backoff_ms > BACKOFF_MAX)
@@ -429,9 +443,171 @@ static int send_req(redisContext *c, struct kvt_l3_req *q)
 	return write_all(c->fd, v, n);
 }
 
+/* More bytes from the socket (the context's timeout applies): > 0, or
+ * -ETIMEDOUT / -ENOTCONN (the connection ended or failed). */
+static int rd_fill(int fd, struct rdbuf *d)
+{
+	ssize_t k;
+
+	if (d->pos && d->pos == d->len)
+		d->pos = d->len = 0;
+	if (d->len == sizeof(d->b)) { /* a line longer than the buffer */
+		if (!d->pos)
+			return -EPROTO;
+		memmove(d->b, d->b + d->pos, d->len - d->pos);
+		d->len -= d->pos;
+		d->pos = 0;
+	}
+	do
+		k = recv(fd, d->b + d->len, sizeof(d->b) - d->len, 0);
+	while (k < 0 && errno == EINTR);
+	if (k > 0) {
+		d->len += (size_t)k;
+		return (int)k;
+	}
+	return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ETIMEDOUT) ?
+	       -ETIMEDOUT : -ENOTCONN;
+}
+
+/* One reply line (type byte and text, the CRLF cut) into out: its length
+ * or -errno. */
+static int rd_line(int fd, struct rdbuf *d, char *out, size_t max)
+{
+	for (;;) {
+		char *e = d->len > d->pos ? memchr(d->b + d->pos, '\n', d->len - d->pos) : NULL;
+		if (e) {
+			size_t n = (size_t)(e - (d->b + d->pos));
+			if (!n || e[-1] != '\r')
+				return -EPROTO;
+			n--;
+			if (n >= max)
+				n = max - 1; /* an error's text: kept short */
+			memcpy(out, d->b + d->pos, n);
+			out[n] = 0;
+			d->pos = (size_t)(e - d->b) + 1;
+			return (int)n;
+		}
+		int r = rd_fill(fd, d);
+		if (r < 0)
+			return r;
+	}
+}
+
+/* n bytes of a value into v[0..cnt) (NULL: skipped): what the buffer
+ * holds first, the rest read straight into the pieces; 0 or -errno. */
+static int rd_value(int fd, struct rdbuf *d, const struct iovec *v, uint32_t cnt, uint64_t n)
+{
+	struct iovec w[9];
+	uint32_t k = 0;
+	size_t off = 0; /* into v[k] */
+
+	while (n) {
+		size_t have = d->len - d->pos;
+		if (have) { /* buffered bytes first */
+			size_t t = have < n ? have : (size_t)n;
+			if (v) {
+				size_t done = 0;
+				while (done < t && k < cnt) {
+					size_t room = v[k].iov_len - off, c = t - done < room ? t - done : room;
+					memcpy((char *)v[k].iov_base + off, d->b + d->pos + done, c);
+					done += c;
+					off += c;
+					if (off == v[k].iov_len) {
+						k++;
+						off = 0;
+					}
+				}
+			}
+			d->pos += t;
+			n -= t;
+			continue;
+		}
+		if (!v || n < 4096) { /* small or skipped: through the buffer */
+			int r = rd_fill(fd, d);
+			if (r < 0)
+				return r;
+			continue;
+		}
+		/* the rest of the pieces, with one read */
+		uint32_t m = 0;
+		uint64_t left = n;
+		for (uint32_t i = k; i < cnt && m < 9 && left; i++) {
+			size_t o = i == k ? off : 0, l = v[i].iov_len - o;
+			if (l > left)
+				l = (size_t)left;
+			w[m++] = (struct iovec){ (char *)v[i].iov_base + o, l };
+			left -= l;
+		}
+		ssize_t got;
+		do
+			got = readv(fd, w, (int)m);
+		while (got < 0 && errno == EINTR);
+		if (got <= 0)
+			return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT
+										 : -ENOTCONN;
+		n -= (uint64_t)got;
+		while (got > 0) {
+			size_t room = v[k].iov_len - off, c = (size_t)got < room ? (size_t)got : room;
+			got -= (ssize_t)c;
+			off += c;
+			if (off == v[k].iov_len) {
+				k++;
+				off = 0;
+			}
+		}
+	}
+	return 0;
+}
+
+/* One reply, read by hand, as take_reply sees it (y: a hiredis reply on
+ * the stack, its text in buf); a GET's value is already in its pieces
+ * then (*in_place).  0 or -errno (the stream is lost: drop the node). */
+static int rd_reply(int fd, struct rdbuf *d, struct kvt_l3_req *q, redisReply *y, char *buf,
+		    size_t max, int *in_place)
+{
+	int n = rd_line(fd, d, buf, max), r;
+
+	*in_place = 0;
+	memset(y, 0, sizeof(*y));
+	if (n < 1)
+		return n < 0 ? n : -EPROTO;
+	y->str = buf + 1;
+	y->len = (size_t)n - 1;
+	switch (buf[0]) {
+	case '+': y->type = REDIS_REPLY_STATUS; return 0;
+	case '-': y->type = REDIS_REPLY_ERROR; return 0;
+	case ':': y->type = REDIS_REPLY_INTEGER; y->integer = strtoll(buf + 1, NULL, 10); return 0;
+	case '$': {
+		long long len = strtoll(buf + 1, NULL, 10);
+		char crlf[2];
+		if (len < 0) {
+			y->type = REDIS_REPLY_NIL;
+			return 0;
+		}
+		y->type = REDIS_REPLY_STRING;
+		y->len = (size_t)len;
+		int fits = q && q->op == KVT_L3_GET && (uint64_t)len == iov_len(q);
+		r = rd_value(fd, d, fits ? q->iov : NULL, fits ? q->iovcnt : 0, (uint64_t)len);
+		if (!r) {
+			struct iovec c = { crlf, 2 };
+			r = rd_value(fd, d, &c, 1, 2);
+		}
+		if (r)
+			return r;
+		if (crlf[0] != '\r' || crlf[1] != '\n')
+			return -EPROTO;
+		*in_place = fits;
+		y->str = NULL;
+		return 0;
+	}
+	default: /* arrays, and anything else: not a reply of ours */
+		return -EPROTO;
+	}
+}
+
 /* What one reply means for its request: 0.. a status, or 1 (redirected:
  * requeued by the caller). */
-static int take_reply(struct rl3 *r, struct kvt_l3_req *q, redisReply *y)
+static int take_reply(struct rl3 *r, struct kvt_l3_req *q, redisReply *y, int in_place)
 {
 	if (y->type == REDIS_REPLY_ERROR &&
 	    (!strncmp(y->str, "MOVED ", 6) || !strncmp(y->str, "ASK ", 4))) {
@@ -485,6 +661,8 @@ static int take_reply(struct rl3 *r, struct kvt_l3_req *q, redisReply *y)
 		q->got = (uint64_t)y->len;
 		if (q->got != iov_len(q))
 			return -EMSGSIZE;
+		if (in_place)
+			return 0;
 		const char *p = y->str;
 		for (uint32_t i = 0; i < q->iovcnt; i++) {
 			memcpy(q->iov[i].iov_base, p, q->iov[i].iov_len);
@@ -537,32 +715,40 @@ static void node_round(struct rl3 *r, struct rnode *n, struct kvt_l3_req **list,
 			complete(r, list[i], -ENOTCONN);
 		return;
 	}
+	if (!n->rd && !(n->rd = calloc(1, sizeof(*n->rd)))) {
+		node_drop(r, n, "out of memory");
+		for (uint32_t i = 0; i < cnt; i++)
+			complete(r, list[i], -ENOMEM);
+		return;
+	}
 	for (uint32_t i = 0; i < cnt; i++) {
-		redisReply *y = NULL;
-		int st;
+		redisReply y;
+		char line[256];
+		int st, in_place;
 
 		if (!n->c) { /* dropped by an earlier reply's error */
 			complete(r, list[i], -ENOTCONN);
 			continue;
 		}
 		if (list[i]->ask >= 0) { /* ASKING's +OK first */
-			if (redisGetReply(n->c, (void **)&y) != REDIS_OK) {
-				int to = n->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == ETIMEDOUT);
-				node_drop(r, n, n->c->errstr);
-				complete(r, list[i], to ? -ETIMEDOUT : -ENOTCONN);
+			st = rd_reply(n->c->fd, n->rd, NULL, &y, line, sizeof(line), &in_place);
+			if (st) {
+				node_drop(r, n, st == -ETIMEDOUT ? "reply timed out" :
+					  st == -EPROTO ? "a reply kvtier does not read" : "connection lost");
+				complete(r, list[i], st == -ETIMEDOUT ? -ETIMEDOUT : -ENOTCONN);
 				continue;
 			}
-			freeReplyObject(y);
 			list[i]->ask = -1;
 		}
-		if (redisGetReply(n->c, (void **)&y) != REDIS_OK) {
-			int to = n->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == ETIMEDOUT);
-			node_drop(r, n, n->c->errstr);
-			complete(r, list[i], to ? -ETIMEDOUT : -ENOTCONN);
+		st = rd_reply(n->c->fd, n->rd, list[i], &y, line, sizeof(line), &in_place);
+		if (st) {
+			/* the stream cannot be matched to requests any more */
+			node_drop(r, n, st == -ETIMEDOUT ? "reply timed out" :
+				  st == -EPROTO ? "a reply kvtier does not read" : "connection lost");
+			complete(r, list[i], st == -ETIMEDOUT ? -ETIMEDOUT : -ENOTCONN);
 			continue;
 		}
-		st = take_reply(r, list[i], y);
-		freeReplyObject(y);
+		st = take_reply(r, list[i], &y, in_place);
 		pthread_mutex_lock(&r->mu);
 		r->st.round_trips++;
 		pthread_mutex_unlock(&r->mu);
@@ -902,9 +1088,11 @@ static void rl3_close(void *be)
 		pthread_mutex_unlock(&r->mu);
 		pthread_join(r->th, NULL);
 	}
-	for (uint32_t i = 0; i < r->n_nodes; i++)
+	for (uint32_t i = 0; i < r->n_nodes; i++) {
 		if (r->nodes[i].c)
 			redisFree(r->nodes[i].c);
+		free(r->nodes[i].rd);
+	}
 	if (r->efd >= 0)
 		close(r->efd);
 	explicit_bzero(r->pass, sizeof(r->pass));
