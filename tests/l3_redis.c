@@ -23,6 +23,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -639,6 +641,96 @@ static void test_auth(void **st)
 	waitpid(r, NULL, 0);
 }
 
+/* ---- a store that answers what no Redis does ---- */
+
+struct liar {
+	int lfd, port;
+	const char *reply; /* for every command but CLUSTER SLOTS */
+	pthread_t th;
+};
+
+/* One connection: CLUSTER SLOTS answered as a plain Redis, anything else
+ * with l->reply. */
+static void *liar_main(void *arg)
+{
+	struct liar *l = arg;
+	int c = accept(l->lfd, NULL, NULL);
+	char buf[4096];
+	ssize_t n;
+
+	while (c >= 0 && (n = recv(c, buf, sizeof(buf) - 1, 0)) > 0) {
+		buf[n] = 0;
+		const char *a = strstr(buf, "CLUSTER") ? "-ERR This instance has cluster support "
+							 "disabled\r\n" : l->reply;
+		if (send(c, a, strlen(a), MSG_NOSIGNAL) < 0)
+			break;
+	}
+	if (c >= 0)
+		close(c);
+	return NULL;
+}
+
+static void liar_start(struct liar *l, const char *reply)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET };
+	socklen_t len = sizeof(a);
+
+	l->reply = reply;
+	l->lfd = socket(AF_INET, SOCK_STREAM, 0);
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	assert_int_equal(bind(l->lfd, (struct sockaddr *)&a, sizeof(a)), 0);
+	assert_int_equal(listen(l->lfd, 4), 0);
+	assert_int_equal(getsockname(l->lfd, (struct sockaddr *)&a, &len), 0);
+	l->port = ntohs(a.sin_port);
+	assert_int_equal(pthread_create(&l->th, NULL, liar_main, l), 0);
+}
+
+/* The backend reads a round's replies by hand: a malformed reply (a bulk
+ * length that is not a number, a value whose CRLF is missing, an array,
+ * one that is longer than asked) fails the request and drops the
+ * connection -- never a success, never bytes beyond the pieces. */
+static void test_malformed_replies(void **st)
+{
+	static const char *const replies[] = {
+		"$4x\r\nabcd\r\n",             /* not a number (read lax: 4, a value) */
+		"$4\r\nabcdXY",              /* no CRLF after the value */
+		"*1\r\n$4\r\nabcd\r\n",     /* an array */
+		"$8\r\nabcdefgh\r\n",        /* longer than the pieces */
+		"$\r\n",                     /* no length */
+	};
+	(void)st;
+	for (size_t k = 0; k < sizeof(replies) / sizeof(replies[0]); k++) {
+		struct liar l;
+		char url[64], err[256];
+		uint8_t piece[4] = { 0x5a, 0x5a, 0x5a, 0x5a }, guard[4] = { 0x5a, 0x5a, 0x5a, 0x5a };
+		struct iovec iov = { piece, sizeof(piece) };
+		struct kvt_l3_conf c = { .size = sizeof(c), .url = url, .timeout_ms = 500 };
+		struct kvt_l3_req q = { .op = KVT_L3_GET, .n_keys = 1, .iov = &iov, .iovcnt = 1 };
+		struct kvt_l3_req *one[1] = { &q }, *done[1];
+		kvt_l3 *b = NULL;
+		int n = 0;
+
+		liar_start(&l, replies[k]);
+		snprintf(url, sizeof(url), "redis://127.0.0.1:%d", l.port);
+		snprintf(q.key, sizeof(q.key), "kvt:{liar}:0");
+		if (kvt_l3_open(&c, &b, err, sizeof(err)))
+			fail_msg("open: %s", err);
+		assert_int_equal(kvt_l3_submit(b, one, 1), 1);
+		while (n < 1) {
+			struct pollfd p = { .fd = kvt_l3_event_fd(b), .events = POLLIN };
+			poll(&p, 1, 100);
+			n += kvt_l3_reap(b, done, 1);
+		}
+		if (!q.status)
+			fail_msg("reply %zu (%s) was taken as a value", k, replies[k]);
+		if (k != 1) /* (the second's value fits, is read, and then refused) */
+			assert_memory_equal(piece, guard, sizeof(guard));
+		kvt_l3_close(b);
+		close(l.lfd); /* the liar's accept or recv ends */
+		pthread_join(l.th, NULL);
+	}
+}
+
 /* ---- two nodes: the engine's protocol over two segments ---- */
 
 #define NODE_CHUNKS 24
@@ -1234,6 +1326,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_round_trip),
 		cmocka_unit_test(test_forged),
+		cmocka_unit_test(test_malformed_replies),
 		cmocka_unit_test(test_two_nodes),
 		cmocka_unit_test(test_channel),
 		cmocka_unit_test(test_maxmemory),

@@ -657,7 +657,7 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 		e->o.scan = 1024;
 	if (!e->o.negative_ms)
 		e->o.negative_ms = 2000;
-	e->reserve = e->o.jobs / 4;
+	e->reserve = e->o.jobs > 1 && e->o.jobs < 4 ? 1 : e->o.jobs / 4;
 	e->n_shards = kvt_seg_n_shards(s);
 	e->n_slots = kvt_seg_geometry(s)->n_slots;
 	e->payload = kvt_seg_chunk_bytes(s);

@@ -8,9 +8,13 @@
  * connection: all the commands written, then the replies read in order.
  *   PUT is written as RESP by hand, the value with writev straight from
  *   the caller's pieces (header, the arena's sub-slot, tag): hiredis would
- *   copy the value into its own buffer first.  Replies go through hiredis's
- *   reader; a GET's bulk string is copied from it into the pieces (one copy
- *   beyond the socket's; a zero-copy reader is left for later).
+ *   copy the value into its own buffer first.  A round's replies are read
+ *   by hand (rd_*, a RESP subset: status, error, integer, bulk), a GET's
+ *   value straight from the socket into the pieces; hiredis' reader serves
+ *   only the one-command exchanges outside rounds (AUTH, CLUSTER SLOTS,
+ *   the probe), so it never holds a round's bytes.  The timeout is the
+ *   socket's, per read: a server that trickles a reply byte by byte can
+ *   hold the I/O thread longer than timeout_ms (left as it is).
  *   Cluster: the slot map from CLUSTER SLOTS (on open, and again after a
  *   MOVED or a node lost); MOVED retries at the named master and updates
  *   the slot, ASK retries there once behind ASKING; at most MAX_HOPS
@@ -543,8 +547,8 @@ static int rd_value(int fd, struct rdbuf *d, const struct iovec *v, uint32_t cnt
 			got = readv(fd, w, (int)m);
 		while (got < 0 && errno == EINTR);
 		if (got <= 0)
-			return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT
-										 : -ENOTCONN;
+			return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK ||
+					   errno == ETIMEDOUT) ? -ETIMEDOUT : -ENOTCONN;
 		n -= (uint64_t)got;
 		while (got > 0) {
 			size_t room = v[k].iov_len - off, c = (size_t)got < room ? (size_t)got : room;
@@ -557,6 +561,16 @@ static int rd_value(int fd, struct rdbuf *d, const struct iovec *v, uint32_t cnt
 		}
 	}
 	return 0;
+}
+
+/* A reply line's number: digits, an optional '-', nothing else. */
+static int rd_number(const char *p, long long *out)
+{
+	char *end;
+
+	errno = 0;
+	*out = strtoll(p, &end, 10);
+	return end == p || *end || errno ? -EPROTO : 0;
 }
 
 /* One reply, read by hand, as take_reply sees it (y: a hiredis reply on
@@ -576,11 +590,15 @@ static int rd_reply(int fd, struct rdbuf *d, struct kvt_l3_req *q, redisReply *y
 	switch (buf[0]) {
 	case '+': y->type = REDIS_REPLY_STATUS; return 0;
 	case '-': y->type = REDIS_REPLY_ERROR; return 0;
-	case ':': y->type = REDIS_REPLY_INTEGER; y->integer = strtoll(buf + 1, NULL, 10); return 0;
+	case ':':
+		y->type = REDIS_REPLY_INTEGER;
+		return rd_number(buf + 1, &y->integer);
 	case '$': {
-		long long len = strtoll(buf + 1, NULL, 10);
+		long long len;
 		char crlf[2];
-		if (len < 0) {
+		if (rd_number(buf + 1, &len) || len < -1)
+			return -EPROTO;
+		if (len == -1) {
 			y->type = REDIS_REPLY_NIL;
 			return 0;
 		}
@@ -661,14 +679,8 @@ static int take_reply(struct rl3 *r, struct kvt_l3_req *q, redisReply *y, int in
 		q->got = (uint64_t)y->len;
 		if (q->got != iov_len(q))
 			return -EMSGSIZE;
-		if (in_place)
-			return 0;
-		const char *p = y->str;
-		for (uint32_t i = 0; i < q->iovcnt; i++) {
-			memcpy(q->iov[i].iov_base, p, q->iov[i].iov_len);
-			p += q->iov[i].iov_len;
-		}
-		return 0;
+		/* a value of the right length was read into the pieces */
+		return in_place ? 0 : -EIO;
 	}
 	default:
 		return -EINVAL;
