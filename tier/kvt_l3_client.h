@@ -18,8 +18,8 @@ void kvt__l3c_free(kvt_l3c *c);
  * answers that came.  1 when kvtierd's L3 listens, 0 when not. */
 int kvt__l3c_begin(kvt_l3c *c, kvt_seg *s, uint64_t now);
 int kvt__l3c_state(kvt_l3c *c, const kvt_key *k, uint64_t now);
-/* Queues an ask (marked pending); -EAGAIN when the message is full or
- * no connection. */
+/* Queues an ask (marked pending); -ENOBUFS when the message is full
+ * (send it, then queue again), -ENOTCONN when no connection. */
 int kvt__l3c_queue(kvt_l3c *c, const kvt_key *k, uint32_t depth, uint64_t now);
 /* Sends what was queued: 0, or -errno (the asks then are not pending). */
 int kvt__l3c_send(kvt_l3c *c, uint64_t now);

@@ -1129,6 +1129,7 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 		 * not answered "missing". */
 		/* pending and requested before the first chunk the L3 counts */
 		uint32_t l3_from = UINT32_MAX, l3_req = 0, l3_asked = 0;
+		int l3_failed = 0;
 		for (uint32_t i = hits; i < n && hits + pending < cap; i++) {
 			struct kvt_disk_ref ref;
 			if (disk && kvt_disk_find(s, &keys[i], &ref)) {
@@ -1143,10 +1144,20 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 				int st = kvt__l3c_state(t->l3c, &keys[i], t0);
 				if (st == KVT_L3C_NOT_THERE)
 					break;
-				if (st == KVT_L3C_NOT_ASKED &&
-				    (!(flags & KVT_LOOKUP_PROMOTE) ||
-				     kvt__l3c_queue(t->l3c, &keys[i], first + i, t0)))
-					break;
+				if (st == KVT_L3C_NOT_ASKED) {
+					if (!(flags & KVT_LOOKUP_PROMOTE))
+						break;
+					int q = kvt__l3c_queue(t->l3c, &keys[i], first + i, t0);
+					if (q == -ENOBUFS) { /* a message full: sent, and on */
+						if (kvt__l3c_send(t->l3c, t0)) {
+							l3_failed = 1;
+							break;
+						}
+						q = kvt__l3c_queue(t->l3c, &keys[i], first + i, t0);
+					}
+					if (q)
+						break;
+				}
 				if (l3_from == UINT32_MAX) {
 					l3_from = pending;
 					l3_req = requested;
@@ -1160,7 +1171,7 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 			}
 			pending++;
 		}
-		if (l3_asked && kvt__l3c_send(t->l3c, t0)) {
+		if (l3_failed || (l3_asked && kvt__l3c_send(t->l3c, t0))) {
 			/* not asked after all (and, the connection gone, nothing
 			 * earlier is pending either): up to the L3's first only */
 			pending = l3_from;

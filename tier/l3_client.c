@@ -235,8 +235,10 @@ int kvt__l3c_queue(kvt_l3c *c, const kvt_key *k, uint32_t depth, uint64_t now)
 {
 	uint32_t x;
 
-	if (c->fd < 0 || c->q.h.n == KVT_L3C_MAX)
-		return -EAGAIN;
+	if (c->fd < 0)
+		return -ENOTCONN;
+	if (c->q.h.n == KVT_L3C_MAX)
+		return -ENOBUFS;
 	x = slot_of(k);
 	c->t[x].k = *k;
 	c->t[x].st = C_ASKED;

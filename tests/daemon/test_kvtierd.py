@@ -1343,6 +1343,12 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
 
         until(answered, "the cold prefix to be answered missing")
         assert metric(b.get("/metrics")[1], "kvtier_l3_misses_total") >= 1
+        # a long one: asked whole, in several messages of 64
+        long_cold = s.hash_tokens(prompt(100, seed=26))
+        got = s.lookup_ex(long_cold)
+        assert (got.hits, got.pending, got.requested) == (0, 100, 100), \
+            (got.hits, got.pending, got.requested)
+        got.release()
 
         # node B's kvtierd killed -9 with gets in flight
         for x in ranks_b:
