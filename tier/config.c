@@ -203,6 +203,9 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 		return r;
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_COPY_THREADS", 1, 64, 0, &e->copy_threads, err, len)))
 		return r;
+	if ((r = pick_u32(cfg, 0, 0, "KVTIER_TEST_DMA_FAULT", 1, UINT32_MAX, 0, &e->test_dma_fault,
+			  err, len)))
+		return r;
 	if ((r = pick_u32(cfg, cfg->n_instances != 0, cfg->n_instances, "KVTIER_INSTANCES",
 			  1, KVT_MAX_INSTANCES, 1, &e->n_instances, err, len)))
 		return r;

@@ -18,6 +18,8 @@ struct kvt_tier_env {
 	uint32_t role, instance, rank, world;
 	uint32_t chunk_tokens, max_inflight, n_instances, log_level;
 	uint32_t copy_threads;   /* KVTIER_COPY_THREADS; 0: sized by the backend */
+	uint32_t test_dma_fault; /* KVTIER_TEST_DMA_FAULT: testing, host backend: the
+				  * nth copy ticket this rank submits fails (0: none) */
 	uint32_t numa_fallback;
 	uint32_t witness;        /* KVTIER_WITNESS: 1 on (default), 0 off */
 	uint64_t tier_bytes;

@@ -965,6 +965,7 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	 * instance's world at least (its ranks may still be attaching), or
 	 * every rank of every instance attached now */
 	dc.n_workers = t->env.copy_threads;
+	dc.fault_nth = t->env.test_dma_fault; /* testing: a copy that fails */
 	dc.flags |= KVT_DMA_F_HOST_WORKERS; /* KVTIER_COPY_THREADS: not CUDA's streams */
 	{
 		int live = kvt_seg_live_ranks(t->seg);

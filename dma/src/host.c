@@ -147,6 +147,17 @@ static void unit_copy(const struct unit *u)
 	}
 }
 
+/* The test fault (fault_nth): the copy fails having written junk, as a
+ * DMA that faults part way leaves its destination -- nobody may read it.
+ * 0x47 bytes are large finite numbers in bf16 and fp16 (~5e4), so KV read
+ * from them changes a model's output (a skipped copy left KV that often
+ * did not). */
+static void unit_junk(const struct unit *u)
+{
+	for (uint32_t r = 0; r < u->rows; r++)
+		memset(u->dst + (uint64_t)r * u->dpitch, 0x47, u->len);
+}
+
 /* Claims a batch of j's units, copies them and accounts for them.  Called
  * and returns with be->lock held; drops it while copying. */
 static void run_batch(struct host_be *be, struct hjob *j)
@@ -176,9 +187,11 @@ static void run_batch(struct host_be *be, struct hjob *j)
 	}
 	pthread_mutex_unlock(&be->lock);
 
-	if (!j->fault)
-		for (uint32_t i = first; i < end; i++)
+	for (uint32_t i = first; i < end; i++)
+		if (!j->fault)
 			unit_copy(&j->units[i]);
+		else
+			unit_junk(&j->units[i]);
 
 	pthread_mutex_lock(&be->lock);
 	j->done += end - first;

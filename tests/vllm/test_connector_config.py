@@ -261,12 +261,22 @@ def test_loads_skip_the_null_block():
     c = sched_connector(SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2,
                                           head_size=64, dtype=torch.bfloat16))
     c._reqs["a"] = request("a", 740)
-    c._to_load["a"] = (7, 0, 20, 0)    # lease 7, from chunk 0, 20 chunks
-    meta = c.build_connector_meta(step_output(
-        new=[("a", [0] * 16 + [30, 31, 32, 33] + [34, 35, 36], 0)], scheduled={"a": 100}))
+    blocks = [0] * 16 + [30, 31, 32, 33] + [34, 35, 36]
+    c._to_load["a"] = (7, 0, 20, 0, [blocks])    # lease 7, from chunk 0, 20 chunks
+    meta = c.build_connector_meta(step_output(new=[("a", blocks, 0)], scheduled={"a": 100}))
     assert len(meta.loads) == 1
     tab = meta.loads[0].block_ids[0]
     assert tab == [kv.kvtier.BLOCK_SKIP] * 16 + [30, 31, 32, 33]
+
+
+class _Blocks:
+    """vLLM's KVCacheBlocks as update_state_after_alloc sees them."""
+
+    def __init__(self, *groups):
+        self.groups = [list(g) for g in groups]
+
+    def get_block_ids(self):
+        return tuple(self.groups)
 
 
 def test_local_hit_inside_a_chunk():
@@ -287,12 +297,12 @@ def test_local_hit_inside_a_chunk():
     c._tier = LookupTier()
     req = request("a", 1200)
     ext, is_async = c.get_num_new_matched_tokens(req, 160)
-    assert c._tier.asked == 8 and ext == 8 * 128 - 32 and not is_async   # chunks 1..8
+    assert c._tier.asked == 8 and ext == 8 * 128 - 32 and is_async   # chunks 1..8
     assert c._tier.depth == 1   # the L3 is asked for them at their depth in the prompt
-    c.update_state_after_alloc(req, None, ext)
-    assert c._to_load["a"] == (9, 1, 8, 32)
-    meta = c.build_connector_meta(step_output(new=[("a", list(range(100, 138)), 160)],
-                                              scheduled={"a": 100}))
+    c.update_state_after_alloc(req, _Blocks(range(100, 138)), ext)
+    assert c._to_load["a"] == (9, 1, 8, 32, [list(range(100, 138))])
+    # an asynchronous load: the request is not scheduled in this step
+    meta = c.build_connector_meta(step_output())
     tab = meta.loads[0].block_ids[0]
     assert tab[0] == kv.kvtier.BLOCK_SKIP and tab[1:] == list(range(105, 136))
     # a hit that is not whole blocks (never from vLLM): nothing added
@@ -333,6 +343,7 @@ class _Tier:
 def _saving_connector(monkeypatch, log, fail=None, device="cuda"):
     c = kv.KvtierConnector.__new__(kv.KvtierConnector)
     c._tier = _Tier(log, fail)
+    c._s = SimpleNamespace(async_io=False)
     c._save_order = "stream" if device == "cuda" else None
     c._kv_device = SimpleNamespace(type=device)
     c._stat = lambda *a: None
@@ -366,3 +377,173 @@ def test_saves_wait_for_the_forward_pass(monkeypatch):
     c = _saving_connector(monkeypatch, log, device="cpu")
     c.wait_for_save()
     assert log == ["save"]
+
+
+# ---- loads and saves off the step (kvtier_async, the default) ----
+
+class _AsyncOp:
+    """A kvtier Op whose completion the test decides: poll() is False until
+    finish(); fail() makes it raise as a failed copy does."""
+
+    def __init__(self, log, name, count=1):
+        self.log, self.name, self.count = log, name, count
+        self.state = "running"
+
+    def finish(self):
+        self.state = "done"
+
+    def fail(self):
+        self.state = "failed"
+
+    def poll(self):
+        if self.state == "failed":
+            raise kvtier.KvtierError(-5, "the copy failed", func="kvt_poll")
+        return self.state == "done"
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+        if self.state == "running":
+            self.state = "done"
+        return self.poll()
+
+
+class _AsyncTier:
+    def __init__(self, log):
+        self.log, self.ops = log, {}
+
+    def _op(self, name):
+        op = self.ops[name] = _AsyncOp(self.log, name)
+        return op
+
+    def save(self, keys, tables, first_depth=0):
+        self.log.append(("save", first_depth))
+        return self._op("save%d" % first_depth)
+
+    def load(self, lease, tables, n):
+        self.log.append(("load", lease))
+        return self._op("load%d" % lease)
+
+
+def worker_connector(log):
+    c = kv.KvtierConnector.__new__(kv.KvtierConnector)
+    c._s = SimpleNamespace(async_io=True)
+    c._tier = _AsyncTier(log)
+    c._stats = kv.KvtierConnectorStats()
+    c._save_order = None
+    c._worker_state()
+    return c
+
+
+def bind(c, meta):
+    c._get_connector_metadata = lambda: meta
+
+
+def test_async_save_holds_the_blocks_until_copied():
+    """Scheduler: a request that had saves is finished with its blocks held
+    (request_finished -> True), one without is not.  Worker: it reports the
+    request in finished_sending only once vLLM said it finished AND its
+    saves completed, and only once."""
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 100)
+    c._reqs["b"] = request("b", 20)
+    meta = c.build_connector_meta(step_output(new=[("a", [1, 2, 3, 4], 0), ("b", [5], 0)],
+                                              scheduled={"a": 100, "b": 20}))
+    assert [sv.req_id for sv in meta.saves] == ["a"]
+    assert c.request_finished(c._reqs["a"], [1, 2, 3, 4]) == (True, None)
+    assert c.request_finished(c._reqs["b"], [5]) == (False, None)
+
+    log = []
+    w = worker_connector(log)
+    bind(w, meta)
+    w.wait_for_save()
+    assert log == [("save", 0)]                        # submitted, not waited for
+    r = w.get_transfer_results(set())
+    assert not r.finished_sending                      # still running, not finished
+    r = w.get_transfer_results({"a", "b"})             # vLLM: a and b finished
+    assert not r.finished_sending                      # a's save still reads its blocks
+    w._tier.ops["save0"].finish()
+    assert w.get_transfer_results(set()).finished_sending == {"a"}
+    assert not w.get_transfer_results(set()).finished_sending  # reported once
+    assert ("wait", "save0") not in log
+
+
+def test_preemption_flushes_the_saves_reading_freed_blocks():
+    """vLLM frees a preempted request's blocks at once: its running saves
+    end in handle_preemptions, before the forward pass that may write the
+    blocks; another request's save runs on.  A windowed group (blocks
+    freed as the window moves) flushes every running save."""
+    log = []
+    w = worker_connector(log)
+    saves = [kv._Save("a", bytes(16), 0, [[1]]), kv._Save("b", bytes(16), 1, [[2]])]
+    bind(w, kv.KvtierConnectorMetadata(saves=saves))
+    w.wait_for_save()
+    w.handle_preemptions(kv.KvtierConnectorMetadata(flush=["a"]))
+    assert ("wait", "save0") in log and ("wait", "save1") not in log
+    assert list(w._saves) == ["b"]
+    w.handle_preemptions(kv.KvtierConnectorMetadata(flush_all=True))
+    assert ("wait", "save1") in log and not w._saves
+
+    # the scheduler asks for those flushes
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 100)
+    c.build_connector_meta(step_output(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    out = step_output()
+    out.preempted_req_ids = {"a"}
+    meta = c.build_connector_meta(out)
+    assert meta.flush == ["a"] and not meta.flush_all
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    c = sched_connector(SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2,
+                                          head_size=64, dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 100)
+    c.build_connector_meta(step_output(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    assert c.build_connector_meta(step_output()).flush_all
+
+
+def test_async_load_reported_and_its_failure_recomputed():
+    """Worker: a load is submitted, never waited for in the step, and
+    reported in finished_recving when it ended; a failed one also in
+    failed_recving (vLLM then recomputes its tokens).  Scheduler: the
+    request's load is in the metadata although it is not scheduled, and
+    its lease stays live in the stale sweep until the ranks reported it."""
+    log = []
+    w = worker_connector(log)
+    bind(w, kv.KvtierConnectorMetadata(loads=[kv._Load("x", 5, 2, [[1, 2]], True),
+                                              kv._Load("y", 6, 1, [[3]], True)]))
+    w.start_load_kv(None)
+    assert log == [("load", 5), ("load", 6)]
+    r = w.get_transfer_results(set())
+    assert not r.finished_recving and not r.failed_recving
+    w._tier.ops["load5"].finish()
+    w._tier.ops["load6"].fail()
+    r = w.get_transfer_results(set())
+    assert r.finished_recving == {"x", "y"} and r.failed_recving == {"y"}
+    assert w._stats.data["load_errors"] == 1 and w._stats.data["loaded_chunks"] == 2
+    assert not w.get_transfer_results(set()).finished_recving
+    assert not [e for e in log if e[0] == "wait"]
+
+    class StepTier(FakeTier):
+        def lookup_ex(self, keys, first_depth=None):
+            return SimpleNamespace(hits=len(keys), pending=0, hand_off=lambda: 9,
+                                   release=lambda: None)
+
+        def step(self, live):
+            self.live = list(live)
+
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16))
+    c._tier = StepTier()
+    req = request("a", 200)
+    ext, is_async = c.get_num_new_matched_tokens(req, 0)
+    assert ext == 192 and is_async
+    c.update_state_after_alloc(req, _Blocks(range(10, 17)), ext)
+    meta = c.build_connector_meta(step_output())
+    assert [(ld.req_id, ld.lease, ld.n_chunks, ld.is_async) for ld in meta.loads] == \
+        [("a", 9, 6, True)]
+    assert meta.loads[0].block_ids == [list(range(10, 16))]
+    c.build_connector_meta(step_output())
+    assert c._tier.live == [9]                     # still loading: not swept
+    c.update_connector_output(SimpleNamespace(finished_recving={"a"}))
+    c.build_connector_meta(step_output())
+    assert c._tier.live == []

@@ -273,6 +273,27 @@ def test_second_engine_is_served_what_the_first_saved(engines, model, segment):
         e2.close()
 
 
+def test_failed_load_is_recomputed(engines, model, segment):
+    """A load whose copy fails (the host backend's test fault: the rank's
+    2nd copy ticket) is reported to vLLM as failed (failed_recving), and
+    vLLM recomputes the request: the output is the baseline's, never one
+    computed from the blocks the failed copy left unwritten.  Its lease is
+    swept, nothing stays pinned.  (Shown failing: a connector that reports
+    the failed load as a success parts from the baseline.)"""
+    e3 = Engine(model, kv(segment, 1), env={"KVTIER_TEST_DMA_FAULT": "2"})
+    try:
+        want = engines["base"].generate([OTHERS[1]])
+        assert e3.generate([OTHERS[1]]) == want
+        m = e3.metrics()
+        assert m.get("vllm:kvtier_load_errors", 0) >= 1, m
+        assert m.get("vllm:kvtier_hit_tokens", 0) >= 32 * CHUNK   # it was a hit, then failed
+        e3.generate([SHORT[0]])     # steps enough for the stale sweep
+        st = stats(segment)
+        assert st["leases_live"] == 0 and st["slots_pinned"] == 0, st
+    finally:
+        e3.close()
+
+
 def test_aborted_and_preempted_requests_leave_no_pin(engines, segment):
     e1 = engines["e1"]
     m0 = e1.metrics()

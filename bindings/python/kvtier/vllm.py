@@ -164,6 +164,7 @@ class _Load:
     lease: int
     n_chunks: int
     block_ids: list      # one list per KV cache group; BLOCK_SKIP: leave it
+    is_async: bool = False  # the request waits in WAITING_FOR_REMOTE_KVS
 
 
 @dataclass
@@ -178,6 +179,12 @@ class _Save:
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     saves: list = field(default_factory=list)
+    # saves still in flight that must end before this step's forward pass:
+    # those of the requests preempted since the last step (vLLM freed their
+    # blocks), or every one when flush_all (a windowed group: vLLM frees a
+    # running request's blocks as its window moves on)
+    flush: list = field(default_factory=list)
+    flush_all: bool = False
 
 
 # ---- stats: through vLLM's KV-connector stats to its log and /metrics ----
@@ -192,8 +199,12 @@ STATS = {
                   "(vLLM's null block: outside a sliding window, or freed)",
     "loaded_chunks": "chunk shards loaded into vLLM's KV cache (per rank)",
     "saved_chunks": "chunk shards written to kvtier (per rank; deduplicated ones not counted)",
-    "load_seconds": "seconds the ranks waited for loads",
-    "save_seconds": "seconds the ranks waited for saves",
+    "load_seconds": "seconds the ranks spent on loads: waiting in the step (synchronous), "
+                    "or from submission to completion seen (asynchronous)",
+    "save_seconds": "seconds the ranks' steps waited for saves (submission, and the flushes "
+                    "before a forward pass that reuses a saved block)",
+    "load_errors": "loads that failed (their tokens are recomputed by vLLM, never used)",
+    "save_errors": "saves that failed (those chunks are simply not in the tier)",
 }
 
 if KVConnectorStats is not None:
@@ -309,6 +320,16 @@ class _Settings:
                                  float)
         if self.disk_wait_ms < 0:
             raise ValueError("kvtier: kvtier_disk_wait_ms=%r must be >= 0" % self.disk_wait_ms)
+        # loads and saves off the step (the default), or waited for in it
+        self.async_io = _opt(extra, "kvtier_async", "KVTIER_ASYNC", True, _bool)
+        # chunk copies in flight per rank: an asynchronous load or save moves
+        # on only when the step polls it, once a step, so a window of the
+        # library's default (32 chunks) would spread a long prompt's load
+        # over several steps.  0: the library's (KVTIER_MAX_INFLIGHT).
+        self.max_inflight = int(extra.get("kvtier_max_inflight") or 0)
+        if not self.max_inflight and self.async_io and \
+                os.environ.get("KVTIER_MAX_INFLIGHT") is None:
+            self.max_inflight = 1024
         mc = vllm_config.model_config
         default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
         self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model)
@@ -376,6 +397,8 @@ class _Settings:
             kw["rank"] = rank
         if self.dma and role == "rank":
             kw["dma"] = self.dma
+        if self.max_inflight and role == "rank":
+            kw["max_inflight"] = self.max_inflight
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -470,10 +493,26 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # -- scheduler side --
 
+    @property
+    def requires_kv_delivery(self):
+        """A best-effort cache: a save dropped with a preempted request is a
+        future miss, never a reason to recompute the request."""
+        return False
+
     def _sched_init(self):
         s = self._s
         self._tier = s.open("scheduler")
         self._sched_state()
+        ktc = self._vllm_config.kv_transfer_config
+        if s.async_io and getattr(ktc, "kv_load_failure_policy", "recompute") == "fail":
+            # vLLM fails a request whose load failed unless told to
+            # recompute it; for a cache a failed load is a miss.
+            policy = _opt(ktc.kv_connector_extra_config or {}, "kvtier_load_failure_policy",
+                          "KVTIER_LOAD_FAILURE_POLICY", "recompute")
+            if policy not in ("recompute", "fail"):
+                raise ValueError("kvtier: kvtier_load_failure_policy=%r: expected recompute "
+                                 "or fail" % policy)
+            ktc.kv_load_failure_policy = policy
         logger.info("kvtier: scheduler of instance %d on segment '%s' (world %d, %d-token "
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
                     "vLLM's %s block hashes" % s.hash_algo if s.prefix_caching
@@ -492,6 +531,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._to_load = {}    # req_id -> (lease, first chunk, n chunks, offset): allocated
         self._blocks = {}     # req_id -> block ids per KV cache group, as vLLM allocated them
         self._saved = {}      # req_id -> chunks considered for saving (from chunk 0)
+        self._saving = set()  # req_ids with asynchronous saves issued (blocks held at finish)
+        self._loading = {}    # req_id -> lease of an asynchronous load not reported done
+        self._failed = set()  # req_ids whose asynchronous load failed: recomputed
         self._next_reap = 0.0
 
     def _keys(self, request, first_chunk, n):
@@ -513,6 +555,14 @@ class KvtierConnector(KVConnectorBase_V1):
         s = self._s
         self._reqs[request.request_id] = request
         self._release_pending(request.request_id)
+        if request.request_id in self._failed:
+            # Its load failed: vLLM recomputes it, and kvtier does not ask
+            # again.  Answered 0 and synchronous on purpose: vLLM 0.32 keeps
+            # a request whose asynchronous load failed in its in-flight
+            # prefills, reserving the request's whole size against its own
+            # next asynchronous admission, so a prompt over half the free
+            # KV cache could never be admitted again (seen: a livelock).
+            return 0, False
         # vLLM computes at least the prompt's last token itself
         usable = (request.num_tokens - 1) // s.chunk_tokens
         # A local hit that ends inside a chunk (chunks of several blocks):
@@ -551,7 +601,7 @@ class KvtierConnector(KVConnectorBase_V1):
         lid = lease.hand_off()
         self._pending[request.request_id] = (lid, first, lease.hits, off)
         self._stat("hit_tokens", ext)
-        return ext, False
+        return ext, s.async_io
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
@@ -563,7 +613,10 @@ class KvtierConnector(KVConnectorBase_V1):
         if n <= 0:
             self._tier.release(lid)
             return
-        self._to_load[rid] = (lid, first, min(n, hits), off)
+        # the request's blocks now: an asynchronous load's request is not
+        # scheduled this step, so scheduler output will not list them
+        ids = [list(g) for g in blocks.get_block_ids()]
+        self._to_load[rid] = (lid, first, min(n, hits), off, ids)
 
     def build_connector_meta(self, scheduler_output):
         s = self._s
@@ -571,8 +624,15 @@ class KvtierConnector(KVConnectorBase_V1):
         bpc = s.blocks_per_chunk
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._release_pending(rid)
-            self._to_load.pop(rid, None)
+            tl = self._to_load.pop(rid, None)
+            if tl:
+                self._tier.release(tl[0])
             self._blocks.pop(rid, None)
+            if rid in self._saving:
+                meta.flush.append(rid)  # vLLM freed the blocks its saves read
+        # a window moving on frees a running request's blocks (see the design
+        # comment): saves from earlier steps end before this step's forward
+        meta.flush_all = bool(self._saving) and any(w is not None for w in s.windows)
         for nr in scheduler_output.scheduled_new_reqs:
             self._blocks[nr.req_id] = [list(g) for g in nr.block_ids]
             self._saved.setdefault(nr.req_id, 0)
@@ -590,17 +650,18 @@ class KvtierConnector(KVConnectorBase_V1):
         # loads: into the blocks vLLM allocated for the hit tokens; its null
         # block (outside a window: never attended) is skipped
         live = []
-        for rid, (lid, first, n, off) in self._to_load.items():
-            blocks = self._blocks.get(rid)
-            if blocks is None or any(len(b) < (first + n) * bpc for b in blocks):
+        for rid, (lid, first, n, off, blocks) in self._to_load.items():
+            if any(len(b) < (first + n) * bpc for b in blocks):
                 self._tier.release(lid)
                 continue
             have = off // s.block_size  # blocks of the first chunk vLLM computed itself
             tables = [[kvtier.BLOCK_SKIP if x == 0 or i < have else x
                        for i, x in enumerate(b[first * bpc:(first + n) * bpc])]
                       for b in blocks]
-            meta.loads.append(_Load(rid, lid, n, tables))
+            meta.loads.append(_Load(rid, lid, n, tables, s.async_io))
             live.append(lid)
+            if s.async_io:
+                self._loading[rid] = lid
             self._saved[rid] = max(self._saved.get(rid, 0), first + n)
         self._to_load.clear()
         # saves: the chunks that become full in this step, whose blocks hold
@@ -635,10 +696,15 @@ class KvtierConnector(KVConnectorBase_V1):
                 keys = self._keys(req, c, e - c)
                 meta.saves.append(_Save(rid, keys.tobytes(), c,
                                         [b[c * bpc:e * bpc] for b in blocks]))
+                if s.async_io:
+                    self._saving.add(rid)
                 c = e
         # the two-step stale sweep: leases looked up and not in this step's
         # loads for two steps are released
         live.extend(p[0] for p in self._pending.values())
+        # an asynchronous load's lease is live until its ranks reported it
+        # (a rank that has not loaded yet still needs its pins)
+        live.extend(self._loading.values())
         try:
             self._tier.step(live)
             # Without kvtierd nobody else frees what a killed engine left
@@ -653,6 +719,11 @@ class KvtierConnector(KVConnectorBase_V1):
         except kvtier.KvtierError as e:
             logger.warning("kvtier: step: %s", e)
         return meta
+
+    def update_connector_output(self, connector_output):
+        for rid in connector_output.finished_recving or ():
+            self._loading.pop(rid, None)
+        self._failed.update(getattr(connector_output, "failed_recving", None) or ())
 
     def _chunk_saveable(self, blocks, c, done0):
         """Chunk c's blocks, in every group, hold this request's KV during
@@ -677,6 +748,12 @@ class KvtierConnector(KVConnectorBase_V1):
             self._tier.release(tl[0])
         for d in (self._reqs, self._blocks, self._saved):
             d.pop(rid, None)
+        self._failed.discard(rid)
+        # Asynchronous saves may still read its blocks: vLLM keeps them
+        # until every rank reports the request in finished_sending.
+        if rid in self._saving:
+            self._saving.discard(rid)
+            return True, None
         return False, None
 
     # -- worker side --
@@ -695,8 +772,19 @@ class KvtierConnector(KVConnectorBase_V1):
                                                                     s.tp, s.pp, s.world))
         self._rank = get_pp_group().rank_in_group * s.tp + get_tensor_model_parallel_rank()
         self._tier = s.open("rank", rank=self._rank)
+        self._worker_state()
         logger.info("kvtier: rank %d of %d (instance %d) on segment '%s'", self._rank,
                     s.world, s.instance, s.segment)
+
+    def _worker_state(self):
+        """The worker side's transfer state (empty)."""
+        self._loads = {}             # req_id -> (op, _Load, t0): asynchronous loads running
+        self._saves = {}             # req_id -> [op]: asynchronous saves running
+        self._save_rids = set()      # req_ids that had asynchronous saves (as the scheduler's)
+        self._finished_saving = set()  # of those, finished in vLLM, to report when done
+        self._done_loads = set()     # asynchronous loads ended since the last report
+        self._failed_loads = set()   # of those, failed
+        self._bad_blocks = set()     # blocks of failed synchronous loads
 
     def register_kv_caches(self, kv_caches):
         """Each layer's tensor must hold its blocks at a fixed stride on some
@@ -750,14 +838,46 @@ class KvtierConnector(KVConnectorBase_V1):
         stream.synchronize()
 
     def start_load_kv(self, forward_context, **kwargs):
+        """Submits this step's loads.  A synchronous one (kvtier_async off)
+        is waited for here, before the forward pass that reads its blocks;
+        an asynchronous one only submitted (vLLM calls this after launching
+        the forward pass when the step has no synchronous load): its
+        request waits in WAITING_FOR_REMOTE_KVS until get_finished reports
+        it, and is scheduled only then, so no kernel reads its blocks
+        before the copy completed."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierConnectorMetadata) or not meta.loads:
             return
-        t0 = time.perf_counter()
         for ld in meta.loads:
-            self._tier.load(ld.lease, _tables(ld.block_ids), n=ld.n_chunks).wait()
-            self._stat("loaded_chunks", ld.n_chunks)
-        self._stat("load_seconds", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            try:
+                op = self._tier.load(ld.lease, _tables(ld.block_ids), n=ld.n_chunks)
+            except kvtier.KvtierError as e:
+                self._load_failed(ld, e)
+                continue
+            if ld.is_async:
+                self._loads[ld.req_id] = (op, ld, t0)
+                continue
+            try:
+                op.wait()
+                self._stat("loaded_chunks", ld.n_chunks)
+            except kvtier.KvtierError as e:
+                self._load_failed(ld, e)
+            self._stat("load_seconds", time.perf_counter() - t0)
+
+    def _load_failed(self, ld, e):
+        """A load that failed: vLLM recomputes its tokens.  An asynchronous
+        one is reported by request (failed_recving, with finished_recving);
+        a synchronous one by its blocks, in this step."""
+        logger.warning("kvtier: load of %d chunk(s) for %s failed (%s): vLLM recomputes "
+                       "them", ld.n_chunks, ld.req_id, e)
+        self._stat("load_errors")
+        if ld.is_async:
+            self._done_loads.add(ld.req_id)
+            self._failed_loads.add(ld.req_id)
+        else:
+            self._bad_blocks.update(x for b in ld.block_ids for x in b
+                                    if x != kvtier.BLOCK_SKIP)
 
     def wait_for_layer_load(self, layer_name):
         return
@@ -765,21 +885,115 @@ class KvtierConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         return
 
+    def handle_preemptions(self, kv_connector_metadata):
+        """Before the step's forward pass (and before vLLM zeroes or loads
+        into reused blocks): the saves that read blocks vLLM has freed
+        since they were submitted end now."""
+        meta = kv_connector_metadata
+        if not isinstance(meta, KvtierConnectorMetadata) or not self._saves:
+            return
+        rids = list(self._saves) if meta.flush_all else [r for r in meta.flush
+                                                          if r in self._saves]
+        if rids:
+            t0 = time.perf_counter()
+            for rid in rids:
+                for op in self._saves.pop(rid):
+                    self._finish_save(op, wait=True)
+            self._stat("save_seconds", time.perf_counter() - t0)
+
     def wait_for_save(self):
+        """Submits this step's saves, ordered after the forward pass on a
+        GPU.  Asynchronous (the default): the copies run on while the next
+        steps are scheduled and run; the request's blocks stay its own
+        until then (vLLM frees them at finish only once get_finished has
+        reported it, and a preemption or a moving window flushes them in
+        handle_preemptions).  Synchronous: waited for here."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierConnectorMetadata) or not meta.saves:
             return
+        t0 = time.perf_counter()
         self._order_saves()
         for sv in meta.saves:
             keys = np.frombuffer(sv.keys, dtype="<u8").reshape(-1, 2)
-            t0 = time.perf_counter()
-            op = self._tier.save(np.ascontiguousarray(keys), _tables(sv.block_ids),
-                                 first_depth=sv.first_depth)
-            op.wait()
+            if self._s.async_io:
+                self._save_rids.add(sv.req_id)
+            try:
+                op = self._tier.save(np.ascontiguousarray(keys), _tables(sv.block_ids),
+                                     first_depth=sv.first_depth)
+            except kvtier.KvtierError as e:
+                logger.warning("kvtier: save for %s: %s", sv.req_id, e)
+                self._stat("save_errors")
+                continue
+            if self._s.async_io:
+                self._saves.setdefault(sv.req_id, []).append(op)
+            else:
+                self._finish_save(op, wait=True)
+        self._stat("save_seconds", time.perf_counter() - t0)
+
+    def _finish_save(self, op, wait):
+        """True when the save op is complete (counted), False while it runs."""
+        try:
+            if not (op.wait() if wait else op.poll()):
+                return False
             self._stat("saved_chunks", op.count)
-            self._stat("save_seconds", time.perf_counter() - t0)
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: a save failed (%s): its chunks are not in the tier", e)
+            self._stat("save_errors")
+        return True
+
+    def get_transfer_results(self, finished_req_ids):
+        """Loads and saves completed since the last step.  Every rank gets
+        the same metadata, so every rank reports each request once: a load
+        when its op ended (failed ones in failed_recving too), a finished
+        request's saves once vLLM said it finished and none is running."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+        now = time.perf_counter()
+        for rid, (op, ld, t0) in list(self._loads.items()):
+            try:
+                if not op.poll():
+                    continue
+                self._stat("loaded_chunks", ld.n_chunks)
+                self._done_loads.add(rid)
+            except kvtier.KvtierError as e:
+                self._load_failed(ld, e)
+            self._stat("load_seconds", now - t0)
+            del self._loads[rid]
+        for rid, ops in list(self._saves.items()):
+            ops[:] = [op for op in ops if not self._finish_save(op, wait=False)]
+            if not ops:
+                del self._saves[rid]
+        self._finished_saving.update(r for r in finished_req_ids if r in self._save_rids)
+        sent = {r for r in self._finished_saving if r not in self._saves}
+        self._finished_saving -= sent
+        self._save_rids -= sent
+        res = KVConnectorTransferResults(finished_sending=sent,
+                                         finished_recving=set(self._done_loads),
+                                         failed_recving=set(self._failed_loads))
+        self._done_loads.clear()
+        self._failed_loads.clear()
+        return res
+
+    def get_finished(self, finished_req_ids):
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self):
+        bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
 
     def shutdown(self):
+        if self._tier is not None and self._role == KVConnectorRole.WORKER:
+            for op, _, _ in self._loads.values():
+                try:
+                    op.wait()
+                except kvtier.KvtierError:
+                    pass
+            for ops in self._saves.values():
+                for op in ops:
+                    self._finish_save(op, wait=True)
+            self._loads.clear()
+            self._saves.clear()
         if self._tier is not None:
             self._tier.close()
             self._tier = None
