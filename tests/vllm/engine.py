@@ -16,7 +16,8 @@ Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n}
 -> {"outputs": [[ids]]};  {"cmd": "metrics"} -> vLLM's counters;
 {"cmd": "abort", "prompts": [[ids]], "steps": k} (adds them, runs k steps,
 aborts them, runs until idle) -> {};  {"cmd": "reset_prefix_cache"};
-{"cmd": "exit"}.
+{"cmd": "itl", ...} (bench/vllm_itl.py: token times of decoders while long
+prompts are added, see itl()); {"cmd": "exit"}.
 """
 
 import json
@@ -97,9 +98,42 @@ def main():
             # processed it (and run the connector's request_finished).
             llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params(1), use_tqdm=False)
             ans = {"aborted": len(ids)}
+        elif c == "itl":
+            ans = itl(llm, m, params, TokensPrompt)
         else:
             ans = {"error": "unknown command %r" % c}
         print(json.dumps(ans), file=out, flush=True)
+
+
+def itl(llm, m, params, TokensPrompt):
+    """Decoders, and long prompts added once they decode: each request's
+    token times (seconds since the long prompts were added), for
+    bench/vllm_itl.py.  {"cmd": "itl", "decoders": [[ids]], "decode_tokens":
+    n, "long": [[ids]], "after": k (steps before the long prompts)}"""
+    eng = llm.llm_engine
+    tag = time.monotonic_ns()
+    for i, p in enumerate(m["decoders"]):
+        eng.add_request("d%d-%d" % (tag, i), TokensPrompt(prompt_token_ids=p),
+                        params(m["decode_tokens"]))
+    times, seen, t_add, steps = {}, {}, None, 0
+    while eng.has_unfinished_requests():
+        if steps == m.get("after", 4):
+            t_add = time.perf_counter()
+            for i, p in enumerate(m["long"]):
+                eng.add_request("L%d-%d" % (tag, i), TokensPrompt(prompt_token_ids=p),
+                                params(1))
+        outs = eng.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if n > seen.get(o.request_id, 0):
+                seen[o.request_id] = n
+                times.setdefault(o.request_id, []).append(now)
+    base = t_add or 0.0
+    return {"times": {("long" if k.startswith("L") else "dec") + k.split("-", 1)[1]:
+                      [t - base for t in v] for k, v in times.items()},
+            "steps": steps}
 
 
 if __name__ == "__main__":

@@ -294,6 +294,23 @@ def test_failed_load_is_recomputed(engines, model, segment):
         e3.close()
 
 
+def test_synchronous_mode(engines, model, segment):
+    """kvtier_async off: loads and saves waited for in the step, as before
+    the asynchronous path became the default; the same outputs, loaded
+    from the tier."""
+    e4 = Engine(model, kv(segment, 1, kvtier_async=False))
+    try:
+        want = engines["base"].generate([OTHERS[0]])
+        s0 = stats(segment)
+        assert e4.generate([OTHERS[0]]) == want
+        s1 = stats(segment)
+        assert s1["hit_tokens"] - s0["hit_tokens"] >= 32 * CHUNK
+        m = e4.metrics()
+        assert m.get("vllm:external_prefix_cache_hits", 0) == s1["hit_tokens"] - s0["hit_tokens"]
+    finally:
+        e4.close()
+
+
 def test_aborted_and_preempted_requests_leave_no_pin(engines, segment):
     e1 = engines["e1"]
     m0 = e1.metrics()

@@ -29,10 +29,44 @@ request at once:
     lease; a lookup whose request is never scheduled is released by the
     two-step stale sweep (kvt_step with this step's loads).
 
-Loads run in start_load_kv and saves in wait_for_save, both waited for in
-the step (synchronous: on the CPU backend the copy is a memcpy of the
-blocks; on GPUs the same calls use the driver's DMA engines).  Only whole
-chunks are saved; a chunk is chunk_tokens (a multiple of vLLM's block size,
+Loads and saves off the step (kvtier_async, the default).  On the CPU
+backend a copy is a memcpy of the blocks by the rank's copy threads; on
+GPUs the driver's DMA engines.  Neither holds up the batch:
+
+  * a hit is answered as an asynchronous load (get_num_new_matched_tokens
+    -> (tokens, True)): vLLM allocates its blocks (update_state_after_alloc
+    gives them: the request is not in this step's scheduler output), puts
+    it in WAITING_FOR_REMOTE_KVS, and the ranks submit the load in
+    start_load_kv; get_transfer_results reports it once its op ended, and
+    only then does vLLM schedule the request, so no kernel reads a block
+    before its copy completed.  The lease stays in the stale sweep's live
+    set until the ranks reported it (a rank that has not loaded yet still
+    needs the pins).  A failed load is reported in failed_recving (with
+    finished_recving): vLLM recomputes the request (kv_load_failure_policy
+    recompute, set by the scheduler side unless kvtier_load_failure_policy
+    says fail), and kvtier is not asked for it again.
+  * saves are submitted in wait_for_save (ordered after the forward pass
+    on a GPU) and polled once a step.  What they read must stay the
+    request's KV until they end; vLLM gives a block away in three ways:
+      - the request finishes: request_finished returns True for a request
+        that had saves, vLLM keeps its blocks until every rank reported it
+        in finished_sending, which a rank does once vLLM said it finished
+        and none of its saves runs;
+      - preemption frees the blocks at once: the scheduler names the
+        preempted requests in the next step's metadata and the ranks end
+        their saves in handle_preemptions, which vLLM calls before that
+        step's forward pass (and before any zeroing or load of a reused
+        block);
+      - a sliding window or chunked local group frees a running request's
+        blocks as the window moves on (and at finish, before
+        request_finished): with such a group every running save ends in
+        handle_preemptions, so a save still never outlives the step after
+        the one it was submitted in, which the saving rule below assumes.
+  * each rank may have 1024 chunk copies in flight (kvtier_max_inflight):
+    a load or save moves on only when the step polls it, once a step.
+
+kvtier_async false waits for loads in start_load_kv and for saves in
+wait_for_save, inside the step.  Only whole chunks are saved; a chunk is chunk_tokens (a multiple of vLLM's block size,
 default: one block).  vLLM's own prefix-cache hits are whole blocks, so
 with larger chunks a local hit may end inside one: the lookup then starts
 at that chunk, vLLM is told the tokens after its own hit, and the load
@@ -63,8 +97,9 @@ layers to full attention: a model has one group type here):
     retained tail of speculative decoding only keeps more).  A chunk is
     saved only in the step it becomes full, and only when all its blocks
     are at or past skipped(n) and none is the null block: its KV is in its
-    blocks until the step ends (saves are waited for in the step).  Chunks
-    that fell out of the window before they were full, or were a local
+    blocks until the step ends, and no save runs past the next step's
+    start (see above).  Chunks that fell out of the window before they
+    were full, or were a local
     hit's null blocks, are never saved; the tier then holds a prefix with a
     hole, and lookups stop at the hole (a shorter hit, never a wrong one).
     A load writes every block vLLM gave the request and skips the null
