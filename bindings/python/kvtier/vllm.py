@@ -167,7 +167,7 @@ if not any(vllm.__version__.startswith(v) for v in VLLM_VERSIONS) and \
         % (" / ".join(v + "x" for v in VLLM_VERSIONS), vllm.__version__))
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
 from vllm.logger import init_logger  # noqa: E402
 
 # Under vLLM's own logger ("vllm"), so that the lines reach vLLM's handlers
@@ -981,8 +981,6 @@ class KvtierConnector(KVConnectorBase_V1):
         the same metadata, so every rank reports each request once: a load
         when its op ended (failed ones in failed_recving too), a finished
         request's saves once vLLM said it finished and none is running."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
-            KVConnectorTransferResults
         now = time.perf_counter()
         for rid, (op, ld, t0) in list(self._loads.items()):
             try:
