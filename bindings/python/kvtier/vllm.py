@@ -66,11 +66,13 @@ GPUs the driver's DMA engines.  Neither holds up the batch:
     a load or save moves on only when the step polls it, once a step.
 
 kvtier_async false waits for loads in start_load_kv and for saves in
-wait_for_save, inside the step.  Only whole chunks are saved; a chunk is chunk_tokens (a multiple of vLLM's block size,
-default: one block).  vLLM's own prefix-cache hits are whole blocks, so
-with larger chunks a local hit may end inside one: the lookup then starts
-at that chunk, vLLM is told the tokens after its own hit, and the load
-skips the chunk's blocks vLLM already has (KVT_BLOCK_SKIP).
+wait_for_save, inside the step.
+
+Only whole chunks are saved; a chunk is chunk_tokens (a multiple of vLLM's
+block size, default: one block). vLLM's own prefix-cache hits are whole
+blocks, so with larger chunks a local hit may end inside one: the lookup
+then starts at that chunk, vLLM is told the tokens after its own hit, and
+the load skips the chunk's blocks vLLM already has (KVT_BLOCK_SKIP).
 
 Which KV a chunk holds, per KV cache group type.  kvtier stores a chunk
 only when every block of it, in every group, holds KV that vLLM computed
@@ -99,8 +101,7 @@ layers to full attention: a model has one group type here):
     are at or past skipped(n) and none is the null block: its KV is in its
     blocks until the step ends, and no save runs past the next step's
     start (see above).  Chunks that fell out of the window before they
-    were full, or were a local
-    hit's null blocks, are never saved; the tier then holds a prefix with a
+    were full, or were a local hit's null blocks, are never saved; the tier then holds a prefix with a
     hole, and lookups stop at the hole (a shorter hit, never a wrong one).
     A load writes every block vLLM gave the request and skips the null
     ones (KVT_BLOCK_SKIP): those tokens are never attended.
@@ -361,10 +362,11 @@ class _Settings:
         # on only when the step polls it, once a step, so a window of the
         # library's default (32 chunks) would spread a long prompt's load
         # over several steps.  0: the library's (KVTIER_MAX_INFLIGHT).
-        self.max_inflight = int(extra.get("kvtier_max_inflight") or 0)
-        if not self.max_inflight and self.async_io and \
-                os.environ.get("KVTIER_MAX_INFLIGHT") is None:
-            self.max_inflight = 1024
+        self.max_inflight = _opt(extra, "kvtier_max_inflight", "KVTIER_MAX_INFLIGHT",
+                                 1024 if self.async_io else 0, int)
+        if not 0 <= self.max_inflight <= 4096:
+            raise ValueError("kvtier: kvtier_max_inflight=%d: expected 1..4096"
+                             % self.max_inflight)
         mc = vllm_config.model_config
         default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
         self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model)
@@ -539,7 +541,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._tier = s.open("scheduler")
         self._sched_state()
         ktc = self._vllm_config.kv_transfer_config
-        if s.async_io and getattr(ktc, "kv_load_failure_policy", "recompute") == "fail":
+        if getattr(ktc, "kv_load_failure_policy", "recompute") == "fail":
             # vLLM fails a request whose load failed unless told to
             # recompute it; for a cache a failed load is a miss.
             policy = _opt(ktc.kv_connector_extra_config or {}, "kvtier_load_failure_policy",
