@@ -50,8 +50,13 @@ if [ -d bindings/python/tests ]; then
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
     /usr/bin/python3 -m pytest -q -p no:cacheprovider bindings/python/tests
 fi
+# Mooncake Store's wheel (its master and the client kvtierd's companion
+# runs), for the L3 tests on a real Mooncake Store
+mooncake=${KVTIER_MOONCAKE_VENV:-$PWD/build/mooncake-venv}
+scripts/mooncake.sh "$mooncake" | tail -1
+export KVTIER_MOONCAKE_PYTHON="$mooncake/bin/python"
 if [ -x build/tier/daemon/kvtierd ]; then
-  echo "== kvtier test: kvtierd (real daemon, rank processes, curl, Prometheus, tmux)"
+  echo "== kvtier test: kvtierd (real daemon, rank processes, curl, Prometheus, tmux, Redis, Mooncake)"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
     /usr/bin/python3 -m pytest -q -p no:cacheprovider tests/daemon
 else

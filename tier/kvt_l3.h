@@ -84,12 +84,24 @@ struct kvt_l3_req {
 
 struct kvt_l3_conf {
 	size_t size;               /* sizeof(struct kvt_l3_conf) */
-	const char *url;           /* redis://HOST:PORT[,HOST:PORT...] */
+	const char *url;           /* redis://HOST:PORT[,HOST:PORT...], or
+				    * mooncake://MASTER[:PORT][?k=v&...] */
 	const char *auth_file;     /* "password" or "user password"; NULL: none */
 	uint32_t timeout_ms;       /* connect and per-command; 0: 1000 */
 	uint32_t depth;            /* requests queued at most; 0: 256 */
 	void (*log)(int level, const char *msg, void *arg); /* NULL: stderr */
 	void *log_arg;
+	/* The memory the payload pieces lie in, for a backend whose transport
+	 * moves bytes straight from and to registered memory (mooncake: its
+	 * companion maps mem_fd from mem_off and registers mem_len bytes).
+	 * NULL: none (redis needs none; mooncake then refuses to open).  A
+	 * piece outside it goes through the backend's own small buffer, so it
+	 * must be small (headers and tags: at most 256 bytes a request). */
+	const void *mem;
+	uint64_t mem_len, mem_off;
+	int mem_fd;                /* the file mem is mapped from (at mem_off) */
+	const char *python;        /* mooncake: the Python with the wheel; NULL:
+				    * $KVTIER_MOONCAKE_PYTHON, else python3 */
 };
 
 struct kvt_l3_status {

@@ -15,5 +15,6 @@ struct kvt_l3_ops {
 };
 
 extern const struct kvt_l3_ops kvt__l3_redis_ops;
+extern const struct kvt_l3_ops kvt__l3_mooncake_ops;
 
 #endif

@@ -20,6 +20,7 @@ static const struct kvt_l3_ops *const backends[] = {
 #ifdef KVTIER_HAVE_HIREDIS
 	&kvt__l3_redis_ops,
 #endif
+	&kvt__l3_mooncake_ops,
 	NULL,
 };
 
@@ -50,8 +51,8 @@ int kvt_l3_open(const struct kvt_l3_conf *c, kvt_l3 **out, char *err, size_t len
 	if (!strncmp(c->url, "redis://", 8))
 		return snprintf(err, len, "l3 %s: kvtier was built without hiredis "
 				"(libhiredis-dev)", c->url), -ENOSYS;
-	return snprintf(err, len, "l3 %s: unknown scheme (redis://HOST:PORT[,HOST:PORT...])",
-			c->url), -EINVAL;
+	return snprintf(err, len, "l3 %s: unknown scheme (redis://HOST:PORT[,HOST:PORT...] or "
+			"mooncake://MASTER[:PORT][?...])", c->url), -EINVAL;
 }
 
 int kvt_l3_submit(kvt_l3 *l, struct kvt_l3_req *const *reqs, uint32_t n)

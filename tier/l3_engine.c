@@ -686,6 +686,19 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 	/* room for every job's requests: submit never comes back short */
 	if (e->o.store.depth < e->o.jobs * e->n_shards)
 		e->o.store.depth = e->o.jobs * e->n_shards;
+	/* the arena, for a backend that registers it (mooncake): its file
+	 * is the handle's own description, so a companion that maps it keeps
+	 * this entry -- and the claims its gets land in -- live as long as
+	 * it can write (l3_mooncake.c) */
+	void *arena;
+	uint64_t arena_len;
+	if (!e->o.store.mem && !kvt_seg_arena(s, UINT32_MAX, &arena, &arena_len) &&
+	    kvt_seg_lock_fd(s) >= 0) {
+		e->o.store.mem = arena;
+		e->o.store.mem_len = arena_len;
+		e->o.store.mem_off = (uint64_t)((uint8_t *)arena - (uint8_t *)kvt_seg_base(s));
+		e->o.store.mem_fd = kvt_seg_lock_fd(s);
+	}
 	rc = kvt_l3_open(&e->o.store, &e->l3, err, len);
 	if (rc)
 		goto fail;

@@ -1164,22 +1164,39 @@ class TwoNets:
     ranks reach their kvtierd through the sockets beside the segment, which
     every namespace of the same filesystem sees."""
 
-    def __init__(self):
+    def __init__(self, bridged=False):
+        """bridged: the nodes also reach each other (one bridge, one /24 --
+        Mooncake's clients read from each other's segments); else each has
+        a /30 to the host only."""
         pid = os.getpid()
         net = 10 + pid % 200
         self.ns, self.store, self.node = [], ["127.0.0.1"] * 2, ["127.0.0.1"] * 2
+        self.bridge = None
         try:
+            if bridged:
+                net = 210 + pid % 40
+                self.bridge = "kb%d" % pid
+                self._ip("link", "add", self.bridge, "type", "bridge")
+                self._ip("addr", "add", "10.214.%d.1/24" % net, "dev", self.bridge)
+                self._ip("link", "set", self.bridge, "up")
             for i, ab in enumerate("ab"):
                 ns, hv, nv = "kvt%d%s" % (pid, ab), "kh%d%s" % (pid, ab), "kn%d%s" % (pid, ab)
-                hostip, nodeip = "10.213.%d.%d" % (net, 4 * i + 1), "10.213.%d.%d" % (net, 4 * i + 2)
+                if bridged:
+                    hostip, nodeip, plen = "10.214.%d.1" % net, "10.214.%d.%d" % (net, 2 + i), 24
+                else:
+                    hostip, nodeip, plen = ("10.213.%d.%d" % (net, 4 * i + 1),
+                                            "10.213.%d.%d" % (net, 4 * i + 2), 30)
                 self._ip("netns", "add", ns)
                 self.ns.append(ns)
                 self._ip("link", "add", hv, "type", "veth", "peer", "name", nv)
                 self._ip("link", "set", nv, "netns", ns)
-                self._ip("addr", "add", hostip + "/30", "dev", hv)
+                if bridged:
+                    self._ip("link", "set", hv, "master", self.bridge)
+                else:
+                    self._ip("addr", "add", "%s/%d" % (hostip, plen), "dev", hv)
                 self._ip("link", "set", hv, "up")
-                for c in (("addr", "add", nodeip + "/30", "dev", nv), ("link", "set", nv, "up"),
-                          ("link", "set", "lo", "up")):
+                for c in (("addr", "add", "%s/%d" % (nodeip, plen), "dev", nv),
+                          ("link", "set", nv, "up"), ("link", "set", "lo", "up")):
                     self._ip("netns", "exec", ns, "ip", *c)
                 self.store[i], self.node[i] = hostip, nodeip
         except (OSError, subprocess.CalledProcessError):
@@ -1197,6 +1214,9 @@ class TwoNets:
         for ns in self.ns:  # its veth ends go with it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self.ns = []
+        if self.bridge:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+            self.bridge = None
 
 
 def side_files(name):

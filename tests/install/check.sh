@@ -18,7 +18,8 @@ if [ "$mode" = deb ]; then
   for f in ./usr/include/kvtier.h ./usr/sbin/kvtierd ./usr/bin/kvtier-stat \
            ./usr/bin/kvtier-size ./usr/bin/kvtier-bench ./usr/lib/systemd/system/kvtierd.service \
            ./etc/kvtier/kvtierd.conf ./usr/lib/sysusers.d/kvtier.conf \
-           ./usr/lib/tmpfiles.d/kvtier.conf ./usr/libexec/kvtier/kvtier-witness; do
+           ./usr/lib/tmpfiles.d/kvtier.conf ./usr/libexec/kvtier/kvtier-witness \
+           ./usr/libexec/kvtier/kvtier-l3-mooncake; do
     grep -q " $f\$" "$tmp/contents" || { echo "deb: $f missing"; cat "$tmp/contents"; exit 1; }
   done
   grep -q "libkvtier.so.1" "$tmp/contents" || { echo "deb: libkvtier.so.1 missing"; exit 1; }
@@ -42,7 +43,7 @@ libdir=$(cd "$p" && { ls -d lib*/pkgconfig lib/*/pkgconfig 2>/dev/null || true; 
 [ -n "$libdir" ] || { echo "no pkgconfig directory under the prefix"; cat "$tmp/install.log"; exit 1; }
 for f in include/kvtier.h sbin/kvtierd bin/kvtier-stat bin/kvtier-size bin/kvtier-bench \
          lib/systemd/system/kvtierd.service etc/kvtier/kvtierd.conf "$libdir/kvtier.pc" \
-         libexec/kvtier/kvtier-witness; do
+         libexec/kvtier/kvtier-witness libexec/kvtier/kvtier-l3-mooncake; do
   [ -e "$p/$f" ] || { echo "not installed: $f"; cat "$tmp/install.log"; exit 1; }
 done
 { ls "$p"/lib*/libkvtier.so.1 "$p"/lib/*/libkvtier.so.1 2>/dev/null || true; } | grep -q . \

@@ -1030,7 +1030,7 @@ int main(int argc, char **argv)
 			.admit = o.l3_admit, .negative_ms = o.l3_negative_ms, .log = l3_log };
 		struct kvt_l3e_info in;
 		lo.store = (struct kvt_l3_conf){ .size = sizeof(lo.store), .url = o.l3_url,
-						 .auth_file = o.l3_auth,
+						 .auth_file = o.l3_auth, .python = o.l3_python,
 						 .timeout_ms = o.l3_timeout_ms, .log = l3_log };
 		r = kvt_l3e_open(D.seg, &lo, &D.l3, err, sizeof(err));
 		if (r) {

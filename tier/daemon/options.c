@@ -31,7 +31,7 @@ enum {
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
 	O_VERSION, O_VLLM_BLOCK, O_DISK, O_DISK_GIB, O_DISK_DIRECT, O_DISK_ADMIT,
 	O_DISK_DEPTH, O_DISK_RESET, O_DISK_KEY, O_L3, O_L3_ADMIT, O_L3_AUTH_FILE, O_L3_KEY,
-	O_L3_TIMEOUT, O_L3_NEGATIVE,
+	O_L3_TIMEOUT, O_L3_NEGATIVE, O_L3_PYTHON,
 };
 
 static const struct option LONGOPTS[] = {
@@ -79,6 +79,7 @@ static const struct option LONGOPTS[] = {
 	{ "l3-key", required_argument, NULL, O_L3_KEY },
 	{ "l3-timeout-ms", required_argument, NULL, O_L3_TIMEOUT },
 	{ "l3-negative-ms", required_argument, NULL, O_L3_NEGATIVE },
+	{ "l3-python", required_argument, NULL, O_L3_PYTHON },
 	{ "version", no_argument, NULL, O_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -143,16 +144,22 @@ static void usage(FILE *f)
 "  --disk-key PATH         the chunk MAC's key file (default: PATH.key beside the\n"
 "                          disk file; a block device needs one); made, mode 0600,\n"
 "                          when the disk is formatted\n"
-"L3 tier (a distributed store shared by the nodes: Redis Cluster, or one Redis)\n"
+"L3 tier (a distributed store shared by the nodes: Redis Cluster, one Redis, or\n"
+"Mooncake Store)\n"
 "  --l3 URL                redis://HOST:PORT[,HOST:PORT...] (any of the cluster's\n"
-"                          masters; the rest are found)\n"
+"                          masters; the rest are found), or\n"
+"                          mooncake://MASTER[:PORT][?metadata=URL|P2PHANDSHAKE\n"
+"                          &protocol=tcp|rdma&device=NIC&host=ADDR&segment=SIZE]\n"
 "  --l3-key PATH           the fleet's object key: the same file on every node\n"
 "                          (made, mode 0600, when missing: copy it to the others)\n"
 "  --l3-admit POLICY       all | second-hit | none (default all)\n"
 "  --l3-auth-file PATH     \"password\" or \"user password\" (an ACL user), mode 0600\n"
 "  --l3-timeout-ms N       connect and command timeout (default 1000)\n"
 "  --l3-negative-ms N      how long a chunk the store lacked is not asked for\n"
-"                          again (default 2000)\n",
+"                          again (default 2000)\n"
+"  --l3-python PATH        mooncake: the Python that has Mooncake's wheel\n"
+"                          (scripts/mooncake.sh; default $KVTIER_MOONCAKE_PYTHON,\n"
+"                          else python3)\n",
 		DEFAULT_PORT);
 }
 
@@ -337,8 +344,10 @@ static int apply(struct opts *o, int c, const char *arg)
 		o->disk_key = arg;
 		return 0;
 	case O_L3:
-		if (strncmp(arg, "redis://", 8) || !arg[8])
-			return bad("l3", arg, "redis://HOST:PORT[,HOST:PORT...]");
+		if ((strncmp(arg, "redis://", 8) || !arg[8]) &&
+		    (strncmp(arg, "mooncake://", 11) || !arg[11]))
+			return bad("l3", arg, "redis://HOST:PORT[,HOST:PORT...] or "
+				   "mooncake://MASTER[:PORT][?...]");
 		o->l3_url = arg;
 		return 0;
 	case O_L3_ADMIT:
@@ -355,6 +364,11 @@ static int apply(struct opts *o, int c, const char *arg)
 		o->l3_key = arg;
 		return 0;
 	case O_L3_TIMEOUT: return parse_u32("l3-timeout-ms", arg, 10, 600000, &o->l3_timeout_ms);
+	case O_L3_PYTHON:
+		if (!*arg)
+			return bad("l3-python", arg, "a Python interpreter's path");
+		o->l3_python = arg;
+		return 0;
 	case O_L3_NEGATIVE:
 		return parse_u32("l3-negative-ms", arg, 1, 3600000, &o->l3_negative_ms);
 	default: return -EINVAL;
@@ -637,7 +651,8 @@ int kvtd_opts_parse(struct opts *o, int argc, char **argv)
 			"same file on every node\n");
 		return -EINVAL;
 	}
-	if (!o->l3_url && (o->l3_key || o->l3_auth || o->l3_timeout_ms || o->l3_negative_ms)) {
+	if (!o->l3_url && (o->l3_key || o->l3_auth || o->l3_timeout_ms || o->l3_negative_ms ||
+			   o->l3_python)) {
 		fprintf(stderr, "kvtierd: --l3-key, --l3-auth-file, --l3-timeout-ms and "
 			"--l3-negative-ms go with --l3 URL\n");
 		return -EINVAL;

@@ -43,7 +43,7 @@ struct opts {
 	const char *disk_key;     /* --disk-key: the chunk MAC's key file */
 	uint64_t disk_chunks;     /* planned from the file: the segment's index */
 	/* the L3 tier */
-	const char *l3_url, *l3_auth, *l3_key;
+	const char *l3_url, *l3_auth, *l3_key, *l3_python;
 	uint32_t l3_admit, l3_timeout_ms, l3_negative_ms;
 	struct kvtd_str *strings; /* the config file's values, owned */
 };

@@ -1,0 +1,356 @@
+"""kvtierd's L3 on a real Mooncake Store: mooncake_master from Mooncake's
+wheel (scripts/mooncake.sh makes the environment; KVTIER_MOONCAKE_PYTHON
+names its Python), two nodes -- two segments, two kvtierd, each in a
+network namespace of its own on one bridge where the host allows, else on
+loopback -- and each kvtierd's companion (tier/l3_mooncake.py) contributing
+a segment of its memory to the store.
+
+Run by scripts/test.sh with the rest of tests/daemon."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from test_kvtierd import (KVTIER_STAT, T, WORLD, Daemon, Rank, TwoNets, expected_sha,  # noqa: F401
+                          free_port, metric, name, procs, prompt, remove_segment, scheduler,
+                          side_files, until)
+
+MC_PY = os.environ.get("KVTIER_MOONCAKE_PYTHON", "")
+FORGE = r"""
+import sys, urllib.request
+from mooncake.store import MooncakeDistributedStore as S
+master, admin = sys.argv[1], sys.argv[2]
+body = urllib.request.urlopen("http://%s/get_all_keys" % admin, timeout=10).read().decode()
+keys = [k for k in body.replace(",", " ").replace('"', " ").split() if k.startswith("kvt:")]
+s = S()
+# no segment of its own (0): what it writes lives in the nodes' segments
+assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master) == 0
+n = 0
+for k in keys:
+    v = s.get(k)
+    if not v or len(v) < 81:
+        continue
+    b = bytearray(v)
+    b[64 + (len(b) - 80) // 2] ^= 0x01          # one bit of the payload
+    if s.upsert(k, bytes(b)) == 0:
+        n += 1
+print(n)
+"""
+
+
+def need_mooncake():
+    if not MC_PY or not os.access(MC_PY, os.X_OK):
+        pytest.fail("KVTIER_MOONCAKE_PYTHON is not set to a Python with Mooncake's wheel "
+                    "(scripts/mooncake.sh VENV makes one; scripts/test.sh does)")
+    return os.path.join(os.path.dirname(MC_PY), "mooncake_master")
+
+
+class Master:
+    """A mooncake_master of the test's own: RPC on every address (the nodes'
+    namespaces reach it over the bridge), its admin HTTP on loopback."""
+
+    def __init__(self, tmp_path):
+        self.bin = need_mooncake()
+        self.port, self.admin = free_port(), free_port()
+        self.logf = open(str(tmp_path / "master.log"), "ab")
+        self.p = None
+        self.start()
+
+    def start(self):
+        self.p = subprocess.Popen([self.bin, "--rpc_port=%d" % self.port,
+                                   "--metrics_port=%d" % self.admin,
+                                   "--http_metadata_server_host=127.0.0.1"],
+                                  stdout=self.logf, stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, MC_LOG_LEVEL="WARNING",
+                                           GLOG_minloglevel="1"))
+
+        def up():
+            assert self.p.poll() is None, "mooncake_master exited"
+            try:
+                urllib.request.urlopen("http://127.0.0.1:%d/health" % self.admin, timeout=2)
+                return True
+            except OSError:
+                return False
+        until(up, "mooncake_master up")
+
+    def keys(self):
+        body = urllib.request.urlopen("http://127.0.0.1:%d/get_all_keys" % self.admin,
+                                      timeout=10).read().decode()
+        return [k for k in body.replace(",", "\n").replace('"', " ").split()
+                if k.startswith("kvt:")]
+
+    def segments(self):
+        """The mounted segments (a client with segment=0 mounts none)."""
+        return urllib.request.urlopen("http://127.0.0.1:%d/get_all_segments" % self.admin,
+                                      timeout=10).read().decode().split()
+
+    def kill(self):
+        if self.p and self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+    def close(self):
+        self.kill()
+        self.logf.close()
+
+
+def test_l3_mooncake_two_nodes(name, procs, tmp_path):
+    """Node A's prefix is a byte-exact hit on node B through Mooncake Store;
+    a prefix no one has is a miss; a get torn and never answered is killed
+    at its deadline and is a miss (the companion killed and waited for
+    before its claim goes); kvtierd killed -9 with a get torn in flight:
+    nothing half-got is ever a hit, and the restarted daemon gets the chunks
+    byte-exact; the master killed: the L3 is down, the node degraded, DRAM
+    still answers, and back up by itself once a master runs again; node A
+    killed: its segment's objects are misses on B, never wrong; objects
+    forged by a client without the fleet key (one bit flipped, upserted):
+    refused, never served."""
+    net = TwoNets(bridged=True)
+    procs.append(net)
+    m = Master(tmp_path)
+    procs.append(m)
+    key = str(tmp_path / "fleet.key")
+    hold = str(tmp_path / "hold")
+
+    def url(i, segment="64M"):
+        return "mooncake://%s:%d?segment=%s" % (net.store[i], m.port, segment)
+
+    common = ["--l3-key", key, "--l3-timeout-ms", "300", "--l3-negative-ms", "300",
+              "--l3-python", MC_PY]
+    name_b = name[:-2] + "-b"
+    remove_segment(name_b)
+    try:
+        node_a = dict(instances=1, slots=64, prefix=net.prefix(0), host=net.node[0])
+        a = Daemon(name, extra=["--l3", url(0), "--l3-admit", "all"] + common, **node_a)
+        procs.append(a)
+        assert "l3 tier: mooncake store: master " in a.log(), a.log()
+        ranks_a = [Rank(name, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_a)
+        for k in ranks_a:
+            for seed in (21, 22, 24, 25, 30, 31):
+                assert k.cmd(cmd="save", seed=seed, chunks=8)["count"] == 8
+        until(lambda: metric(a.get("/metrics")[1], "kvtier_l3_puts_total") >= 48,
+              "node A to put its 48 chunks")
+        assert len(m.keys()) == 48 * WORLD  # one object per (chunk, shard)
+
+        # node B: admission none, and no memory of its own in the store
+        # (segment=0): every object lives in node A's segment
+        node_b = dict(instances=1, slots=32, prefix=net.prefix(1), host=net.node[1])
+        extra_b = ["--l3", url(1, "0"), "--l3-admit", "none"] + common
+        b = Daemon(name_b, extra=extra_b, **node_b)
+        procs.append(b)
+        ranks_b = [Rank(name_b, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_b)
+        s = scheduler(name_b, 0)
+        procs.append(s)
+
+        def promoted(keys, want):
+            def f():
+                s.step([])
+                got = s.lookup_ex(keys)
+                if got.hits == want:
+                    return got
+                got.release()
+                return None
+            return f
+
+        def load_exact(keys, ranks, seed, what):
+            lease = until(promoted(keys, 8), what)
+            lid = lease.hand_off()
+            s.step([lease])
+            for k in ranks:
+                assert k.cmd(cmd="load", lease=lid, chunks=8)["sha"] == \
+                    expected_sha(k.r, seed, 8), "rank %d loaded other bytes (%s)" % (k.r, what)
+
+        def never_hit(keys, what, rounds=10, first=0):
+            """keys[first:] are never hits (the prefix stops before it)."""
+            for _ in range(rounds):
+                s.step([])
+                g = s.lookup_ex(keys, promote=False)
+                assert g.hits <= first, "%s: served" % what
+                g.release()
+                time.sleep(0.05)
+
+        def held(keys):
+            """The companion's held get: its pid, and which of keys its chunk
+            is (the store key names it: kvt:{fingerprint hi lo}:shard).  The
+            other chunks' gets, in other batches, may complete: hits, and
+            exact (the loads check)."""
+            until(lambda: os.path.exists(hold), "a get torn and held", timeout=60)
+            pid, skey = open(hold).read().split()
+            hi, lo = int(skey[21:37], 16), int(skey[37:53], 16)
+            idx = [i for i, k in enumerate(keys) if (k.hi, k.lo) == (hi, lo)]
+            assert len(idx) == 1, (skey, keys)
+            return int(pid), idx[0]
+
+        keys21 = s.hash_tokens(prompt(8, seed=21))
+        first = s.lookup_ex(keys21)
+        assert (first.hits, first.pending) == (0, 8), (first.hits, first.pending)
+        first.release()
+        load_exact(keys21, ranks_b, 21, "node B's lookups to hit A's chunks")
+        _, mt = b.get("/metrics")
+        assert metric(mt, "kvtier_l3_gets_total") == 8
+        assert metric(mt, "kvtier_l3_refused_total") == 0
+        assert metric(mt, "kvtier_l3_up") == 1
+        st = subprocess.run([KVTIER_STAT, name_b], capture_output=True, text=True, timeout=30)
+        l3line = [ln for ln in st.stdout.splitlines() if ln.startswith("l3 ")]
+        assert l3line and " up  mooncake store" in l3line[0] and " 8 got " in l3line[0], \
+            st.stdout
+
+        # a prefix no node has: answered missing, then not pending
+        cold = s.hash_tokens(prompt(4, seed=23))
+
+        def answered():
+            g = s.lookup_ex(cold)
+            g.release()
+            return g.pending == 0 and g.hits == 0
+        until(answered, "the cold prefix to be answered missing")
+
+        # a get torn and never answered: at the deadline (10 x 300 ms + 5 s)
+        # kvtierd kills its companion, waits for it, and only then fails the
+        # get -- a miss; a new companion then serves the same chunks exactly
+        for x in ranks_b:
+            x.close()
+        s.close()
+        assert b.stop() == 0
+        b = Daemon(name_b, extra=extra_b, **dict(node_b, prefix=["env",
+                   "KVTIER_TEST_MOONCAKE_HOLD=" + hold] + net.prefix(1)))
+        procs.append(b)
+        s = scheduler(name_b, 0)
+        procs.append(s)
+        ranks_b = [Rank(name_b, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_b)
+        keys22 = s.hash_tokens(prompt(8, seed=22))
+        g = s.lookup_ex(keys22)
+        g.release()
+        _, torn = held(keys22)
+        never_hit(keys22, "a chunk of a torn get", first=torn)
+        until(lambda: "did not answer within 8000 ms: killed" in b.log(),
+              "the companion killed at the deadline", timeout=60)
+        load_exact(keys22, ranks_b, 22, "the chunks from a new companion")
+        # the held companion wrote junk every 20 ms while it lived: it no
+        # longer does (killed before its get failed).  Node B's 32 slots
+        # filled (the torn get's slot among them), nothing changes after.
+        more = [(seed, s.hash_tokens(prompt(8, seed=seed))) for seed in (30, 31)]
+        for seed, keys in more:
+            load_exact(keys, ranks_b, seed, "B's slots filled")
+        time.sleep(0.5)
+        for seed, keys in more + [(22, keys22)]:
+            load_exact(keys, ranks_b, seed, "the chunks, again")
+        assert metric(b.get("/metrics")[1], "kvtier_l3_refused_total") == 0
+
+        # kvtierd killed -9 with a torn get in flight: its companion dies
+        # with it (and keeps the daemon's entry, hence the claims, alive
+        # until it has exited); nothing half-got is a hit
+        os.unlink(hold)
+        keys24 = s.hash_tokens(prompt(8, seed=24))
+        g = s.lookup_ex(keys24)
+        g.release()
+        companion, torn = held(keys24)
+        b.p.kill()
+        b.p.wait()
+        until(lambda: not os.path.exists("/proc/%d" % companion) or
+              open("/proc/%d/stat" % companion).read().split(")")[1].split()[0] == "Z",
+              "the companion gone with kvtierd")
+        never_hit(keys24, "a chunk half-got by a killed kvtierd", first=torn)
+        b = Daemon(name_b, extra=extra_b, **node_b)
+        procs.append(b)
+        load_exact(keys24, ranks_b, 24, "the restarted kvtierd to get the chunks")
+
+        # the master killed: the L3 is down, the node degraded, DRAM answers
+        m.kill()
+        until(lambda: metric(b.get("/metrics")[1], "kvtier_l3_up") == 0, "the L3 marked down")
+        code, body = b.get("/healthcheck")
+        h = json.loads(body)
+        assert code == 200 and h["l3"] == "down", body
+        got = s.lookup_ex(keys24, promote=False)
+        assert got.hits == 8  # DRAM still answers
+        got.release()
+        keys25 = s.hash_tokens(prompt(8, seed=25))
+        never_hit(keys25, "a chunk asked of a store that is down", rounds=3)
+        # back: the companions mount their segments on the new master by
+        # themselves (its objects were lost with it: a restarted master
+        # is empty); what A saves now is put, and B gets it exactly
+        m.start()
+        until(lambda: metric(b.get("/metrics")[1], "kvtier_l3_up") == 1, "the L3 up again")
+        # (a put the store fails is dropped, not retried: A saves once its
+        # companion has mounted its segment on the new master again)
+        until(lambda: len(m.segments()) == 1, "node A's segment mounted again")
+        for k in ranks_a:
+            assert k.cmd(cmd="save", seed=26, chunks=8)["count"] == 8
+        until(lambda: len(m.keys()) >= 8 * WORLD, "node A's new chunks put", timeout=60)
+        load_exact(s.hash_tokens(prompt(8, seed=26)), ranks_b, 26, "chunks put after the restart")
+
+        # forged: a client without the fleet key flips one payload bit of
+        # every object in the store and upserts it
+        for k in ranks_a:
+            assert k.cmd(cmd="save", seed=27, chunks=8)["count"] == 8
+        until(lambda: len(m.keys()) >= 16 * WORLD, "node A's seed-27 chunks put", timeout=60)
+        fp = subprocess.run([MC_PY, "-c", FORGE, "127.0.0.1:%d" % m.port,
+                             "127.0.0.1:%d" % m.admin], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, MC_LOG_LEVEL="ERROR"))
+        assert fp.returncode == 0 and int(fp.stdout.split()[-1]) >= 8 * WORLD, fp.stdout + fp.stderr
+        keys27 = s.hash_tokens(prompt(8, seed=27))
+        before = metric(b.get("/metrics")[1], "kvtier_l3_refused_total")
+
+        def refused_not_served():
+            s.step([])
+            g = s.lookup_ex(keys27)
+            g.release()
+            assert g.hits == 0, "a forged object: served"
+            return metric(b.get("/metrics")[1], "kvtier_l3_refused_total") > before
+        until(refused_not_served, "the forged objects refused")
+        never_hit(keys27, "a forged object")
+
+        # node A killed: the objects in its segment are misses on B
+        for k in ranks_a:
+            assert k.cmd(cmd="save", seed=28, chunks=8)["count"] == 8
+        until(lambda: len(m.keys()) >= 24 * WORLD, "node A's seed-28 chunks put", timeout=60)
+        for k in ranks_a:
+            k.kill()
+        a.p.kill()
+        a.p.wait()
+        keys28 = s.hash_tokens(prompt(8, seed=28))
+        g = s.lookup_ex(keys28)
+        g.release()
+        never_hit(keys28, "a chunk of a node that is gone", rounds=20)
+        assert b.p.poll() is None
+        for x in ranks_b:
+            x.close()
+        s.close()
+        assert b.stop() == 0
+        assert "l3 tier closed" in b.log()
+    finally:
+        remove_segment(name_b)
+        for f in side_files(name_b) + side_files(name):
+            if os.path.exists(f):
+                os.unlink(f)
+
+
+def test_l3_mooncake_settings_refused(name, procs, tmp_path):
+    """A bad mooncake:// URL, and a Python without Mooncake's wheel: the
+    start fails, the reason named; nothing is left running."""
+    need_mooncake()
+    key = str(tmp_path / "fleet.key")
+    for url, why in (("mooncake://host:99999", "bad master port"),
+                     ("mooncake://h?protocol=udp", "protocol=udp: tcp or rdma"),
+                     ("mooncake://h?protocol=rdma", "protocol=rdma needs device=DEV"),
+                     ("mooncake://h?segment=lots", "segment=lots: a size"),
+                     ("mooncake://h?colour=red", "unknown parameter 'colour'"),
+                     ("mooncake://a/b", "is not a master's HOST[:PORT]")):
+        d = Daemon(name, extra=["--l3", url, "--l3-key", key, "--l3-python", MC_PY],
+                   instances=1, slots=32, expect=False)
+        procs.append(d)
+        assert d.p.wait(timeout=T) == 1, url
+        assert why in d.log(), (url, d.log())
+    d = Daemon(name, extra=["--l3", "mooncake://127.0.0.1:%d" % free_port(), "--l3-key", key,
+                            "--l3-python", "/usr/bin/python3"], instances=1, slots=32,
+               expect=False)
+    procs.append(d)
+    assert d.p.wait(timeout=60) == 1
+    assert "has no Mooncake" in d.log() and "scripts/mooncake.sh" in d.log(), d.log()
