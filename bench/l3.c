@@ -1,14 +1,24 @@
 /* l3.c - kvtier-bench l3: put and get GB/s through the L3 backend (one
  * connection per master, `depth` requests in flight, objects sent from
- * their pieces as the engine sends them from the arena) beside
- * redis-benchmark on the same store, value size and pipeline depth (one
- * client: -c 1 -P depth), in the same run.  Goal: >= 0.8 x.
+ * their pieces as the engine sends them from the arena) beside the
+ * store's own client on the same store, value size and depth, in the same
+ * run:
+ *   redis: redis-benchmark (one client: -c 1 -P depth).  Goal: >= 0.8 x.
+ *   mooncake: Mooncake's Python client, batch_put_from / batch_get_into
+ *     of `depth` objects per call from one registered buffer, as a
+ *     process of its own on a master of its own (one client, one segment:
+ *     the same placement as kvtier's companion).  Goal: >= 0.9 x.
  *
- *   kvtier-bench l3 [--url redis://HOST:PORT[,...]] [--auth-file F]
+ *   kvtier-bench l3 [--url redis://HOST:PORT[,...] | mooncake://MASTER[?...]]
+ *                   [--store redis|mooncake] [--python PATH] [--auth-file F]
  *                   [--value-size SIZE] [--depth N] [--requests N]
  *
- * Without --url it starts a plain redis-server of its own on a free
- * loopback port (no persistence) and stops it at the end. */
+ * Without --url it starts a store of its own on free loopback ports -- a
+ * plain redis-server (no persistence), or with --store mooncake a
+ * mooncake_master (the one beside --python, $KVTIER_MOONCAKE_PYTHON) --
+ * and stops it at the end.  A mooncake run puts each key once (the store
+ * answers a put of a key it has without moving its bytes) into a segment
+ * of requests x value size, and reads them back. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -19,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 
@@ -64,6 +75,95 @@ pid_t kvt_bench_redis_start(int *port)
 		_exit(127);
 	}
 	return server;
+}
+
+/* A mooncake_master of the bench's own on free loopback ports: its pid,
+ * or -1; *port (RPC) and *admin (HTTP: /get_all_keys) set. */
+pid_t kvt_bench_mooncake_start(const char *python, int *port, int *admin);
+pid_t kvt_bench_mooncake_start(const char *python, int *port, int *admin)
+{
+	char bin[4096], rpc[32], metrics[32];
+	const char *slash = strrchr(python, '/');
+	pid_t pid;
+
+	if (!slash)
+		return -1;
+	snprintf(bin, sizeof(bin), "%.*smooncake_master", (int)(slash - python + 1), python);
+	*port = free_port();
+	int mport = free_port();
+	*admin = mport;
+	if (*port < 0 || mport < 0 || access(bin, X_OK))
+		return -1;
+	snprintf(rpc, sizeof(rpc), "--rpc_port=%d", *port);
+	snprintf(metrics, sizeof(metrics), "--metrics_port=%d", mport);
+	pid = fork();
+	if (pid == 0) {
+		int fd = open("/dev/null", O_WRONLY);
+		if (fd >= 0) {
+			dup2(fd, 1);
+			dup2(fd, 2);
+		}
+		execl(bin, bin, rpc, metrics, "--http_metadata_server_host=127.0.0.1",
+		      (char *)NULL);
+		_exit(127);
+	}
+	for (int i = 0; pid > 0 && i < 500; i++) { /* up when its port answers */
+		struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)*port) };
+		int s = socket(AF_INET, SOCK_STREAM, 0), ok;
+		a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+		ok = s >= 0 && !connect(s, (struct sockaddr *)&a, sizeof(a));
+		if (s >= 0)
+			close(s);
+		if (ok)
+			break;
+		usleep(20000);
+	}
+	return pid;
+}
+
+/* Mooncake's own client on the same objects: one process, a segment of its
+ * own, `depth` keys per batch call from one registered buffer. */
+static const char mooncake_ref[] =
+	"import ctypes, mmap, os, sys, time\n"
+	"from mooncake.store import MooncakeDistributedStore as S\n"
+	"master, size, n, depth, seg = sys.argv[1], *map(int, sys.argv[2:6])\n"
+	"s = S()\n"
+	"assert s.setup('127.0.0.1', 'P2PHANDSHAKE', seg, 16 << 20, 'tcp', '', master) == 0\n"
+	"buf = mmap.mmap(-1, 64 * size)\n"
+	"for i in range(64): buf[i * size:(i + 1) * size] = bytes([(i * 131 + 7) & 255]) * size\n"
+	"base = ctypes.addressof(ctypes.c_char.from_buffer(buf))\n"
+	"assert s.register_buffer(base, 64 * size) == 0\n"
+	"keys = ['ref:%d' % i for i in range(n)]\n"
+	"ptrs = [base + (i % 64) * size for i in range(n)]\n"
+	"def run(f):\n"
+	"    t, err = time.perf_counter(), 0\n"
+	"    for i in range(0, n, depth):\n"
+	"        r = f(keys[i:i + depth], ptrs[i:i + depth], [size] * len(keys[i:i + depth]))\n"
+	"        err += sum(1 for x in r if x < 0)\n"
+	"    return n * size / (time.perf_counter() - t) / 1e9, err\n"
+	"p, pe = run(s.batch_put_from)\n"
+	"g, ge = run(s.batch_get_into)\n"
+	"print('%f %f %d' % (p, g, pe + ge), flush=True)\n"
+	"os._exit(0)\n";
+
+/* The reference's put and get GB/s (< 0: it did not run). */
+static void mooncake_bench(const char *python, const char *master, uint64_t size, uint32_t n,
+			   uint32_t depth, double *put, double *get, int *errors)
+{
+	char cmd[8192];
+	FILE *f;
+
+	*put = *get = -1;
+	*errors = 0;
+	snprintf(cmd, sizeof(cmd), "MC_LOG_LEVEL=ERROR GLOG_minloglevel=2 '%s' -c \"%s\" %s "
+		 "%llu %u %u %llu 2>/dev/null", python, mooncake_ref, master,
+		 (unsigned long long)size, n, depth, (unsigned long long)(n + 64) * size * 5 / 4);
+	f = popen(cmd, "r");
+	if (!f)
+		return;
+	if (fscanf(f, "%lf %lf %d", put, get, errors) != 3)
+		*put = *get = -1;
+	pclose(f);
 }
 
 struct item {
@@ -158,15 +258,21 @@ int kvt_bench_l3(int argc, char **argv)
 		{ "value-size", required_argument, NULL, 's' },
 		{ "depth", required_argument, NULL, 'd' },
 		{ "requests", required_argument, NULL, 'n' },
+		{ "store", required_argument, NULL, 'S' },
+		{ "python", required_argument, NULL, 'P' },
 		{ "help", no_argument, NULL, 'h' },
 		{ 0, 0, 0, 0 },
 	};
-	const char *url = NULL, *auth = NULL;
+	const char *url = NULL, *auth = NULL, *store = "redis", *python = NULL;
 	uint64_t size = 1u << 20;
 	uint32_t depth = 16, n = 512;
-	char own_url[64], err[256], host[64] = "127.0.0.1", b[32];
+	char own_url[128], err[256], host[64] = "127.0.0.1", b[32], master[300] = "";
 	pid_t server = 0;
-	int opt, port = 0, cluster = 0;
+	int opt, port = 0, admin = 0, cluster = 0, mooncake = 0, memfd = -1;
+	uint8_t *vals = NULL;
+	struct item *it = NULL;
+	kvt_l3 *l = NULL;
+	int rc = -1;
 
 	while ((opt = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
 		char *end = NULL;
@@ -187,18 +293,51 @@ int kvt_bench_l3(int argc, char **argv)
 			if (*end || !n)
 				goto usage;
 			break;
+		case 'S':
+			if (strcmp(optarg, "redis") && strcmp(optarg, "mooncake"))
+				goto usage;
+			store = optarg;
+			break;
+		case 'P': python = optarg; break;
 		case 'h':
 		default:
 		usage:
 			fprintf(opt == 'h' ? stdout : stderr,
-				"usage: kvtier-bench l3 [--url redis://HOST:PORT[,...]] [--auth-file F]\n"
+				"usage: kvtier-bench l3 [--url redis://HOST:PORT[,...] | "
+				"mooncake://MASTER[:PORT][?...]]\n"
+				"                       [--store redis|mooncake] [--python PATH] "
+				"[--auth-file F]\n"
 				"                       [--value-size SIZE (1M)] [--depth N (16)] "
 				"[--requests N (512)]\n"
-				"  without --url: a redis-server of its own on a loopback port\n");
+				"  without --url: a store of its own on loopback ports (redis-server, or\n"
+				"  mooncake_master beside --python, default $KVTIER_MOONCAKE_PYTHON)\n");
 			return opt == 'h' ? 0 : 2;
 		}
 	}
-	if (!url) {
+	if (!python)
+		python = getenv("KVTIER_MOONCAKE_PYTHON");
+	if (!python || !*python)
+		python = "python3";
+	mooncake = url ? !strncmp(url, "mooncake://", 11) : !strcmp(store, "mooncake");
+	if (mooncake && !url) {
+		server = kvt_bench_mooncake_start(python, &port, &admin);
+		if (server < 0) {
+			fprintf(stderr, "kvtier-bench l3: no mooncake_master beside %s "
+				"(scripts/mooncake.sh VENV; --python VENV/bin/python)\n", python);
+			return 2;
+		}
+		snprintf(master, sizeof(master), "127.0.0.1:%d", port);
+		snprintf(own_url, sizeof(own_url), "mooncake://%s?segment=%llu", master,
+			 (unsigned long long)(n + 64) * size * 5 / 4);
+		url = own_url;
+	} else if (mooncake) {
+		if (sscanf(url, "mooncake://%299[^?/]", master) != 1) {
+			fprintf(stderr, "kvtier-bench l3: %s: not mooncake://MASTER[:PORT]\n", url);
+			return 2;
+		}
+		if (!strchr(master, ':'))
+			strcat(master, ":50051");
+	} else if (!url) {
 		server = kvt_bench_redis_start(&port);
 		snprintf(own_url, sizeof(own_url), "redis://127.0.0.1:%d", port);
 		url = own_url;
@@ -206,10 +345,19 @@ int kvt_bench_l3(int argc, char **argv)
 		fprintf(stderr, "kvtier-bench l3: %s: not redis://HOST:PORT\n", url);
 		return 2;
 	}
+	/* the values in memory a backend can register (mooncake's companion
+	 * maps this file), as kvtierd's arena is */
+	memfd = memfd_create("kvtier-bench-l3", MFD_CLOEXEC);
+	if (memfd < 0 || ftruncate(memfd, (off_t)(64 * size)) ||
+	    (vals = mmap(NULL, 64 * size, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0)) ==
+		    MAP_FAILED) {
+		fprintf(stderr, "kvtier-bench l3: its values: %s\n", strerror(errno));
+		vals = NULL;
+		goto out;
+	}
 	struct kvt_l3_conf c = { .size = sizeof(c), .url = url, .auth_file = auth,
-				 .timeout_ms = 5000, .depth = depth };
-	kvt_l3 *l = NULL;
-	int rc = -1;
+				 .timeout_ms = 5000, .depth = depth, .mem = vals,
+				 .mem_len = 64 * size, .mem_fd = memfd, .python = python };
 	for (int tries = 0; tries < 200; tries++) { /* our server starting */
 		rc = kvt_l3_open(&c, &l, err, sizeof(err));
 		if (!rc || url != own_url)
@@ -234,42 +382,66 @@ int kvt_bench_l3(int argc, char **argv)
 		goto out;
 	}
 	cluster = strstr(st.describe, "cluster") != NULL;
-	uint8_t *vals = malloc(64 * size);
-	struct item *it = calloc(n, sizeof(*it));
-	if (!vals || !it) {
+	it = calloc(n, sizeof(*it));
+	if (!it) {
 		fprintf(stderr, "kvtier-bench l3: out of memory\n");
 		goto out;
 	}
 	for (uint64_t i = 0; i < 64 * size; i++)
 		vals[i] = (uint8_t)(i * 131 + 7);
-	int e_put, e_get;
-	/* an untimed pass first: the timed one overwrites keys that exist, as
-	 * redis-benchmark's SET rewrites its one key -- what is compared is
-	 * kvtier's cost over the store's, not the store allocating its first
-	 * n values (the first pass of 1,024 x 4 MiB ran at a fifth of the
-	 * speed of the next ones) */
-	(void)run(l, it, n, KVT_L3_PUT, vals, size - KVT_L3_HDR_SIZE - KVT_L3_TAG_SIZE, depth,
-		  &e_put);
+	int e_put, e_get, e_ref = 0;
+	/* redis: an untimed pass first: the timed one overwrites keys that
+	 * exist, as redis-benchmark's SET rewrites its one key -- what is
+	 * compared is kvtier's cost over the store's, not the store allocating
+	 * its first n values (the first pass of 1,024 x 4 MiB ran at a fifth of
+	 * the speed of the next ones).  mooncake: none -- a put of a key the
+	 * store has moves no bytes; both sides put fresh keys. */
+	if (!mooncake)
+		(void)run(l, it, n, KVT_L3_PUT, vals, size - KVT_L3_HDR_SIZE - KVT_L3_TAG_SIZE,
+			  depth, &e_put);
 	double put = run(l, it, n, KVT_L3_PUT, vals, size - KVT_L3_HDR_SIZE - KVT_L3_TAG_SIZE,
 			 depth, &e_put);
 	double get = run(l, it, n, KVT_L3_GET, vals, size - KVT_L3_HDR_SIZE - KVT_L3_TAG_SIZE,
 			 depth, &e_get);
-	double rs = redis_bench(host, port, cluster, "set", size, depth, n);
-	double rg = redis_bench(host, port, cluster, "get", size, depth, n);
-	double rsb = rs > 0 ? rs * (double)size / 1e9 : -1, rgb = rg > 0 ? rg * (double)size / 1e9 : -1;
+	double rsb, rgb;
+	const char *ref = mooncake ? "mooncake python" : "redis-benchmark";
+	if (mooncake) {
+		/* the reference on a master of its own, as kvtier's side had
+		 * (with --url: the same master, once the companion left) */
+		kvt_l3_close(l);
+		l = NULL;
+		if (server > 0) {
+			kill(server, SIGTERM);
+			waitpid(server, NULL, 0);
+			server = kvt_bench_mooncake_start(python, &port, &admin);
+			snprintf(master, sizeof(master), "127.0.0.1:%d", port);
+		}
+		mooncake_bench(python, master, size, n, depth, &rsb, &rgb, &e_ref);
+	} else {
+		double rs = redis_bench(host, port, cluster, "set", size, depth, n);
+		double rg = redis_bench(host, port, cluster, "get", size, depth, n);
+		rsb = rs > 0 ? rs * (double)size / 1e9 : -1;
+		rgb = rg > 0 ? rg * (double)size / 1e9 : -1;
+	}
 	printf("kvtier-bench l3: %s, values of %s, %u in flight, %u requests\n", st.describe,
 	       human(size, b, sizeof(b)), depth, n);
-	printf("  %-4s %10s %16s %7s %7s\n", "op", "kvtier GB/s", "redis-benchmark", "ratio",
-	       "errors");
+	printf("  %-4s %10s %16s %7s %7s\n", "op", "kvtier GB/s", ref, "ratio", "errors");
 	printf("  %-4s %10.3f %16.3f %7.2f %7d\n", "put", put, rsb, rsb > 0 ? put / rsb : 0, e_put);
 	printf("  %-4s %10.3f %16.3f %7.2f %7d\n", "get", get, rgb, rgb > 0 ? get / rgb : 0, e_get);
-	if (rsb < 0 || rgb < 0)
+	if ((rsb < 0 || rgb < 0) && !mooncake)
 		printf("  (redis-benchmark did not run: apt-get install redis-tools)\n");
+	if ((rsb < 0 || rgb < 0) && mooncake)
+		printf("  (Mooncake's client did not run: %s has no mooncake.store?)\n", python);
+	if (e_ref)
+		printf("  (Mooncake's own client had %d errors)\n", e_ref);
 	rc = e_put || e_get;
-	free(vals);
-	free(it);
 out:
+	free(it);
 	kvt_l3_close(l);
+	if (vals)
+		munmap(vals, 64 * size);
+	if (memfd >= 0)
+		close(memfd);
 	if (server > 0) {
 		kill(server, SIGTERM);
 		waitpid(server, NULL, 0);

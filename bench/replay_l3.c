@@ -42,6 +42,7 @@
 
 const char *kvt_bench_default_trace(char *buf, size_t len);
 pid_t kvt_bench_redis_start(int *port);
+pid_t kvt_bench_mooncake_start(const char *python, int *port, int *admin);
 
 #define MAX_NODES 16
 
@@ -88,6 +89,7 @@ static kvt_seg *node_open(const char *name, uint32_t slots, uint32_t max_len)
 
 static uint32_t neg_ms;   /* --negative-ms */
 static uint32_t store_mb; /* --store-mb: the store's maxmemory (0: none) */
+static const char *mc_python; /* --store mooncake: the Python with the wheel */
 
 /* redis-cli against the bench's server: 0, or -1. */
 static int cli(int port, const char *args, char *out, size_t len)
@@ -116,17 +118,25 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 {
 	kvt_seg *seg[MAX_NODES] = { 0 };
 	kvt_l3e *eng[MAX_NODES] = { 0 };
-	char names[MAX_NODES][64], url[64], err[256];
+	char names[MAX_NODES][64], url[160], err[256];
 	kvt_key *keys = malloc((size_t)t->max_len * sizeof(*keys));
 	uint32_t *depths = malloc((size_t)t->max_len * sizeof(*depths));
 	pid_t server = -1;
-	int port = 0, rc = -1;
+	int port = 0, admin = 0, rc = -1;
 	uint64_t t0;
 
 	memset(out, 0, sizeof(*out));
 	if (!keys || !depths)
 		goto out;
-	if (l3) {
+	if (l3 && mc_python) {
+		/* each node's companion contributes its part of the store: the
+		 * store's size split evenly (--store-mb), else 1 GiB each */
+		server = kvt_bench_mooncake_start(mc_python, &port, &admin);
+		if (server < 0)
+			goto out;
+		snprintf(url, sizeof(url), "mooncake://127.0.0.1:%d?segment=%lluM", port,
+			 store_mb ? (unsigned long long)(store_mb + nodes - 1) / nodes : 1024ull);
+	} else if (l3) {
 		server = kvt_bench_redis_start(&port);
 		if (server < 0)
 			goto out;
@@ -142,7 +152,7 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 		struct kvt_l3e_opts o = { .size = sizeof(o), .key_path = key_path, .create_key = 1,
 					  .admit = KVT_ADMIT_ALL, .negative_ms = neg_ms };
 		o.store = (struct kvt_l3_conf){ .size = sizeof(o.store), .url = url,
-						.timeout_ms = 2000 };
+						.timeout_ms = 2000, .python = mc_python };
 		for (int tries = 0; tries < 250; tries++) { /* the server starting */
 			if (!kvt_l3e_open(seg[n], &o, &eng[n], err, sizeof(err))) {
 				struct kvt_l3e_info in;
@@ -159,7 +169,7 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 			goto out;
 		}
 	}
-	if (l3 && store_mb) {
+	if (l3 && store_mb && !mc_python) {
 		char a[96], r[64];
 		snprintf(a, sizeof(a), "CONFIG SET maxmemory %umb", store_mb);
 		if (cli(port, a, r, sizeof(r)) || strncmp(r, "OK", 2) ||
@@ -224,10 +234,18 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 			kvt_l3e_drain(eng[n], 1, -1);
 	}
 	out->seconds = (now_ns() - t0) * 1e-9;
-	if (l3) {
+	if (l3 && !mc_python) {
 		char r[64];
 		if (!cli(port, "DBSIZE", r, sizeof(r)))
 			out->store_keys = strtoull(r, NULL, 10);
+	} else if (l3) {
+		char cmd[128], line[256];
+		snprintf(cmd, sizeof(cmd), "curl -s http://127.0.0.1:%d/get_all_keys", admin);
+		FILE *f = popen(cmd, "r");
+		while (f && fgets(line, sizeof(line), f))
+			out->store_keys += !strncmp(line, "kvt:", 4);
+		if (f)
+			pclose(f);
 	}
 	rc = 0;
 out:
@@ -255,6 +273,8 @@ int kvt_bench_replay_l3(int argc, char **argv)
 		{ "limit", required_argument, NULL, 'l' },
 		{ "negative-ms", required_argument, NULL, 'g' },
 		{ "store-mb", required_argument, NULL, 's' },
+		{ "store", required_argument, NULL, 'S' },
+		{ "python", required_argument, NULL, 'P' },
 		{ "help", no_argument, NULL, 'h' },
 		{ 0, 0, 0, 0 },
 	};
@@ -262,7 +282,7 @@ int kvt_bench_replay_l3(int argc, char **argv)
 	char buf[4096], keyf[128];
 	const char *path = NULL;
 	struct trace t;
-	int opt;
+	int opt, mooncake = 0;
 
 	while ((opt = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
 		char *end = NULL, *tok, *save = NULL;
@@ -299,6 +319,13 @@ int kvt_bench_replay_l3(int argc, char **argv)
 			if (*end || !store_mb || store_mb > 1u << 20)
 				goto usage;
 			break;
+		case 'S':
+			if (!strcmp(optarg, "mooncake"))
+				mooncake = 1;
+			else if (strcmp(optarg, "redis"))
+				goto usage;
+			break;
+		case 'P': mc_python = optarg; break;
 		case 'h':
 		default:
 		usage:
@@ -306,9 +333,21 @@ int kvt_bench_replay_l3(int argc, char **argv)
 				"usage: kvtier-bench replay-l3 [TRACE] [--nodes 2,4] [--capacity C "
 				"(1024 chunks per node)] [--limit N requests]\n"
 				"                          [--negative-ms MS (the engine's, 2000)] "
-				"[--store-mb M (maxmemory, allkeys-lru)]\n");
+				"[--store-mb M (maxmemory, allkeys-lru)]\n"
+				"                          [--store redis|mooncake] [--python PATH "
+				"(mooncake: the wheel's; $KVTIER_MOONCAKE_PYTHON)]\n"
+				"  mooncake: each node's companion contributes --store-mb / nodes "
+				"(default 1 GiB) to the store\n");
 			return opt == 'h' ? 0 : 2;
 		}
+	}
+	if (mooncake) {
+		if (!mc_python)
+			mc_python = getenv("KVTIER_MOONCAKE_PYTHON");
+		if (!mc_python || !*mc_python)
+			mc_python = "python3";
+	} else {
+		mc_python = NULL;
 	}
 	path = optind < argc ? argv[optind] : kvt_bench_default_trace(buf, sizeof(buf));
 	if (!path) {
@@ -322,7 +361,10 @@ int kvt_bench_replay_l3(int argc, char **argv)
 	       "rate (of it from the L3)\n", path, t.n_req, cap);
 	/* the L3 holds everything without --store-mb: the one node of the
 	 * same total capacity is then one that never evicts */
-	if (store_mb)
+	if (mc_python)
+		printf("  the store: Mooncake Store, %s MiB per node's companion\n",
+		       store_mb ? "--store-mb / nodes" : "1024");
+	else if (store_mb)
 		printf("  the store: maxmemory %u MB, allkeys-lru\n", store_mb);
 	struct run inf;
 	if (one_run(&t, 1, (uint32_t)(t.n_ids + 16), 0, 0, keyf, &inf))
