@@ -855,23 +855,48 @@ def test_kvtierd_disk_tier(model, tmp_path):
         d.stop()
 
 
-def test_kvtierd_l3_two_nodes(model, tmp_path):
-    """Two nodes, one vLLM engine on each, over one Redis (kvtierd --l3 on
-    both, one fleet key): the long prompt served on node A is put into the
-    L3 by A's daemon; node B's engine, which never saw it, is answered "ask
-    again" while B's daemon gets the chunks from the store, then loads
-    them: B's output is A's, and vLLM's external hits equal kvtier's."""
+@pytest.mark.parametrize("store", ["redis", "mooncake"])
+def test_kvtierd_l3_two_nodes(model, tmp_path, store):
+    """Two nodes, one vLLM engine on each, over one store -- a Redis, or a
+    Mooncake Store (its master from the wheel; each kvtierd's companion
+    contributes a segment) -- kvtierd --l3 on both, one fleet key: the long
+    prompt served on node A is put into the L3 by A's daemon; node B's
+    engine, which never saw it, is answered "ask again" while B's daemon
+    gets the chunks from the store, then loads them: B's output is A's, and
+    vLLM's external hits equal kvtier's."""
     import shutil
     import socket
-    if not shutil.which("redis-server"):
-        pytest.fail("redis-server is not installed (scripts/deps.sh installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    l3 = ["--l3", "redis://127.0.0.1:%d" % port, "--l3-key", str(tmp_path / "fleet.key")]
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    port = free_port()
+    key = ["--l3-key", str(tmp_path / "fleet.key")]
+    if store == "redis":
+        if not shutil.which("redis-server"):
+            pytest.fail("redis-server is not installed (scripts/deps.sh installs it)")
+        server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        l3 = ["--l3", "redis://127.0.0.1:%d" % port] + key
+    else:
+        py = os.environ.get("KVTIER_MOONCAKE_PYTHON", "")
+        if not py or not os.access(py, os.X_OK):
+            pytest.fail("KVTIER_MOONCAKE_PYTHON is not a Python with Mooncake's wheel "
+                        "(scripts/mooncake.sh VENV makes one; scripts/test.sh does)")
+        server = subprocess.Popen([os.path.join(os.path.dirname(py), "mooncake_master"),
+                                   "--rpc_port=%d" % port, "--metrics_port=%d" % free_port(),
+                                   "--http_metadata_server_host=127.0.0.1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:  # up when its RPC port takes a connection
+            with socket.socket() as s:
+                if not s.connect_ex(("127.0.0.1", port)):
+                    break
+            assert server.poll() is None and time.monotonic() < deadline, "mooncake_master"
+            time.sleep(0.05)
+        l3 = ["--l3", "mooncake://127.0.0.1:%d?segment=256M" % port, "--l3-python", py] + key
     na, nb = "vllm-l3a-%d" % os.getpid(), "vllm-l3b-%d" % os.getpid()
     da = db = e = None
     opts = {"kvtier_create": False, "kvtier_model": "tiny-llama/bf16",
@@ -904,5 +929,5 @@ def test_kvtierd_l3_two_nodes(model, tmp_path):
         for d in (da, db):
             if d is not None:
                 d.stop()
-        redis.kill()
-        redis.wait()
+        server.kill()
+        server.wait()
