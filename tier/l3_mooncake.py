@@ -169,23 +169,32 @@ class Companion:
         return (slot, gen, op, keys, ptrs, sizes)
 
     def reader(self):
+        """Takes every request that came (one blocking read, then what else
+        is there) before a worker is woken: a worker then runs them as one
+        batch call, not one call per request."""
         while True:
-            try:
-                msg = self.sock.recv(8192)
-            except OSError:
-                msg = b""
-            if not msg and self.holding:
-                threading.Event().wait()  # testing: held, it stays (a stuck transfer)
-            if not msg:  # kvtierd closed the channel (or died)
-                self.leave()
-            try:
-                r = self.parse(msg)
-            except (ValueError, UnicodeDecodeError) as e:
-                log("refused a request: %s" % e)
-                os._exit(3)
+            got, flags = [], 0
+            while True:
+                try:
+                    msg = self.sock.recv(8192, flags)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    msg = b""
+                if not msg and self.holding:
+                    threading.Event().wait()  # testing: held, it stays (a stuck transfer)
+                if not msg:  # kvtierd closed the channel (or died)
+                    self.leave()
+                try:
+                    got.append(self.parse(msg))
+                except (ValueError, UnicodeDecodeError) as e:
+                    log("refused a request: %s" % e)
+                    os._exit(3)
+                flags = socket.MSG_DONTWAIT
             with self.mu:
-                (self.q_put if r[2] == PUT else self.q_fast).append(r)
-                self.mu.notify()
+                for r in got:
+                    (self.q_put if r[2] == PUT else self.q_fast).append(r)
+                self.mu.notify_all() if len(got) > BATCH else self.mu.notify()
 
     def leave(self):
         """Unmounts this node's segment, so that the master drops the
