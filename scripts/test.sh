@@ -40,6 +40,13 @@ run_suite() {   # $1 build dir, $2 ctest -E regex (or ""), rest: cmake args
   (cd "$dir" && ctest --output-on-failure -j "$jobs" --timeout 900 ${excl:+-E "$excl"})
 }
 
+# Mooncake Store's wheel (its master and the client kvtierd's companion
+# runs), for the L3 tests on a real Mooncake Store: test_l3_mooncake in
+# every build, the kvtierd and vLLM tests
+mooncake=${KVTIER_MOONCAKE_VENV:-$PWD/build/mooncake-venv}
+scripts/mooncake.sh "$mooncake" | tail -1
+export KVTIER_MOONCAKE_PYTHON="$mooncake/bin/python"
+
 run_suite build model_spin
 setsid bash -c 'cd build && exec ctest --output-on-failure --timeout 1500 -R model_spin' \
   >"$logs/model.log" 2>&1 &
@@ -50,11 +57,6 @@ if [ -d bindings/python/tests ]; then
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
     /usr/bin/python3 -m pytest -q -p no:cacheprovider bindings/python/tests
 fi
-# Mooncake Store's wheel (its master and the client kvtierd's companion
-# runs), for the L3 tests on a real Mooncake Store
-mooncake=${KVTIER_MOONCAKE_VENV:-$PWD/build/mooncake-venv}
-scripts/mooncake.sh "$mooncake" | tail -1
-export KVTIER_MOONCAKE_PYTHON="$mooncake/bin/python"
 if [ -x build/tier/daemon/kvtierd ]; then
   echo "== kvtier test: kvtierd (real daemon, rank processes, curl, Prometheus, tmux, Redis, Mooncake)"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
