@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 _Static_assert(sizeof(struct kvt_l3_hdr) == KVT_L3_HDR_SIZE, "the header is 64 bytes");
 
@@ -90,6 +91,62 @@ void kvt_l3_close(kvt_l3 *l)
 		return;
 	l->ops->close(l->be);
 	free(l);
+}
+
+/* ---- the backends' lists ---- */
+
+void kvt__l3_list_add(struct kvt_l3_list *l, struct kvt_l3_req *q)
+{
+	q->next = NULL;
+	if (l->tail)
+		l->tail->next = q;
+	else
+		l->head = q;
+	l->tail = q;
+	l->n++;
+}
+
+struct kvt_l3_req *kvt__l3_list_pop(struct kvt_l3_list *l)
+{
+	struct kvt_l3_req *q = l->head;
+
+	if (!q)
+		return NULL;
+	l->head = q->next;
+	if (!l->head)
+		l->tail = NULL;
+	l->n--;
+	q->next = NULL;
+	return q;
+}
+
+uint32_t kvt__l3_enqueue(struct kvt_l3_list *l, struct kvt_l3_req *const *reqs, uint32_t n,
+			 uint32_t room, uint64_t now_ns)
+{
+	uint32_t i;
+
+	for (i = 0; i < n && l->n < room; i++) {
+		struct kvt_l3_req *q = reqs[i];
+		q->ask = -1;
+		q->hops = 0;
+		q->got = 0;
+		q->status = -EINPROGRESS;
+		q->t0 = now_ns;
+		kvt__l3_list_add(l, q);
+	}
+	return i;
+}
+
+uint32_t kvt__l3_take_done(struct kvt_l3_list *l, struct kvt_l3_req **done, uint32_t max,
+			   int efd)
+{
+	uint32_t n = 0;
+
+	while (n < max && l->head)
+		done[n++] = kvt__l3_list_pop(l);
+	if (l->head)
+		(void)!write(efd, &(uint64_t){ 1 }, sizeof(uint64_t)); /* more to take */
+	return n;
 }
 
 /* ---- keys and objects ---- */

@@ -170,8 +170,8 @@ struct ml3 {
 	int th_live;
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
-	struct kvt_l3_req *q_head, *q_tail, *d_head, *d_tail;
-	uint32_t queued, flying;
+	struct kvt_l3_list q, d;    /* submitted, not sent yet; done */
+	uint32_t flying;
 	struct flight *fl;         /* depth + 1: the last is the probe's */
 	uint32_t *free_slots, n_free;
 	int stop;
@@ -220,14 +220,9 @@ static void complete_locked(struct ml3 *m, struct kvt_l3_req *q, int status)
 {
 	q->status = status;
 	q->ns = mono_ns() - q->t0;
-	q->next = NULL;
 	if (status && status != -ENOENT)
 		m->st.errors++;
-	if (m->d_tail)
-		m->d_tail->next = q;
-	else
-		m->d_head = q;
-	m->d_tail = q;
+	kvt__l3_list_add(&m->d, q);
 	(void)!write(m->efd, &(uint64_t){ 1 }, sizeof(uint64_t));
 }
 
@@ -605,14 +600,12 @@ static void send_queued(struct ml3 *m)
 	static __thread struct mc_req r;
 
 	pthread_mutex_lock(&m->mu);
-	while (m->q_head) {
-		struct kvt_l3_req *q = m->q_head;
+	while (m->q.head) {
+		struct kvt_l3_req *q = m->q.head;
 		size_t n = 0;
 
 		if (m->child != C_UP) {
-			m->q_head = q->next;
-			m->queued--;
-			complete_locked(m, q, -ENOTCONN);
+			complete_locked(m, kvt__l3_list_pop(&m->q), -ENOTCONN);
 			continue;
 		}
 		if (!m->n_free)
@@ -622,22 +615,16 @@ static void send_queued(struct ml3 *m)
 		f->gen++;
 		int rc = req_build(m, q, slot, f, &r, &n);
 		if (rc) {
-			m->q_head = q->next;
-			m->queued--;
-			complete_locked(m, q, rc);
+			complete_locked(m, kvt__l3_list_pop(&m->q), rc);
 			continue;
 		}
 		if (send(m->sock, &r, n, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)n)
 			break; /* full (the companion is behind) or gone: the poll says */
 		m->n_free--;
-		f->q = q;
+		f->q = kvt__l3_list_pop(&m->q);
 		f->deadline = mono_ns() + m->deadline_ns;
 		m->flying++;
-		m->q_head = q->next;
-		m->queued--;
 	}
-	if (!m->q_head)
-		m->q_tail = NULL;
 	pthread_mutex_unlock(&m->mu);
 }
 
@@ -733,7 +720,7 @@ static void *mc_thread(void *arg)
 		uint64_t now = mono_ns();
 
 		pthread_mutex_lock(&m->mu);
-		int stop = m->stop, idle = !m->q_head && !m->flying;
+		int stop = m->stop, idle = !m->q.head && !m->flying;
 		pthread_mutex_unlock(&m->mu);
 		if (stop && idle)
 			break;
@@ -932,24 +919,11 @@ fail:
 static int ml3_submit(void *be, struct kvt_l3_req *const *reqs, uint32_t n)
 {
 	struct ml3 *m = be;
-	uint32_t i;
+	uint32_t i = 0;
 
 	pthread_mutex_lock(&m->mu);
-	for (i = 0; i < n && m->queued + m->flying < m->conf.depth && !m->stop; i++) {
-		struct kvt_l3_req *q = reqs[i];
-		q->next = NULL;
-		q->ask = -1;
-		q->hops = 0;
-		q->got = 0;
-		q->status = -EINPROGRESS;
-		q->t0 = mono_ns();
-		if (m->q_tail)
-			m->q_tail->next = q;
-		else
-			m->q_head = q;
-		m->q_tail = q;
-		m->queued++;
-	}
+	if (!m->stop) /* room: what is queued and in flight, at most depth */
+		i = kvt__l3_enqueue(&m->q, reqs, n, m->conf.depth - m->flying, mono_ns());
 	pthread_mutex_unlock(&m->mu);
 	(void)!write(m->wake, &(uint64_t){ 1 }, sizeof(uint64_t));
 	return (int)i;
@@ -963,14 +937,7 @@ static int ml3_reap(void *be, struct kvt_l3_req **done, uint32_t max)
 
 	(void)!read(m->efd, &v, sizeof(v));
 	pthread_mutex_lock(&m->mu);
-	while (n < max && m->d_head) {
-		done[n++] = m->d_head;
-		m->d_head = m->d_head->next;
-	}
-	if (!m->d_head)
-		m->d_tail = NULL;
-	else
-		(void)!write(m->efd, &(uint64_t){ 1 }, sizeof(uint64_t));
+	n = kvt__l3_take_done(&m->d, done, max, m->efd);
 	pthread_mutex_unlock(&m->mu);
 	return (int)n;
 }

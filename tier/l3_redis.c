@@ -97,8 +97,7 @@ struct rl3 {
 	int th_live;
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
-	struct kvt_l3_req *q_head, *q_tail, *d_head, *d_tail;
-	uint32_t queued;
+	struct kvt_l3_list q, d;    /* submitted; done */
 	int stop;
 	int efd;
 	struct kvt_l3_status st;   /* under mu */
@@ -349,13 +348,8 @@ static void complete(struct rl3 *r, struct kvt_l3_req *q, int status)
 {
 	q->status = status;
 	q->ns = mono_ns() - q->t0;
-	q->next = NULL;
 	pthread_mutex_lock(&r->mu);
-	if (r->d_tail)
-		r->d_tail->next = q;
-	else
-		r->d_head = q;
-	r->d_tail = q;
+	kvt__l3_list_add(&r->d, q);
 	pthread_mutex_unlock(&r->mu);
 }
 
@@ -860,7 +854,7 @@ static void *io_thread(void *arg)
 
 	pthread_mutex_lock(&r->mu);
 	for (;;) {
-		while (!r->q_head && !r->stop) {
+		while (!r->q.head && !r->stop) {
 			if (r->st.up) {
 				pthread_cond_wait(&r->cv, &r->mu);
 				continue;
@@ -872,26 +866,18 @@ static void *io_thread(void *arg)
 				ts.tv_sec++;
 				ts.tv_nsec -= 1000000000L;
 			}
-			if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) == ETIMEDOUT && !r->q_head &&
+			if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) == ETIMEDOUT && !r->q.head &&
 			    !r->stop) {
 				pthread_mutex_unlock(&r->mu);
 				probe(r);
 				pthread_mutex_lock(&r->mu);
 			}
 		}
-		if (!r->q_head)
+		if (!r->q.head)
 			break;
-		struct kvt_l3_req *b = r->q_head, *t = b;
-		uint32_t n = 1;
-		while (t->next && n < BATCH) {
-			t = t->next;
-			n++;
-		}
-		r->q_head = t->next;
-		if (!r->q_head)
-			r->q_tail = NULL;
-		r->queued -= n;
-		t->next = NULL;
+		struct kvt_l3_req *b = kvt__l3_list_pop(&r->q), *t = b;
+		for (uint32_t n = 1; r->q.head && n < BATCH; n++)
+			t = t->next = kvt__l3_list_pop(&r->q);
 		pthread_mutex_unlock(&r->mu);
 		round_run(r, b);
 		pthread_mutex_lock(&r->mu);
@@ -1023,24 +1009,11 @@ fail:
 static int rl3_submit(void *be, struct kvt_l3_req *const *reqs, uint32_t n)
 {
 	struct rl3 *r = be;
-	uint32_t i;
+	uint32_t i = 0;
 
 	pthread_mutex_lock(&r->mu);
-	for (i = 0; i < n && r->queued < r->conf.depth && !r->stop; i++) {
-		struct kvt_l3_req *q = reqs[i];
-		q->next = NULL;
-		q->ask = -1;
-		q->hops = 0;
-		q->got = 0;
-		q->status = -EINPROGRESS;
-		q->t0 = mono_ns();
-		if (r->q_tail)
-			r->q_tail->next = q;
-		else
-			r->q_head = q;
-		r->q_tail = q;
-		r->queued++;
-	}
+	if (!r->stop)
+		i = kvt__l3_enqueue(&r->q, reqs, n, r->conf.depth, mono_ns());
 	pthread_cond_signal(&r->cv);
 	pthread_mutex_unlock(&r->mu);
 	return (int)i;
@@ -1054,14 +1027,7 @@ static int rl3_reap(void *be, struct kvt_l3_req **done, uint32_t max)
 
 	(void)!read(r->efd, &v, sizeof(v));
 	pthread_mutex_lock(&r->mu);
-	while (n < max && r->d_head) {
-		done[n++] = r->d_head;
-		r->d_head = r->d_head->next;
-	}
-	if (!r->d_head)
-		r->d_tail = NULL;
-	else
-		(void)!write(r->efd, &(uint64_t){ 1 }, sizeof(uint64_t)); /* more to take */
+	n = kvt__l3_take_done(&r->d, done, max, r->efd);
 	pthread_mutex_unlock(&r->mu);
 	return (int)n;
 }
