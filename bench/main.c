@@ -8,7 +8,7 @@
  *   kvtier-bench chaos [options]      kill -9 trials over a running workload (bench/chaos.c)
  *   kvtier-bench disk [options]       the disk tier against fio (bench/disk.c)
  *   kvtier-bench pin [options]        N processes locking one arena (bench/pin.c)
- *   kvtier-bench l3 [options]         the L3 store's put/get GB/s (bench/l3.c)
+ *   kvtier-bench l3 [options]         the L3 store's put/get GB/s, Redis or Mooncake (bench/l3.c)
  *   kvtier-bench replay-l3 [options]  the trace over N nodes and one L3 (bench/replay_l3.c)
  */
 #include <stdio.h>
@@ -41,7 +41,7 @@ static void usage(FILE *f)
 		"  disk       the disk tier's demotion and promotion GB/s against fio\n"
 		"  diskkill   the disk tier under kill -9 of its engine and clients: 0 wrong\n"
 		"  pin        N processes locking one arena: AMD's pinning budget against kvtier-size\n"
-		"  l3         the L3 store (Redis): put/get GB/s against redis-benchmark\n"
+		"  l3         the L3 store (Redis, Mooncake): put/get GB/s against the store's own client\n"
 		"  replay-l3  the trace over N nodes sharing one L3 store: hit rates\n"
 		"\n"
 		"kvtier-bench <command> --help describes a command's options.\n");
