@@ -286,39 +286,26 @@ int kvt_seg_witness_daemon(const kvt_seg *s, char *why, size_t len)
 	return s->wsrv_held ? 1 : 0;
 }
 
-int kvt_seg_witness(kvt_seg *s)
+/* Spawns the helper at path holding the description of lk until the
+ * process of target (a pidfd) has wholly exited, both descriptors >= 6
+ * (the dup2 to 3, 4 and 5 cannot clobber one another); waits for its
+ * handshake.  0 with *pid_out and *wfd_out (its pidfd), or -errno with the
+ * message. */
+static int witness_spawn(const char *path, const char *name, int lk, int target,
+			 pid_t *pid_out, int *wfd_out)
 {
-	char path[4096];
 	char *argv[3];
 	char *envp[1] = { NULL };
 	posix_spawn_file_actions_t fa;
 	posix_spawnattr_t at;
 	sigset_t all;
-	int self = -1, lk = -1, pp[2] = { -1, -1 }, wfd = -1, r;
+	int pp[2] = { -1, -1 }, wfd = -1, r;
 	pid_t pid = 0;
 	char ok = 0;
 	ssize_t n;
 
-	if ((r = kvt__need_entry(s, "witness")))
-		return r;
-	if (s->witness_pid > 0)
-		return 0;
-	if ((r = helper_path(path, sizeof(path))))
-		return r;
-	/* Our own pidfd, and the lock's description, both at numbers >= 6 so
-	 * that the dup2 to 3, 4 and 5 below cannot clobber one another. */
-	self = (int)syscall(SYS_pidfd_open, getpid(), 0);
-	if (self < 0)
-		return kvt__err(-errno, "witness: pidfd_open: %s (the exit witness needs "
-				"Linux 5.3 or later)", strerror(errno));
-	r = fcntl(self, F_DUPFD_CLOEXEC, 6);
-	close_keep_errno(self);
-	self = r;
-	lk = fcntl(s->fd, F_DUPFD_CLOEXEC, 6);
-	if (self < 0 || lk < 0 || pipe2(pp, O_CLOEXEC)) {
-		r = kvt__err(-errno, "witness: descriptors: %s", strerror(errno));
-		goto out;
-	}
+	if (pipe2(pp, O_CLOEXEC))
+		return kvt__err(-errno, "witness: descriptors: %s", strerror(errno));
 	r = fcntl(pp[1], F_DUPFD_CLOEXEC, 6);
 	close_keep_errno(pp[1]);
 	pp[1] = r;
@@ -330,7 +317,7 @@ int kvt_seg_witness(kvt_seg *s)
 	posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
 	posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
 	posix_spawn_file_actions_adddup2(&fa, lk, 3);
-	posix_spawn_file_actions_adddup2(&fa, self, 4);
+	posix_spawn_file_actions_adddup2(&fa, target, 4);
 	posix_spawn_file_actions_adddup2(&fa, pp[1], 5);
 	posix_spawnattr_init(&at);
 	sigfillset(&all);
@@ -339,7 +326,7 @@ int kvt_seg_witness(kvt_seg *s)
 	posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF |
 				 POSIX_SPAWN_SETSID);
 	argv[0] = (char *)WITNESS_NAME;
-	argv[1] = s->name;
+	argv[1] = (char *)name;
 	argv[2] = NULL;
 	r = posix_spawn(&pid, path, &fa, &at, argv, envp);
 	posix_spawn_file_actions_destroy(&fa);
@@ -372,6 +359,43 @@ int kvt_seg_witness(kvt_seg *s)
 		}
 		goto out;
 	}
+	*pid_out = pid;
+	*wfd_out = wfd;
+	r = 0;
+out:
+	close_keep_errno(pp[0]);
+	close_keep_errno(pp[1]);
+	return r;
+}
+
+int kvt_seg_witness(kvt_seg *s)
+{
+	char path[4096];
+	int self = -1, lk = -1, wfd = -1, r;
+	pid_t pid = 0;
+
+	if ((r = kvt__need_entry(s, "witness")))
+		return r;
+	if (s->witness_pid > 0)
+		return 0;
+	if ((r = helper_path(path, sizeof(path))))
+		return r;
+	/* Our own pidfd, and the lock's description, both at numbers >= 6 so
+	 * that the dup2 to 3, 4 and 5 cannot clobber one another. */
+	self = (int)syscall(SYS_pidfd_open, getpid(), 0);
+	if (self < 0)
+		return kvt__err(-errno, "witness: pidfd_open: %s (the exit witness needs "
+				"Linux 5.3 or later)", strerror(errno));
+	r = fcntl(self, F_DUPFD_CLOEXEC, 6);
+	close_keep_errno(self);
+	self = r;
+	lk = fcntl(s->fd, F_DUPFD_CLOEXEC, 6);
+	if (self < 0 || lk < 0) {
+		r = kvt__err(-errno, "witness: descriptors: %s", strerror(errno));
+		goto out;
+	}
+	if ((r = witness_spawn(path, s->name, lk, self, &pid, &wfd)))
+		goto out;
 	s->witness_pid = pid;
 	s->witness_pidfd = wfd;
 	daemon_hold(s, self);
@@ -379,8 +403,33 @@ int kvt_seg_witness(kvt_seg *s)
 out:
 	close_keep_errno(self);
 	close_keep_errno(lk);
-	close_keep_errno(pp[0]);
-	close_keep_errno(pp[1]);
+	return r;
+}
+
+int kvt_witness_for(int fd, int pidfd, const char *helper, const char *name, int *pid,
+		    int *wpidfd)
+{
+	pid_t p = 0;
+	char path[4096];
+	int lk = -1, target = -1, r;
+
+	if (helper) {
+		if (!exec_file(helper))
+			return kvt__err(-ENOENT, "witness: %.300s: not an executable file", helper);
+		snprintf(path, sizeof(path), "%s", helper);
+	} else if ((r = helper_path(path, sizeof(path)))) {
+		return r;
+	}
+	lk = fcntl(fd, F_DUPFD_CLOEXEC, 6);
+	target = fcntl(pidfd, F_DUPFD_CLOEXEC, 6);
+	if (lk < 0 || target < 0)
+		r = kvt__err(-errno, "witness: descriptors: %s", strerror(errno));
+	else
+		r = witness_spawn(path, name, lk, target, &p, wpidfd);
+	if (!r)
+		*pid = (int)p;
+	close_keep_errno(lk);
+	close_keep_errno(target);
 	return r;
 }
 

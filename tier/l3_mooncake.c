@@ -34,8 +34,13 @@
  * live until the companion too has exited (PR_SET_PDEATHSIG kills it, and
  * a closed channel ends it): the reaper frees nothing a companion can
  * still write.  A TCP transfer's writes are the companion's own recv()s,
- * over before its threads exit; with RDMA a NIC's write may trail the
- * process's exit until the verbs device is released (docs/FAULTS.md).
+ * over before its threads exit.  With RDMA the NIC may still land a write
+ * after them, until the verbs device is released in the companion's exit
+ * -- which may come after its mapping's hold on the description went
+ * (exit_mm precedes exit_files).  So each companion gets an exit witness
+ * (core/witness.c, kvt_witness_for: the GPU ranks' mechanism), which
+ * holds the description until the companion's pidfd says it has wholly
+ * exited; with protocol=rdma a companion without one is not run.
  *
  * Failure is a miss.  Mooncake's codes map to kvt_l3.h's: OBJECT_NOT_FOUND
  * -ENOENT, NO_AVAILABLE_HANDLE (store full) -ENOSPC, a size mismatch
@@ -159,6 +164,9 @@ struct ml3 {
 	int child;                 /* C_* */
 	pid_t pid;
 	int pidfd, sock;
+	int wpid, wpidfd;          /* its exit witness */
+	char witness[PATH_MAX];    /* its program; empty: libkvtier's search */
+	int witness_said;
 	uint64_t started, retry_ns, last_probe;
 	uint32_t backoff_ms;
 	int probe_out;
@@ -375,6 +383,33 @@ static int script_find(struct ml3 *m, char *err, size_t len)
 			"installed beside this program (set KVTIER_MOONCAKE_HELPER)"), -ENOENT;
 }
 
+/* The exit witness's program for a kvtierd in a build tree or installed:
+ * ../kvtier-witness (build/tier/) or ../libexec/kvtier/kvtier-witness
+ * from the executable; else empty: libkvtier's own search
+ * ($KVTIER_WITNESS_HELPER, the install path). */
+static void witness_find(struct ml3 *m)
+{
+	static const char *const rel[] = { "../kvtier-witness", "../libexec/kvtier/kvtier-witness",
+					   "kvtier-witness" };
+	char exe[PATH_MAX], *slash;
+	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+
+	m->witness[0] = 0;
+	if (getenv("KVTIER_WITNESS_HELPER") || n <= 0)
+		return;
+	exe[n] = 0;
+	slash = strrchr(exe, '/');
+	for (size_t i = 0; slash && i < 3; i++) {
+		if ((size_t)(slash - exe) + 48 >= sizeof(exe))
+			return;
+		strcpy(slash + 1, rel[i]);
+		if (!access(exe, X_OK)) {
+			snprintf(m->witness, sizeof(m->witness), "%s", exe);
+			return;
+		}
+	}
+}
+
 /* ---- the companion ---- */
 
 static int fd_high(int fd)
@@ -462,6 +497,34 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	m->pidfd = (int)syscall(SYS_pidfd_open, m->pid, 0);
 	m->sock = sv[0];
 	sv[0] = -1;
+	/* its exit witness: holds the segment's description until the
+	 * companion has wholly exited (its verbs device released: an RDMA
+	 * write the NIC still lands after its threads died stays inside the
+	 * claims' life) -- required with RDMA; over TCP every write is the
+	 * companion's own recv(), over before its threads end */
+	if (m->pidfd < 0 || kvt_witness_for(m->conf.mem_fd, m->pidfd,
+					    m->witness[0] ? m->witness : NULL, "l3-mooncake",
+					    &m->wpid, &m->wpidfd)) {
+		const char *why = m->pidfd < 0 ? "pidfd_open failed" : kvt_core_last_error();
+		m->wpid = m->wpidfd = -1;
+		if (!strcmp(m->protocol, "rdma")) {
+			snprintf(err, len, "l3 mooncake: no exit witness for the companion (%.200s): "
+				 "refused with protocol=rdma", why);
+			kill(m->pid, SIGKILL);
+			while (waitpid(m->pid, NULL, 0) < 0 && errno == EINTR)
+				;
+			if (m->pidfd >= 0)
+				close(m->pidfd);
+			close(m->sock);
+			m->pid = -1;
+			m->pidfd = m->sock = -1;
+			rc = -ENOENT;
+			goto out;
+		}
+		if (!m->witness_said++)
+			say(m, 1, "the mooncake companion runs without its exit witness (%.200s); "
+				  "over TCP it needs none", why);
+	}
 	m->child = C_STARTING;
 	m->started = mono_ns();
 	m->probe_out = 0;
@@ -485,6 +548,12 @@ static void child_end(struct ml3 *m, int status, const char *why)
 		while (waitpid(m->pid, &ws, 0) < 0 && errno == EINTR)
 			;
 	}
+	if (m->wpid > 0) { /* it leaves once the companion wholly exited */
+		while (waitpid(m->wpid, NULL, 0) < 0 && errno == EINTR)
+			;
+		close(m->wpidfd);
+	}
+	m->wpid = m->wpidfd = -1;
 	if (m->pidfd >= 0)
 		close(m->pidfd);
 	if (m->sock >= 0)
@@ -812,7 +881,7 @@ static int ml3_open(const struct kvt_l3_conf *c, void **out, char *err, size_t l
 		return snprintf(err, len, "out of memory"), -ENOMEM;
 	m->conf = *c;
 	m->efd = m->wake = m->side_fd = m->pidfd = m->sock = -1;
-	m->pid = -1;
+	m->pid = m->wpid = m->wpidfd = -1;
 	m->backoff_ms = BACKOFF_MIN;
 	pthread_mutex_init(&m->mu, NULL);
 	pthread_cond_init(&m->cv, NULL);
@@ -834,6 +903,7 @@ static int ml3_open(const struct kvt_l3_conf *c, void **out, char *err, size_t l
 	snprintf(m->python, sizeof(m->python), "%s", py && *py ? py : "python3");
 	if ((rc = script_find(m, err, len)))
 		goto fail;
+	witness_find(m);
 	m->fl = calloc(m->conf.depth + 1, sizeof(*m->fl));
 	m->free_slots = calloc(m->conf.depth, sizeof(*m->free_slots));
 	if (!m->fl || !m->free_slots) {

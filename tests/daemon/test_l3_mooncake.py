@@ -50,6 +50,29 @@ def need_mooncake():
     return os.path.join(os.path.dirname(MC_PY), "mooncake_master")
 
 
+def gone(pid):
+    try:
+        return open("/proc/%d/stat" % pid).read().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def witness_of(pid):
+    """The kvtier-witness process whose pidfd (its fd 4) is of pid."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            argv = open("/proc/%s/cmdline" % d, "rb").read().split(b"\0")[:2]
+            if argv != [b"kvtier-witness", b"l3-mooncake"]:
+                continue
+            if "Pid:\t%d\n" % pid in open("/proc/%s/fdinfo/4" % d).read():
+                return int(d)
+        except OSError:
+            continue
+    return None
+
+
 class Master:
     """A mooncake_master of the test's own: RPC on every address (the nodes'
     namespaces reach it over the bridge), its admin HTTP on loopback."""
@@ -252,11 +275,15 @@ def test_l3_mooncake_two_nodes(name, procs, tmp_path):
         g = s.lookup_ex(keys24)
         g.release()
         companion, torn = held(keys24)
+        # its exit witness holds the segment's description until it has
+        # wholly exited (with RDMA, its NIC's last writes)
+        w = witness_of(companion)
+        assert w, "no exit witness watches the companion %d" % companion
+        assert os.readlink("/proc/%d/fd/3" % w).endswith("kvtier." + name_b)
         b.p.kill()
         b.p.wait()
-        until(lambda: not os.path.exists("/proc/%d" % companion) or
-              open("/proc/%d/stat" % companion).read().split(")")[1].split()[0] == "Z",
-              "the companion gone with kvtierd")
+        until(lambda: gone(companion), "the companion gone with kvtierd")
+        until(lambda: gone(w), "the witness gone after the companion")
         never_hit(keys24, "a chunk half-got by a killed kvtierd", first=torn)
         b = Daemon(name_b, extra=extra_b, **node_b)
         procs.append(b)
