@@ -109,17 +109,20 @@ static int exec_file(const char *p)
 }
 
 /* The helper: $KVTIER_WITNESS_HELPER (absolute), else beside the object
- * this code is in (libkvtier.so in a build tree, or a program linking core
- * statically), else where an install put it relative to that object
- * (PREFIX/lib/libkvtier.so or PREFIX/lib/<multiarch>/libkvtier.so, and
- * PREFIX/libexec/kvtier/), else the install path built in.  0, or -errno
- * with the message. */
+ * this code is in (libkvtier.so in a build tree; for a program linking core
+ * statically, whose dladdr names no absolute path, the program itself:
+ * /proc/self/exe), or one directory up (kvtierd in build/tier/daemon, the
+ * helper in build/tier), else where an install put it relative to that
+ * object (PREFIX/lib/libkvtier.so or PREFIX/lib/<multiarch>/libkvtier.so,
+ * PREFIX/sbin/kvtierd, and PREFIX/libexec/kvtier/), else the install path
+ * built in.  0, or -errno with the message. */
 static int helper_path(char *out, size_t len)
 {
-	static const char *const rel[] = { "", "../libexec/kvtier/",
+	static const char *const rel[] = { "", "../", "../libexec/kvtier/",
 					   "../../libexec/kvtier/" };
 	const char *v = getenv("KVTIER_WITNESS_HELPER");
-	char dir[3072] = "";
+	char dir[3072] = "", exe[3072];
+	const char *obj = NULL;
 	Dl_info di;
 
 	if (v) {
@@ -133,8 +136,17 @@ static int helper_path(char *out, size_t len)
 		return 0;
 	}
 	if (dladdr((void *)helper_path, &di) && di.dli_fname && di.dli_fname[0] == '/') {
-		const char *slash = strrchr(di.dli_fname, '/');
-		snprintf(dir, sizeof(dir), "%.*s", (int)(slash - di.dli_fname), di.dli_fname);
+		obj = di.dli_fname;
+	} else {
+		ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+		if (n > 0) {
+			exe[n] = 0;
+			obj = exe;
+		}
+	}
+	if (obj && obj[0] == '/') {
+		const char *slash = strrchr(obj, '/');
+		snprintf(dir, sizeof(dir), "%.*s", (int)(slash - obj), obj);
 		for (size_t i = 0; i < sizeof(rel) / sizeof(rel[0]); i++) {
 			snprintf(out, len, "%s/%s" WITNESS_NAME, dir, rel[i]);
 			if (exec_file(out))
@@ -147,7 +159,7 @@ static int helper_path(char *out, size_t len)
 		return 0;
 #endif
 	return kvt__err(-ENOENT, "witness: " WITNESS_NAME " not found (looked at "
-			"$KVTIER_WITNESS_HELPER, in %.300s and its ../libexec/kvtier, "
+			"$KVTIER_WITNESS_HELPER, in %.300s, its parent and its ../libexec/kvtier, "
 			"../../libexec/kvtier, and at " KVT_W_INST "); it is built and "
 			"installed with libkvtier", dir[0] ? dir : "the library's directory");
 }
@@ -406,20 +418,14 @@ out:
 	return r;
 }
 
-int kvt_witness_for(int fd, int pidfd, const char *helper, const char *name, int *pid,
-		    int *wpidfd)
+int kvt_witness_for(int fd, int pidfd, const char *name, int *pid, int *wpidfd)
 {
 	pid_t p = 0;
 	char path[4096];
 	int lk = -1, target = -1, r;
 
-	if (helper) {
-		if (!exec_file(helper))
-			return kvt__err(-ENOENT, "witness: %.300s: not an executable file", helper);
-		snprintf(path, sizeof(path), "%s", helper);
-	} else if ((r = helper_path(path, sizeof(path)))) {
+	if ((r = helper_path(path, sizeof(path))))
 		return r;
-	}
 	lk = fcntl(fd, F_DUPFD_CLOEXEC, 6);
 	target = fcntl(pidfd, F_DUPFD_CLOEXEC, 6);
 	if (lk < 0 || target < 0)

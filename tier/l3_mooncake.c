@@ -165,7 +165,6 @@ struct ml3 {
 	pid_t pid;
 	int pidfd, sock;
 	int wpid, wpidfd;          /* its exit witness */
-	char witness[PATH_MAX];    /* its program; empty: libkvtier's search */
 	int witness_said;
 	uint64_t started, retry_ns, last_probe;
 	uint32_t backoff_ms;
@@ -177,13 +176,13 @@ struct ml3 {
 	pthread_t th;
 	int th_live;
 	pthread_mutex_t mu;
-	pthread_cond_t cv;
 	struct kvt_l3_list q, d;    /* submitted, not sent yet; done */
 	uint32_t flying;
 	struct flight *fl;         /* depth + 1: the last is the probe's */
 	uint32_t *free_slots, n_free;
 	int stop;
 	int efd, wake;
+	int done_new;              /* completed since the last notify_locked */
 	struct kvt_l3_status st;   /* under mu */
 };
 
@@ -231,7 +230,16 @@ static void complete_locked(struct ml3 *m, struct kvt_l3_req *q, int status)
 	if (status && status != -ENOENT)
 		m->st.errors++;
 	kvt__l3_list_add(&m->d, q);
-	(void)!write(m->efd, &(uint64_t){ 1 }, sizeof(uint64_t));
+	m->done_new = 1;
+}
+
+/* Makes reap's descriptor readable once for what completed since the last
+ * call (under mu), not once per request. */
+static void notify_locked(struct ml3 *m)
+{
+	if (m->done_new)
+		(void)!write(m->efd, &(uint64_t){ 1 }, sizeof(uint64_t));
+	m->done_new = 0;
 }
 
 /* ---- the URL ---- */
@@ -383,33 +391,6 @@ static int script_find(struct ml3 *m, char *err, size_t len)
 			"installed beside this program (set KVTIER_MOONCAKE_HELPER)"), -ENOENT;
 }
 
-/* The exit witness's program for a kvtierd in a build tree or installed:
- * ../kvtier-witness (build/tier/) or ../libexec/kvtier/kvtier-witness
- * from the executable; else empty: libkvtier's own search
- * ($KVTIER_WITNESS_HELPER, the install path). */
-static void witness_find(struct ml3 *m)
-{
-	static const char *const rel[] = { "../kvtier-witness", "../libexec/kvtier/kvtier-witness",
-					   "kvtier-witness" };
-	char exe[PATH_MAX], *slash;
-	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-
-	m->witness[0] = 0;
-	if (getenv("KVTIER_WITNESS_HELPER") || n <= 0)
-		return;
-	exe[n] = 0;
-	slash = strrchr(exe, '/');
-	for (size_t i = 0; slash && i < 3; i++) {
-		if ((size_t)(slash - exe) + 48 >= sizeof(exe))
-			return;
-		strcpy(slash + 1, rel[i]);
-		if (!access(exe, X_OK)) {
-			snprintf(m->witness, sizeof(m->witness), "%s", exe);
-			return;
-		}
-	}
-}
-
 /* ---- the companion ---- */
 
 static int fd_high(int fd)
@@ -502,9 +483,8 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	 * write the NIC still lands after its threads died stays inside the
 	 * claims' life) -- required with RDMA; over TCP every write is the
 	 * companion's own recv(), over before its threads end */
-	if (m->pidfd < 0 || kvt_witness_for(m->conf.mem_fd, m->pidfd,
-					    m->witness[0] ? m->witness : NULL, "l3-mooncake",
-					    &m->wpid, &m->wpidfd)) {
+	if (m->pidfd < 0 || kvt_witness_for(m->conf.mem_fd, m->pidfd, "l3-mooncake", &m->wpid,
+					    &m->wpidfd)) {
 		const char *why = m->pidfd < 0 ? "pidfd_open failed" : kvt_core_last_error();
 		m->wpid = m->wpidfd = -1;
 		if (!strcmp(m->protocol, "rdma")) {
@@ -564,7 +544,6 @@ static void child_end(struct ml3 *m, int status, const char *why)
 	int was_up = m->child == C_UP;
 	m->child = C_NONE;
 	m->st.up = 0;
-	m->st.nodes_up = 0;
 	if (why)
 		set_error_locked(m, "the mooncake companion %s", why);
 	for (uint32_t s = 0; s <= m->conf.depth; s++) {
@@ -579,6 +558,7 @@ static void child_end(struct ml3 *m, int status, const char *why)
 		f->q = NULL;
 	}
 	m->probe_out = 0;
+	notify_locked(m);
 	pthread_mutex_unlock(&m->mu);
 	if (why && (was_up || m->backoff_ms <= BACKOFF_MIN))
 		say(m, 1, "the mooncake companion %s; the L3 is a miss until a new one "
@@ -608,7 +588,6 @@ static int child_hello(struct ml3 *m, char *err, size_t len)
 	snprintf(m->st.describe, sizeof(m->st.describe), "%s", h.text);
 	m->child = C_UP;
 	m->st.up = 1;
-	m->st.nodes_up = 1;
 	m->st.reconnects += m->started != 0;
 	pthread_mutex_unlock(&m->mu);
 	m->backoff_ms = BACKOFF_MIN;
@@ -694,6 +673,7 @@ static void send_queued(struct ml3 *m)
 		f->deadline = mono_ns() + m->deadline_ns;
 		m->flying++;
 	}
+	notify_locked(m);
 	pthread_mutex_unlock(&m->mu);
 }
 
@@ -744,7 +724,6 @@ static int read_done(struct ml3 *m)
 			if (it->slot == m->conf.depth) { /* the probe */
 				m->probe_out = 0;
 				m->st.up = !it->status;
-				m->st.nodes_up = m->st.up;
 				if (it->status)
 					set_error_locked(m, "the master %s does not answer (%d)",
 							 m->master, it->status);
@@ -765,17 +744,16 @@ static int read_done(struct ml3 *m)
 			 * with the master away is the status's */
 			if (status == -ENOTCONN) {
 				m->st.up = 0;
-				m->st.nodes_up = 0;
 				set_error_locked(m, "the master %s does not answer", m->master);
 			} else {
 				m->st.up = 1;
-				m->st.nodes_up = 1;
 			}
 			f->q = NULL;
 			m->free_slots[m->n_free++] = it->slot;
 			m->flying--;
 			complete_locked(m, q, status);
 		}
+		notify_locked(m);
 		pthread_mutex_unlock(&m->mu);
 	}
 }
@@ -884,7 +862,6 @@ static int ml3_open(const struct kvt_l3_conf *c, void **out, char *err, size_t l
 	m->pid = m->wpid = m->wpidfd = -1;
 	m->backoff_ms = BACKOFF_MIN;
 	pthread_mutex_init(&m->mu, NULL);
-	pthread_cond_init(&m->cv, NULL);
 	if (!m->conf.timeout_ms)
 		m->conf.timeout_ms = 1000;
 	if (!m->conf.depth)
@@ -903,7 +880,6 @@ static int ml3_open(const struct kvt_l3_conf *c, void **out, char *err, size_t l
 	snprintf(m->python, sizeof(m->python), "%s", py && *py ? py : "python3");
 	if ((rc = script_find(m, err, len)))
 		goto fail;
-	witness_find(m);
 	m->fl = calloc(m->conf.depth + 1, sizeof(*m->fl));
 	m->free_slots = calloc(m->conf.depth, sizeof(*m->free_slots));
 	if (!m->fl || !m->free_slots) {
@@ -1024,6 +1000,7 @@ static void ml3_status(void *be, struct kvt_l3_status *out)
 	pthread_mutex_lock(&m->mu);
 	*out = m->st;
 	pthread_mutex_unlock(&m->mu);
+	out->nodes_up = out->up; /* one master */
 }
 
 static void ml3_close(void *be)
@@ -1051,7 +1028,6 @@ static void ml3_close(void *be)
 	free(m->fl);
 	free(m->free_slots);
 	pthread_mutex_destroy(&m->mu);
-	pthread_cond_destroy(&m->cv);
 	free(m);
 }
 

@@ -62,7 +62,7 @@ def status_of(code, op):
         return -errno.ENOSPC
     if code in (MC_INVALID_PARAMS, MC_BUFFER_OVERFLOW):
         return -errno.EMSGSIZE
-    if -1000 < code <= -900 or code <= -1000:
+    if code <= -900:
         return -errno.ENOTCONN  # RPC to the master (-900s), its metadata (-1000s)
     return -errno.EIO
 

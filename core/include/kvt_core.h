@@ -198,12 +198,11 @@ int kvt_seg_witness_pid(const kvt_seg *s);
  * the NIC may still land after its threads died, until its verbs device
  * is released in its exit (tier/l3_mooncake.c): holds fd's open file
  * description (the handle's lock, kvt_seg_lock_fd) until the process of
- * pidfd has wholly exited.  helper: the program (NULL: looked for as by
- * kvt_seg_witness).  0 with *pid and *wpidfd (the witness's pidfd) set;
- * the caller waits for it once the process exited.  -errno with the
- * reason (kvt_core_last_error). */
-int kvt_witness_for(int fd, int pidfd, const char *helper, const char *name, int *pid,
-		    int *wpidfd);
+ * pidfd has wholly exited (the helper looked for as by kvt_seg_witness).
+ * 0 with *pid and *wpidfd (the witness's pidfd) set; the caller waits for
+ * it once the process exited.  -errno with the reason
+ * (kvt_core_last_error). */
+int kvt_witness_for(int fd, int pidfd, const char *name, int *pid, int *wpidfd);
 /* Whether kvtierd holds the lock description too (witness_srv.c): the
  * witness also asks the segment's kvtierd, when one listens beside the
  * segment's file, to hold it until this process has wholly exited, which
