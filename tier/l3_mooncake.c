@@ -155,7 +155,8 @@ struct flight {
 
 struct ml3 {
 	struct kvt_l3_conf conf;
-	char master[300], metadata[300], protocol[8], device[256], host[300];
+	char master[300], metadata[300], device[256], host[300];
+	const char *protocol;	/* a literal: "tcp" or "rdma", never a copy of the URL's */
 	uint64_t segment;
 	char python[PATH_MAX], script[PATH_MAX];
 	uint64_t deadline_ns, hello_ns;
@@ -310,7 +311,7 @@ static int url_parse(struct ml3 *m, const char *url, char *err, size_t len)
 		snprintf(m->master, sizeof(m->master), "%.255s:50051", buf); /* the master's default */
 	}
 	snprintf(m->metadata, sizeof(m->metadata), "P2PHANDSHAKE");
-	snprintf(m->protocol, sizeof(m->protocol), "tcp");
+	m->protocol = "tcp";
 	m->segment = 1ull << 30;
 	for (char *t = q ? strtok_r(q, "&", &save) : NULL; t; t = strtok_r(NULL, "&", &save)) {
 		char *v = strchr(t, '=');
@@ -320,10 +321,11 @@ static int url_parse(struct ml3 *m, const char *url, char *err, size_t len)
 		if (!strcmp(t, "metadata")) {
 			snprintf(m->metadata, sizeof(m->metadata), "%s", v);
 		} else if (!strcmp(t, "protocol")) {
-			if (strcmp(v, "tcp") && strcmp(v, "rdma"))
+			const char *p = !strcmp(v, "tcp") ? "tcp" : !strcmp(v, "rdma") ? "rdma" : NULL;
+			if (!p)
 				return snprintf(err, len, "l3 %s: protocol=%s: tcp or rdma", url, v),
 				       -EINVAL;
-			snprintf(m->protocol, sizeof(m->protocol), "%s", v);
+			m->protocol = p;
 		} else if (!strcmp(t, "device")) {
 			snprintf(m->device, sizeof(m->device), "%s", v);
 		} else if (!strcmp(t, "host")) {
@@ -433,7 +435,7 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	argv[i++] = m->script;
 	argv[i++] = (char *)"--master"; argv[i++] = m->master;
 	argv[i++] = (char *)"--metadata"; argv[i++] = m->metadata;
-	argv[i++] = (char *)"--protocol"; argv[i++] = m->protocol;
+	argv[i++] = (char *)"--protocol"; argv[i++] = (char *)m->protocol;
 	argv[i++] = (char *)"--device"; argv[i++] = m->device;
 	argv[i++] = (char *)"--host"; argv[i++] = m->host;
 	argv[i++] = (char *)"--segment"; argv[i++] = seg;
