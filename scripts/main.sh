@@ -7,9 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh main
-jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build-release -j "$jobs" >/dev/null
+scripts/build-release.sh build-release
 build-release/bench/kvtier-bench ops "$@"
 echo
 # The bench puts each segment where kvt_open would: on hugetlbfs when enough

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is missing, then builds and runs the
-# CTest suite three times -- a normal build, ASan+UBSan, and TSan -- the
-# Python binding's tests (Debian's python3 and pytest) against the normal
-# build, kvtierd's tests with real clients, vLLM engines on kvtier (in a
-# virtual environment this script makes), and the fuzzers.
+# The whole test suite: installs what is missing; makes the main command's
+# Release build with GCC and with clang and runs the main job briefly on
+# each; then builds and runs the CTest suite three times -- a normal build,
+# ASan+UBSan, and TSan -- the Python binding's tests (Debian's python3 and
+# pytest) against the normal build, kvtierd's tests with real clients, vLLM
+# engines on kvtier (in a virtual environment this script makes), and the
+# fuzzers.
 # Usage: scripts/test.sh [quick]   ("quick": the normal build only)
 #
 # Two long jobs run beside the rest, to keep the suite well inside CI's
@@ -30,6 +32,27 @@ trap cleanup EXIT
 if [ "${1:-}" != quick ]; then
   setsid tests/vllm/setup-venv.sh "$venv" >"$logs/venv.log" 2>&1 &
   venv_pid=$!; pids+=("$venv_pid")
+fi
+
+# The main command's build (scripts/main.sh), with GCC and with clang,
+# and the main job briefly on each: Release's -O3 runs analyses that the
+# suite's -O2 does not (GCC's format-truncation), and each compiler warns
+# where the other is silent.  First, so that a broken main command fails
+# before the long stages.
+release_stage() {   # $1 build dir, $2 C compiler
+  local dir=$1 cc=$2
+  echo "== kvtier test: $dir (the main command's Release build, $cc)"
+  CC=$cc scripts/build-release.sh "$dir"
+  local bench=$dir/bench/kvtier-bench log=$logs/${dir//\//_}.log
+  if ! { "$bench" ops && "$bench" bandwidth --chunk-sizes 256K --depths 1,32 --ranks 1,2 \
+           --run-bytes 32M --dev-bytes 64M --repeat 1 --reg-bytes 16M; } >"$log" 2>&1; then
+    cat "$log"; echo "kvtier test: the main job failed on $dir" >&2; exit 1
+  fi
+  grep -E "^lookup\+pin\+release, 1 process|^synth " "$log"
+}
+if [ "${1:-}" != quick ]; then
+  release_stage build-release gcc
+  release_stage build-release-clang clang
 fi
 
 run_suite() {   # $1 build dir, $2 ctest -E regex (or ""), rest: cmake args
