@@ -2,7 +2,7 @@
  * bandwidth, against fio on the same file, block size and queue depth.
  *
  *   1. A segment of N chunks (world W shards of S bytes each) is filled
- *      with stamped chunks, and the disk engine (tier/disk.c, the code
+ *      with stamped chunks, and the disk engine (tier/disk/disk.c, the code
  *      kvtierd runs) demotes all of them: write GB/s = N x W x S over the
  *      time from the engine's first submission to its last record.
  *   2. A fresh segment of the same layout, the engine restarted on the

@@ -1,6 +1,6 @@
 /* diskidx.c - the disk tier's index and request rings in the segment.
  *
- * The disk tier (tier/disk.c, driven by kvtierd) keeps chunks evicted from
+ * The disk tier (tier/disk/disk.c, driven by kvtierd) keeps chunks evicted from
  * the arena in extents of a file.  What every process must see of it
  * lives here: which keys the disk holds (the index) and which ones lookups
  * want back (the rings).  The file itself, its records and checksums and

@@ -993,7 +993,7 @@ static void test_evicted_during_write(void **state)
  * run at THROTTLE_BPS, so a promotion read stays in flight for seconds,
  * long after its submitter was killed. */
 #define THROTTLE_BPS 32768 /* a 128 KiB chunk: ~4 s in flight */
-#define FAIL_AFTER_TEST 16 /* tier/disk.c's FAIL_AFTER */
+#define FAIL_AFTER_TEST 16 /* tier/disk/disk.c's FAIL_AFTER */
 static char loop_dev[128], loop_img[256], blk_cg[128];
 
 static void slow_device_teardown(void)

@@ -1,4 +1,4 @@
-/* l3_mooncake.c - the L3 tier's Mooncake Store backend (tier/l3_mooncake.c
+/* l3_mooncake.c - the L3 tier's Mooncake Store backend (tier/l3/l3_mooncake.c
  * and its companion) against a real mooncake_master from Mooncake's wheel
  * ($KVTIER_MOONCAKE_PYTHON: the venv scripts/mooncake.sh makes), on a
  * loopback port made here.  Run in the normal, ASan+UBSan and TSan builds,

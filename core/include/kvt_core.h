@@ -196,7 +196,7 @@ int kvt_seg_witness_pid(const kvt_seg *s);
 /* A witness for another process that can write into the arena through
  * fd's description -- kvtierd's Mooncake companion, whose RDMA transfers
  * the NIC may still land after its threads died, until its verbs device
- * is released in its exit (tier/l3_mooncake.c): holds fd's open file
+ * is released in its exit (tier/l3/l3_mooncake.c): holds fd's open file
  * description (the handle's lock, kvt_seg_lock_fd) until the process of
  * pidfd has wholly exited (the helper looked for as by kvt_seg_witness).
  * 0 with *pid and *wpidfd (the witness's pidfd) set; the caller waits for
@@ -478,7 +478,7 @@ const char *kvt_seg_name(const kvt_seg *s);
  * segment (kvt_seg_own), and read by every lookup; and one request ring
  * per table entry, through which lookups ask the engine to read chunks
  * back into the arena (promotion).  The file, its records, checksums and
- * the I/O are the engine's (tier/kvt_disk.h); core only holds what every
+ * the I/O are the engine's (tier/disk/kvt_disk.h); core only holds what every
  * process must see.  See diskidx.c for the protocol. */
 struct kvt_disk_ref {
 	uint32_t pos;    /* index entry */

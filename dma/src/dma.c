@@ -50,7 +50,7 @@
  * (core/witness_srv.c), for a kill of the rank's whole cgroup.  What is
  * still open: docs/FAULTS.md.  Not run on a GPU.  The dead rank's own chunk is never published READY.
  * The disk engine's reads are held the same way by their own mechanism:
- * its ring keeps the lock descriptor (kvt_seg_lock_fd, tier/disk.c).
+ * its ring keeps the lock descriptor (kvt_seg_lock_fd, tier/disk/disk.c).
  */
 #include "dma_int.h"
 

@@ -2,7 +2,7 @@
 wheel (scripts/mooncake.sh makes the environment; KVTIER_MOONCAKE_PYTHON
 names its Python), two nodes -- two segments, two kvtierd, each in a
 network namespace of its own on one bridge where the host allows, else on
-loopback -- and each kvtierd's companion (tier/l3_mooncake.py) contributing
+loopback -- and each kvtierd's companion (tier/l3/l3_mooncake.py) contributing
 a segment of its memory to the store.
 
 Run by scripts/test.sh with the rest of tests/daemon."""

@@ -1,5 +1,5 @@
 /* disk.pml - the disk tier's two protocols in the segment, checked with
- * spin (core/diskidx.c, tier/disk.c).
+ * spin (core/diskidx.c, tier/disk/disk.c).
  *
  * 1. The index entry's seqlock (D1, D2): one writer (the engine) puts and
  *    deletes keys in one entry, and may die at any step (kill -9), after

@@ -64,7 +64,7 @@ struct kvtd_ctx {
 	int witness_up;                /* its socket listens */
 	uint32_t witness_ranks;        /* ranks whose lock it holds now */
 	uint64_t witness_exited, witness_byes, witness_refused;
-	/* the L3 tier (tier/kvt_l3_chan.h), copied by the daemon's loop, or
+	/* the L3 tier (tier/l3/kvt_l3_chan.h), copied by the daemon's loop, or
 	 * asked of it (kvtier-stat) */
 	int l3_on;
 	struct kvt_l3c_status l3;

@@ -184,7 +184,7 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
  * has not answered "missing" yet (for at most 2 s).  With
  * KVT_LOOKUP_PROMOTE the call asks kvtierd to read those chunks back into
  * the arena, from the disk or from the L3 store (over a unix socket beside
- * the segment, tier/kvt_l3_chan.h), asynchronously; it never waits for
+ * the segment, tier/l3/kvt_l3_chan.h), asynchronously; it never waits for
  * either.  The L3 is asked for a chunk at its prefix depth, so only by a
  * caller that says keys[0]'s depth: KVT_LOOKUP_DEPTH with
  * res->first_depth (0 for a prompt's keys from kvt_hash_tokens without a

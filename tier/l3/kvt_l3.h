@@ -3,9 +3,20 @@
  * prefix computed on one node is a hit on every node.  Internal to
  * kvtier: kvtierd drives it, kvtier-bench measures it, tests exercise it.
  *
+ * tier/l3/ owns the backend interface (this header, kvt_l3_int.h) and the
+ * backends (l3_redis.c; l3_mooncake.c with its companion l3_mooncake.py),
+ * their shared request lists and object seal (l3.c), the engine that
+ * drives them in kvtierd (kvt_l3e.h, l3_engine.c) and both sides of the
+ * lookups' channel (kvt_l3_chan.h: kvt_l3_srv.h, l3_srv.c in kvtierd;
+ * kvt_l3_client.h, l3_client.c in libkvtier.so and kvtier-stat).  It may
+ * call core/ and, of tier/disk/, the chunk MAC (kvt_disk_trust.h) and the
+ * admission policies both tiers take (kvt_disk.h's enum kvt_disk_admit);
+ * nothing of the library above it (kvtier.c, config.c, hash.c), of dma/
+ * or numa/.
+ *
  * Design.
  *   Who does what.  kvtierd keeps every protocol step, as for the disk
- *   tier (tier/disk.c): it picks what to put (admission ahead of eviction,
+ *   tier (tier/disk/disk.c): it picks what to put (admission ahead of eviction,
  *   a READY slot read without a pin and the put kept only when the slot is
  *   still in the same life afterwards: kvt_slot_same_life), claims the
  *   slots a get lands in (kvt_write_begin, one per shard), verifies what

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kvtier-l3-mooncake: kvtierd's companion for a Mooncake Store L3.
 
-kvtierd (tier/l3_mooncake.c, whose comment has the design) starts this with
+kvtierd (tier/l3/l3_mooncake.c, whose comment has the design) starts this with
 the Python that has Mooncake's wheel and drives it over a socketpair:
 
   fd 3  the channel (SOCK_SEQPACKET): requests in, answers out

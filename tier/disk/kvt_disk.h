@@ -4,6 +4,13 @@
  * exercise it.  One engine per segment, in the segment's owner
  * (kvt_seg_own): it is the single writer of the segment's disk index
  * (core/diskidx.c).  Not thread-safe: one thread polls it.
+ *
+ * tier/disk/ owns the engine (disk.c), the trust rules of the disk file,
+ * its key file and the chunk MAC (kvt_disk_trust.h, disk_trust.c; the L3
+ * seals its objects with that MAC too), the options' names (disk_names.c)
+ * and the stand-in of a build without liburing (disk_off.c).  It may call
+ * core/ (kvt_core.h), liburing and libcrypto: nothing of the library
+ * above it (kvtier.c, config.c, hash.c), of dma/, numa/ or tier/l3/.
  */
 #ifndef KVT_DISK_H
 #define KVT_DISK_H
