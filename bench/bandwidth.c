@@ -867,7 +867,7 @@ static void replay(struct rank *k, int load, double *seconds, uint64_t *bytes)
 			continue;
 		if (build(k, i, load))
 			break;
-		t0 = now_ns();
+		t0 = kvt__now_ns();
 		for (uint32_t c = 0; c < p->n; c++) {
 			const struct kvt_copy *cp = &p->copies[c];
 
@@ -881,7 +881,7 @@ static void replay(struct rank *k, int load, double *seconds, uint64_t *bytes)
 					memcpy(host, dev, cp->len);
 			}
 		}
-		ns += now_ns() - t0;
+		ns += kvt__now_ns() - t0;
 		b += p->bytes;
 	}
 	k->seed = seed;
@@ -960,18 +960,18 @@ static int rank_main(const struct opts *o, const struct conf *cf, struct shared 
 			k.depth = o->depths[di];
 			warm(&k, 0);
 			barrier(&k);
-			k.res->t0[di][rep][0] = now_ns();
+			k.res->t0[di][rep][0] = kvt__now_ns();
 			if (!k.res->failed && save_run(&k, run) == 0)
 				k.res->chunks[di][rep][0] = k.cf->n;
-			k.res->t1[di][rep][0] = now_ns();
+			k.res->t1[di][rep][0] = kvt__now_ns();
 			barrier(&k);
 			ceiling(&k, di, rep, KVT_DMA_D2H);
 			warm(&k, 1);
 			barrier(&k);
-			k.res->t0[di][rep][1] = now_ns();
+			k.res->t0[di][rep][1] = kvt__now_ns();
 			if (!k.res->failed)
 				got = load_run(&k, run);
-			k.res->t1[di][rep][1] = now_ns();
+			k.res->t1[di][rep][1] = kvt__now_ns();
 			k.res->chunks[di][rep][1] = got > 0 ? (uint64_t)got : 0;
 			barrier(&k);
 			ceiling(&k, di, rep, KVT_DMA_H2D);
@@ -1012,9 +1012,9 @@ static double reg_time(kvt_dma *d, char *p, uint64_t len, char *msg, size_t mlen
 	int rc;
 
 	memset(p, 1, len); /* faulted in: registration time only */
-	t0 = now_ns();
+	t0 = kvt__now_ns();
 	rc = kvt_dma_mem_register(d, p, len, 2u << 20, &mr);
-	s = (now_ns() - t0) * 1e-9;
+	s = (kvt__now_ns() - t0) * 1e-9;
 	if (rc) {
 		snprintf(msg, mlen, "register: %s", kvt_dma_last_error());
 		return -1;

@@ -11,24 +11,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvt_clock.h"
 #include "kvt_core.h"
-
-static inline uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
+#include "kvt_mix.h"
 
 /* splitmix64: a reproducible stream from a seed. */
 static inline uint64_t rnd(uint64_t *s)
 {
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-	return z ^ (z >> 31);
+	return kvt__mix64(*s += 0x9e3779b97f4a7c15ULL);
 }
 
 /* The segment the bench created (empty: none) and its directory (NULL:

@@ -54,7 +54,7 @@ int kvt_bench_chaos(int argc, char **argv)
 	struct chaos_result res;
 	struct chaos_opts o = { .name = name, .world = 3, .slots = 96, .prompts = 48,
 				.fill_ms = 10, .expire = 24, .trials = 1000,
-				.seed = se_now_ns() ^ (uint64_t)getpid() };
+				.seed = kvt__now_ns() ^ (uint64_t)getpid() };
 	uint64_t v;
 	int c, json = 0;
 

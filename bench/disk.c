@@ -37,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvt_clock.h"
 #include "kvt_core.h"
 #include "kvt_disk.h"
 #include "safe_kill.h"
@@ -48,14 +49,6 @@ struct dopts {
 	int fio, json, keep;
 	uint32_t repeat;
 };
-
-static uint64_t mono(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
 
 static uint64_t stamp_word(uint64_t key, uint32_t shard, uint64_t i)
 {
@@ -319,9 +312,9 @@ int kvt_bench_disk(int argc, char **argv)
 		kvt_disk_info(d, &info);
 		uint64_t w0[KVT_C__COUNT], w[KVT_C__COUNT];
 		kvt_counters_read(s, w0);
-		uint64_t t0 = mono();
+		uint64_t t0 = kvt__now_ns();
 		int r = kvt_disk_drain(d, 1, 600LL * 1000000000LL);
-		ws[rep] = (double)total / ((double)(mono() - t0) / 1e9);
+		ws[rep] = (double)total / ((double)(kvt__now_ns() - t0) / 1e9);
 		kvt_counters_read(s, w);
 		if (r || w[KVT_C_DISK_WRITES] - w0[KVT_C_DISK_WRITES] != o.chunks) {
 			fprintf(stderr, "kvtier-bench disk: demotion wrote %" PRIu64 " of %u chunks "
@@ -359,7 +352,7 @@ int kvt_bench_disk(int argc, char **argv)
 		if (have_fio)
 			fws[rep] = fio_run(&o, 1, (int)info.direct, info.data_off + total, total);
 		sleep(1); /* both reads start after a second's rest */
-		t0 = mono();
+		t0 = kvt__now_ns();
 		uint32_t next = 0;
 		uint64_t rd[KVT_C__COUNT];
 		int ok = 1;
@@ -381,7 +374,7 @@ int kvt_bench_disk(int argc, char **argv)
 			if (!ok || (rd[KVT_C_DISK_READS] + rd[KVT_C_DISK_CSUM_ERRORS] >= o.chunks &&
 				    next == o.chunks))
 				break;
-			if (mono() - t0 > 600ULL * 1000000000ULL) {
+			if (kvt__now_ns() - t0 > 600ULL * 1000000000ULL) {
 				fprintf(stderr, "kvtier-bench disk: promotion timed out\n");
 				ok = 0;
 				break;
@@ -390,7 +383,7 @@ int kvt_bench_disk(int argc, char **argv)
 			if (p.fd >= 0)
 				poll(&p, 1, 1);
 		}
-		rs[rep] = (double)total / ((double)(mono() - t0) / 1e9);
+		rs[rep] = (double)total / ((double)(kvt__now_ns() - t0) / 1e9);
 		if (ok)
 			bad += verify(sr, o.chunks) + rd[KVT_C_DISK_CSUM_ERRORS];
 		kvt_disk_close(d);
@@ -628,7 +621,7 @@ int kvt_bench_diskkill(int argc, char **argv)
 		{ "file", required_argument, NULL, 'f' }, { "seed", required_argument, NULL, 'S' },
 		{ "json", no_argument, NULL, 'j' }, { "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 } };
-	uint64_t kills = 300, clients = 2, keys = 256, seed = mono() ^ (uint64_t)getpid();
+	uint64_t kills = 300, clients = 2, keys = 256, seed = kvt__now_ns() ^ (uint64_t)getpid();
 	struct dopts o = { .file = "kvtier-bench-diskkill.img", .chunks = 32, .world = 2,
 			   .depth = 16, .shard = 64 << 10 };
 	int c, json = 0;
@@ -692,7 +685,7 @@ int kvt_bench_diskkill(int argc, char **argv)
 		" keys, seed %#" PRIx64 " (--seed to repeat)\n", kills, clients, o.chunks, keys,
 		seed);
 	pid_t pids[17];
-	uint64_t ekills = 0, ckills = 0, rng = seed, t0 = mono();
+	uint64_t ekills = 0, ckills = 0, rng = seed, t0 = kvt__now_ns();
 	for (uint64_t w = 0; w <= clients; w++)
 		pids[w] = kk_spawn(w == 0 ? -1 : (int)w, name, o.file, bytes, keys, seed, st);
 	int rc = 0;
@@ -738,7 +731,7 @@ int kvt_bench_diskkill(int argc, char **argv)
 	int chk = kvt_check(s, msg, sizeof(msg));
 	uint64_t ctr[KVT_C__COUNT];
 	kvt_counters_read(s, ctr);
-	double secs = (double)(mono() - t0) / 1e9;
+	double secs = (double)(kvt__now_ns() - t0) / 1e9;
 	if (json)
 		printf("{\"kills\": %" PRIu64 ", \"engine_kills\": %" PRIu64 ", \"client_kills\": %"
 		       PRIu64 ", \"seconds\": %.1f, \"seed\": %" PRIu64 ", \"verified\": %" PRIu64

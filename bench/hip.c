@@ -2,6 +2,7 @@
  * checked against Debian's hip/hip_runtime_api.h (libamdhip64-dev).  Built
  * without that header, every call says so (-ENOTSUP).
  */
+#include "kvt_clock.h"
 #include "hip.h"
 
 #include <dlfcn.h>
@@ -276,14 +277,6 @@ uint64_t kvt_hip_stream(const kvt_hip *h)
 	return (uint64_t)(uintptr_t)h->stream;
 }
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
 int kvt_hip_ceiling(kvt_hip *h, int d2h, uint64_t dev, uint64_t bytes, uint64_t copy_bytes,
 		    uint32_t iters, enum kvt_hip_pinned pinned, double *seconds,
 		    int *devptr_differs)
@@ -314,7 +307,7 @@ int kvt_hip_ceiling(kvt_hip *h, int d2h, uint64_t dev, uint64_t bytes, uint64_t 
 	}
 	memset(host, 0x5a, bytes);
 	e = hipSuccess;
-	t0 = now_ns();
+	t0 = kvt__now_ns();
 	for (uint32_t it = 0; it < iters && !e; it++)
 		for (uint64_t o = 0; o + copy_bytes <= bytes && !e; o += copy_bytes)
 			e = d2h ? h->f.memcpy_async((char *)host + o, (void *)(uintptr_t)(dev + o),
@@ -322,7 +315,7 @@ int kvt_hip_ceiling(kvt_hip *h, int d2h, uint64_t dev, uint64_t bytes, uint64_t 
 				: h->f.memcpy_async((void *)(uintptr_t)(dev + o), (char *)host + o,
 						    copy_bytes, hipMemcpyHostToDevice, h->stream);
 	hipError_t es = h->f.stream_sync(h->stream);
-	*seconds = (now_ns() - t0) * 1e-9;
+	*seconds = (kvt__now_ns() - t0) * 1e-9;
 	if (pinned == KVT_HIP_HOST_MALLOC) {
 		h->f.host_free(host);
 	} else {

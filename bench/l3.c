@@ -177,7 +177,7 @@ static double run(kvt_l3 *l, struct item *it, uint32_t n, uint32_t op, uint8_t *
 		  uint64_t size, uint32_t depth, int *errors)
 {
 	uint32_t next = 0, done = 0, inflight = 0;
-	uint64_t t0 = now_ns();
+	uint64_t t0 = kvt__now_ns();
 
 	*errors = 0;
 	while (done < n) {
@@ -221,7 +221,7 @@ static double run(kvt_l3 *l, struct item *it, uint32_t n, uint32_t op, uint8_t *
 			poll(&p, 1, 10); /* as kvtierd's loop waits */
 		}
 	}
-	return (double)n * (double)size / ((double)(now_ns() - t0) * 1e-9) / 1e9;
+	return (double)n * (double)size / ((double)(kvt__now_ns() - t0) * 1e-9) / 1e9;
 }
 
 /* redis-benchmark's requests/s for test (set or get), or < 0. */

@@ -196,10 +196,10 @@ static void median_us(void (*const *fns)(void *), uint32_t n_fns, void *arg,
 	for (uint32_t f = 0; f < n_fns; f++) {
 		uint64_t n = 1;
 		for (;;) {
-			uint64_t t0 = now_ns();
+			uint64_t t0 = kvt__now_ns();
 			for (uint64_t i = 0; i < n; i++)
 				fns[f](arg);
-			if (now_ns() - t0 >= 2000000 || n >= (1u << 20))
+			if (kvt__now_ns() - t0 >= 2000000 || n >= (1u << 20))
 				break;
 			n *= 2;
 		}
@@ -207,10 +207,10 @@ static void median_us(void (*const *fns)(void *), uint32_t n_fns, void *arg,
 	}
 	for (uint32_t b = 0; b < batches; b++)
 		for (uint32_t f = 0; f < n_fns; f++) {
-			uint64_t t0 = now_ns();
+			uint64_t t0 = kvt__now_ns();
 			for (uint64_t i = 0; i < iters[f]; i++)
 				fns[f](arg);
-			per[f][b] = (double)(now_ns() - t0) / (double)iters[f] / 1000.0;
+			per[f][b] = (double)(kvt__now_ns() - t0) / (double)iters[f] / 1000.0;
 		}
 	for (uint32_t f = 0; f < n_fns; f++) {
 		sort_d(per[f], batches);

@@ -180,7 +180,7 @@ static kvt_key key_of(uint64_t i)
  * message on a result other than `expect`. */
 static uint64_t save_range(kvt_seg *s, uint64_t from, uint64_t to, int expect)
 {
-	uint64_t t0 = now_ns();
+	uint64_t t0 = kvt__now_ns();
 
 	for (uint64_t i = from; i < to; i++) {
 		kvt_key k = key_of(i);
@@ -197,7 +197,7 @@ static uint64_t save_range(kvt_seg *s, uint64_t from, uint64_t to, int expect)
 			return 0;
 		}
 	}
-	return now_ns() - t0;
+	return kvt__now_ns() - t0;
 }
 
 /* One lookup+pin+release; returns the chunks hit (all of them, or error). */
@@ -243,14 +243,14 @@ static void child_run(const struct opts *o, struct shared *sh, uint32_t id)
 	}
 	for (uint32_t i = 0; i < 1024; i++)
 		(void)lookup_release(s, o, &rng, keys); /* the whole lease table */
-	warm = now_ns() + 100000000ULL;
-	while (now_ns() < warm)
+	warm = kvt__now_ns() + 100000000ULL;
+	while (kvt__now_ns() < warm)
 		for (int k = 0; k < 64; k++)
 			(void)lookup_release(s, o, &rng, keys);
 	atomic_store(&cr->ready, 1);
 	while (!atomic_load(&sh->go))
 		;
-	t0 = now_ns();
+	t0 = kvt__now_ns();
 	t1 = t0 + (uint64_t)(o->seconds * 1e9);
 	for (;;) {
 		for (int k = 0; k < 64; k++) {
@@ -263,10 +263,10 @@ static void child_run(const struct opts *o, struct shared *sh, uint32_t id)
 			}
 			n++;
 		}
-		if (o->iters ? n >= o->iters : now_ns() >= t1)
+		if (o->iters ? n >= o->iters : kvt__now_ns() >= t1)
 			break;
 	}
-	cr->ns = now_ns() - t0;
+	cr->ns = kvt__now_ns() - t0;
 	cr->lookups = n;
 	cr->chunks = n * o->cpl;
 	kvt_seg_detach(s);

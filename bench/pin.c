@@ -70,11 +70,11 @@ static void child(const char *backend, int device, char *base, uint64_t len, int
 	if (r.rc) {
 		snprintf(r.msg, sizeof(r.msg), "open: %s", kvt_dma_last_error());
 	} else {
-		uint64_t t0 = now_ns();
+		uint64_t t0 = kvt__now_ns();
 
 		snprintf(r.backend, sizeof(r.backend), "%s", kvt_dma_backend(d));
 		r.rc = kvt_dma_mem_register(d, base, len, 2u << 20, &mr);
-		r.seconds = (now_ns() - t0) * 1e-9;
+		r.seconds = (kvt__now_ns() - t0) * 1e-9;
 		if (r.rc)
 			snprintf(r.msg, sizeof(r.msg), "%s", kvt_dma_last_error());
 	}

@@ -53,7 +53,7 @@ int kvt_bench_preempt(int argc, char **argv)
 	const char *layout = "both", *kind = "both";
 	unsigned world = 2, workers = 8, slots = 4, keys = 16, slow_us = 2000;
 	unsigned permille = 30, delay_us = 300, fill_ms = 2;
-	uint64_t seed = now_ns() ^ (uint64_t)getpid();
+	uint64_t seed = kvt__now_ns() ^ (uint64_t)getpid();
 	char name[64];
 	int c, bad = 0;
 

@@ -61,6 +61,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvt_clock.h"
 #include "kvtier.h"
 #include "trace.h"
 #include "kvt_core.h" /* KVT_NAME_MAX; the disk engine's handle */
@@ -364,14 +365,6 @@ struct stamp {
 	uint32_t magic;
 };
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
 static void lat_add(struct lat *l, uint64_t ns, uint32_t chunks)
 {
 	l->ns[l->n++] = ns;
@@ -555,7 +548,7 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 		goto out_close;
 	}
 
-	t0 = now_ns();
+	t0 = kvt__now_ns();
 	for (uint32_t q = 0; q < t->n_req; q++) {
 		const uint32_t *c = t->ids + t->off[q];
 		const uint32_t n = t->off[q + 1] - t->off[q], s = start[q], ask = n - s;
@@ -574,14 +567,14 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 		for (uint32_t j = 0; j < ask; j++)
 			keys[j] = (kvt_key){ .lo = t->raw[c[s + j]], .hi = KEY_HI };
 		struct kvt_lookup_res lx = { .size = sizeof(lx) };
-		a = now_ns();
+		a = kvt__now_ns();
 		if (with_disk) {
 			hits = kvt_lookup_ex(tier, keys, ask, KVT_LOOKUP_PROMOTE, &lx);
 			lease = lx.lease;
 		} else {
 			hits = kvt_lookup(tier, keys, ask, &lease);
 		}
-		b = now_ns();
+		b = kvt__now_ns();
 		if (hits < 0) {
 			r = fail("lookup", hits);
 			goto out_close;
@@ -608,7 +601,7 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 				if (!lx.requested)
 					break;
 			}
-			lat_add(&res->promote, now_ns() - a, (uint32_t)(hits - h0));
+			lat_add(&res->promote, kvt__now_ns() - a, (uint32_t)(hits - h0));
 			res->disk_hits += (uint32_t)(hits - h0);
 		}
 		res->asked += ask;
@@ -623,14 +616,14 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 			const uint32_t *tabs[1] = { perm + (uint64_t)s * bpc };
 			for (uint64_t k = (uint64_t)s * bpc; k < (uint64_t)(s + hits) * bpc; k++)
 				memset(dev + perm[k] * block_bytes, 0, sizeof(struct stamp));
-			a = now_ns();
+			a = kvt__now_ns();
 			r = kvt_load(tier, lease, (uint32_t)hits, tabs, &op);
 			if (r < 0) {
 				r = fail("load", r);
 				goto out_close;
 			}
 			r = op ? kvt_wait(tier, op, -1) : 0;
-			b = now_ns();
+			b = kvt__now_ns();
 			lat_add(&res->load, b - a, (uint32_t)hits);
 			if (r < 0) {
 				res->load_errors++;
@@ -661,7 +654,7 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 					memcpy(dev + perm[(uint64_t)j * bpc + k] * block_bytes, &st,
 					       sizeof(st));
 				}
-			a = now_ns();
+			a = kvt__now_ns();
 			r = kvt_save(tier, keys + hits, miss, first, tabs, &op);
 			if (r < 0) {
 				r = fail("save", r);
@@ -670,7 +663,7 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 			res->saves_asked += miss;
 			res->saves_written += (uint32_t)r;
 			r = op ? kvt_wait(tier, op, -1) : 0;
-			b = now_ns();
+			b = kvt__now_ns();
 			lat_add(&res->save, b - a, miss);
 			if (r < 0)
 				res->save_errors++;
@@ -680,7 +673,7 @@ static int replay_run(const struct opts *o, const struct trace *t, const uint32_
 			}
 		}
 	}
-	res->seconds = (double)(now_ns() - t0) / 1e9;
+	res->seconds = (double)(kvt__now_ns() - t0) / 1e9;
 	memset(&res->st, 0, sizeof(res->st));
 	res->st.size = sizeof(res->st);
 	r = kvt_stats(tier, &res->st);

@@ -179,7 +179,7 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 			goto out;
 		}
 	}
-	t0 = now_ns();
+	t0 = kvt__now_ns();
 	for (uint32_t q = 0; q < t->n_req; q++) {
 		const uint32_t *c = t->ids + t->off[q];
 		uint32_t len = t->off[q + 1] - t->off[q];
@@ -233,7 +233,7 @@ static int one_run(const struct trace *t, uint32_t nodes, uint32_t cap, int l3, 
 		if (l3)
 			kvt_l3e_drain(eng[n], 1, -1);
 	}
-	out->seconds = (now_ns() - t0) * 1e-9;
+	out->seconds = (kvt__now_ns() - t0) * 1e-9;
 	if (l3 && !mc_python) {
 		char r[64];
 		if (!cli(port, "DBSIZE", r, sizeof(r)))

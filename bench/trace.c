@@ -7,6 +7,7 @@
 #include <string.h>
 #include <json-c/json.h>
 
+#include "kvt_mix.h"
 #include "trace.h"
 
 #define NONE UINT32_MAX
@@ -22,15 +23,6 @@ struct idmap {
 	uint32_t *vals;
 	uint64_t cap;      /* power of two */
 };
-
-static uint64_t mix64(uint64_t x)
-{
-	x ^= x >> 33;
-	x *= 0xff51afd7ed558ccdULL;
-	x ^= x >> 33;
-	x *= 0xc4ceb9fe1a85ec53ULL;
-	return x ^ (x >> 33);
-}
 
 static int idmap_grow(struct idmap *m)
 {
@@ -48,7 +40,7 @@ static int idmap_grow(struct idmap *m)
 	for (uint64_t i = 0; i < m->cap; i++) {
 		if (m->vals[i] == NONE)
 			continue;
-		uint64_t h = mix64(m->keys[i]) & (ncap - 1);
+		uint64_t h = kvt__mix64(m->keys[i]) & (ncap - 1);
 		while (nv[h] != NONE)
 			h = (h + 1) & (ncap - 1);
 		nk[h] = m->keys[i];
@@ -67,7 +59,7 @@ static int idmap_get(struct idmap *m, uint64_t raw, uint32_t *n, uint32_t *out)
 {
 	if ((uint64_t)*n * 2 >= m->cap && idmap_grow(m))
 		return -ENOMEM;
-	uint64_t h = mix64(raw) & (m->cap - 1);
+	uint64_t h = kvt__mix64(raw) & (m->cap - 1);
 	while (m->vals[h] != NONE) {
 		if (m->keys[h] == raw) {
 			*out = m->vals[h];

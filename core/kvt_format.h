@@ -61,7 +61,9 @@
 #include <sys/types.h>
 
 #include "kvt_atomic.h"
+#include "kvt_clock.h"
 #include "kvt_core.h"
+#include "kvt_mix.h"
 #include "kvt_sp.h"
 
 /* "KVTIER01" as a little-endian u64 */
@@ -513,9 +515,7 @@ struct kvt_wmsg {
 #define KVT_WMSG_MAGIC 0x5754564bu /* "KVTW" */
 #define KVT_WMSG_HOLD  1
 #define KVT_WMSG_BYE   2
-uint64_t kvt__now_ns(void);
 uint64_t kvt__hash64(const void *p, size_t n, uint64_t seed);
-uint64_t kvt__mix64(uint64_t x);
 int kvt__layout_compute(const struct kvt_geometry *g, struct kvt_derived *d,
 			struct kvt_region r[KVT_R__COUNT], uint64_t *total);
 void kvt__fingerprint(const struct kvt_geometry *g, kvt_key *out);

@@ -81,25 +81,6 @@ static void save_err(char *dst, size_t n)
 	dst[l] = 0;
 }
 
-uint64_t kvt__now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-uint64_t kvt__mix64(uint64_t x)
-{
-	/* splitmix64 finalizer: a bijection with full avalanche. */
-	x ^= x >> 30;
-	x *= 0xbf58476d1ce4e5b9ULL;
-	x ^= x >> 27;
-	x *= 0x94d049bb133111ebULL;
-	x ^= x >> 31;
-	return x;
-}
-
 uint64_t kvt__hash64(const void *p, size_t n, uint64_t seed)
 {
 	const uint8_t *b = p;

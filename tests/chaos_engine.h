@@ -104,7 +104,7 @@ static inline int ch_release_all(struct chaos_state *t)
  * someone reaps that one).  Fails on a hang or a bad exit. */
 static inline int ch_wait_exit(struct chaos_state *t, uint32_t mask, uint32_t trial)
 {
-	uint64_t t0 = se_now_ns(), last = t0;
+	uint64_t t0 = kvt__now_ns(), last = t0;
 	uint32_t world = t->o->world;
 
 	while (mask) {
@@ -130,12 +130,12 @@ static inline int ch_wait_exit(struct chaos_state *t, uint32_t mask, uint32_t tr
 		}
 		if (!mask)
 			break;
-		if (se_now_ns() - last > 20000000ULL) {
+		if (kvt__now_ns() - last > 20000000ULL) {
 			if (ch_reap(t, trial))
 				return -1;
-			last = se_now_ns();
+			last = kvt__now_ns();
 		}
-		if (se_now_ns() - t0 > CH_HANG_S * 1000000000ULL)
+		if (kvt__now_ns() - t0 > CH_HANG_S * 1000000000ULL)
 			CH_FAIL(t, "trial %u (seed %#" PRIx64 "): workers %#x did not stop", trial,
 				t->cfg.seed, mask);
 		usleep(200);
@@ -169,9 +169,9 @@ static inline int ch_trial(struct chaos_state *t, uint32_t trial, uint64_t *rng,
 			CH_FAIL(t, "trial %u: fork: %s", trial, strerror(errno));
 	}
 	if (wait_attach) {
-		uint64_t w0 = se_now_ns();
+		uint64_t w0 = kvt__now_ns();
 		while (atomic_load(&t->sh->attached) < (int)world + 1) {
-			if (se_now_ns() - w0 > CH_HANG_S * 1000000000ULL) {
+			if (kvt__now_ns() - w0 > CH_HANG_S * 1000000000ULL) {
 				se_print_msgs(t->sh, world + 1);
 				CH_FAIL(t, "trial %u: workers did not attach", trial);
 			}
@@ -204,16 +204,16 @@ static inline int ch_trial(struct chaos_state *t, uint32_t trial, uint64_t *rng,
 		for (uint32_t i = 0; i <= world; i++)
 			snap[i] = atomic_load(&t->sh->st[i].c[SE_PROGRESS]);
 		for (uint32_t i = 0; i <= world; i++) {
-			uint64_t w0 = se_now_ns(), last = w0;
+			uint64_t w0 = kvt__now_ns(), last = w0;
 			if (victims & (1u << i))
 				continue;
 			while (atomic_load(&t->sh->st[i].c[SE_PROGRESS]) < snap[i] + CH_PROGRESS) {
-				if (se_now_ns() - last > 20000000ULL) {
+				if (kvt__now_ns() - last > 20000000ULL) {
 					if (ch_reap(t, trial))
 						return -1;
-					last = se_now_ns();
+					last = kvt__now_ns();
 				}
-				if (se_now_ns() - w0 > CH_HANG_S * 1000000000ULL) {
+				if (kvt__now_ns() - w0 > CH_HANG_S * 1000000000ULL) {
 					se_print_msgs(t->sh, world + 1);
 					CH_FAIL(t, "trial %u (seed %#" PRIx64 "): survivor %u made no "
 						"progress after the reap", trial, t->cfg.seed, i);
@@ -261,7 +261,7 @@ static inline int chaos_run(const struct chaos_opts *o, struct chaos_result *res
 	struct kvt_seg_create_opts c;
 	struct kvt_seg_attach_opts a;
 	struct se_stats pst;
-	uint64_t rng, t0 = se_now_ns();
+	uint64_t rng, t0 = kvt__now_ns();
 	int rc = -1;
 
 	memset(res, 0, sizeof(*res));
@@ -330,7 +330,7 @@ out:
 		kvt_seg_detach(t->seg);
 	kvt_seg_unlink(o->name, NULL);
 	munmap(t->sh, sizeof(*t->sh));
-	res->ns = se_now_ns() - t0;
+	res->ns = kvt__now_ns() - t0;
 	return rc;
 }
 

@@ -35,7 +35,7 @@ static void test_crash(void **state)
 	struct chaos_opts o = {
 		.name = name, .world = WORLD, .slots = SLOTS, .prompts = PROMPTS,
 		.fill_ms = FILL_MS, .expire = EXPIRE, .trials = trials, .quiet = 1,
-		.seed = se_env_u64("KVTIER_CRASH_SEED", se_now_ns() ^ (uint64_t)getpid()),
+		.seed = se_env_u64("KVTIER_CRASH_SEED", kvt__now_ns() ^ (uint64_t)getpid()),
 	};
 
 	snprintf(name, sizeof(name), "t-crash-%d", (int)getpid());

@@ -44,7 +44,7 @@ static void run(uint32_t world, int replicated, int threads, uint32_t workers)
 		.keys = 16, .workers = workers, .slow = workers / 2, .slow_us = 2000,
 		.ops = se_env_u64("KVTIER_PREEMPT_OPS", DEF_OPS), .fill_ms = 2,
 		.threads = threads,
-		.seed = se_env_u64("KVTIER_PREEMPT_SEED", se_now_ns() ^ (uint64_t)getpid()),
+		.seed = se_env_u64("KVTIER_PREEMPT_SEED", kvt__now_ns() ^ (uint64_t)getpid()),
 	};
 	struct pe_result res;
 	char what[160];

@@ -80,7 +80,7 @@ static void start(struct st_state *t, uint64_t ops)
 	t->cfg = (struct se_cfg){
 		.name = t->name, .world = WORLD, .n_prompts = PROMPTS,
 		.ops = ops, .expire_steps = EXPIRE,
-		.seed = se_env_u64("KVTIER_STRESS_SEED", se_now_ns() ^ (uint64_t)getpid()),
+		.seed = se_env_u64("KVTIER_STRESS_SEED", kvt__now_ns() ^ (uint64_t)getpid()),
 	};
 	fprintf(stderr, "stress %s: %u ranks x %" PRIu64 " ops + scheduler, seed %#" PRIx64
 		" (KVTIER_STRESS_SEED)\n", t->name, WORLD, ops, t->cfg.seed);
@@ -194,7 +194,7 @@ static void test_stress_processes(void **state)
 	uint64_t t0;
 
 	start(t, se_env_u64("KVTIER_STRESS_OPS", DEF_OPS));
-	t0 = se_now_ns();
+	t0 = kvt__now_ns();
 	for (uint32_t i = 0; i <= WORLD; i++) {
 		t->pids[i] = se_fork_worker(&t->cfg, t->sh, i, t->cfg.seed);
 		assert_true(t->pids[i] > 0);
@@ -208,7 +208,7 @@ static void test_stress_processes(void **state)
 		t->pids[i] = 0;
 		status[i] = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
 	}
-	fprintf(stderr, "processes done in %.2f s\n", (double)(se_now_ns() - t0) / 1e9);
+	fprintf(stderr, "processes done in %.2f s\n", (double)(kvt__now_ns() - t0) / 1e9);
 	finish(t, status);
 }
 
@@ -237,7 +237,7 @@ static void test_stress_threads(void **state)
 	uint64_t t0;
 
 	start(t, se_env_u64("KVTIER_STRESS_THREAD_OPS", DEF_THREAD_OPS));
-	t0 = se_now_ns();
+	t0 = kvt__now_ns();
 	for (uint32_t i = 0; i <= WORLD; i++) {
 		x[i] = (struct thr){ .t = t, .id = i };
 		assert_int_equal(pthread_create(&x[i].th, NULL, thr_main, &x[i]), 0);
@@ -248,7 +248,7 @@ static void test_stress_threads(void **state)
 		assert_int_equal(pthread_join(x[i].th, NULL), 0);
 		status[i] = x[i].status;
 	}
-	fprintf(stderr, "threads done in %.2f s\n", (double)(se_now_ns() - t0) / 1e9);
+	fprintf(stderr, "threads done in %.2f s\n", (double)(kvt__now_ns() - t0) / 1e9);
 	finish(t, status);
 }
 

@@ -43,6 +43,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include "kvt_clock.h"
 #include "kvt_l3.h"
 #include "kvt_l3e.h"
 #include "kvt_l3_chan.h"
@@ -946,21 +947,13 @@ static void test_two_nodes(void **st)
 	two_nodes_close(na, nb, a, b);
 }
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* Polls B's channel and engine (one thread drives both, as kvtierd) and
  * reads the answers into c, until no key of keys[0..n) is pending. */
 static void channel_settle(kvt_l3srv *v, kvt_l3e *e, kvt_l3c *c, kvt_seg *sg,
 			   const kvt_key *keys, uint32_t n)
 {
 	for (int round = 0; round < 20000; round++) {
-		uint64_t now = mono_ns();
+		uint64_t now = kvt__now_ns();
 		uint32_t waiting = 0;
 
 		kvt_l3srv_service(v);
@@ -1009,7 +1002,7 @@ static void test_channel(void **st)
 	assert_non_null(strstr(kvt_l3srv_path(v), "kvtier-l3."));
 	c = kvt__l3c_new();
 	assert_non_null(c);
-	now = mono_ns();
+	now = kvt__now_ns();
 	assert_int_equal(kvt__l3c_begin(c, b, now), 1); /* connected */
 	for (uint32_t i = 0; i < NODE_CHUNKS + 1; i++) {
 		assert_int_equal(kvt__l3c_state(c, &keys[i], now), KVT_L3C_NOT_ASKED);
@@ -1019,7 +1012,7 @@ static void test_channel(void **st)
 	assert_int_equal(kvt__l3c_send(c, now), 0);
 	channel_settle(v, eb, c, b, keys, NODE_CHUNKS + 1);
 	assert_int_equal(node_check(b, keys, NODE_CHUNKS, 1), NODE_CHUNKS);
-	now = mono_ns();
+	now = kvt__now_ns();
 	for (uint32_t i = 0; i < NODE_CHUNKS; i++)
 		assert_int_equal(kvt__l3c_state(c, &keys[i], now), KVT_L3C_NOT_ASKED);
 	/* never saved anywhere: MISSING, believed for a while */
@@ -1036,7 +1029,7 @@ static void test_channel(void **st)
 	assert_int_equal(kvt__l3c_queue(c, &keys[NODE_CHUNKS], NODE_CHUNKS, now), 0);
 	assert_int_equal(kvt__l3c_send(c, now), 0);
 	channel_settle(v, eb, c, b, &keys[NODE_CHUNKS], 1);
-	assert_int_equal(kvt__l3c_state(c, &keys[NODE_CHUNKS], mono_ns()),
+	assert_int_equal(kvt__l3c_state(c, &keys[NODE_CHUNKS], kvt__now_ns()),
 			 KVT_L3C_NOT_THERE);
 	/* a malformed ask (a count past its datagram): that connection ends,
 	 * nothing asked; the well-formed client is untouched */
@@ -1066,7 +1059,7 @@ static void test_channel(void **st)
 		assert_int_equal(si.conns, 1);
 	}
 	/* the daemon goes away with an ask unanswered: not pending any more */
-	now = mono_ns();
+	now = kvt__now_ns();
 	keys[0].hi ^= 0x1000; /* a key no one has */
 	assert_int_equal(kvt__l3c_queue(c, &keys[0], 0, now), 0);
 	assert_int_equal(kvt__l3c_send(c, now), 0);

@@ -290,7 +290,7 @@ static inline void pe_worker_init(struct pe_worker *w, const struct pe_cfg *cfg,
 	w->cfg = cfg;
 	w->sh = sh;
 	w->id = id;
-	w->rng = se_mix(cfg->seed ^ (0x100000001b3ULL * (id + 1)));
+	w->rng = kvt__mix64(cfg->seed ^ (0x100000001b3ULL * (id + 1)));
 }
 
 static inline int pe_process(const struct pe_cfg *cfg, struct pe_shared *sh, uint32_t id)
@@ -381,7 +381,7 @@ static inline int pe_run(const struct pe_cfg *cfg, struct pe_result *res)
 		munmap(sh, sizeof(*sh));
 		return r;
 	}
-	t0 = se_now_ns();
+	t0 = kvt__now_ns();
 	if (cfg->threads) {
 		pt = calloc(cfg->workers, sizeof(*pt));
 		for (uint32_t i = 0; pt && i < cfg->workers; i++) {
@@ -423,7 +423,7 @@ static inline int pe_run(const struct pe_cfg *cfg, struct pe_result *res)
 				atomic_fetch_add(&sh->c[0][PE_ERRORS], 1);
 		}
 	}
-	res->seconds = (double)(se_now_ns() - t0) / 1e9;
+	res->seconds = (double)(kvt__now_ns() - t0) / 1e9;
 	pe_verify_all(cfg, seg, sh);
 	res->check = kvt_check(seg, res->check_msg, sizeof(res->check_msg));
 	for (uint32_t i = 0; i < cfg->workers; i++)

@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvt_clock.h"
+#include "kvt_mix.h"
 #include "kvt_sp.h"
 #include "safe_kill.h"
 
@@ -62,11 +64,7 @@ static inline uint64_t sp_rand(void)
 {
 	if (!sp_rng)
 		sp_rng = (uint64_t)getpid() * 0x9e3779b97f4a7c15ULL ^ (uint64_t)(uintptr_t)&sp_rng;
-	sp_rng += 0x9e3779b97f4a7c15ULL;
-	uint64_t z = sp_rng;
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-	return z ^ (z >> 31);
+	return kvt__mix64(sp_rng += 0x9e3779b97f4a7c15ULL);
 }
 
 static inline void sp_sleep_us(uint64_t us)
@@ -170,10 +168,7 @@ static inline void sp_disarm(int who)
 
 static inline uint64_t sp_now_ms(void)
 {
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+	return kvt__now_ns() / 1000000;
 }
 
 /* Waits up to `ms` for worker `who` to pause at `point`: 0, or -1.  (A

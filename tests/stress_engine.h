@@ -40,6 +40,8 @@
 #ifndef STRESS_ENGINE_H
 #define STRESS_ENGINE_H
 
+#include "kvt_clock.h"
+#include "kvt_mix.h"
 #include "safe_kill.h"
 #include <errno.h>
 #include <inttypes.h>
@@ -154,17 +156,10 @@ struct se_worker {
 
 /* ---- small helpers ---- */
 
-static inline uint64_t se_mix(uint64_t z)
-{
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-	return z ^ (z >> 31);
-}
-
 static inline uint64_t se_rand(uint64_t *s)
 {
 	*s += 0x9e3779b97f4a7c15ULL;
-	return se_mix(*s);
+	return kvt__mix64(*s);
 }
 
 static inline uint64_t se_env_u64(const char *name, uint64_t def)
@@ -177,14 +172,6 @@ static inline uint64_t se_env_u64(const char *name, uint64_t def)
 		return def;
 	x = strtoull(v, &end, 0);
 	return *end ? def : (uint64_t)x;
-}
-
-static inline uint64_t se_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
 static inline kvt_key se_key(uint64_t i)
@@ -235,7 +222,7 @@ void se_bad(struct se_worker *w, const char *fmt, ...)
 
 static inline uint64_t se_fill(const kvt_key *k, uint64_t gen, uint32_t shard, uint64_t j)
 {
-	return se_mix(k->lo * 0x9e3779b97f4a7c15ULL ^ k->hi ^ (gen << 20) ^
+	return kvt__mix64(k->lo * 0x9e3779b97f4a7c15ULL ^ k->hi ^ (gen << 20) ^
 		      ((uint64_t)shard << 56) ^ j);
 }
 
@@ -356,7 +343,7 @@ static inline int se_verify_lease(struct se_worker *w, kvt_seg *h, uint64_t leas
 
 static inline uint64_t se_seq_key(const struct se_worker *w, uint64_t i, uint32_t *depth)
 {
-	uint64_t h = se_mix(w->cfg->seed ^ (i * 0x9e3779b97f4a7c15ULL));
+	uint64_t h = kvt__mix64(w->cfg->seed ^ (i * 0x9e3779b97f4a7c15ULL));
 	uint64_t p = i / SE_CPP;
 
 	if (h % 4 == 0 && p > 8)
@@ -911,7 +898,7 @@ static inline int se_worker_run(const struct se_cfg *cfg, struct se_shared *sh,
 	w.sh = sh;
 	w.st = &sh->st[id];
 	w.id = id;
-	w.rng = se_mix(seed ^ (0x1000193ULL * (id + 1)));
+	w.rng = kvt__mix64(seed ^ (0x1000193ULL * (id + 1)));
 	if (se_attach(&w, rank ? KVT_ROLE_RANK : KVT_ROLE_SCHEDULER, 0, id, &w.h))
 		return SE_EXIT_ATTACH;
 	if (rank && se_attach(&w, KVT_ROLE_CLIENT, id + 1, 0, &w.ch)) {

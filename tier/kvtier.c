@@ -27,6 +27,7 @@
 #include <sys/statfs.h>
 #include <xxhash.h>
 
+#include "kvt_clock.h"
 #include "kvtier.h"
 #include "kvt_core.h"
 #include "kvt_dma.h"
@@ -542,14 +543,6 @@ out_free:
 
 /* ---- ops ---- */
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
 static struct op *op_get(kvt_tier *t, kvt_op id)
 {
 	uint32_t i = (uint32_t)id;
@@ -581,7 +574,7 @@ static struct op *op_new(kvt_tier *t, uint32_t kind, uint32_t n, kvt_op *id)
 		o->err = 0;
 		o->why[0] = 0;
 		o->lease = 0;
-		o->t0 = now_ns();
+		o->t0 = kvt__now_ns();
 		o->timed = 0;
 		t->op_hint = i + 1;
 		*id = ((uint64_t)o->gen << 32) | (i + 1);
@@ -719,7 +712,7 @@ static int op_progress(kvt_tier *t, struct op *o)
 		/* Submission to the last chunk's completion, as this caller
 		 * saw it (it drives progress): what the engine waited. */
 		o->timed = 1;
-		kvt_hist_add(t->seg, o->kind == OP_SAVE ? KVT_H_SAVE : KVT_H_LOAD, now_ns() - o->t0);
+		kvt_hist_add(t->seg, o->kind == OP_SAVE ? KVT_H_SAVE : KVT_H_LOAD, kvt__now_ns() - o->t0);
 		kvt_seg_heartbeat(t->seg);
 	}
 	if (o->kind == OP_LOAD && o->lease && !o->err) {
@@ -877,7 +870,7 @@ int kvt_poll(kvt_tier *t, kvt_op id)
 
 int kvt_wait(kvt_tier *t, kvt_op id, int64_t timeout_ns)
 {
-	uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : now_ns() + (uint64_t)timeout_ns;
+	uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : kvt__now_ns() + (uint64_t)timeout_ns;
 
 	if (!t)
 		return terr(-EINVAL, "wait: NULL handle");
@@ -889,7 +882,7 @@ int kvt_wait(kvt_tier *t, kvt_op id, int64_t timeout_ns)
 		if (r != -EINPROGRESS)
 			return r;
 		/* Sleep on the oldest ticket in flight (or just yield). */
-		uint64_t now = now_ns();
+		uint64_t now = kvt__now_ns();
 		if (now >= deadline)
 			return terr(-ETIMEDOUT, "wait: op %#llx still in flight", (unsigned long long)id);
 		int64_t slice = (int64_t)((deadline - now) < 1000000ULL ? (deadline - now) : 1000000ULL);
@@ -1067,10 +1060,10 @@ int kvt_lookup(kvt_tier *t, const kvt_key *keys, uint32_t n, kvt_lease_id *lease
 
 	if (!t || !lease || (n && !keys))
 		return terr(-EINVAL, "lookup: NULL argument");
-	uint64_t t0 = now_ns();
+	uint64_t t0 = kvt__now_ns();
 	r = kvt_seg_lookup(t->seg, keys, n, lease);
 	if (r >= 0)
-		kvt_hist_add(t->seg, KVT_H_LOOKUP, now_ns() - t0);
+		kvt_hist_add(t->seg, KVT_H_LOOKUP, kvt__now_ns() - t0);
 	return r < 0 ? terr_core(r, "lookup") : r;
 }
 
@@ -1114,7 +1107,7 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 	int depth_known = (flags & KVT_LOOKUP_DEPTH) != 0;
 	if ((flags & KVT_LOOKUP_PROMOTE) && depth_known && !t->l3c)
 		t->l3c = kvt__l3c_new(); /* NULL (no memory): no L3 asks */
-	uint64_t t0 = now_ns();
+	uint64_t t0 = kvt__now_ns();
 	r = kvt_seg_lookup(t->seg, keys, n, &lease);
 	if (r < 0)
 		return terr_core(r, "lookup");
@@ -1179,7 +1172,7 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 			requested = l3_req;
 		}
 	}
-	kvt_hist_add(s, KVT_H_LOOKUP, now_ns() - t0);
+	kvt_hist_add(s, KVT_H_LOOKUP, kvt__now_ns() - t0);
 	res->lease = lease;
 	res->hits = hits;
 	res->pending = pending;

@@ -3,6 +3,7 @@
 #ifndef KVT_DMA_INT_H
 #define KVT_DMA_INT_H
 
+#include "kvt_clock.h"
 #include "kvt_dma.h"
 
 #include <pthread.h>
@@ -20,14 +21,6 @@ static inline int kvt__mul_overflow(uint64_t a, uint64_t b, uint64_t *r)
 static inline int kvt__add_overflow(uint64_t a, uint64_t b, uint64_t *r)
 {
 	return __builtin_add_overflow(a, b, r);
-}
-
-static inline uint64_t kvt__now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 /* Bytes of one layer's cache from its base (layout checked). */

@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "kvt_dma.h"
+#include "kvt_mix.h"
 #include "hip.h"
 
 #define CHUNK_TOKENS 64
@@ -45,11 +46,7 @@ static uint64_t rng = 0x1234567;
 
 static uint64_t rnd(void)
 {
-	rng += 0x9e3779b97f4a7c15ULL;
-	uint64_t z = rng;
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-	return z ^ (z >> 31);
+	return kvt__mix64(rng += 0x9e3779b97f4a7c15ULL);
 }
 
 /* Two groups of different page shapes, as GLM-5.x has (MLA + indexer). */

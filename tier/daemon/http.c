@@ -72,6 +72,7 @@
 #include <sys/socket.h>
 #include <microhttpd.h>
 
+#include "kvt_clock.h"
 #include "http.h"
 
 #define PENDING_DEFAULT 256
@@ -111,14 +112,6 @@ struct kvtd_http {
 	uint64_t last_report, next_report;
 	char buf[KVTD_HTTP_HEAD_MAX];
 };
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
 
 /* ---- the pure parts ---- */
 
@@ -444,7 +437,7 @@ static void accept_some(struct kvtd_http *h)
 					pend_close(h, o);
 					continue;
 				}
-				listen_pause(h, mono_ns());
+				listen_pause(h, kvt__now_ns());
 			}
 			return;               /* EAGAIN: all taken */
 		}
@@ -460,7 +453,7 @@ static void accept_some(struct kvtd_http *h)
 			close(fd);
 			continue;
 		}
-		h->pend[i] = (struct pend){ .fd = fd, .born = mono_ns(), .sa = sa };
+		h->pend[i] = (struct pend){ .fd = fd, .born = kvt__now_ns(), .sa = sa };
 		h->n_pend++;
 		if (h->pend[i].born + h->head_ns < h->next_due)
 			h->next_due = h->pend[i].born + h->head_ns;
@@ -536,7 +529,7 @@ static void *front_main(void *arg)
 	struct epoll_event ev[64];
 
 	for (;;) {
-		int n = epoll_wait(h->ep, ev, 64, wait_ms(h, mono_ns()));
+		int n = epoll_wait(h->ep, ev, 64, wait_ms(h, kvt__now_ns()));
 		if (n < 0) {
 			if (errno == EINTR)
 				continue;
@@ -552,7 +545,7 @@ static void *front_main(void *arg)
 			else
 				pend_read(h, tag, ev[k].events);
 		}
-		uint64_t now = mono_ns();
+		uint64_t now = kvt__now_ns();
 		if (h->listen_off_until && now >= h->listen_off_until) {
 			struct epoll_event le = { .events = EPOLLIN, .data.u64 = TAG_LISTEN };
 			epoll_ctl(h->ep, EPOLL_CTL_MOD, h->lfd, &le);
@@ -666,7 +659,7 @@ int kvtd_http_start(const struct kvtd_http_opts *o, kvtd_http **out, char *err,
 			goto out_mhd;
 		}
 	}
-	h->last_report = mono_ns();
+	h->last_report = kvt__now_ns();
 	r = pthread_create(&h->front, NULL, front_main, h);
 	if (r) {
 		r = -r;

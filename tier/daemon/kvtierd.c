@@ -59,6 +59,7 @@
 #include <numaif.h>
 #endif
 
+#include "kvt_clock.h"
 #include "kvtier.h"
 #include "kvt_core.h"
 #include "kvt_numa.h"
@@ -367,14 +368,6 @@ static void config_fill(const struct opts *o, struct kvt_config *c, uint32_t fla
 
 /* ---- creation or warm attach ---- */
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
 static uint64_t wall_ns(void)
 {
 	struct timespec ts;
@@ -466,9 +459,9 @@ static int l3_round(void)
 	kvt_l3srv_flush(D.l3srv);
 	/* the figures for the HTTP side: after work, else every 100 ms (the
 	 * loop turns every 1-5 ms; the copy takes two locks) */
-	if (!n && mono_ns() < next_copy)
+	if (!n && kvt__now_ns() < next_copy)
 		return 0;
-	next_copy = mono_ns() + 100000000ull;
+	next_copy = kvt__now_ns() + 100000000ull;
 	kvt_l3_figures(D.l3, D.l3srv, &st);
 	if ((int)st.up != (int)D.ctx.l3.up) {
 		kvt_l3e_info(D.l3, &in);
@@ -656,7 +649,7 @@ again:
 		}
 	}
 	config_fill(o, &c, KVT_F_CREATE | KVT_F_PREFAULT);
-	uint64_t t0 = mono_ns();
+	uint64_t t0 = kvt__now_ns();
 	r = kvt_open(&c, &D.tier);
 	if (r == -EEXIST && tries++ < 3)
 		goto again; /* another daemon created it meanwhile: its owner check decides */
@@ -664,7 +657,7 @@ again:
 		LOG_ERR("creating segment '%s': %s", env->segment, kvt_last_error());
 		return r;
 	}
-	LOG_INFO("created segment '%s' in %.2f s", env->segment, (double)(mono_ns() - t0) / 1e9);
+	LOG_INFO("created segment '%s' in %.2f s", env->segment, (double)(kvt__now_ns() - t0) / 1e9);
 	return 0;
 }
 
@@ -715,7 +708,7 @@ static int lock_arena(const struct opts *o)
 	}
 	if (kvt_seg_arena(D.seg, UINT32_MAX, &p, &len))
 		return -EINVAL;
-	uint64_t t0 = mono_ns();
+	uint64_t t0 = kvt__now_ns();
 	if (mlock(p, len)) {
 		int e = errno;
 		LOG_ERR("mlock of the arena (%llu bytes): %s (raise RLIMIT_MEMLOCK -- the systemd "
@@ -724,7 +717,7 @@ static int lock_arena(const struct opts *o)
 		return -e;
 	}
 	LOG_INFO("arena locked in memory: %llu bytes in %.2f s", (unsigned long long)len,
-		 (double)(mono_ns() - t0) / 1e9);
+		 (double)(kvt__now_ns() - t0) / 1e9);
 	return 0;
 }
 
@@ -899,7 +892,7 @@ static void reap_once(void)
 static int drain(const struct opts *o, int sfd)
 {
 	struct kvt_occupancy occ;
-	uint64_t deadline = mono_ns() + (uint64_t)(o->drain_timeout_s * 1e9);
+	uint64_t deadline = kvt__now_ns() + (uint64_t)(o->drain_timeout_s * 1e9);
 
 	atomic_store(&D.draining, 1);
 	kvt_seg_drain(D.seg, 1);
@@ -913,7 +906,7 @@ static int drain(const struct opts *o, int sfd)
 			LOG_INFO("drained: no live lease");
 			return 0;
 		}
-		if (mono_ns() >= deadline) {
+		if (kvt__now_ns() >= deadline) {
 			LOG_WARN("drain timeout: %llu lease(s) still live; exiting anyway (their "
 				 "holders keep them)", (unsigned long long)occ.leases_live);
 			return 1;
@@ -1140,11 +1133,11 @@ int main(int argc, char **argv)
 		}
 #endif
 		if (busy)
-			last_work = mono_ns();
+			last_work = kvt__now_ns();
 		/* 1 ms while a tier below DRAM has had work in the last 100 ms,
 		 * 5 ms when it is idle (a first request waits at most that long;
 		 * idle, the loop cost 1.4% of a core on the CI VM) */
-		int tick = mono_ns() - last_work < 100000000ULL ? 1 : 5;
+		int tick = kvt__now_ns() - last_work < 100000000ULL ? 1 : 5;
 		int n = poll(p, 5, tiers ? (busy ? 0 : tick) : (int)(o.reap_interval_s * 1000));
 		if (n > 0 && p[1].revents)
 			witness_service();
@@ -1165,14 +1158,14 @@ int main(int argc, char **argv)
 			}
 			continue;
 		}
-		if (mono_ns() < next_reap)
+		if (kvt__now_ns() < next_reap)
 			continue;
-		next_reap = mono_ns() + (uint64_t)(o.reap_interval_s * 1e9);
+		next_reap = kvt__now_ns() + (uint64_t)(o.reap_interval_s * 1e9);
 		guard_check();
 		reap_once();
-		if (mono_ns() >= next_watch) {
+		if (kvt__now_ns() >= next_watch) {
 			watch_write_only(&o);
-			next_watch = mono_ns() + 1000000000ULL;
+			next_watch = kvt__now_ns() + 1000000000ULL;
 		}
 	}
 	kvtd_http_stop(D.http);

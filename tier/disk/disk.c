@@ -64,6 +64,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "kvt_clock.h"
 #include "kvt_disk.h"
 #include "kvt_disk_trust.h"
 
@@ -188,14 +189,6 @@ struct kvt_disk {
 	kvt_mac *mac;
 	uint64_t mac_errors;   /* tags the MAC could not compute (libcrypto failed) */
 };
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
 
 static uint64_t round_up(uint64_t x, uint64_t a)
 {
@@ -603,7 +596,7 @@ static int demote_start(kvt_disk *d, uint32_t x, const kvt_key *k, uint32_t dept
 		kvt_counter_add(d->s, KVT_C_DISK_WRITE_DROPS, 1);
 		return -1;
 	}
-	b->t0 = mono_ns();
+	b->t0 = kvt__now_ns();
 	d->ext[e].busy++;
 	for (uint32_t sh = 0; sh < d->n_shards; sh++)
 		if (queue_io(d, j, 1, x, sh, e)) {
@@ -670,7 +663,7 @@ static void demote_done(kvt_disk *d, uint32_t j)
 	d->used++;
 	kvt_counter_add(d->s, KVT_C_DISK_WRITES, 1);
 	kvt_counter_add(d->s, KVT_C_DISK_BYTES_WRITTEN, d->payload * d->n_shards);
-	kvt_hist_add(d->s, KVT_H_DISK_WRITE, mono_ns() - b->t0);
+	kvt_hist_add(d->s, KVT_H_DISK_WRITE, kvt__now_ns() - b->t0);
 	job_put(d, j);
 }
 
@@ -724,7 +717,7 @@ static int demote_scan(kvt_disk *d)
 	/* A lap that started nothing, and no slot allocated since: nothing
 	 * new can be READY.  Look again after 100 ms (a chunk refused by
 	 * second-hit may have been hit since). */
-	uint64_t now = mono_ns();
+	uint64_t now = kvt__now_ns();
 	if (d->lap_idle >= n) {
 		if (h == d->idle_hand && now - d->idle_ns < 100000000ULL)
 			return 0;
@@ -792,7 +785,7 @@ static int promote_start(kvt_disk *d, const struct kvt_disk_ref *ref, const kvt_
 	b->depth = rc->depth;
 	memcpy(b->nonce, rc->nonce, sizeof(b->nonce));
 	memcpy(b->tag, rc->tag, sizeof(b->tag));
-	b->t0 = mono_ns();
+	b->t0 = kvt__now_ns();
 	for (sh = 0; sh < d->n_shards; sh++) {
 		int r = kvt_write_begin(d->s, k, rc->depth, sh, &b->wr[sh]);
 		if (r == KVT_SKIP && sh == 0) {
@@ -865,7 +858,7 @@ static void promote_done(kvt_disk *d, uint32_t j)
 	if (ok) {
 		kvt_counter_add(d->s, KVT_C_DISK_READS, 1);
 		kvt_counter_add(d->s, KVT_C_DISK_BYTES_READ, d->payload * d->n_shards);
-		kvt_hist_add(d->s, KVT_H_DISK_READ, mono_ns() - b->t0);
+		kvt_hist_add(d->s, KVT_H_DISK_READ, kvt__now_ns() - b->t0);
 	} else {
 		kvt_counter_add(d->s, KVT_C_PROMOTE_DROPS, 1);
 	}
@@ -913,7 +906,7 @@ static int promote_requests(kvt_disk *d)
 static int meta_flush(kvt_disk *d)
 {
 	int started = 0;
-	uint64_t now = mono_ns();
+	uint64_t now = kvt__now_ns();
 
 	if (!d->n_dirty || (d->inflight && now - d->last_meta < META_MS * 1000000ULL &&
 			    !d->closing))
@@ -1029,7 +1022,7 @@ int kvt_disk_poll(kvt_disk *d)
 	work += demote_scan(d);
 	submit(d);
 out:;
-	uint64_t now = mono_ns();
+	uint64_t now = kvt__now_ns();
 	if (work || now - d->last_publish > 50000000ULL) {
 		publish(d);
 		d->last_publish = now;
@@ -1044,7 +1037,7 @@ int kvt_disk_event_fd(const kvt_disk *d)
 
 int kvt_disk_drain(kvt_disk *d, int demote_all, int64_t timeout_ns)
 {
-	uint64_t t0 = mono_ns();
+	uint64_t t0 = kvt__now_ns();
 
 	if (!d)
 		return -EINVAL;
@@ -1059,7 +1052,7 @@ int kvt_disk_drain(kvt_disk *d, int demote_all, int64_t timeout_ns)
 		if (!d->inflight && !d->n_dirty && !d->jobs_live && !d->queued &&
 		    (!demote_all || d->o.admit == KVT_ADMIT_NONE || d->lap_idle >= d->n_slots))
 			return 0;
-		if (timeout_ns >= 0 && mono_ns() - t0 > (uint64_t)timeout_ns)
+		if (timeout_ns >= 0 && kvt__now_ns() - t0 > (uint64_t)timeout_ns)
 			return -ETIMEDOUT;
 		if (d->inflight) {
 			struct io_uring_cqe *c;
@@ -1635,9 +1628,9 @@ void kvt_disk_close(kvt_disk *d)
 		uint32_t admit = d->o.admit;
 		d->o.admit = KVT_ADMIT_NONE;
 		d->closing = 1;
-		uint64_t t0 = mono_ns();
+		uint64_t t0 = kvt__now_ns();
 		uint64_t wait_ns = (d->o.close_wait_ms ? d->o.close_wait_ms : 30000) * 1000000ULL;
-		while ((d->inflight || (d->n_dirty && !d->failed)) && mono_ns() - t0 < wait_ns) {
+		while ((d->inflight || (d->n_dirty && !d->failed)) && kvt__now_ns() - t0 < wait_ns) {
 			reap(d);
 			meta_flush(d);
 			submit(d);

@@ -4,6 +4,7 @@
  * that ended during the put voids it), kvt_write_begin / kvt_write_end
  * around a get (the claims are this handle's; published only checked).
  * No new shared-memory step: the engine's state is its own. */
+#include "kvt_clock.h"
 #include "kvt_l3e.h"
 #include "kvt_disk.h"
 
@@ -60,14 +61,6 @@ struct kvt_l3e {
 	struct kvt_l3e_info info;
 };
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void elog(const kvt_l3e *e, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void elog(const kvt_l3e *e, int level, const char *fmt, ...)
@@ -119,7 +112,7 @@ static void neg_add(kvt_l3e *e, const kvt_key *k)
 	uint32_t i = hash_of(k, NEG_BITS);
 
 	e->neg[i].k = *k;
-	e->neg[i].ns = mono_ns();
+	e->neg[i].ns = kvt__now_ns();
 }
 
 static void hist_add(struct kvt_hist_snap *h, uint64_t ns)
@@ -148,7 +141,7 @@ static struct job *job_get(kvt_l3e *e, int kind)
 			j->kind = kind;
 			j->err = 0;
 			j->left = 0;
-			j->t0 = mono_ns();
+			j->t0 = kvt__now_ns();
 			e->live++;
 			return j;
 		}
@@ -251,7 +244,7 @@ static void put_done(kvt_l3e *e, struct job *j)
 		rec_add(e, &j->key);
 		e->info.puts++;
 		e->info.put_bytes += e->payload * e->n_shards;
-		hist_add(&e->info.put_ns, mono_ns() - j->t0);
+		hist_add(&e->info.put_ns, kvt__now_ns() - j->t0);
 	}
 	job_put(e, j);
 }
@@ -307,7 +300,7 @@ static int put_scan(kvt_l3e *e)
 	uint64_t h = kvt_seg_clock_hand(e->s), n = e->n_slots;
 	int started = 0;
 
-	uint64_t now = mono_ns();
+	uint64_t now = kvt__now_ns();
 
 	if (e->o.admit == KVT_ADMIT_NONE)
 		return 0;
@@ -423,7 +416,7 @@ static void get_done(kvt_l3e *e, struct job *j)
 		rec_add(e, &j->key); /* in the store: not put again */
 		e->info.gets++;
 		e->info.get_bytes += e->payload * e->n_shards;
-		hist_add(&e->info.get_ns, mono_ns() - j->t0);
+		hist_add(&e->info.get_ns, kvt__now_ns() - j->t0);
 	} else {
 		/* the asker, told HERE at the claim, finds the chunk gone and
 		 * asks again: the negative cache answers MISSING at once */
@@ -481,7 +474,7 @@ static int ask(kvt_l3e *e, const kvt_key *k, uint32_t depth, int *fresh)
 	*fresh = 0;
 	if (kvt_seg_peek(e->s, k, 1) == 1)
 		return KVT_L3E_HERE;
-	if (neg_has(e, k, mono_ns())) {
+	if (neg_has(e, k, kvt__now_ns())) {
 		e->info.negative_hits++;
 		return KVT_L3E_MISSING;
 	}
@@ -532,7 +525,7 @@ static int asks_start(kvt_l3e *e)
 		kvt_key k = e->aq[e->aq_head].k;
 		uint32_t depth = e->aq[e->aq_head].depth;
 		int here = kvt_seg_peek(e->s, &k, 1) == 1;
-		int neg = !here && neg_has(e, &k, mono_ns());
+		int neg = !here && neg_has(e, &k, kvt__now_ns());
 
 		if (!here && !neg && !(j = job_get(e, J_EXISTS)))
 			break;
@@ -607,7 +600,7 @@ int kvt_l3e_event_fd(const kvt_l3e *e)
 
 int kvt_l3e_drain(kvt_l3e *e, int put_all, int64_t timeout_ns)
 {
-	uint64_t end = timeout_ns < 0 ? UINT64_MAX : mono_ns() + (uint64_t)timeout_ns;
+	uint64_t end = timeout_ns < 0 ? UINT64_MAX : kvt__now_ns() + (uint64_t)timeout_ns;
 
 	for (;;) {
 		/* the scan only when asked to put everything: a close must end */
@@ -615,7 +608,7 @@ int kvt_l3e_drain(kvt_l3e *e, int put_all, int64_t timeout_ns)
 
 		if (!e->live && !e->aq_n && (!put_all || !n))
 			return 0;
-		if (mono_ns() >= end)
+		if (kvt__now_ns() >= end)
 			return -ETIMEDOUT;
 		if (e->live) {
 			struct pollfd p = { .fd = kvt_l3_event_fd(e->l3), .events = POLLIN };

@@ -61,6 +61,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include "kvt_clock.h"
 #include "kvt_l3_int.h"
 
 #include <errno.h>
@@ -187,14 +188,6 @@ struct ml3 {
 	struct kvt_l3_status st;   /* under mu */
 };
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void say(struct ml3 *m, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void say(struct ml3 *m, int level, const char *fmt, ...)
@@ -227,7 +220,7 @@ static void set_error_locked(struct ml3 *m, const char *fmt, ...)
 static void complete_locked(struct ml3 *m, struct kvt_l3_req *q, int status)
 {
 	q->status = status;
-	q->ns = mono_ns() - q->t0;
+	q->ns = kvt__now_ns() - q->t0;
 	if (status && status != -ENOENT)
 		m->st.errors++;
 	kvt__l3_list_add(&m->d, q);
@@ -508,7 +501,7 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 				  "over TCP it needs none", why);
 	}
 	m->child = C_STARTING;
-	m->started = mono_ns();
+	m->started = kvt__now_ns();
 	m->probe_out = 0;
 	rc = 0;
 out:
@@ -565,7 +558,7 @@ static void child_end(struct ml3 *m, int status, const char *why)
 	if (why && (was_up || m->backoff_ms <= BACKOFF_MIN))
 		say(m, 1, "the mooncake companion %s; the L3 is a miss until a new one "
 			  "answers", why);
-	m->retry_ns = mono_ns() + (uint64_t)m->backoff_ms * 1000000ull;
+	m->retry_ns = kvt__now_ns() + (uint64_t)m->backoff_ms * 1000000ull;
 	m->backoff_ms = m->backoff_ms * 2 > BACKOFF_MAX ? BACKOFF_MAX : m->backoff_ms * 2;
 }
 
@@ -593,7 +586,7 @@ static int child_hello(struct ml3 *m, char *err, size_t len)
 	m->st.reconnects += m->started != 0;
 	pthread_mutex_unlock(&m->mu);
 	m->backoff_ms = BACKOFF_MIN;
-	m->last_probe = mono_ns();
+	m->last_probe = kvt__now_ns();
 	return 0;
 }
 
@@ -672,7 +665,7 @@ static void send_queued(struct ml3 *m)
 			break; /* full (the companion is behind) or gone: the poll says */
 		m->n_free--;
 		f->q = kvt__l3_list_pop(&m->q);
-		f->deadline = mono_ns() + m->deadline_ns;
+		f->deadline = kvt__now_ns() + m->deadline_ns;
 		m->flying++;
 	}
 	notify_locked(m);
@@ -693,9 +686,9 @@ static void probe_send(struct ml3 *m)
 	r.op = MC_PROBE_OP;
 	if (send(m->sock, &r, offsetof(struct mc_req, keys), MSG_DONTWAIT | MSG_NOSIGNAL) > 0) {
 		m->probe_out = 1;
-		m->fl[slot].deadline = mono_ns() + m->deadline_ns;
+		m->fl[slot].deadline = kvt__now_ns() + m->deadline_ns;
 	}
-	m->last_probe = mono_ns();
+	m->last_probe = kvt__now_ns();
 }
 
 /* Reads the answers: 0, or -EPIPE (the companion is gone or spoke
@@ -766,7 +759,7 @@ static void *mc_thread(void *arg)
 	char why[320];
 
 	for (;;) {
-		uint64_t now = mono_ns();
+		uint64_t now = kvt__now_ns();
 
 		pthread_mutex_lock(&m->mu);
 		int stop = m->stop, idle = !m->q.head && !m->flying;
@@ -795,7 +788,7 @@ static void *mc_thread(void *arg)
 			(void)!read(m->wake, &(uint64_t){ 0 }, sizeof(uint64_t));
 		if (m->child == C_NONE)
 			continue;
-		now = mono_ns();
+		now = kvt__now_ns();
 		if (m->child == C_STARTING) {
 			char err[256] = "";
 			int rc = p[1].revents ? child_hello(m, err, sizeof(err)) : -EAGAIN;
@@ -916,12 +909,12 @@ static int ml3_open(const struct kvt_l3_conf *c, void **out, char *err, size_t l
 	 * is not a reason for the node not to run: it starts down, retried. */
 	if ((rc = child_spawn(m, err, len)))
 		goto fail;
-	uint64_t t0 = mono_ns();
+	uint64_t t0 = kvt__now_ns();
 	for (;;) {
 		struct pollfd p[2] = { { .fd = m->sock, .events = POLLIN },
 				       { .fd = m->pidfd, .events = POLLIN } };
 		uint64_t wait_ns = 5000000000ull + (uint64_t)m->conf.timeout_ms * 1000000ull;
-		if (mono_ns() - t0 > wait_ns) {
+		if (kvt__now_ns() - t0 > wait_ns) {
 			/* still setting up (a master that does not answer): the
 			 * thread waits for its hello */
 			snprintf(m->st.last_error, sizeof(m->st.last_error), "the master %.200s has "
@@ -971,7 +964,7 @@ static int ml3_submit(void *be, struct kvt_l3_req *const *reqs, uint32_t n)
 
 	pthread_mutex_lock(&m->mu);
 	if (!m->stop) /* room: what is queued and in flight, at most depth */
-		i = kvt__l3_enqueue(&m->q, reqs, n, m->conf.depth - m->flying, mono_ns());
+		i = kvt__l3_enqueue(&m->q, reqs, n, m->conf.depth - m->flying, kvt__now_ns());
 	pthread_mutex_unlock(&m->mu);
 	(void)!write(m->wake, &(uint64_t){ 1 }, sizeof(uint64_t));
 	return (int)i;

@@ -33,6 +33,7 @@
  * open (the node count and each node's `up` are also read by status():
  * __atomic, release/acquire on the count).
  */
+#include "kvt_clock.h"
 #include "kvt_l3_int.h"
 
 #include <errno.h>
@@ -102,14 +103,6 @@ struct rl3 {
 	int efd;
 	struct kvt_l3_status st;   /* under mu */
 };
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void set_error(struct rl3 *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void set_error(struct rl3 *r, const char *fmt, ...)
@@ -198,7 +191,7 @@ static void node_drop(struct rl3 *r, struct rnode *n, const char *why_in)
 	n->backoff_ms = n->backoff_ms ? n->backoff_ms * 2 : BACKOFF_MIN;
 	if (n->backoff_ms > BACKOFF_MAX)
 		n->backoff_ms = BACKOFF_MAX;
-	n->retry_ns = mono_ns() + (uint64_t)n->backoff_ms * 1000000ull;
+	n->retry_ns = kvt__now_ns() + (uint64_t)n->backoff_ms * 1000000ull;
 	set_error(r, "%s:%d: %s", n->host, n->port, why);
 	r->map_stale = 1;
 	pthread_mutex_lock(&r->mu);
@@ -274,13 +267,13 @@ static int map_refresh(struct rl3 *r, char *msg, size_t len)
 		redisReply *y;
 		int rc;
 
-		if (!n->c && mono_ns() < n->retry_ns)
+		if (!n->c && kvt__now_ns() < n->retry_ns)
 			continue;
 		rc = node_connect(r, n, msg, len);
 		if (rc) {
 			if (rc == -EACCES)
 				return rc;
-			n->retry_ns = mono_ns() + BACKOFF_MIN * 1000000ull;
+			n->retry_ns = kvt__now_ns() + BACKOFF_MIN * 1000000ull;
 			first_err = first_err == -ENOTCONN ? rc : first_err;
 			continue;
 		}
@@ -347,7 +340,7 @@ static int map_refresh(struct rl3 *r, char *msg, size_t len)
 static void complete(struct rl3 *r, struct kvt_l3_req *q, int status)
 {
 	q->status = status;
-	q->ns = mono_ns() - q->t0;
+	q->ns = kvt__now_ns() - q->t0;
 	pthread_mutex_lock(&r->mu);
 	kvt__l3_list_add(&r->d, q);
 	pthread_mutex_unlock(&r->mu);
@@ -698,7 +691,7 @@ static void node_round(struct rl3 *r, struct rnode *n, struct kvt_l3_req **list,
 	char msg[256];
 	uint32_t sent = 0;
 
-	if (!n->c && mono_ns() < n->retry_ns) {
+	if (!n->c && kvt__now_ns() < n->retry_ns) {
 		for (uint32_t i = 0; i < cnt; i++)
 			complete(r, list[i], -ENOTCONN);
 		return;
@@ -829,7 +822,7 @@ static void round_run(struct rl3 *r, struct kvt_l3_req *batch)
 static void probe(struct rl3 *r)
 {
 	char msg[256];
-	uint64_t now = mono_ns();
+	uint64_t now = kvt__now_ns();
 
 	if (!r->known) {
 		if (map_refresh(r, msg, sizeof(msg)) == 0)
@@ -1013,7 +1006,7 @@ static int rl3_submit(void *be, struct kvt_l3_req *const *reqs, uint32_t n)
 
 	pthread_mutex_lock(&r->mu);
 	if (!r->stop)
-		i = kvt__l3_enqueue(&r->q, reqs, n, r->conf.depth, mono_ns());
+		i = kvt__l3_enqueue(&r->q, reqs, n, r->conf.depth, kvt__now_ns());
 	pthread_cond_signal(&r->cv);
 	pthread_mutex_unlock(&r->mu);
 	return (int)i;

@@ -25,6 +25,7 @@
  * engine's, through core).  Schedule points: none; a step that matters
  * for bytes is the engine's.
  */
+#include "kvt_clock.h"
 #include "kvt_l3_srv.h"
 #include "kvt_l3_chan.h"
 
@@ -68,14 +69,6 @@ struct kvt_l3srv {
 	uint64_t paused_until;     /* S3: the listener out of the set until */
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static uint32_t route_hash(const kvt_key *k)
 {
@@ -186,7 +179,7 @@ static int route_add(kvt_l3srv *v, uint32_t i, const kvt_key *k, uint64_t now)
 
 static void on_ask(kvt_l3srv *v, uint32_t i, const struct kvt_l3c_msg *m, size_t len)
 {
-	uint64_t now = now_ns();
+	uint64_t now = kvt__now_ns();
 
 	for (uint32_t x = 0; x < m->h.n; x++) {
 		kvt_key k = { .lo = m->it[x].lo, .hi = m->it[x].hi };
@@ -278,7 +271,7 @@ static void on_listen(kvt_l3srv *v)
 			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
 			    errno == ENOMEM) {
 				(void)epoll_ctl(v->ep, EPOLL_CTL_DEL, v->lfd, NULL);
-				v->paused_until = now_ns() + 1000000000ull;
+				v->paused_until = kvt__now_ns() + 1000000000ull;
 			}
 			return;
 		}
@@ -363,7 +356,7 @@ int kvt_l3srv_service(kvt_l3srv *v)
 
 	if (!v)
 		return 0;
-	if (v->paused_until && now_ns() >= v->paused_until) {
+	if (v->paused_until && kvt__now_ns() >= v->paused_until) {
 		struct epoll_event le = { .events = EPOLLIN, .data.u32 = 0 };
 
 		if (!epoll_ctl(v->ep, EPOLL_CTL_ADD, v->lfd, &le))
