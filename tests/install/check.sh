@@ -4,8 +4,12 @@
 # library with `pkg-config --cflags --libs kvtier` only, and runs it; with
 # "deb", makes the .deb with CPack and checks its contents and Depends.
 # Usage: check.sh BUILD_DIR SOURCE_DIR [deb]
+# KVTIER_EXPECT_L3=0: a build without the L3 (no liburing), whose install
+# has no Mooncake companion.
 set -euo pipefail
 build=$1 src=$2 mode=${3:-install}
+companion=libexec/kvtier/kvtier-l3-mooncake
+[ "${KVTIER_EXPECT_L3:-1}" = 1 ] || companion=
 tmp=$(mktemp -d /tmp/kvtier-install.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 command -v pkg-config >/dev/null || { echo "pkg-config missing (scripts/deps.sh)"; exit 1; }
@@ -19,7 +23,7 @@ if [ "$mode" = deb ]; then
            ./usr/bin/kvtier-size ./usr/bin/kvtier-bench ./usr/lib/systemd/system/kvtierd.service \
            ./etc/kvtier/kvtierd.conf ./usr/lib/sysusers.d/kvtier.conf \
            ./usr/lib/tmpfiles.d/kvtier.conf ./usr/libexec/kvtier/kvtier-witness \
-           ./usr/libexec/kvtier/kvtier-l3-mooncake; do
+           ${companion:+./usr/$companion}; do
     grep -q " $f\$" "$tmp/contents" || { echo "deb: $f missing"; cat "$tmp/contents"; exit 1; }
   done
   grep -q "libkvtier.so.1" "$tmp/contents" || { echo "deb: libkvtier.so.1 missing"; exit 1; }
@@ -43,7 +47,7 @@ libdir=$(cd "$p" && { ls -d lib*/pkgconfig lib/*/pkgconfig 2>/dev/null || true; 
 [ -n "$libdir" ] || { echo "no pkgconfig directory under the prefix"; cat "$tmp/install.log"; exit 1; }
 for f in include/kvtier.h sbin/kvtierd bin/kvtier-stat bin/kvtier-size bin/kvtier-bench \
          lib/systemd/system/kvtierd.service etc/kvtier/kvtierd.conf "$libdir/kvtier.pc" \
-         libexec/kvtier/kvtier-witness libexec/kvtier/kvtier-l3-mooncake; do
+         libexec/kvtier/kvtier-witness $companion; do
   [ -e "$p/$f" ] || { echo "not installed: $f"; cat "$tmp/install.log"; exit 1; }
 done
 { ls "$p"/lib*/libkvtier.so.1 "$p"/lib/*/libkvtier.so.1 2>/dev/null || true; } | grep -q . \
