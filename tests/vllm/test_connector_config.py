@@ -547,3 +547,68 @@ def test_async_load_reported_and_its_failure_recomputed():
     c.update_connector_output(SimpleNamespace(finished_recving={"a"}))
     c.build_connector_meta(step_output())
     assert c._tier.live == []
+
+
+def test_windowed_finish_ends_its_saves_before_the_next_forward():
+    """A sliding-window request that finishes while its saves run: vLLM
+    0.32's _connector_finished frees its blocks below the window
+    (remove_skipped_blocks) before request_finished, so request_finished's
+    True does not hold them, and the next step's forward pass may write
+    them for a new request.  Deterministic: the save is held until the next
+    step has begun; the rank must end it in that step's handle_preemptions
+    (before the forward pass), although no request is saving any more in
+    the scheduler's view.  (Failed before the fix: flush_all was
+    "bool(self._saving) and windows", False once the finished request left
+    _saving, and the copy ran on into the next forward pass.)"""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    c = sched_connector(SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2,
+                                          head_size=64, dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 200)
+    m1 = c.build_connector_meta(step_output(new=[("a", [1, 2, 3, 4, 5, 6, 7], 0)],
+                                            scheduled={"a": 200}))
+    assert [sv.req_id for sv in m1.saves] == ["a"]
+    log = []
+    w = worker_connector(log)
+    bind(w, m1)
+    w.wait_for_save()                                 # a's copies start, and run on
+    assert c.request_finished(c._reqs["a"], [5, 6, 7]) == (True, None)  # max_tokens=1
+    c._reqs["b"] = request("b", 100)
+    m2 = c.build_connector_meta(step_output(new=[("b", [1, 2, 3, 4], 0)], scheduled={"b": 100}))
+    assert m2.flush_all
+    w.handle_preemptions(m2)                          # before b's forward pass
+    assert ("wait", "save0") in log and not w._saves
+    w.get_transfer_results({"a"})
+    # an aborted request whose save is still running: the same
+    c._reqs["d"] = request("d", 200)
+    m3 = c.build_connector_meta(step_output(new=[("d", [8, 9, 10, 11, 12, 13, 14], 0)],
+                                            scheduled={"d": 200}))
+    bind(w, m3)
+    w.wait_for_save()
+    c.request_finished(c._reqs["d"], [12, 13, 14])
+    w.handle_preemptions(c.build_connector_meta(step_output()))
+    assert not w._saves
+    # full attention: request_finished's True holds every block, nothing
+    # to flush
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16))
+    c._reqs["a"] = request("a", 200)
+    c.build_connector_meta(step_output(new=[("a", list(range(1, 8)), 0)], scheduled={"a": 200}))
+    c.request_finished(c._reqs["a"], list(range(1, 8)))
+    assert not c.build_connector_meta(step_output()).flush_all
+
+
+def test_failed_load_of_a_finished_request_is_forgotten():
+    """A request aborted while its asynchronous load fails: vLLM finishes it
+    (request_finished) before the ranks report the failure; the scheduler
+    must not remember it as failed for the life of the process.  A live
+    request's failure is remembered (it is recomputed, not asked again)."""
+    c = sched_connector(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                          dtype=torch.bfloat16))
+    c._reqs["x"] = request("x", 200)
+    c._reqs["y"] = request("y", 200)
+    c.request_finished(c._reqs["x"], [])
+    c.update_connector_output(SimpleNamespace(finished_recving={"x", "y"},
+                                              failed_recving={"x", "y"}))
+    assert c._failed == {"y"}
+    c.request_finished(c._reqs["y"], [])
+    assert not c._failed

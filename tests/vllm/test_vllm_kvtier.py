@@ -561,6 +561,49 @@ def test_sliding_window_chunked_prefill(model_dir):
         _unlink(name)
 
 
+def test_sliding_window_finish_and_abort_while_saving(model_dir):
+    """A sliding-window request that finishes right after its prefill
+    (max_tokens=1) or is aborted while its asynchronous saves run: vLLM
+    frees its blocks below the window before the connector hears of the
+    finish, and the next request's forward pass writes into them.  With two
+    copies in flight per rank (kvtier_max_inflight), the saves of a
+    1,000-token prompt run for many steps after it finished; each is
+    followed at once by another request on a small cache (its blocks are
+    the freed ones).  A second engine (instance 1, which never saw the
+    prompts) then loads each prefix, with the last window's chunks from the
+    tier: its outputs are the baseline's.  (Before the fix, the saves ran on
+    into the new request's forward pass and the prefixes carried its KV.)"""
+    m = model_dir("mistral")
+    name = "vllm-swfin-%d" % os.getpid()
+    base = Engine(m, None, expect_ready=False)
+    e1 = Engine(m, kv(name, 0, kvtier_max_inflight=2), blocks=48, max_model_len=1100,
+                expect_ready=False)
+    e2 = Engine(m, kv(name, 1), expect_ready=False)
+    prompts = [tokens(1000, 90 + i) for i in range(4)]
+    try:
+        start_all(base, e1, e2)
+        for i, p in enumerate(prompts):
+            if i % 2:
+                assert e1.cmd(cmd="abort", prompts=[p], steps=1)["aborted"] == 1
+            else:
+                e1.generate([p], max_tokens=1)
+            e1.generate([tokens(900, 200 + i)], max_tokens=4)
+        qs = [p[:900] + tokens(60, 300 + i) for i, p in enumerate(prompts)]
+        # the output follows the chunks the load brings (inside the window)
+        sensitive(base, qs[0], changed(qs[0], 840, 900, 301))
+        want = base.generate(qs)
+        for q, w in zip(qs, want):
+            h0 = stats(name)["hit_tokens"]
+            assert e2.generate([q]) == [w]
+            assert stats(name)["hit_tokens"] - h0 >= 864, "the prefix was not loaded"
+        st = stats(name)
+        assert st["leases_live"] == 0 and st["slots_pinned"] == 0, st
+    finally:
+        for x in (base, e1, e2):
+            x.close()
+        _unlink(name)
+
+
 def corrupt_arena(name, seed=1):
     """Overwrites every chunk of segment `name` with noise, from outside the
     library (the header's arena region: regions[KVT_R_ARENA] at byte 376;

@@ -58,10 +58,18 @@ GPUs the driver's DMA engines.  Neither holds up the batch:
         step's forward pass (and before any zeroing or load of a reused
         block);
       - a sliding window or chunked local group frees a running request's
-        blocks as the window moves on (and at finish, before
-        request_finished): with such a group every running save ends in
-        handle_preemptions, so a save still never outlives the step after
-        the one it was submitted in, which the saving rule below assumes.
+        blocks as the window moves on, and a finished one's below the
+        window before the connector hears of the finish (vLLM 0.32's
+        Scheduler._connector_finished calls remove_skipped_blocks, then
+        request_finished, whose True keeps only the blocks still in the
+        request's table): with such a group the metadata says so every
+        step (flush_all), and each rank ends every save it has running in
+        handle_preemptions, before the forward pass that may write a freed
+        block.  The rank decides from its own running saves, not the
+        scheduler from its view of who is saving: a request that finished
+        has left that view while its copies still run.  So a save never
+        outlives the step after the one it was submitted in, which the
+        saving rule below assumes.
   * each rank may have 1024 chunk copies in flight (kvtier_max_inflight):
     a load or save moves on only when the step polls it, once a step.
 
@@ -217,8 +225,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     saves: list = field(default_factory=list)
     # saves still in flight that must end before this step's forward pass:
     # those of the requests preempted since the last step (vLLM freed their
-    # blocks), or every one when flush_all (a windowed group: vLLM frees a
-    # running request's blocks as its window moves on)
+    # blocks), or every one a rank has running when flush_all (the model has
+    # a windowed group: vLLM frees a running or finished request's blocks
+    # as its window moves on, the finished one's before request_finished)
     flush: list = field(default_factory=list)
     flush_all: bool = False
 
@@ -667,9 +676,11 @@ class KvtierConnector(KVConnectorBase_V1):
             self._blocks.pop(rid, None)
             if rid in self._saving:
                 meta.flush.append(rid)  # vLLM freed the blocks its saves read
-        # a window moving on frees a running request's blocks (see the design
-        # comment): saves from earlier steps end before this step's forward
-        meta.flush_all = bool(self._saving) and any(w is not None for w in s.windows)
+        # a window moving on frees a running request's blocks, and a finished
+        # one's before request_finished (see the design comment): the saves
+        # each rank has running end before this step's forward pass.  Not
+        # "if self._saving": a finished request left it, its copies did not.
+        meta.flush_all = any(w is not None for w in s.windows)
         for nr in scheduler_output.scheduled_new_reqs:
             self._blocks[nr.req_id] = [list(g) for g in nr.block_ids]
             self._saved.setdefault(nr.req_id, 0)
@@ -760,7 +771,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output):
         for rid in connector_output.finished_recving or ():
             self._loading.pop(rid, None)
-        self._failed.update(getattr(connector_output, "failed_recving", None) or ())
+        # only the requests still here: one aborted while its load failed
+        # was finished (request_finished) before its failure is reported,
+        # and would stay in _failed for the life of the process
+        self._failed.update(r for r in getattr(connector_output, "failed_recving", None) or ()
+                            if r in self._reqs)
 
     def _chunk_saveable(self, blocks, c, done0):
         """Chunk c's blocks, in every group, hold this request's KV during
