@@ -1073,6 +1073,93 @@ static void test_channel(void **st)
 	two_nodes_close(na, nb, a, b);
 }
 
+/* The depth an asker gives: the check's "any depth" (KVT_L3_ANY_DEPTH)
+ * is a bad message (before, the get skipped the header's depth check and
+ * published the chunk at that depth); a wrong depth is refused by the
+ * header check and remembered missing for that depth only, so that the
+ * right ask right after it is served (before, the negative cache, keyed by
+ * the key alone, answered it missing for negative_ms). */
+static void test_channel_depth(void **st)
+{
+	char na[64], nb[64], err[256];
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+	kvt_l3srv *v;
+	kvt_l3c *c;
+	struct kvt_l3srv_info si;
+	struct kvt_l3e_info ib;
+	kvt_key keys[2];
+	uint64_t now;
+
+	(void)st;
+	two_nodes("d", na, nb, &a, &b);
+	for (uint32_t i = 0; i < 2; i++)
+		keys[i] = (kvt_key){ 0xd3000 + i + (uint64_t)getpid() * 1000, 0x4444 };
+	node_save(a, keys, 2);
+	ea = node_engine(a, KVT_ADMIT_ALL);
+	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	eb = node_engine(b, KVT_ADMIT_NONE);
+	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
+	/* the sentinel, from a raw asker: that connection ends, nothing asked */
+	{
+		struct sockaddr_un sa = { .sun_family = AF_UNIX };
+		struct kvt_l3c_msg m = { .h = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
+						.op = KVT_L3C_ASK, .n = 1 } };
+		int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+		m.it[0] = (struct kvt_l3c_item){ .lo = keys[0].lo, .hi = keys[0].hi,
+						 .value = KVT_L3_ANY_DEPTH };
+		assert_true(fd >= 0);
+		memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
+		assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+		assert_int_equal(send(fd, &m, sizeof(m.h) + sizeof(m.it[0]), 0),
+				 (ssize_t)(sizeof(m.h) + sizeof(m.it[0])));
+		for (int i = 0; i < 400; i++) {
+			kvt_l3srv_service(v);
+			kvt_l3e_poll(eb);
+			kvt_l3srv_flush(v);
+			usleep(1000);
+		}
+		kvt_l3srv_info(v, &si);
+		assert_int_equal(si.bad, 1);
+		assert_int_equal(si.asks, 0);
+		close(fd);
+	}
+	assert_true(slot_of(b, &keys[0]) < 0);
+	/* the engine itself refuses it too */
+	assert_int_equal(kvt_l3e_ask(eb, &keys[0], KVT_L3_ANY_DEPTH), KVT_L3E_MISSING);
+	/* a wrong depth: refused, not published */
+	c = kvt__l3c_new();
+	assert_non_null(c);
+	now = kvt__now_ns();
+	assert_int_equal(kvt__l3c_begin(c, b, now), 1);
+	assert_int_equal(kvt__l3c_queue(c, &keys[1], 7, now), 0);
+	assert_int_equal(kvt__l3c_send(c, now), 0);
+	channel_settle(v, eb, c, b, &keys[1], 1);
+	assert_true(slot_of(b, &keys[1]) < 0);
+	kvt_l3e_info(eb, &ib);
+	assert_int_equal(ib.refused, 1); /* shard 0 refused, the rest not checked */
+	/* the right one at once, from another asker (this one believes the
+	 * chunk missing for a while; the engine's negative cache still holds
+	 * the wrong depth's miss): served, exact */
+	kvt__l3c_free(c);
+	c = kvt__l3c_new();
+	assert_non_null(c);
+	now = kvt__now_ns();
+	assert_int_equal(kvt__l3c_begin(c, b, now), 1);
+	assert_int_equal(kvt__l3c_state(c, &keys[1], now), KVT_L3C_NOT_ASKED);
+	assert_int_equal(kvt__l3c_queue(c, &keys[1], 1, now), 0);
+	assert_int_equal(kvt__l3c_send(c, now), 0);
+	channel_settle(v, eb, c, b, &keys[1], 1);
+	assert_int_equal(node_check(b, keys, 2, 0), 1);
+	assert_true(slot_of(b, &keys[1]) >= 0);
+	kvt__l3c_free(c);
+	kvt_l3srv_close(v);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	two_nodes_close(na, nb, a, b);
+}
+
 static long long redis_int(redisContext *c, const char *cmd)
 {
 	redisReply *y = redisCommand(c, cmd);
@@ -1322,6 +1409,7 @@ int main(void)
 		cmocka_unit_test(test_malformed_replies),
 		cmocka_unit_test(test_two_nodes),
 		cmocka_unit_test(test_channel),
+		cmocka_unit_test(test_channel_depth),
 		cmocka_unit_test(test_maxmemory),
 		cmocka_unit_test(test_put_window),
 		cmocka_unit_test(test_seal_window),

@@ -172,9 +172,13 @@ int kvt_l3_seal_open(const char *key_path, int create, kvt_l3_sealer **out, int 
 void kvt_l3_seal_close(kvt_l3_sealer *s);
 /* The same over pieces: the header (hdr, 64 bytes) and the tag (16) for a
  * payload left where it is (an arena sub-slot); and the check of such an
- * object, also requiring the header's depth (the chunk's position).  The
+ * object, also requiring the header's depth (the chunk's position), unless
+ * depth is KVT_L3_ANY_DEPTH (kvt_l3_open_obj, the bench's reads): a value
+ * no asker may pass (the channel refuses it, kvt_l3e_ask answers it
+ * missing), else a get published at whatever depth the object says.  The
  * MAC is computed over the payload's bytes as they are now: a payload
  * that changes before the put completes makes an object that fails. */
+#define KVT_L3_ANY_DEPTH UINT32_MAX
 int kvt_l3_seal_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
 		       uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint, const kvt_key *k,
 		       uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t len);

@@ -240,7 +240,7 @@ int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE],
 	if (h.magic != KVT_L3_MAGIC || h.version != 1 || h.fingerprint != fingerprint ||
 	    h.key_lo != k->lo || h.key_hi != k->hi || h.shard != shard ||
 	    h.n_shards != n_shards || h.payload != len ||
-	    (depth != UINT32_MAX && h.depth != depth))
+	    (depth != KVT_L3_ANY_DEPTH && h.depth != depth))
 		return -EBADMSG;
 	if (tag_of(s, &h, payload, want) || !kvt_mac_equal(want, tag))
 		return -EBADMSG;
@@ -260,5 +260,5 @@ int kvt_l3_open_obj(kvt_l3_sealer *s, const uint8_t *obj, uint64_t len, uint64_t
 	if (len != KVT_L3_HDR_SIZE + payload + KVT_L3_TAG_SIZE)
 		return -EBADMSG;
 	return kvt_l3_check_pieces(s, obj, obj + KVT_L3_HDR_SIZE, obj + KVT_L3_HDR_SIZE + payload,
-				   fingerprint, k, shard, n_shards, UINT32_MAX, payload);
+				   fingerprint, k, shard, n_shards, KVT_L3_ANY_DEPTH, payload);
 }

@@ -50,7 +50,7 @@ struct kvt_l3e {
 	uint32_t live;
 	uint64_t cursor;
 	kvt_key rec[1u << REC_BITS];
-	struct { kvt_key k; uint64_t ns; } neg[1u << NEG_BITS];
+	struct { kvt_key k; uint32_t depth; uint64_t ns; } neg[1u << NEG_BITS]; /* misses */
 	kvt_key ghost[1u << NEG_BITS]; /* second-hit: refused once */
 	uint32_t *seen;            /* per slot: the life considered (gen + 1) */
 	uint8_t *rejected;         /* ... and refused by second-hit */
@@ -99,19 +99,22 @@ static void rec_add(kvt_l3e *e, const kvt_key *k)
 	e->rec[hash_of(k, REC_BITS)] = *k; /* bounded: a collision forgets one */
 }
 
-static int neg_has(kvt_l3e *e, const kvt_key *k, uint64_t now)
+/* A miss is remembered for its (key, depth): an ask at a wrong depth (its
+ * get refused by the header check) cannot make the right one a miss. */
+static int neg_has(kvt_l3e *e, const kvt_key *k, uint32_t depth, uint64_t now)
 {
 	uint32_t i = hash_of(k, NEG_BITS);
 
-	return same(&e->neg[i].k, k) &&
+	return same(&e->neg[i].k, k) && e->neg[i].depth == depth &&
 	       now - e->neg[i].ns < (uint64_t)e->o.negative_ms * 1000000ull;
 }
 
-static void neg_add(kvt_l3e *e, const kvt_key *k)
+static void neg_add(kvt_l3e *e, const kvt_key *k, uint32_t depth)
 {
 	uint32_t i = hash_of(k, NEG_BITS);
 
 	e->neg[i].k = *k;
+	e->neg[i].depth = depth;
 	e->neg[i].ns = kvt__now_ns();
 }
 
@@ -354,7 +357,7 @@ static void get_start(kvt_l3e *e, struct job *j)
 			while (sh--)
 				kvt_write_end(e->s, &j->wr[sh], 0);
 			e->info.get_drops++;
-			neg_add(e, &j->key);
+			neg_add(e, &j->key, j->depth);
 			answer(e, &j->key, KVT_L3E_MISSING);
 			job_put(e, j);
 			return;
@@ -368,7 +371,7 @@ static void get_start(kvt_l3e *e, struct job *j)
 		for (sh = 0; sh < e->n_shards; sh++)
 			kvt_write_end(e->s, &j->wr[sh], 0);
 		e->info.get_drops++;
-		neg_add(e, &j->key);
+		neg_add(e, &j->key, j->depth);
 		answer(e, &j->key, KVT_L3E_MISSING);
 		job_put(e, j);
 		return;
@@ -387,7 +390,7 @@ static void exists_done(kvt_l3e *e, struct job *j)
 			e->info.misses++;
 		else
 			e->info.get_drops++;
-		neg_add(e, &j->key);
+		neg_add(e, &j->key, j->depth);
 		answer(e, &j->key, KVT_L3E_MISSING);
 		job_put(e, j);
 	} else {
@@ -420,7 +423,7 @@ static void get_done(kvt_l3e *e, struct job *j)
 	} else {
 		/* the asker, told HERE at the claim, finds the chunk gone and
 		 * asks again: the negative cache answers MISSING at once */
-		neg_add(e, &j->key);
+		neg_add(e, &j->key, j->depth);
 		if (j->err == -ENOENT) /* evicted since the EXISTS */
 			e->info.misses++;
 		else if (j->err)
@@ -429,16 +432,19 @@ static void get_done(kvt_l3e *e, struct job *j)
 	job_put(e, j);
 }
 
-/* A key a job or the queue asks for already. */
-static int asked_already(const kvt_l3e *e, const kvt_key *k)
+/* A (key, depth) a job or the queue asks for already. */
+static int asked_already(const kvt_l3e *e, const kvt_key *k, uint32_t depth)
 {
 	for (uint32_t x = 0; x < e->o.jobs; x++)
 		if (e->jobs[x].kind != J_FREE && e->jobs[x].kind != J_PUT &&
-		    same(&e->jobs[x].key, k))
+		    same(&e->jobs[x].key, k) && e->jobs[x].depth == depth)
 			return 1;
-	for (uint32_t i = 0; i < e->aq_n; i++)
-		if (same(&e->aq[(e->aq_head + i) % AQ_MAX].k, k))
+	for (uint32_t i = 0; i < e->aq_n; i++) {
+		uint32_t t = (e->aq_head + i) % AQ_MAX;
+
+		if (same(&e->aq[t].k, k) && e->aq[t].depth == depth)
 			return 1;
+	}
 	return 0;
 }
 
@@ -460,7 +466,7 @@ static int exists_start(kvt_l3e *e, struct job *j, const kvt_key *k, uint32_t de
 		 * not awaited by anyone */
 		if (!j->left)
 			job_put(e, j);
-		neg_add(e, k);
+		neg_add(e, k, depth);
 		return KVT_L3E_MISSING;
 	}
 	return KVT_L3E_ASKED;
@@ -472,13 +478,15 @@ static int ask(kvt_l3e *e, const kvt_key *k, uint32_t depth, int *fresh)
 	struct job *j;
 
 	*fresh = 0;
+	if (depth == KVT_L3_ANY_DEPTH)
+		return KVT_L3E_MISSING; /* the check's "any", never an asker's depth */
 	if (kvt_seg_peek(e->s, k, 1) == 1)
 		return KVT_L3E_HERE;
-	if (neg_has(e, k, kvt__now_ns())) {
+	if (neg_has(e, k, depth, kvt__now_ns())) {
 		e->info.negative_hits++;
 		return KVT_L3E_MISSING;
 	}
-	if (asked_already(e, k))
+	if (asked_already(e, k, depth))
 		return KVT_L3E_ASKED; /* its answer comes with that one's */
 	*fresh = 1;
 	if (!(j = job_get(e, J_EXISTS))) {
@@ -525,7 +533,7 @@ static int asks_start(kvt_l3e *e)
 		kvt_key k = e->aq[e->aq_head].k;
 		uint32_t depth = e->aq[e->aq_head].depth;
 		int here = kvt_seg_peek(e->s, &k, 1) == 1;
-		int neg = !here && neg_has(e, &k, kvt__now_ns());
+		int neg = !here && neg_has(e, &k, depth, kvt__now_ns());
 
 		if (!here && !neg && !(j = job_get(e, J_EXISTS)))
 			break;

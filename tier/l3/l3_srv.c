@@ -13,7 +13,10 @@
  *      kvt_l3e_ask, which holds the engine's limits (jobs, its queue, the
  *      negative cache).  A depth is the asker's word: a wrong one costs
  *      a get whose object the header check refuses (a miss, counted and
- *      remembered), never a wrong byte.
+ *      remembered for that depth only, so that it cannot hide the right
+ *      ask's answer), never a wrong byte.  The check's "any depth"
+ *      (KVT_L3_ANY_DEPTH) is no depth an asker may send: a message with it
+ *      is bad.
  *  S3  bounded: S_CONNS connections (a scheduler and its ranks per
  *      instance), one past them closed unanswered; S_ROUTES keys waiting
  *      for an answer, an ask that finds no room answered MISSING at once.
@@ -177,6 +180,15 @@ static int route_add(kvt_l3srv *v, uint32_t i, const kvt_key *k, uint64_t now)
 	return 0;
 }
 
+/* S2: an ask's depths, before any is asked: 0, or -EINVAL. */
+static int ask_depths_ok(const struct kvt_l3c_msg *m)
+{
+	for (uint32_t x = 0; x < m->h.n; x++)
+		if (m->it[x].value == KVT_L3_ANY_DEPTH)
+			return -EINVAL;
+	return 0;
+}
+
 static void on_ask(kvt_l3srv *v, uint32_t i, const struct kvt_l3c_msg *m, size_t len)
 {
 	uint64_t now = kvt__now_ns();
@@ -251,7 +263,7 @@ static void on_conn(kvt_l3srv *v, uint32_t i)
 			continue;
 		}
 		/* S2: every field, before anything is used */
-		if (!kvt_l3c_ok(&m, (size_t)n, KVT_L3C_ASK)) {
+		if (!kvt_l3c_ok(&m, (size_t)n, KVT_L3C_ASK) || ask_depths_ok(&m)) {
 			v->info.bad++;
 			conn_close(v, i);
 			return;
