@@ -1010,6 +1010,20 @@ static void test_channel(void **st)
 		assert_int_equal(kvt__l3c_state(c, &keys[i], now), KVT_L3C_PENDING);
 	}
 	assert_int_equal(kvt__l3c_send(c, now), 0);
+	{	/* taken: 4 in jobs, 21 queued, all in the set of asks in flight */
+		struct kvt_l3e_info ib;
+
+		for (int i = 0; i < 2000; i++) {
+			kvt_l3srv_service(v);
+			kvt_l3srv_info(v, &si);
+			if (si.asks == NODE_CHUNKS + 1)
+				break;
+			usleep(500);
+		}
+		kvt_l3e_info(eb, &ib);
+		assert_int_equal(ib.asking, NODE_CHUNKS + 1);
+		assert_int_equal(ib.inflight, 4);
+	}
 	channel_settle(v, eb, c, b, keys, NODE_CHUNKS + 1);
 	assert_int_equal(node_check(b, keys, NODE_CHUNKS, 1), NODE_CHUNKS);
 	now = kvt__now_ns();
@@ -1022,6 +1036,18 @@ static void test_channel(void **st)
 	assert_int_equal(si.asks, NODE_CHUNKS + 1);
 	assert_int_equal(si.answers, NODE_CHUNKS + 1);
 	assert_int_equal(si.conns, 1);
+	{	/* every ask ended: none left in the engine's set of asks */
+		struct kvt_l3e_info ib;
+
+		for (int i = 0; i < 2000; i++) {
+			kvt_l3e_poll(eb);
+			kvt_l3e_info(eb, &ib);
+			if (!ib.asking && !ib.inflight)
+				break;
+			usleep(500);
+		}
+		assert_int_equal(ib.asking, 0);
+	}
 	/* asked again: answered at once from the negative cache */
 	assert_int_equal(kvt__l3c_begin(c, b, now + 2000000000ull), 1);
 	assert_int_equal(kvt__l3c_state(c, &keys[NODE_CHUNKS], now + 2000000000ull),
@@ -1153,6 +1179,86 @@ static void test_channel_depth(void **st)
 	channel_settle(v, eb, c, b, &keys[1], 1);
 	assert_int_equal(node_check(b, keys, 2, 0), 1);
 	assert_true(slot_of(b, &keys[1]) >= 0);
+	kvt__l3c_free(c);
+	kvt_l3srv_close(v);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	two_nodes_close(na, nb, a, b);
+}
+
+/* One connection floods asks (1,024 at once, for chunks no one has, never
+ * reading its answers) while another asks for chunks the store holds: the
+ * flooder gets its share of the engine's queue and the routes, the rest
+ * answered missing at once, and the other asker's chunks are all served.
+ * (Before the share, the flood filled the queue and those asks were
+ * answered missing: a recompute of chunks the store held.) */
+static void test_channel_flood(void **st)
+{
+	char na[64], nb[64], err[256];
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+	kvt_l3srv *v;
+	kvt_l3c *c;
+	struct kvt_l3srv_info si = { 0 };
+	struct kvt_l3e_info ib;
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	kvt_key keys[8];
+	uint64_t now;
+	int fd;
+
+	(void)st;
+	two_nodes("f", na, nb, &a, &b);
+	for (uint32_t i = 0; i < 8; i++)
+		keys[i] = (kvt_key){ 0xf1000 + i + (uint64_t)getpid() * 1000, 0x4545 };
+	node_save(a, keys, 8);
+	ea = node_engine(a, KVT_ADMIT_ALL);
+	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	node_jobs = 2;
+	eb = node_engine(b, KVT_ADMIT_NONE);
+	node_jobs = 0;
+	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
+	/* both connected (and accepted) before the flood */
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	assert_true(fd >= 0);
+	memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
+	assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	c = kvt__l3c_new();
+	assert_non_null(c);
+	now = kvt__now_ns();
+	assert_int_equal(kvt__l3c_begin(c, b, now), 1);
+	for (int i = 0; i < 200 && si.conns < 2; i++) {
+		kvt_l3srv_service(v);
+		kvt_l3srv_info(v, &si);
+		usleep(1000);
+	}
+	assert_int_equal(si.conns, 2);
+	for (uint32_t msg = 0; msg < 16; msg++) {
+		struct kvt_l3c_msg m = { .h = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
+						.op = KVT_L3C_ASK, .n = KVT_L3C_MAX } };
+
+		for (uint32_t x = 0; x < KVT_L3C_MAX; x++)
+			m.it[x] = (struct kvt_l3c_item){ .lo = 0xbad0000 + msg * KVT_L3C_MAX + x,
+							 .hi = 0xf100d, .value = 0 };
+		assert_int_equal(send(fd, &m, sizeof(m), 0), (ssize_t)sizeof(m));
+	}
+	for (int i = 0; i < 200; i++) {   /* the flood taken, the engine not polled */
+		kvt_l3srv_service(v);
+		kvt_l3srv_info(v, &si);
+		if (si.asks == 16 * KVT_L3C_MAX)
+			break;
+		usleep(1000);
+	}
+	assert_int_equal(si.asks, 16 * KVT_L3C_MAX);
+	assert_int_equal(si.over_share, 16 * KVT_L3C_MAX - KVT_L3E_QUEUE / 2);
+	/* the other asker, while the flood's asks wait */
+	for (uint32_t i = 0; i < 8; i++)
+		assert_int_equal(kvt__l3c_queue(c, &keys[i], i, now), 0);
+	assert_int_equal(kvt__l3c_send(c, now), 0);
+	channel_settle(v, eb, c, b, keys, 8);
+	assert_int_equal(node_check(b, keys, 8, 1), 8);
+	kvt_l3e_info(eb, &ib);
+	assert_int_equal(ib.ask_drops, 0);
+	close(fd);
 	kvt__l3c_free(c);
 	kvt_l3srv_close(v);
 	kvt_l3e_close(ea);
@@ -1410,6 +1516,7 @@ int main(void)
 		cmocka_unit_test(test_two_nodes),
 		cmocka_unit_test(test_channel),
 		cmocka_unit_test(test_channel_depth),
+		cmocka_unit_test(test_channel_flood),
 		cmocka_unit_test(test_maxmemory),
 		cmocka_unit_test(test_put_window),
 		cmocka_unit_test(test_seal_window),

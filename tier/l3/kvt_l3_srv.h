@@ -15,6 +15,7 @@ typedef struct kvt_l3srv kvt_l3srv;
 struct kvt_l3srv_info {
 	uint32_t conns;            /* askers connected now */
 	uint64_t asks, answers, answers_dropped, routes_full, bad, refused;
+	uint64_t over_share;       /* asks answered missing: the asker held its share */
 };
 
 /* Listens beside s's file (kvtier-l3.<segment>) and takes e's answers. */

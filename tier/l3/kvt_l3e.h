@@ -27,8 +27,11 @@
  *     asked about that chunk again for negative_ms.
  *   jobs: puts and fetches share them; the put scan leaves a quarter to
  *     the asks (a put backlog must not turn lookups into misses), and an
- *     ask that finds none free waits in a queue (AQ_MAX) for the next,
- *     before the put scan -- a miss only when that queue is full.
+ *     ask that finds none free waits in a queue (KVT_L3E_QUEUE) for the
+ *     next, before the put scan -- a miss only when that queue is full.
+ *     The asks in flight (queued or in a job) are a set by (key, depth):
+ *     an ask of one already made joins it at the cost of a probe, not of
+ *     a scan of the jobs and the queue.
  *   failure: every store error is a miss, counted; the engine never
  *     blocks and never fails the segment.  kvtierd killed with gets in
  *     flight: the claims die with its entry (the reaper frees them) and
@@ -74,6 +77,7 @@ struct kvt_l3e_info {
 	uint64_t fetches, gets, get_bytes, misses, refused, get_drops, negative_hits;
 	uint64_t ask_drops;        /* asks answered missing: the queue full */
 	uint32_t inflight;
+	uint32_t asking;           /* asks in flight: queued or in a job */
 	struct kvt_hist_snap put_ns, get_ns; /* put: sealed to stored; get:
 					      * asked to published (core's buckets) */
 	int key_created;           /* the fleet key file was made at open */
@@ -88,6 +92,9 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 /* One round: completions, the put scan.  Never waits.  The number of
  * things done (0: idle). */
 int kvt_l3e_poll(kvt_l3e *e);
+/* Asks that wait for a job at most (the channel shares them out among
+ * its connections: kvt_l3_srv.h). */
+#define KVT_L3E_QUEUE 1024u
 /* kvt_l3e_ask's results and the answers' (opts.answer). */
 enum { KVT_L3E_HERE = 1, KVT_L3E_ASKED = 2, KVT_L3E_MISSING = 3 };
 /* Asks the store for one chunk at this depth, for a lookup: HERE (in DRAM

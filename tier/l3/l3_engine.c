@@ -6,6 +6,7 @@
  * No new shared-memory step: the engine's state is its own. */
 #include "kvt_clock.h"
 #include "kvt_l3e.h"
+#include "kvt_l3_asks.h"
 #include "kvt_disk.h"
 
 #include <errno.h>
@@ -18,7 +19,9 @@
 
 #define REC_BITS 16 /* the put record: 65,536 keys */
 #define NEG_BITS 12 /* the negative cache: 4,096 keys */
-#define AQ_MAX   1024 /* asks waiting for a job */
+#define AQ_MAX   KVT_L3E_QUEUE /* asks waiting for a job */
+#define JOBS_MAX 256
+_Static_assert(JOBS_MAX + AQ_MAX <= KVT_L3_ASKS_MAX, "every ask in flight fits in the set");
 
 enum { J_FREE = 0, J_PUT, J_EXISTS, J_GET };
 
@@ -57,6 +60,7 @@ struct kvt_l3e {
 	uint64_t lap_idle, idle_hand, idle_ns;
 	uint32_t reserve;          /* jobs the put scan leaves to asks */
 	struct { kvt_key k; uint32_t depth; } aq[AQ_MAX]; /* asks waiting for a job */
+	struct kvt_l3_asks as;     /* asks in flight: queued or in a job */
 	uint32_t aq_head, aq_n;
 	struct kvt_l3e_info info;
 };
@@ -153,6 +157,8 @@ static struct job *job_get(kvt_l3e *e, int kind)
 
 static void job_put(kvt_l3e *e, struct job *j)
 {
+	if (j->kind == J_EXISTS || j->kind == J_GET)
+		kvt_l3_asks_del(&e->as, &j->key, j->depth);
 	j->kind = J_FREE;
 	e->live--;
 }
@@ -435,17 +441,9 @@ static void get_done(kvt_l3e *e, struct job *j)
 /* A (key, depth) a job or the queue asks for already. */
 static int asked_already(const kvt_l3e *e, const kvt_key *k, uint32_t depth)
 {
-	for (uint32_t x = 0; x < e->o.jobs; x++)
-		if (e->jobs[x].kind != J_FREE && e->jobs[x].kind != J_PUT &&
-		    same(&e->jobs[x].key, k) && e->jobs[x].depth == depth)
-			return 1;
-	for (uint32_t i = 0; i < e->aq_n; i++) {
-		uint32_t t = (e->aq_head + i) % AQ_MAX;
+	uint32_t i;
 
-		if (same(&e->aq[t].k, k) && e->aq[t].depth == depth)
-			return 1;
-	}
-	return 0;
+	return kvt_l3_asks_find(&e->as, k, depth, &i);
 }
 
 /* The EXISTS of an ask, in job j. */
@@ -453,6 +451,7 @@ static int exists_start(kvt_l3e *e, struct job *j, const kvt_key *k, uint32_t de
 {
 	j->key = *k;
 	j->depth = depth;
+	kvt_l3_asks_add(&e->as, k, depth); /* until job_put */
 	for (uint32_t sh = 0; sh < e->n_shards; sh++)
 		kvt_l3_key(j->keys[sh], e->fp, k, sh);
 	memset(&j->q[0], 0, sizeof(j->q[0]));
@@ -500,6 +499,7 @@ static int ask(kvt_l3e *e, const kvt_key *k, uint32_t depth, int *fresh)
 		uint32_t t = (e->aq_head + e->aq_n++) % AQ_MAX;
 		e->aq[t].k = *k;
 		e->aq[t].depth = depth;
+		kvt_l3_asks_add(&e->as, k, depth); /* until asks_start takes it */
 		return KVT_L3E_ASKED;
 	}
 	return exists_start(e, j, k, depth);
@@ -540,6 +540,7 @@ static int asks_start(kvt_l3e *e)
 		e->aq_head = (e->aq_head + 1) % AQ_MAX;
 		e->aq_n--;
 		n++;
+		kvt_l3_asks_del(&e->as, &k, depth); /* in a job again below, or answered */
 		if (here)
 			answer(e, &k, KVT_L3E_HERE);
 		else if (neg)
@@ -629,6 +630,7 @@ void kvt_l3e_info(kvt_l3e *e, struct kvt_l3e_info *out)
 {
 	*out = e->info;
 	out->inflight = e->live;
+	out->asking = e->as.n;
 	kvt_l3_status(e->l3, &out->store);
 }
 
@@ -640,7 +642,7 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 	int rc;
 
 	*out = NULL;
-	if (!s || !o || o->size < sizeof(*o) || !o->key_path || o->jobs > 256 ||
+	if (!s || !o || o->size < sizeof(*o) || !o->key_path || o->jobs > JOBS_MAX ||
 	    o->admit > KVT_ADMIT_NONE)
 		return snprintf(err, len, "l3: bad options (a key file is required; jobs <= 256)"),
 		       -EINVAL;

@@ -20,6 +20,12 @@
  *  S3  bounded: S_CONNS connections (a scheduler and its ranks per
  *      instance), one past them closed unanswered; S_ROUTES keys waiting
  *      for an answer, an ask that finds no room answered MISSING at once.
+ *      Shared: a connection holds at most its share of the routes, the
+ *      engine's queue (KVT_L3E_QUEUE) over the connections open now, and
+ *      an ask past it is answered MISSING before the engine sees it; every
+ *      ask the engine queues for it holds a route, so no asker fills the
+ *      queue or the routes and starves the others (a connection already
+ *      over a share that shrank keeps what it holds until answered).
  *      A listener kvtierd cannot accept from (no descriptors left) is
  *      taken out of the epoll set for a second: level-triggered, it would
  *      wake the loop without end.
@@ -54,6 +60,7 @@ _Static_assert((int)KVT_L3C_HERE == (int)KVT_L3E_HERE && (int)KVT_L3C_MISSING ==
 struct conn {
 	int fd;            /* -1: free */
 	uint32_t n_out;
+	uint32_t routes;   /* routes with its bit: S3's share */
 	struct kvt_l3c_msg out;
 };
 
@@ -94,6 +101,7 @@ static void conn_close(kvt_l3srv *v, uint32_t i)
 	 * another's answers */
 	for (uint32_t r = 0; r < S_ROUTES; r++)
 		v->rt[r].mask &= ~(1ull << i);
+	c->routes = 0;
 	v->info.conns--;
 }
 
@@ -137,6 +145,18 @@ static void conn_answer(kvt_l3srv *v, uint32_t i, const kvt_key *k, int result)
 						       .value = (uint32_t)result };
 }
 
+/* A route's connections let go of it (answered, or taken over); its mask
+ * is returned. */
+static uint64_t route_free(kvt_l3srv *v, struct route *r)
+{
+	uint64_t mask = r->mask;
+
+	for (uint64_t m = mask; m; m &= m - 1)
+		v->c[__builtin_ctzll(m)].routes--;
+	r->mask = 0;
+	return mask;
+}
+
 /* The engine's answer for a key some connections asked for. */
 static void on_answer(void *arg, const kvt_key *k, int result)
 {
@@ -148,9 +168,9 @@ static void on_answer(void *arg, const kvt_key *k, int result)
 
 		if (!r->mask || r->k.lo != k->lo || r->k.hi != k->hi)
 			continue;
-		for (uint64_t m = r->mask; m; m &= m - 1)
+		uint64_t mask = route_free(v, r);
+		for (uint64_t m = mask; m; m &= m - 1)
 			conn_answer(v, (uint32_t)__builtin_ctzll(m), k, result);
-		r->mask = 0;
 		return;
 	}
 }
@@ -165,6 +185,8 @@ static int route_add(kvt_l3srv *v, uint32_t i, const kvt_key *k, uint64_t now)
 		struct route *r = &v->rt[(h + p) & (S_ROUTES - 1)];
 
 		if (r->mask && r->k.lo == k->lo && r->k.hi == k->hi) {
+			if (!(r->mask & (1ull << i)))
+				v->c[i].routes++;
 			r->mask |= 1ull << i;
 			r->ns = now; /* still wanted: not taken over */
 			return 0;
@@ -174,9 +196,11 @@ static int route_add(kvt_l3srv *v, uint32_t i, const kvt_key *k, uint64_t now)
 	}
 	if (!room)
 		return -ENOSPC;
+	route_free(v, room); /* no answer came in S_ROUTE_NS: taken over */
 	room->k = *k;
 	room->mask = 1ull << i;
 	room->ns = now;
+	v->c[i].routes++;
 	return 0;
 }
 
@@ -192,12 +216,19 @@ static int ask_depths_ok(const struct kvt_l3c_msg *m)
 static void on_ask(kvt_l3srv *v, uint32_t i, const struct kvt_l3c_msg *m, size_t len)
 {
 	uint64_t now = kvt__now_ns();
+	uint32_t share = KVT_L3E_QUEUE / v->info.conns; /* S3; conns >= 1: this one */
 
 	for (uint32_t x = 0; x < m->h.n; x++) {
 		kvt_key k = { .lo = m->it[x].lo, .hi = m->it[x].hi };
-		int r = kvt_l3e_ask(v->e, &k, m->it[x].value);
+		int r;
 
 		v->info.asks++;
+		if (v->c[i].routes >= share) {
+			v->info.over_share++;
+			conn_answer(v, i, &k, KVT_L3E_MISSING);
+			continue;
+		}
+		r = kvt_l3e_ask(v->e, &k, m->it[x].value);
 		if (r == KVT_L3E_ASKED && route_add(v, i, &k, now)) {
 			r = KVT_L3E_MISSING;
 			v->info.routes_full++;
