@@ -93,19 +93,21 @@ static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem)
 struct parse {
 	struct trace *t;
 	struct idmap map;
-	uint64_t cap_ids, cap_off, cap_raw;
+	uint64_t cap_ids, cap_off, cap_raw, cap_ms;
 	struct json_tokener *tok;
 };
 
 /* Parses one line: a JSON object (read by json-c, strict, the whole line)
- * with an array of non-negative integers "hash_ids"; appends it as a
- * request.  Other keys are ignored, whatever their values. */
+ * with an array of non-negative integers "hash_ids" and, if present, a
+ * "timestamp" that is a non-negative integer (ms; below 2^32); appends it
+ * as a request.  Other keys are ignored, whatever their values. */
 static int parse_line(struct parse *ps, const char *line, size_t len, unsigned long lineno)
 {
 	struct trace *t = ps->t;
 	uint64_t start = t->n_chunks;
-	json_object *root = NULL, *ids;
+	json_object *root = NULL, *ids, *ts;
 	enum json_tokener_error jerr;
+	uint32_t ms = 0;
 	const char *why = NULL;
 	int r;
 	size_t end, n;
@@ -151,6 +153,14 @@ static int parse_line(struct parse *ps, const char *line, size_t len, unsigned l
 		json_object_put(root);
 		return -EINVAL;
 	}
+	if (json_object_object_get_ex(root, "timestamp", &ts)) {
+		if (!json_object_is_type(ts, json_type_int) || json_object_get_int64(ts) < 0 ||
+		    json_object_get_uint64(ts) > UINT32_MAX) {
+			why = "timestamp is not a non-negative integer of ms below 2^32";
+			goto bad;
+		}
+		ms = (uint32_t)json_object_get_uint64(ts);
+	}
 	n = json_object_array_length(ids);
 	for (size_t i = 0; i < n; i++) {
 		json_object *e = json_object_array_get_idx(ids, i);
@@ -194,7 +204,8 @@ fail:
 	}
 	json_object_put(root);
 	if (t->n_chunks - start > UINT32_MAX || t->n_chunks > UINT32_MAX ||
-	    grow((void **)&t->off, &ps->cap_off, (uint64_t)t->n_req + 2, sizeof(*t->off))) {
+	    grow((void **)&t->off, &ps->cap_off, (uint64_t)t->n_req + 2, sizeof(*t->off)) ||
+	    grow((void **)&t->ms, &ps->cap_ms, (uint64_t)t->n_req + 1, sizeof(*t->ms))) {
 		r = t->n_chunks > UINT32_MAX ? -EOVERFLOW : -ENOMEM;
 		t->n_chunks = start;
 		if (!trace_quiet)
@@ -203,6 +214,7 @@ fail:
 		return r;
 	}
 	t->off[t->n_req] = (uint32_t)start;
+	t->ms[t->n_req] = ms;
 	t->off[++t->n_req] = (uint32_t)t->n_chunks;
 	if (t->n_chunks - start > t->max_len)
 		t->max_len = (uint32_t)(t->n_chunks - start);
@@ -267,6 +279,7 @@ void trace_free(struct trace *t)
 	free(t->off);
 	free(t->ids);
 	free(t->raw);
+	free(t->ms);
 }
 
 int trace_parse(const char *buf, size_t len, uint32_t limit, struct trace *t)

@@ -1,5 +1,6 @@
 /* trace.h - the request trace of kvtier-bench replay: one JSON object a
- * line with an array "hash_ids" of chunk ids (the Mooncake trace format),
+ * line with an array "hash_ids" of chunk ids and, optionally, its arrival
+ * "timestamp" in ms from the trace's start (the Mooncake trace format),
  * read by json-c (bench/trace.c). */
 #ifndef KVT_BENCH_TRACE_H
 #define KVT_BENCH_TRACE_H
@@ -15,6 +16,7 @@ struct trace {
 	uint64_t *raw;     /* dense index -> the trace's hash id */
 	uint32_t n_ids;
 	uint32_t max_len;  /* chunks of the longest request */
+	uint32_t *ms;      /* n_req: request r's timestamp (0 where the line has none) */
 };
 
 /* Reads up to limit requests (0: all) of the file at path.  0, or a

@@ -88,6 +88,7 @@
 #define KVT_PAGE           4096u
 #define KVT_ARENA_ALIGN    (2u << 20)
 #define KVT_HDR_MUTABLE    2048u
+#define KVT_MODEL_TEXT     KVT_MODEL_TEXT_MAX
 
 #define KVT_DEFAULT_LEASES       1024u
 #define KVT_DEFAULT_LEASE_CHUNKS 512u
@@ -144,7 +145,14 @@ struct kvt_hdr {
 	kvt_key  fingerprint;          /* 264 */
 	struct kvt_region regions[KVT_R__COUNT]; /* 280 */
 	uint64_t checksum;             /* 392 */
-	uint8_t  pad1[KVT_HDR_MUTABLE - 400];
+	/* The model's description as its creator gave it (kvt_config.model,
+	 * kvtierd --model), NUL-padded: geometry.model_id is its hash.  For
+	 * the messages only -- a mismatch names both sides, kvtier-stat shows
+	 * it -- so it is not in the checksum (a version-5 segment made before
+	 * it has zeros here: "not recorded"), and it is read bounded and
+	 * printable (kvt_seg_model). */
+	char     model[KVT_MODEL_TEXT]; /* 400 */
+	uint8_t  pad1[KVT_HDR_MUTABLE - 400 - KVT_MODEL_TEXT];
 	/* Mutable words, each on its own line: written by every process. */
 	kvt_a64  clock_hand;           /* 2048 */
 	uint8_t  pad2[KVT_CACHELINE - 8];
@@ -174,6 +182,7 @@ _Static_assert(offsetof(struct kvt_hdr, d) == 200, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, fingerprint) == 264, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, regions) == 280, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, checksum) == 392, "hdr layout");
+_Static_assert(offsetof(struct kvt_hdr, model) == 400, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, clock_hand) == KVT_HDR_MUTABLE, "hdr layout");
 _Static_assert(offsetof(struct kvt_hdr, lease_hint) % KVT_CACHELINE == 0, "own line");
 _Static_assert(offsetof(struct kvt_hdr, step) % KVT_CACHELINE == 0, "own line");

@@ -51,7 +51,7 @@
 
 #include "kvt_format.h"
 
-static _Thread_local char kvt_errbuf[640];
+static _Thread_local char kvt_errbuf[1024];
 
 int kvt__err(int code, const char *fmt, ...)
 {
@@ -573,12 +573,26 @@ static int attach_opts_check(const struct kvt_seg_attach_opts *a)
 	return 0;
 }
 
+char *kvt_seg_model(const kvt_seg *s, char *buf, size_t len)
+{
+	size_t i = 0;
+
+	/* the header is shared memory: bounded, and printable when shown */
+	for (; i + 1 < len && i < KVT_MODEL_TEXT && s->hdr->model[i]; i++) {
+		unsigned char ch = (unsigned char)s->hdr->model[i];
+		buf[i] = ch >= 0x20 && ch < 0x7f ? (char)ch : '?';
+	}
+	buf[i] = 0;
+	return buf;
+}
+
 /* The fields behind two fingerprints that differ, for the mismatch's
  * message: "; chunk_tokens: the segment's 32, this process's 16".  The
- * model id is a hash of the model name (the connector's kvtier_model,
- * kvtierd --model): only its difference can be told. */
-static void geometry_diff(const struct kvt_geometry *s, const struct kvt_geometry *m,
-			  char *buf, size_t len)
+ * model id is a hash of the model's description (the connector's
+ * kvtier_model, kvtierd --model): both descriptions are named, the
+ * segment's from its header (seg_model) and this process's (model). */
+static void geometry_diff(const struct kvt_geometry *s, const char *seg_model,
+			  const struct kvt_geometry *m, const char *model, char *buf, size_t len)
 {
 	static const char *const modes[] = { "sharded", "replicated" };
 	size_t n = 0;
@@ -607,9 +621,16 @@ static void geometry_diff(const struct kvt_geometry *s, const struct kvt_geometr
 			DIFF("; group %u bytes per token: the segment's %u, this process's %u", g,
 			     s->groups[g].bytes_per_token, m->groups[g].bytes_per_token);
 	}
-	if (s->model_id.lo != m->model_id.lo || s->model_id.hi != m->model_id.hi)
-		DIFF("; model id: another model name made the segment (kvtierd --model and "
-		     "the engine's model name must be the same string)");
+	if (s->model_id.lo != m->model_id.lo || s->model_id.hi != m->model_id.hi) {
+		if (seg_model[0])
+			DIFF("; model: the segment's '%.150s', this process's '%.150s'", seg_model,
+			     model ? model : "(not given)");
+		else
+			DIFF("; model: another model's (the segment's description was not "
+			     "recorded: made by an older kvtier), this process's '%.150s'",
+			     model ? model : "(not given)");
+		DIFF(" (kvtierd --model and the engine's must be the same string)");
+	}
 	if (!buf[0])
 		DIFF("; every field is the same: another kvtier key format (a different "
 		     "kvtier version made the segment)");
@@ -630,9 +651,10 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 		kvt_key fp;
 		kvt__fingerprint(&s->geo, &fp);
 		if (fp.lo != a->fingerprint->lo || fp.hi != a->fingerprint->hi) {
-			char diff[400] = "";
+			char diff[600] = "", seg_model[160];
 			if (a->geo)
-				geometry_diff(&s->geo, a->geo, diff, sizeof(diff));
+				geometry_diff(&s->geo, kvt_seg_model(s, seg_model, sizeof(seg_model)),
+					      a->geo, a->model, diff, sizeof(diff));
 			return kvt__err(-ESTALE,
 				"fingerprint: the segment '%s' holds another model or KV layout "
 				"(%016llx%016llx, expected %016llx%016llx)%s", s->name,
@@ -1084,6 +1106,9 @@ int kvt_seg_create(const struct kvt_seg_create_opts *c,
 	}
 	h->policy = (c->flags & KVT_SEG_F_DEPTH_FIRST) ? KVT_POLICY_DEPTH_FIRST : 0;
 	h->geo = g;
+	memset(h->model, 0, sizeof(h->model));
+	if (a && a->model)
+		memcpy(h->model, a->model, strnlen(a->model, KVT_MODEL_TEXT - 1));
 	h->seg_id = random_id();
 	h->d = d;
 	kvt__fingerprint(&g, &h->fingerprint);

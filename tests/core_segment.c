@@ -301,6 +301,40 @@ static void test_truncated_and_foreign(void **st)
 	}
 }
 
+/* The model's description: kept in the header by its creator, named
+ * beside this process's when the model ids differ, read bounded and
+ * printable (a header byte rewritten outside printable ASCII shows as
+ * '?', and the attach is not refused for it: the text is for messages). */
+static void test_model_text(void **st)
+{
+	(void)st;
+	struct kvt_geometry g = kvt_test_geo(2, 16), m;
+	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = NAME,
+		.role = KVT_ROLE_SCHEDULER, .model = "name=llama;kv=fp8_e4m3" };
+	kvt_seg *s = kvt_test_create(NAME, &g, &a), *r = NULL;
+	char buf[KVT_MODEL_TEXT_MAX], small[8];
+	kvt_key fp;
+
+	assert_string_equal(kvt_seg_model(s, buf, sizeof(buf)), "name=llama;kv=fp8_e4m3");
+	assert_string_equal(kvt_seg_model(s, small, sizeof(small)), "name=ll");
+	m = g;
+	m.model_id.hi ^= 1;
+	kvt_geometry_fingerprint(&m, &fp);
+	struct kvt_seg_attach_opts b = { .size = sizeof(b), .name = NAME,
+		.role = KVT_ROLE_RANK, .rank = 0, .world = 2, .fingerprint = &fp, .geo = &m,
+		.model = "name=llama;kv=fp8_e5m2" };
+	assert_int_equal(kvt_seg_attach(&b, &r), -ESTALE);
+	assert_non_null(strstr(kvt_core_last_error(), "model: the segment's 'name=llama;"
+			       "kv=fp8_e4m3', this process's 'name=llama;kv=fp8_e5m2'"));
+	((char *)kvt_seg_base(s))[400 + 5] = '\n';
+	assert_string_equal(kvt_seg_model(s, buf, sizeof(buf)), "name=?lama;kv=fp8_e4m3");
+	kvt_seg_fingerprint(s, &fp);
+	b.geo = NULL;
+	assert_int_equal(kvt_seg_attach(&b, &r), 0);
+	kvt_seg_detach(r);
+	kvt_seg_detach(s);
+}
+
 static void test_identity(void **st)
 {
 	(void)st;
@@ -337,7 +371,11 @@ static void test_identity(void **st)
 		assert_int_equal(kvt_seg_attach(&a, &r), -ESTALE);
 		assert_non_null(strstr(kvt_core_last_error(), "chunk_tokens: the segment's"));
 		assert_non_null(strstr(kvt_core_last_error(), "group 0 bytes per token"));
-		assert_non_null(strstr(kvt_core_last_error(), "model id"));
+		/* the segment's model was not given at its creation: "not
+		 * recorded"; this process's named */
+		assert_non_null(strstr(kvt_core_last_error(), "model: another model's (the "
+				       "segment's description was not recorded"));
+		assert_non_null(strstr(kvt_core_last_error(), "this process's '(not given)'"));
 		assert_null(strstr(kvt_core_last_error(), "world:"));
 		assert_null(strstr(kvt_core_last_error(), "layers:"));
 		a.geo = NULL;
@@ -495,6 +533,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_options, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_dir, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_header_fields, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_model_text, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_truncated_and_foreign, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_identity, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_dead_rank_reattach, setup, teardown),

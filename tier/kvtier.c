@@ -91,7 +91,7 @@ struct kvt_tier {
 	kvt_l3c *l3c;                    /* the L3 channel (kvt_lookup_ex) */
 };
 
-static _Thread_local char tier_err[768];
+static _Thread_local char tier_err[1280];
 
 static int terr(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int terr(int code, const char *fmt, ...)
@@ -111,7 +111,7 @@ static int terr(int code, const char *fmt, ...)
 /* Passes a core or dma failure through with its message. */
 static int terr_core(int code, const char *what)
 {
-	return terr(code, "%s: %.600s", what, kvt_core_last_error());
+	return terr(code, "%s: %.1000s", what, kvt_core_last_error());
 }
 
 static int terr_dma(int code, const char *what)
@@ -459,6 +459,7 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 	a.world = t->env.world;
 	a.flags = ((cfg->flags & KVT_F_ANY_UID) ? KVT_SEG_F_ANY_UID : 0) |
 		  ((cfg->flags & KVT_F_GROUP) ? KVT_SEG_F_GROUP : 0);
+	a.model = t->env.model; /* kept by a segment made here; named in a mismatch */
 	if (cfg->n_groups) {
 		r = geometry_from(t, t->env.world ? t->env.world : 1, t->env.n_instances,
 				  t->env.tier_bytes, cfg->n_slots, &g);
@@ -499,17 +500,11 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 		r = attach_any(t, &a);
 		if (r) {
 			terr_core(r, "attach");
-			if (r == -ESTALE && strstr(tier_err, "model id")) {
-				char why[sizeof(tier_err)];
-				snprintf(why, sizeof(why), "%s", tier_err);
-				terr(r, "%.620s; this process's model name: '%.100s'", why,
-				     t->env.model);
-			}
 			if (t->env.segment_dir[0] && !cfg->segment_dir) {
 				/* say where the directory came from */
 				char why[sizeof(tier_err)];
 				snprintf(why, sizeof(why), "%s", tier_err);
-				terr(r, "%.200s (KVTIER_SEGMENT_DIR=%.80s)", why, t->env.segment_dir);
+				terr(r, "%.1100s (KVTIER_SEGMENT_DIR=%.80s)", why, t->env.segment_dir);
 			}
 			goto out_free;
 		}

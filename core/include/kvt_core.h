@@ -105,6 +105,11 @@ struct kvt_seg_attach_opts {
 	const struct kvt_geometry *geo; /* the layout behind fingerprint (NULL:
 				     * unknown): a mismatch then names the
 				     * fields that differ */
+	const char *model;      /* the model's description behind geo's model_id
+				 * (NULL: unknown): kept in a segment this
+				 * process creates (past KVT_MODEL_TEXT - 1
+				 * bytes, cut), named beside the segment's in a
+				 * mismatch */
 };
 
 struct kvt_seg_create_opts {
@@ -470,6 +475,11 @@ int kvt_seg_drain(kvt_seg *s, int on);
 int kvt_seg_draining(const kvt_seg *s);
 /* The name the handle attached by. */
 const char *kvt_seg_name(const kvt_seg *s);
+#define KVT_MODEL_TEXT_MAX 1024 /* the longest kept, with its NUL */
+/* The model's description the segment's creator gave, into buf (len >= 1),
+ * bounded and with every byte outside printable ASCII as '?'; "" when it
+ * was not recorded.  Returns buf. */
+char *kvt_seg_model(const kvt_seg *s, char *buf, size_t len);
 
 /* ---- the disk tier's index ------------------------------------------
  * A segment created with geometry.disk_chunks > 0 holds the disk tier's

@@ -444,6 +444,8 @@ def test_stat_watch_in_a_terminal(name, procs):
                          timeout=10)
     st = json.loads(out.stdout)
     assert st["occupancy"]["ready"] == 3 and st["owner_pid"] == 0
+    # the model kvtierd made the segment for (its header keeps it), as /status
+    assert st["model"] == MODEL, st["model"]
 
 
 def test_bad_settings_are_refused(name, procs):

@@ -130,7 +130,9 @@ int main(int argc, char **argv)
 		fprintf(stderr, "kvtier-stat: %s\n", kvt_core_last_error());
 		return 1;
 	}
-	struct kvtd_ctx ctx = { .version = KVTIER_VERSION, .model = "",
+	char model[KVT_MODEL_TEXT_MAX];
+	struct kvtd_ctx ctx = { .version = KVTIER_VERSION,
+				.model = kvt_seg_model(s, model, sizeof(model)), /* its creator's */
 				.expect_instances = kvt_seg_geometry(s)->n_instances };
 	struct kvtd_snap prev, cur;
 	int have_prev = 0, tty = isatty(STDOUT_FILENO) && isatty(STDIN_FILENO);

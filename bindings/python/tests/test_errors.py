@@ -112,10 +112,10 @@ def test_other_model_is_stale(segname):
         with pytest.raises(kvtier.KvtierError) as ei:
             _open_rank(segname, model="another-model")
         assert ei.value.code == -errno.ESTALE
-        # the message names the field and this process's model name
+        # the message names the field and both sides' model descriptions:
+        # the segment's (its header keeps its creator's) and this process's
         msg = str(ei.value)
-        assert "model id: another model name" in msg, msg
-        assert "this process's model name: 'another-model'" in msg, msg
+        assert "model: the segment's 'kvtier-pytest', this process's 'another-model'" in msg, msg
         assert "chunk_tokens" not in msg, msg
 
 
@@ -134,7 +134,7 @@ def test_other_layout_names_the_fields(segname):
             CHUNK_TOKENS, 2 * CHUNK_TOKENS) in msg, msg
         assert "group 0 bytes per token: the segment's %d, this process's %d" % (
             BYTES_PER_TOKEN, 2 * BYTES_PER_TOKEN) in msg, msg
-        assert "model id" not in msg and "layers:" not in msg, msg
+        assert "model:" not in msg and "layers:" not in msg, msg
 
 
 def test_operation_errors(segname):
