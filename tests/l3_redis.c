@@ -947,6 +947,19 @@ static void test_two_nodes(void **st)
 	two_nodes_close(na, nb, a, b);
 }
 
+/* A raw asker: a socket connected to v's channel, for messages the client
+ * library never sends. */
+static int raw_asker(kvt_l3srv *v)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+	assert_true(fd >= 0);
+	memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
+	assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	return fd;
+}
+
 /* Polls B's channel and engine (one thread drives both, as kvtierd) and
  * reads the answers into c, until no key of keys[0..n) is pending. */
 static void channel_settle(kvt_l3srv *v, kvt_l3e *e, kvt_l3c *c, kvt_seg *sg,
@@ -1060,15 +1073,11 @@ static void test_channel(void **st)
 	/* a malformed ask (a count past its datagram): that connection ends,
 	 * nothing asked; the well-formed client is untouched */
 	{
-		struct sockaddr_un sa = { .sun_family = AF_UNIX };
 		struct kvt_l3c_msg m = { .h = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
 						.op = KVT_L3C_ASK, .n = 5 } };
-		int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+		int fd = raw_asker(v);
 		char buf[8];
 
-		assert_true(fd >= 0);
-		memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
-		assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
 		assert_int_equal(send(fd, &m, sizeof(m.h) + 2 * sizeof(m.it[0]), 0),
 				 (ssize_t)(sizeof(m.h) + 2 * sizeof(m.it[0])));
 		for (int i = 0; i < 200; i++) {
@@ -1128,16 +1137,12 @@ static void test_channel_depth(void **st)
 	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
 	/* the sentinel, from a raw asker: that connection ends, nothing asked */
 	{
-		struct sockaddr_un sa = { .sun_family = AF_UNIX };
 		struct kvt_l3c_msg m = { .h = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
 						.op = KVT_L3C_ASK, .n = 1 } };
-		int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+		int fd = raw_asker(v);
 
 		m.it[0] = (struct kvt_l3c_item){ .lo = keys[0].lo, .hi = keys[0].hi,
 						 .value = KVT_L3_ANY_DEPTH };
-		assert_true(fd >= 0);
-		memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
-		assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
 		assert_int_equal(send(fd, &m, sizeof(m.h) + sizeof(m.it[0]), 0),
 				 (ssize_t)(sizeof(m.h) + sizeof(m.it[0])));
 		for (int i = 0; i < 400; i++) {
@@ -1201,7 +1206,6 @@ static void test_channel_flood(void **st)
 	kvt_l3c *c;
 	struct kvt_l3srv_info si = { 0 };
 	struct kvt_l3e_info ib;
-	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	kvt_key keys[8];
 	uint64_t now;
 	int fd;
@@ -1218,10 +1222,7 @@ static void test_channel_flood(void **st)
 	node_jobs = 0;
 	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
 	/* both connected (and accepted) before the flood */
-	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-	assert_true(fd >= 0);
-	memcpy(sa.sun_path, kvt_l3srv_path(v), strlen(kvt_l3srv_path(v)) + 1);
-	assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	fd = raw_asker(v);
 	c = kvt__l3c_new();
 	assert_non_null(c);
 	now = kvt__now_ns();
