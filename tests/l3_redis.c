@@ -960,6 +960,34 @@ static int raw_asker(kvt_l3srv *v)
 	return fd;
 }
 
+/* Node A with keys[0..n) saved and put to the store, node B's engine
+ * (jobs: 0 for the default) and its channel open. */
+static void chan_nodes(const char *tag, const kvt_key *keys, uint32_t n, uint32_t jobs,
+		       char na[64], char nb[64], kvt_seg **a, kvt_seg **b, kvt_l3e **ea,
+		       kvt_l3e **eb, kvt_l3srv **v)
+{
+	char err[256];
+
+	two_nodes(tag, na, nb, a, b);
+	node_save(*a, keys, n);
+	*ea = node_engine(*a, KVT_ADMIT_ALL);
+	assert_int_equal(kvt_l3e_drain(*ea, 1, -1), 0);
+	node_jobs = jobs;
+	*eb = node_engine(*b, KVT_ADMIT_NONE);
+	node_jobs = 0;
+	assert_int_equal(kvt_l3srv_open(*b, *eb, v, err, sizeof(err)), 0);
+}
+
+/* ...and their end (v: NULL when the test closed it) */
+static void chan_nodes_close(char na[64], char nb[64], kvt_seg *a, kvt_seg *b, kvt_l3e *ea,
+			     kvt_l3e *eb, kvt_l3srv *v)
+{
+	kvt_l3srv_close(v);
+	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	two_nodes_close(na, nb, a, b);
+}
+
 /* Polls B's channel and engine (one thread drives both, as kvtierd) and
  * reads the answers into c, until no key of keys[0..n) is pending. */
 static void channel_settle(kvt_l3srv *v, kvt_l3e *e, kvt_l3c *c, kvt_seg *sg,
@@ -990,7 +1018,7 @@ static void channel_settle(kvt_l3srv *v, kvt_l3e *e, kvt_l3c *c, kvt_seg *sg,
  * a client whose daemon went away has nothing pending. */
 static void test_channel(void **st)
 {
-	char na[64], nb[64], err[256];
+	char na[64], nb[64];
 	kvt_seg *a, *b;
 	kvt_l3e *ea, *eb;
 	kvt_l3srv *v;
@@ -1000,18 +1028,11 @@ static void test_channel(void **st)
 	uint64_t now;
 
 	(void)st;
-	two_nodes("c", na, nb, &a, &b);
 	for (uint32_t i = 0; i < NODE_CHUNKS + 1; i++)
 		keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)getpid() * 1000, 0x4343 };
-	node_save(a, keys, NODE_CHUNKS);
-	ea = node_engine(a, KVT_ADMIT_ALL);
-	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
 	/* B with 4 jobs for 25 asks: the rest wait in the engine's queue, not
 	 * answered missing */
-	node_jobs = 4;
-	eb = node_engine(b, KVT_ADMIT_NONE);
-	node_jobs = 0;
-	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
+	chan_nodes("c", keys, NODE_CHUNKS, 4, na, nb, &a, &b, &ea, &eb, &v);
 	assert_non_null(strstr(kvt_l3srv_path(v), "kvtier-l3."));
 	c = kvt__l3c_new();
 	assert_non_null(c);
@@ -1103,9 +1124,7 @@ static void test_channel(void **st)
 	assert_int_equal(kvt__l3c_begin(c, b, now), 0);
 	assert_int_equal(kvt__l3c_state(c, &keys[0], now), KVT_L3C_NOT_ASKED);
 	kvt__l3c_free(c);
-	kvt_l3e_close(ea);
-	kvt_l3e_close(eb);
-	two_nodes_close(na, nb, a, b);
+	chan_nodes_close(na, nb, a, b, ea, eb, NULL);
 }
 
 /* The depth an asker gives: the check's "any depth" (KVT_L3_ANY_DEPTH)
@@ -1116,7 +1135,7 @@ static void test_channel(void **st)
  * the key alone, answered it missing for negative_ms). */
 static void test_channel_depth(void **st)
 {
-	char na[64], nb[64], err[256];
+	char na[64], nb[64];
 	kvt_seg *a, *b;
 	kvt_l3e *ea, *eb;
 	kvt_l3srv *v;
@@ -1127,14 +1146,9 @@ static void test_channel_depth(void **st)
 	uint64_t now;
 
 	(void)st;
-	two_nodes("d", na, nb, &a, &b);
 	for (uint32_t i = 0; i < 2; i++)
 		keys[i] = (kvt_key){ 0xd3000 + i + (uint64_t)getpid() * 1000, 0x4444 };
-	node_save(a, keys, 2);
-	ea = node_engine(a, KVT_ADMIT_ALL);
-	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
-	eb = node_engine(b, KVT_ADMIT_NONE);
-	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
+	chan_nodes("d", keys, 2, 0, na, nb, &a, &b, &ea, &eb, &v);
 	/* the sentinel, from a raw asker: that connection ends, nothing asked */
 	{
 		struct kvt_l3c_msg m = { .h = { .magic = KVT_L3C_MAGIC, .version = KVT_L3C_VERSION,
@@ -1185,10 +1199,7 @@ static void test_channel_depth(void **st)
 	assert_int_equal(node_check(b, keys, 2, 0), 1);
 	assert_true(slot_of(b, &keys[1]) >= 0);
 	kvt__l3c_free(c);
-	kvt_l3srv_close(v);
-	kvt_l3e_close(ea);
-	kvt_l3e_close(eb);
-	two_nodes_close(na, nb, a, b);
+	chan_nodes_close(na, nb, a, b, ea, eb, v);
 }
 
 /* One connection floods asks (1,024 at once, for chunks no one has, never
@@ -1199,7 +1210,7 @@ static void test_channel_depth(void **st)
  * answered missing: a recompute of chunks the store held.) */
 static void test_channel_flood(void **st)
 {
-	char na[64], nb[64], err[256];
+	char na[64], nb[64];
 	kvt_seg *a, *b;
 	kvt_l3e *ea, *eb;
 	kvt_l3srv *v;
@@ -1211,16 +1222,9 @@ static void test_channel_flood(void **st)
 	int fd;
 
 	(void)st;
-	two_nodes("f", na, nb, &a, &b);
 	for (uint32_t i = 0; i < 8; i++)
 		keys[i] = (kvt_key){ 0xf1000 + i + (uint64_t)getpid() * 1000, 0x4545 };
-	node_save(a, keys, 8);
-	ea = node_engine(a, KVT_ADMIT_ALL);
-	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
-	node_jobs = 2;
-	eb = node_engine(b, KVT_ADMIT_NONE);
-	node_jobs = 0;
-	assert_int_equal(kvt_l3srv_open(b, eb, &v, err, sizeof(err)), 0);
+	chan_nodes("f", keys, 8, 2, na, nb, &a, &b, &ea, &eb, &v);
 	/* both connected (and accepted) before the flood */
 	fd = raw_asker(v);
 	c = kvt__l3c_new();
@@ -1261,10 +1265,7 @@ static void test_channel_flood(void **st)
 	assert_int_equal(ib.ask_drops, 0);
 	close(fd);
 	kvt__l3c_free(c);
-	kvt_l3srv_close(v);
-	kvt_l3e_close(ea);
-	kvt_l3e_close(eb);
-	two_nodes_close(na, nb, a, b);
+	chan_nodes_close(na, nb, a, b, ea, eb, v);
 }
 
 static long long redis_int(redisContext *c, const char *cmd)
