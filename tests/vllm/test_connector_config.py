@@ -55,6 +55,24 @@ def test_process_seeded_hash_is_refused(monkeypatch):
     kv._Settings(vllm_config(algo="sha256_cbor"), kv_cache_config())
 
 
+def test_key_identity_in_the_model(monkeypatch):
+    """What the keys depend on besides the tokens, when it is not every
+    engine's default, is in the model identity: engines that would compute
+    other keys for the same tokens are refused at attach with both values
+    (test_engines_with_other_hash_seeds_are_told), not kept apart silently."""
+    s = kv._Settings(vllm_config(), kv_cache_config())
+    assert s.model == "tiny/bfloat16"                      # the default: as kvtierd's
+    assert kv._Settings(vllm_config(extra={"kvtier_model": "m"}), kv_cache_config()).model == "m"
+    assert kv._Settings(vllm_config(algo="sha256_cbor"), kv_cache_config()).model == \
+        "tiny/bfloat16;prefix-hash=sha256_cbor"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert kv._Settings(vllm_config(), kv_cache_config()).model == "tiny/bfloat16;hashseed=7"
+    assert kv._Settings(vllm_config(algo="xxhash"), kv_cache_config()).model == \
+        "tiny/bfloat16;prefix-hash=xxhash;hashseed=7"
+    # prefix caching off: kvtier's own hash of the tokens, no seed in it
+    assert kv._Settings(vllm_config(caching=False), kv_cache_config()).model == "tiny/bfloat16"
+
+
 def test_layout_and_world():
     s = kv._Settings(vllm_config(tp=4, pp=2), kv_cache_config(layers=3))
     assert s.world == 8 and not s.replicated

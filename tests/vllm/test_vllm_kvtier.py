@@ -604,6 +604,29 @@ def test_sliding_window_finish_and_abort_while_saving(model_dir):
         _unlink(name)
 
 
+def test_engines_with_other_hash_seeds_are_told(model):
+    """Two engines on one segment whose block hashes are seeded differently
+    (PYTHONHASHSEED set on one only, as a recipe that sets it for prefill
+    and not for decode): they would compute other keys for the same tokens,
+    and neither would ever find the other's chunks.  The second is refused
+    at start, both model identities named.  (Before, it started and the two
+    shared a tier silently apart.)"""
+    name = "vllm-seed-%d" % os.getpid()
+    e1 = Engine(model, kv(name, 0))
+    e2 = Engine(model, kv(name, 1), env={"PYTHONHASHSEED": "1"}, expect_ready=False)
+    try:
+        r, _, _ = select.select([e2.p.stdout], [], [], START_TIMEOUT)
+        line = e2.p.stdout.readline() if r else ""
+        assert not line, "the engine with another hash seed started: %s" % line
+        log = e2.tail(600)
+        assert "model: the segment's '%s/bfloat16', this process's '%s/bfloat16;hashseed=1'" % (
+            model, model) in log, log[-3000:]
+    finally:
+        e2.close()
+        e1.close()
+        _unlink(name)
+
+
 def corrupt_arena(name, seed=1):
     """Overwrites every chunk of segment `name` with noise, from outside the
     library (the header's arena region: regions[KVT_R_ARENA] at byte 376;

@@ -125,7 +125,13 @@ extra keys: LoRA, multimodal hashes, cache salt), so nothing is hashed twice.
 That is only sound when every process computes the same hashes: vLLM's
 sha256 family with its fixed seed, or any algorithm with PYTHONHASHSEED set.
 A process-seeded hash (xxhash without PYTHONHASHSEED) is refused at start
-with the option to change.  With prefix caching off (no block hashes), keys
+with the option to change.  What the keys depend on besides the tokens,
+where it is not every engine's default -- an algorithm other than sha256,
+PYTHONHASHSEED set (it seeds every algorithm) -- is appended to the model
+identity (";prefix-hash=ALGO", ";hashseed=N"): two engines that would
+compute other keys for the same tokens are refused at attach, both
+identities named, instead of sharing a tier neither finds the other's
+chunks in.  With prefix caching off (no block hashes), keys
 are kvtier's own hash of the token ids (kvt_hash_tokens).
 
 Ranks.  Every TP x PP worker is a kvtier rank: rank = pp_rank x TP + tp_rank,
@@ -308,6 +314,26 @@ else:  # pragma: no cover
 
 # ---- configuration ----
 
+def _key_identity(prefix_caching, algo):
+    """What a chunk's key depends on besides its tokens, where it is not
+    what every engine shares by default: vLLM's block-hash algorithm (its
+    default sha256) and PYTHONHASHSEED, which seeds every algorithm's
+    hashes when set (vLLM 0.32's kv_cache_utils.resolve_none_hash_seed).
+    Appended to the model identity, so that two engines that would compute
+    other keys for the same tokens -- a recipe that sets PYTHONHASHSEED on
+    prefill only -- are refused at attach with both values named, instead
+    of sharing a tier in which neither ever finds the other's chunks.
+    Empty in the default case, so kvtierd's --model needs nothing more;
+    with prefix caching off the keys are kvtier's own hash of the tokens."""
+    if not prefix_caching:
+        return ""
+    out = "" if algo == "sha256" else ";prefix-hash=%s" % algo
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        out += ";hashseed=%s" % seed
+    return out
+
+
 def _opt(extra, key, env, default, conv=str):
     if extra and key in extra and extra[key] is not None:
         v = extra[key]
@@ -376,12 +402,13 @@ class _Settings:
         if not 0 <= self.max_inflight <= 4096:
             raise ValueError("kvtier: kvtier_max_inflight=%d: expected 1..4096"
                              % self.max_inflight)
-        mc = vllm_config.model_config
-        default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
-        self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model)
         # keys: vLLM's block hashes when every process computes the same ones
         self.hash_algo = cache.prefix_caching_hash_algo
         self.prefix_caching = bool(cache.enable_prefix_caching)
+        mc = vllm_config.model_config
+        default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
+        self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model) + \
+            _key_identity(self.prefix_caching, self.hash_algo)
         if self.prefix_caching and self.hash_algo in _NON_DETERMINISTIC_ALGOS and \
                 os.environ.get("PYTHONHASHSEED") is None:
             raise ValueError(
