@@ -621,6 +621,9 @@ def test_engines_with_other_hash_seeds_are_told(model):
         log = e2.tail(600)
         assert "model: the segment's '%s/bfloat16', this process's '%s/bfloat16;hashseed=1'" % (
             model, model) in log, log[-3000:]
+        # and the kvtierd line this engine would attach to, when it is needed
+        assert "a kvtierd for this engine: kvtierd --segment %s " % name in log, log[-3000:]
+        assert "--model '%s/bfloat16;hashseed=1'" % model in log
     finally:
         e2.close()
         e1.close()

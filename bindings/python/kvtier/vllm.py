@@ -572,9 +572,30 @@ class KvtierConnector(KVConnectorBase_V1):
         future miss, never a reason to recompute the request."""
         return False
 
+    def _kvtierd_line(self):
+        s = self._s
+        return ("kvtierd --segment %s %s --world %d --chunk-tokens %d --instances %d "
+                "--model '%s'%s" % (
+                    s.segment, " ".join("--group %d:%d" % (g.n_layers, g.bytes_per_token)
+                                        for g in s.groups),
+                    s.world, s.chunk_tokens, s.instances, s.model,
+                    " --replicated" if s.replicated else ""))
+
+    def _open(self, role, **kw):
+        """The segment, as role.  When it cannot be attached (another
+        layout's or model's, or none where kvtier_create is off), the
+        kvtierd line that makes one this engine attaches to is logged first:
+        it is wanted then, not only on success."""
+        try:
+            return self._s.open(role, **kw)
+        except kvtier.KvtierError:
+            logger.error("kvtier: segment '%s' cannot be this engine's; a kvtierd for this "
+                         "engine: %s", self._s.segment, self._kvtierd_line())
+            raise
+
     def _sched_init(self):
         s = self._s
-        self._tier = s.open("scheduler")
+        self._tier = self._open("scheduler")
         self._sched_state()
         ktc = self._vllm_config.kv_transfer_config
         if getattr(ktc, "kv_load_failure_policy", "recompute") == "fail":
@@ -590,11 +611,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
                     "vLLM's %s block hashes" % s.hash_algo if s.prefix_caching
                     else "kvtier's token hash")
-        logger.info("kvtier: the same segment from kvtierd: kvtierd --segment %s %s --world %d "
-                    "--chunk-tokens %d --instances %d --model '%s'%s", s.segment,
-                    " ".join("--group %d:%d" % (g.n_layers, g.bytes_per_token) for g in s.groups),
-                    s.world, s.chunk_tokens, s.instances, s.model,
-                    " --replicated" if s.replicated else "")
+        logger.info("kvtier: the same segment from kvtierd: %s", self._kvtierd_line())
 
     def _sched_state(self):
         """The scheduler side's per-request state (empty)."""
@@ -850,7 +867,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 "another world would write a tier nobody reads" % (tp_w, pp_w, tp_w * pp_w,
                                                                     s.tp, s.pp, s.world))
         self._rank = get_pp_group().rank_in_group * s.tp + get_tensor_model_parallel_rank()
-        self._tier = s.open("rank", rank=self._rank)
+        self._tier = self._open("rank", rank=self._rank)
         self._worker_state()
         logger.info("kvtier: rank %d of %d (instance %d) on segment '%s'", self._rank,
                     s.world, s.instance, s.segment)
