@@ -66,6 +66,7 @@
 
 #include "kvt_clock.h"
 #include "kvt_disk.h"
+#include "kvt_log.h"
 #include "kvt_disk_trust.h"
 
 #define DISK_MAGIC   "KVTDISK1"
@@ -200,16 +201,11 @@ static void dlog(const kvt_disk *d, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void dlog(const kvt_disk *d, int level, const char *fmt, ...)
 {
-	char msg[512];
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
+	kvt__vlog(d->o.log, d->o.log_arg, "disk", level, fmt, ap);
 	va_end(ap);
-	if (d->o.log)
-		d->o.log(level, msg, d->o.log_arg);
-	else
-		fprintf(stderr, "kvtier disk: %s: %s\n", level ? "warning" : "info", msg);
 }
 
 /* ---- layout ---- */

@@ -6,6 +6,7 @@
  * No new shared-memory step: the engine's state is its own. */
 #include "kvt_clock.h"
 #include "kvt_l3e.h"
+#include "kvt_log.h"
 #include "kvt_l3_asks.h"
 #include "kvt_disk.h"
 
@@ -69,16 +70,11 @@ static void elog(const kvt_l3e *e, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void elog(const kvt_l3e *e, int level, const char *fmt, ...)
 {
-	char msg[512];
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
+	kvt__vlog(e->o.log, e->o.log_arg, "l3", level, fmt, ap);
 	va_end(ap);
-	if (e->o.log)
-		e->o.log(level, msg, e->o.log_arg);
-	else
-		fprintf(stderr, "kvtier l3: %s\n", msg);
 }
 
 static uint32_t hash_of(const kvt_key *k, int bits)
@@ -341,6 +337,18 @@ static int put_scan(kvt_l3e *e)
 
 /* ---- fetch ---- */
 
+/* A get that cannot start: the first `claimed` shard claims freed, the
+ * chunk a miss (counted, remembered for its depth), the job ended. */
+static void get_drop(kvt_l3e *e, struct job *j, uint32_t claimed)
+{
+	while (claimed--)
+		kvt_write_end(e->s, &j->wr[claimed], 0);
+	e->info.get_drops++;
+	neg_add(e, &j->key, j->depth);
+	answer(e, &j->key, KVT_L3E_MISSING);
+	job_put(e, j);
+}
+
 static void get_start(kvt_l3e *e, struct job *j)
 {
 	uint32_t sh;
@@ -360,12 +368,7 @@ static void get_start(kvt_l3e *e, struct job *j)
 			return;
 		}
 		if (r) { /* no slot, or a rank writes a shard now: its save wins */
-			while (sh--)
-				kvt_write_end(e->s, &j->wr[sh], 0);
-			e->info.get_drops++;
-			neg_add(e, &j->key, j->depth);
-			answer(e, &j->key, KVT_L3E_MISSING);
-			job_put(e, j);
+			get_drop(e, j, sh);
 			return;
 		}
 	}
@@ -374,12 +377,7 @@ static void get_start(kvt_l3e *e, struct job *j)
 	for (sh = 0; sh < e->n_shards; sh++)
 		req_set(e, j, sh, KVT_L3_GET, kvt_slot_shard_ptr(e->s, j->wr[sh].slot, sh));
 	if (submit(e, j, e->n_shards) && !j->left) {
-		for (sh = 0; sh < e->n_shards; sh++)
-			kvt_write_end(e->s, &j->wr[sh], 0);
-		e->info.get_drops++;
-		neg_add(e, &j->key, j->depth);
-		answer(e, &j->key, KVT_L3E_MISSING);
-		job_put(e, j);
+		get_drop(e, j, e->n_shards);
 		return;
 	}
 	/* claimed: the asker's lookups see the chunk (FILLING) until the

@@ -63,6 +63,7 @@
 #endif
 #include "kvt_clock.h"
 #include "kvt_l3_int.h"
+#include "kvt_log.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -192,16 +193,11 @@ static void say(struct ml3 *m, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void say(struct ml3 *m, int level, const char *fmt, ...)
 {
-	char msg[512];
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
+	kvt__vlog(m->conf.log, m->conf.log_arg, "l3", level, fmt, ap);
 	va_end(ap);
-	if (m->conf.log)
-		m->conf.log(level, msg, m->conf.log_arg);
-	else
-		fprintf(stderr, "kvtier l3: %s\n", msg);
 }
 
 /* under mu */
