@@ -592,10 +592,14 @@ def test_sliding_window_finish_and_abort_while_saving(model_dir):
         # the output follows the chunks the load brings (inside the window)
         sensitive(base, qs[0], changed(qs[0], 840, 900, 301))
         want = base.generate(qs)
-        for q, w in zip(qs, want):
+        for i, (q, w) in enumerate(zip(qs, want)):
             h0 = stats(name)["hit_tokens"]
             assert e2.generate([q]) == [w]
-            assert stats(name)["hit_tokens"] - h0 >= 864, "the prefix was not loaded"
+            # a finished prompt's chunks were all saved: loaded here.  (An
+            # aborted one's may be none: the abort can reach the engine
+            # core before its prefill ran; its output is checked all the same.)
+            if i % 2 == 0:
+                assert stats(name)["hit_tokens"] - h0 >= 864, "the prefix was not loaded"
         st = stats(name)
         assert st["leases_live"] == 0 and st["slots_pinned"] == 0, st
     finally:
