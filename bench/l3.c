@@ -327,7 +327,7 @@ int kvt_bench_l3(int argc, char **argv)
 			return 2;
 		}
 		snprintf(master, sizeof(master), "127.0.0.1:%d", port);
-		snprintf(own_url, sizeof(own_url), "mooncake://%s?segment=%llu", master,
+		snprintf(own_url, sizeof(own_url), "mooncake://127.0.0.1:%d?segment=%llu", port,
 			 (unsigned long long)(n + 64) * size * 5 / 4);
 		url = own_url;
 	} else if (mooncake) {

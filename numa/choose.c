@@ -389,7 +389,8 @@ int kvt_numa_choose(const struct kvt_numa_topo *t, const struct kvt_numa_request
 chosen:
 	place_shards(t, r, n_ranks, set_mode, &p);
 	describe_shards(&p, shards, sizeof(shards));
-	snprintf(p.reason, sizeof(p.reason), "arena on node %s, %u shard%s, %s (%s: %s)%s",
+	/* a reason too long for p.reason is cut: it is a log text */
+	(void)!snprintf(p.reason, sizeof(p.reason), "arena on node %s, %u shard%s, %s (%s: %s)%s",
 		 nodes, p.n_shards, p.n_shards > 1 ? "s" : "",
 		 kvt_numa_mode_name(p.shard[0].mode), kvt_numa_source_name(p.source), why,
 		 shards);

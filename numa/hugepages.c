@@ -121,7 +121,7 @@ int kvt_hugetlbfs_find(const char *mounts, uint64_t page_bytes,
 		unescape(dir);
 		if (strlen(dir) >= sizeof(out->dir))
 			continue;
-		snprintf(out->dir, sizeof(out->dir), "%s", dir);
+		memcpy(out->dir, dir, strlen(dir) + 1);  /* length checked above */
 		out->page_bytes = ps;
 		r = 0;
 		break;

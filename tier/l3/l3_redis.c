@@ -908,13 +908,14 @@ static int auth_load(struct rl3 *r, const char *path, char *err, size_t len)
 		if (strlen(buf) >= sizeof(r->user) || strlen(sp + 1) >= sizeof(r->pass) || !sp[1])
 			return snprintf(err, len, "auth file %s: \"user password\" too long or "
 					"incomplete", path), -EINVAL;
-		snprintf(r->user, sizeof(r->user), "%s", buf);
-		snprintf(r->pass, sizeof(r->pass), "%s", sp + 1);
+		/* lengths checked above */
+		memcpy(r->user, buf, strlen(buf) + 1);
+		memcpy(r->pass, sp + 1, strlen(sp + 1) + 1);
 	} else {
 		if (!buf[0] || strlen(buf) >= sizeof(r->pass))
 			return snprintf(err, len, "auth file %s: no password on its first line",
 					path), -EINVAL;
-		snprintf(r->pass, sizeof(r->pass), "%s", buf);
+		memcpy(r->pass, buf, strlen(buf) + 1);  /* length checked above */
 	}
 	r->have_auth = 1;
 	return 0;
