@@ -586,6 +586,71 @@ char *kvt_seg_model(const kvt_seg *s, char *buf, size_t len)
 	return buf;
 }
 
+/* The value of field `key` in a model text "NAME;key=value;..." (the
+ * name when key is NULL): its start and length, or NULL. */
+static const char *model_field(const char *text, const char *key, size_t *vlen)
+{
+	const char *p = text, *end;
+	size_t kl = key ? strlen(key) : 0;
+
+	for (int first = 1; p; first = 0) {
+		end = strchr(p, ';');
+		size_t n = end ? (size_t)(end - p) : strlen(p);
+		if (first && !key) {
+			*vlen = n;
+			return p;
+		}
+		if (!first && key && n > kl && !strncmp(p, key, kl) && p[kl] == '=') {
+			*vlen = n - kl - 1;
+			return p + kl + 1;
+		}
+		p = end ? end + 1 : NULL;
+	}
+	return NULL;
+}
+
+/* The model texts' fields that differ, "; model kv: the segment's 'a',
+ * this process's 'b'" each (a field one side lacks is "(none)"). */
+static size_t model_diff(const char *seg, const char *mine, char *buf, size_t len)
+{
+	const char *texts[2] = { mine, seg };
+	size_t n = 0;
+
+	for (int side = 0; side < 2; side++) {
+		for (const char *p = strchr(texts[side], ';'); p; p = strchr(p + 1, ';')) {
+			char key[32];
+			const char *eq = strchr(p + 1, '='), *semi = strchr(p + 1, ';');
+			const char *a, *b;
+			size_t al = 0, bl = 0;
+
+			if (!eq || (semi && eq > semi) || (size_t)(eq - p - 1) >= sizeof(key))
+				continue;
+			memcpy(key, p + 1, (size_t)(eq - p - 1));
+			key[eq - p - 1] = 0;
+			a = model_field(seg, key, &al);
+			b = model_field(mine, key, &bl);
+			if (side == 1 && b)
+				continue;  /* both have it: said on the first pass */
+			if (a && b && al == bl && !memcmp(a, b, al))
+				continue;
+			if (n < len)
+				n += (size_t)snprintf(buf + n, len - n,
+					"; model %s: the segment's '%.*s', this process's '%.*s'", key,
+					a ? (int)al : 6, a ? a : "(none)", b ? (int)bl : 6,
+					b ? b : "(none)");
+		}
+	}
+	{
+		size_t al, bl;
+		const char *a = model_field(seg, NULL, &al), *b = model_field(mine, NULL, &bl);
+		if ((al != bl || memcmp(a, b, al)) && n < len)
+			n += (size_t)snprintf(buf + n, len - n,
+				"; model name: the segment's '%.*s', this process's '%.*s'",
+				(int)al, a, (int)bl, b);
+	}
+	return n;
+}
+
 /* The fields behind two fingerprints that differ, for the mismatch's
  * message: "; chunk_tokens: the segment's 32, this process's 16".  The
  * model id is a hash of the model's description (the connector's
@@ -622,14 +687,18 @@ static void geometry_diff(const struct kvt_geometry *s, const char *seg_model,
 			     s->groups[g].bytes_per_token, m->groups[g].bytes_per_token);
 	}
 	if (s->model_id.lo != m->model_id.lo || s->model_id.hi != m->model_id.hi) {
-		if (seg_model[0])
-			DIFF("; model: the segment's '%.150s', this process's '%.150s'", seg_model,
+		size_t k = 0;
+		if (seg_model[0] && model && n < len)
+			n += (k = model_diff(seg_model, model, buf + n, len - n));
+		if (seg_model[0] && !k)
+			DIFF("; model: the segment's '%.300s', this process's '%.300s'", seg_model,
 			     model ? model : "(not given)");
-		else
+		else if (!seg_model[0])
 			DIFF("; model: another model's (the segment's description was not "
 			     "recorded: made by an older kvtier), this process's '%.150s'",
 			     model ? model : "(not given)");
-		DIFF(" (kvtierd --model and the engine's must be the same string)");
+		DIFF(" (the engines' model identities must be the same; kvtierd's is --model "
+		     "with --model-config's file fields: the engine logs its kvtierd line)");
 	}
 	if (!buf[0])
 		DIFF("; every field is the same: another kvtier key format (a different "
@@ -651,7 +720,7 @@ static int attach_identity(kvt_seg *s, const struct kvt_seg_attach_opts *a)
 		kvt_key fp;
 		kvt__fingerprint(&s->geo, &fp);
 		if (fp.lo != a->fingerprint->lo || fp.hi != a->fingerprint->hi) {
-			char diff[600] = "", seg_model[160];
+			char diff[900] = "", seg_model[KVT_MODEL_TEXT_MAX];
 			if (a->geo)
 				geometry_diff(&s->geo, kvt_seg_model(s, seg_model, sizeof(seg_model)),
 					      a->geo, a->model, diff, sizeof(diff));

@@ -310,24 +310,35 @@ static void test_model_text(void **st)
 	(void)st;
 	struct kvt_geometry g = kvt_test_geo(2, 16), m;
 	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = NAME,
-		.role = KVT_ROLE_SCHEDULER, .model = "name=llama;kv=fp8_e4m3" };
+		.role = KVT_ROLE_SCHEDULER, .model = "name=llama;kv=fp8_e4m3;config=ab" };
 	kvt_seg *s = kvt_test_create(NAME, &g, &a), *r = NULL;
 	char buf[KVT_MODEL_TEXT_MAX], small[8];
 	kvt_key fp;
 
-	assert_string_equal(kvt_seg_model(s, buf, sizeof(buf)), "name=llama;kv=fp8_e4m3");
+	assert_string_equal(kvt_seg_model(s, buf, sizeof(buf)), "name=llama;kv=fp8_e4m3;config=ab");
 	assert_string_equal(kvt_seg_model(s, small, sizeof(small)), "name=ll");
 	m = g;
 	m.model_id.hi ^= 1;
 	kvt_geometry_fingerprint(&m, &fp);
 	struct kvt_seg_attach_opts b = { .size = sizeof(b), .name = NAME,
 		.role = KVT_ROLE_RANK, .rank = 0, .world = 2, .fingerprint = &fp, .geo = &m,
-		.model = "name=llama;kv=fp8_e5m2" };
+		.model = "name=llama;kv=fp8_e5m2;layout=LBHNC;config=ab" };
+	/* each field that differs named, with both values */
+	assert_int_equal(kvt_seg_attach(&b, &r), -ESTALE);
+	assert_non_null(strstr(kvt_core_last_error(), "; model kv: the segment's 'fp8_e4m3', "
+			       "this process's 'fp8_e5m2'; model layout: the segment's '(none)', "
+			       "this process's 'LBHNC' ("));
+	assert_null(strstr(kvt_core_last_error(), "model config"));
+	assert_null(strstr(kvt_core_last_error(), "model name"));
+	/* the same fields in another order: the two texts whole */
+	b.model = "name=llama;config=ab;kv=fp8_e4m3";
 	assert_int_equal(kvt_seg_attach(&b, &r), -ESTALE);
 	assert_non_null(strstr(kvt_core_last_error(), "model: the segment's 'name=llama;"
-			       "kv=fp8_e4m3', this process's 'name=llama;kv=fp8_e5m2'"));
+			       "kv=fp8_e4m3;config=ab', this process's 'name=llama;config=ab;"
+			       "kv=fp8_e4m3'"));
+	b.model = "name=llama;kv=fp8_e5m2;layout=LBHNC;config=ab";
 	((char *)kvt_seg_base(s))[400 + 5] = '\n';
-	assert_string_equal(kvt_seg_model(s, buf, sizeof(buf)), "name=?lama;kv=fp8_e4m3");
+	assert_string_equal(kvt_seg_model(s, buf, sizeof(buf)), "name=?lama;kv=fp8_e4m3;config=ab");
 	kvt_seg_fingerprint(s, &fp);
 	b.geo = NULL;
 	assert_int_equal(kvt_seg_attach(&b, &r), 0);

@@ -12,7 +12,7 @@
 struct kvt_tier_env {
 	char segment[72];
 	char segment_dir[PATH_MAX];
-	char model[256];
+	char model[1024]; /* KVT_MODEL_TEXT_MAX: the segment header keeps as much */
 	char dma[8];
 	char numa_nodes[128];
 	uint32_t role, instance, rank, world;

@@ -13,4 +13,7 @@ kvt_seg *kvt__tier_seg(const kvt_tier *t);
  * NULL for POSIX shm. */
 const char *kvt__tier_segment_dir(const kvt_tier *t);
 
+/* Sets the calling thread's kvt_last_error message; returns code. */
+int kvt__tier_err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 #endif

@@ -18,24 +18,30 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noq
                                         KVCacheGroupSpec, MLAAttentionSpec)
 
 
-def kv_cache_config(mla=False, layers=2):
+def kv_cache_config(mla=False, layers=2, layout="LBHNC"):
     if mla:
         spec = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     else:
         spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["l%d" % i for i in range(layers)],
-                                                           spec)])
+    cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l%d" % i for i in range(layers)],
+                                                          spec)])
+    cfg.kv_cache_layout = layout   # what vLLM's engine core resolved
+    return cfg
 
 
-def vllm_config(tp=1, pp=1, algo="sha256", caching=True, extra=None):
+def vllm_config(tp=1, pp=1, algo="sha256", caching=True, extra=None, model="tiny",
+                dtype=torch.bfloat16, cache_dtype="auto", **mc):
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                         data_parallel_rank=0, data_parallel_size=1),
         cache_config=SimpleNamespace(block_size=32, prefix_caching_hash_algo=algo,
-                                     enable_prefix_caching=caching),
-        model_config=SimpleNamespace(model="tiny", dtype=torch.bfloat16))
+                                     enable_prefix_caching=caching, cache_dtype=cache_dtype),
+        model_config=SimpleNamespace(model=model, dtype=dtype, **mc))
+
+
+ENGINE = ";dtype=bfloat16;kv=bfloat16;layout=LBHNC"   # the defaults' engine fields
 
 
 @pytest.fixture(autouse=True)
@@ -61,16 +67,99 @@ def test_key_identity_in_the_model(monkeypatch):
     other keys for the same tokens are refused at attach with both values
     (test_engines_with_other_hash_seeds_are_told), not kept apart silently."""
     s = kv._Settings(vllm_config(), kv_cache_config())
-    assert s.model == "tiny/bfloat16"                      # the default: as kvtierd's
-    assert kv._Settings(vllm_config(extra={"kvtier_model": "m"}), kv_cache_config()).model == "m"
+    assert s.model == "tiny" + ENGINE                      # no config.json: no file fields
+    assert kv._Settings(vllm_config(extra={"kvtier_model": "m"}),
+                        kv_cache_config()).model == "m" + ENGINE
     assert kv._Settings(vllm_config(algo="sha256_cbor"), kv_cache_config()).model == \
-        "tiny/bfloat16;prefix-hash=sha256_cbor"
+        "tiny" + ENGINE + ";prefix-hash=sha256_cbor"
     monkeypatch.setenv("PYTHONHASHSEED", "7")
-    assert kv._Settings(vllm_config(), kv_cache_config()).model == "tiny/bfloat16;hashseed=7"
+    assert kv._Settings(vllm_config(), kv_cache_config()).model == "tiny" + ENGINE + ";hashseed=7"
     assert kv._Settings(vllm_config(algo="xxhash"), kv_cache_config()).model == \
-        "tiny/bfloat16;prefix-hash=xxhash;hashseed=7"
+        "tiny" + ENGINE + ";prefix-hash=xxhash;hashseed=7"
     # prefix caching off: kvtier's own hash of the tokens, no seed in it
-    assert kv._Settings(vllm_config(caching=False), kv_cache_config()).model == "tiny/bfloat16"
+    assert kv._Settings(vllm_config(caching=False), kv_cache_config()).model == "tiny" + ENGINE
+
+
+def _model(vc, kc=None):
+    return kv._Settings(vc, kc or kv_cache_config()).model
+
+
+def test_what_the_bytes_mean_is_in_the_model(monkeypatch):
+    """Every engine-side fact that gives a chunk's bytes their meaning is a
+    field of the model identity, from vLLM's own configuration: engines that
+    differ in one get different fingerprints (refused at attach, other L3
+    keys)."""
+    base = _model(vllm_config())
+    # the model's dtype
+    assert ";dtype=float16;kv=float16;" in _model(vllm_config(dtype=torch.float16))
+    # the KV cache's dtype, fp8 spelled one way for its two names
+    e4m3 = _model(vllm_config(cache_dtype="fp8"))
+    assert ";kv=fp8_e4m3/ocp;" in e4m3 and e4m3 != base
+    assert _model(vllm_config(cache_dtype="fp8_e4m3")) == e4m3
+    assert ";kv=fp8_e5m2/ocp;" in _model(vllm_config(cache_dtype="fp8_e5m2"))
+    # MI300's FNUZ fp8 is another number in the same byte
+    from vllm.platforms import current_platform
+    monkeypatch.setattr(type(current_platform), "is_fp8_fnuz", classmethod(lambda c: True))
+    assert ";kv=fp8_e4m3/fnuz;" in _model(vllm_config(cache_dtype="fp8"))
+    monkeypatch.undo()
+    # layers kept unquantized
+    vc = vllm_config(cache_dtype="fp8")
+    vc.cache_config.kv_cache_dtype_skip_layers = ["3", "1"]
+    assert ";kv-skip=1,3;" in _model(vc)
+    # the layout vLLM resolved
+    assert ";layout=BLHNC" in _model(vllm_config(), kv_cache_config(layout="BLHNC"))
+    # online quantization, dummy weights
+    assert ";quant=fp8" in _model(vllm_config(quantization="fp8"))
+    assert ";weights=dummy" in _model(vllm_config(load_config=SimpleNamespace(
+        load_format="dummy")))
+    # what cannot be told apart is refused
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        vc = vllm_config(cache_dtype="fp8")
+        vc.cache_config.calculate_kv_scales = True
+        _model(vc)
+    with pytest.raises(ValueError, match="not resolved the KV cache layout"):
+        _model(vllm_config(), kv_cache_config(layout=None))
+    with pytest.raises(ValueError, match="contains ';'"):
+        _model(vllm_config(extra={"kvtier_model": "a;b"}))
+
+
+def _write_model(d, config=b'{"model_type": "llama"}'):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "wb") as f:
+        f.write(config)
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        with open(os.path.join(d, n), "wb") as f:
+            f.write(b"w" * 64)
+        os.utime(os.path.join(d, n), (1700000000, 1700000000))
+    return d
+
+
+def test_the_models_files_are_in_the_model(tmp_path):
+    """The model's config and weights: a config.json digest, and the
+    snapshot's commit (Hugging Face cache) or the weight files' names,
+    sizes and mtimes (a checkpoint rewritten in place is another model)."""
+    d = _write_model(str(tmp_path / "m"))
+    a = _model(vllm_config(model=d))
+    assert a.startswith(d + ENGINE + ";weights=") and ";config=" in a
+    # the same files elsewhere (a copy that keeps mtimes) and a name given:
+    # the same file fields
+    e = _write_model(str(tmp_path / "copy"))
+    b = _model(vllm_config(model=e, extra={"kvtier_model": d}))
+    assert b == a
+    # the config changed
+    _write_model(e, b'{"model_type": "llama", "rope_theta": 1e6}')
+    assert _model(vllm_config(model=e, extra={"kvtier_model": d})).split(";config=")[1] != \
+        a.split(";config=")[1]
+    # the weights rewritten in place
+    _write_model(e)
+    os.utime(os.path.join(e, "model-00002-of-00002.safetensors"), (1700000001, 1700000001))
+    c = _model(vllm_config(model=e, extra={"kvtier_model": d}))
+    assert c.split(";weights=")[1] != a.split(";weights=")[1]
+    assert c.split(";config=")[1] == a.split(";config=")[1]
+    # a Hugging Face snapshot: its commit
+    snap = str(tmp_path / "hub" / "models--org--m" / "snapshots" / ("ab12" * 10))
+    _write_model(snap)
+    assert ";rev=" + "ab12" * 10 + ";config=" in _model(vllm_config(model=snap))
 
 
 def test_layout_and_world():
@@ -112,9 +201,11 @@ def test_worker_with_the_wrong_world_fails_loudly(monkeypatch):
 # ---- KV cache group types: what is stored, what is refused ----
 
 def spec_config(spec, layers=2):
-    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["l%d" % i for i in range(layers)],
-                                                           spec)])
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l%d" % i for i in range(layers)],
+                                                          spec)])
+    cfg.kv_cache_layout = "LBHNC"
+    return cfg
 
 
 def test_group_types():

@@ -99,7 +99,7 @@ static struct {
 	pthread_mutex_t mu;      /* write_only */
 	uint32_t write_only[KVT_MAX_INSTANCES];
 	atomic_int draining;
-	char model[256];
+	char model[KVT_MODEL_TEXT_MAX];
 	char name[80];
 	char dir[PATH_MAX];
 } D = { .mu = PTHREAD_MUTEX_INITIALIZER };
@@ -334,6 +334,45 @@ static int layout_from_model(struct opts *o)
 		 m.layers, p.n_groups, (unsigned long long)p.token_bytes_rank,
 		 o->replicated ? "replicated" : "sharded", p.world, (unsigned long long)p.n_slots,
 		 (unsigned long long)p.tokens);
+	return 0;
+}
+
+/* --model-config: the model identity's file fields (kvt_model_files_id,
+ * the call the vLLM connector makes on the config.json vLLM read) after
+ * --model's text, so that the daemon's segment and the engines' agree on
+ * the model by its files.  A --model that has them already (copied whole
+ * from an engine's log) must have these. */
+static int model_identity(struct opts *o)
+{
+	static char id[1024];
+	char files[256];
+	const char *base = o->model ? o->model : getenv("KVTIER_MODEL");
+	int r = kvt_model_files_id(o->model_config, files, sizeof(files));
+	size_t bl, fl;
+
+	if (r < 0) {
+		fprintf(stderr, "kvtierd: --model-config: %s\n", kvt_last_error());
+		return r;
+	}
+	base = base ? base : "";
+	bl = strlen(base);
+	fl = strlen(files);
+	if (strstr(base, ";config=") || strstr(base, ";weights=") || strstr(base, ";rev=")) {
+		if (bl < fl + 1 || base[bl - fl - 1] != ';' || strcmp(base + bl - fl, files)) {
+			fprintf(stderr, "kvtierd: --model '%s' names other model files than "
+				"--model-config %s ('%s')\n", base, o->model_config, files);
+			return -EINVAL;
+		}
+		o->model = base;
+		return 0;
+	}
+	if (bl + 1 + fl >= sizeof(id)) {
+		fprintf(stderr, "kvtierd: --model and the model files' fields exceed %zu bytes\n",
+			sizeof(id) - 1);
+		return -EINVAL;
+	}
+	snprintf(id, sizeof(id), "%s;%s", base, files);
+	o->model = id;
 	return 0;
 }
 
@@ -947,7 +986,9 @@ int main(int argc, char **argv)
 		setenv("KVTIER_HUGEPAGES", o.hugepages, 1);
 	if (!getenv("KVTIER_LOG_LEVEL"))
 		setenv("KVTIER_LOG_LEVEL", "info", 1); /* the library's placement lines */
-	if (o.model_config && layout_from_model(&o))
+	if (o.model_config && !o.n_groups && layout_from_model(&o))
+		return 2;
+	if (o.model_config && model_identity(&o))
 		return 2;
 	config_fill(&o, &c, KVT_F_CREATE);
 	r = kvt_tier_env_resolve(&c, &env, err, sizeof(err));

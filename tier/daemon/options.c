@@ -633,13 +633,11 @@ int kvtd_opts_parse(struct opts *o, int argc, char **argv)
 		fprintf(stderr, "kvtierd: unexpected argument '%s'\n", argv[optind]);
 		return -EINVAL;
 	}
-	if (o->model_config && o->n_groups) {
-		fprintf(stderr, "kvtierd: give --model-config or --group, not both\n");
-		return -EINVAL;
-	}
-	if (!o->model_config && (o->tp || o->pp || o->kv_dtype || o->vllm_block)) {
+	/* --model-config with --group: the layout is the groups', the
+	 * config.json gives the model identity's file fields only */
+	if ((!o->model_config || o->n_groups) && (o->tp || o->pp || o->kv_dtype || o->vllm_block)) {
 		fprintf(stderr, "kvtierd: --tp, --pp, --kv-dtype and --vllm-block-size size from "
-			"--model-config\n");
+			"--model-config (without --group)\n");
 		return -EINVAL;
 	}
 	if (!!o->tier_bytes + !!o->slots + !!o->tokens > 1) {

@@ -314,6 +314,17 @@ int kvt_stats(kvt_tier *t, struct kvt_stats *out);
  * alone), another -errno (permission).  Needs no handle; blocks on no one. */
 int kvt_unlink(const char *name, const char *dir);
 
+/* The identity fields of a model's files for the model text
+ * (kvt_config.model / KVTIER_MODEL), which enters the layout fingerprint:
+ * "rev=COMMIT;config=HEX" for a config.json in a Hugging Face snapshot,
+ * else "weights=HEX;config=HEX" (HEX: XXH3-128 of config.json's bytes; of
+ * the weight files' names, sizes and mtimes).  The vLLM connector and
+ * kvtierd --model-config both append it, so that engines and the daemon
+ * agree on a model by its files, and a checkpoint rewritten in place is
+ * another model.  The length written (without the NUL), or -errno
+ * (-ENOENT: no such file; -ENOSPC: len too small).  Thread-safe. */
+int kvt_model_files_id(const char *config_path, char *out, size_t len);
+
 /* The layout fingerprint (seed of the key chain). */
 void kvt_fingerprint(const kvt_tier *t, kvt_key *out);
 

@@ -23,13 +23,14 @@ from ._errors import KvtierError
 from ._lib import (API_VERSION, F_ANY_UID, F_CREATE, F_GROUP, F_NO_ENV, F_PREFAULT,
                    F_REPLACE, TIER_CLIENT, TIER_RANK, TIER_SCHEDULER, LibraryNotFound,
                    library_path)
-from ._tier import BLOCK_SKIP, KEY_DTYPE, Group, Key, Lease, Op, Tier, last_error, strerror, unlink
+from ._tier import (BLOCK_SKIP, KEY_DTYPE, Group, Key, Lease, Op, Tier, last_error,
+                    model_files_id, strerror, unlink)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "API_VERSION", "BLOCK_SKIP", "Group", "KEY_DTYPE", "Key", "KvtierError", "Lease", "LibraryNotFound", "Op", "Tier",
-    "last_error", "library_path", "strerror", "unlink",
+    "last_error", "library_path", "model_files_id", "strerror", "unlink",
     "TIER_RANK", "TIER_SCHEDULER", "TIER_CLIENT",
     "F_CREATE", "F_REPLACE", "F_NO_ENV", "F_GROUP", "F_ANY_UID", "F_PREFAULT",
 ]

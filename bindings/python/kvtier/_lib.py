@@ -145,6 +145,7 @@ _PROTOTYPES = {
     "kvt_reap": (ctypes.c_int, [_tier_p]),
     "kvt_stats": (ctypes.c_int, [_tier_p, _P(kvt_stats)]),
     "kvt_fingerprint": (None, [_tier_p, _P(kvt_key)]),
+    "kvt_model_files_id": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
     "kvt_unlink": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p]),
     "kvt_strerror": (ctypes.c_char_p, [ctypes.c_int]),
     "kvt_last_error": (ctypes.c_char_p, []),

@@ -472,6 +472,17 @@ def unlink(segment, segment_dir=None):
            func)
 
 
+def model_files_id(config_path):
+    """kvt_model_files_id: the identity fields of a model's files, as
+    kvtierd --model-config appends them to its model text:
+    "rev=COMMIT;config=HEX" (a Hugging Face snapshot) or
+    "weights=HEX;config=HEX".  Raises KvtierError (-ENOENT: no such file)."""
+    func = "kvt_model_files_id"
+    buf = ctypes.create_string_buffer(256)
+    _check(L.lib().kvt_model_files_id(_enc(config_path, "config_path"), buf, len(buf)), func)
+    return buf.value.decode("ascii")
+
+
 def _enc(s, what):
     if s is None:
         return None

@@ -334,6 +334,74 @@ def _key_identity(prefix_caching, algo):
     return out
 
 
+def _kv_format(cache_dtype, model_dtype):
+    """The KV cache's element format as the bytes hold it: "auto" is the
+    model's dtype; fp8 is e4m3 (vLLM: "fp8" = "fp8_e4m3"), and every fp8
+    format is named with the platform's variant -- MI300/MI325 (gfx94x)
+    store FNUZ, MI355X, NVIDIA and the CPU OCP (vLLM's
+    current_platform.is_fp8_fnuz()): one byte, another number."""
+    if cache_dtype in (None, "auto"):
+        return model_dtype
+    if cache_dtype.startswith("fp8"):
+        try:
+            from vllm.platforms import current_platform
+            fnuz = bool(current_platform.is_fp8_fnuz())
+        except Exception:  # pragma: no cover - a platform that cannot say
+            fnuz = False
+        name = "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+        return "%s/%s" % (name, "fnuz" if fnuz else "ocp")
+    return cache_dtype
+
+
+def _model_config_file(mc):
+    """The config.json vLLM read for the model: in its directory, else in
+    the Hugging Face cache (a snapshot path, whose commit is the weights'
+    identity); None when there is none (GGUF, Mistral's params.json)."""
+    src = getattr(mc, "hf_config_path", None) or mc.model
+    p = os.path.join(str(src), "config.json")
+    if os.path.isfile(p):
+        return os.path.abspath(p)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        f = try_to_load_from_cache(str(src), "config.json",
+                                   revision=getattr(mc, "revision", None))
+        return f if isinstance(f, str) else None
+    except Exception:
+        return None
+
+
+def _engine_identity(mc, cache, kv_cache_config):
+    """The fields of the model identity that the engine decides -- what its
+    KV bytes mean besides the model's files (the module's design comment,
+    "What a chunk's bytes mean")."""
+    dtype = str(mc.dtype).replace("torch.", "")
+    if getattr(cache, "calculate_kv_scales", False):
+        raise ValueError(
+            "kvtier: calculate_kv_scales is on: each engine computes its own fp8 KV scales "
+            "from its first batches, so two engines' chunks of one prefix hold numbers of "
+            "different scales; run without it (a checkpoint's scales are part of the model's "
+            "identity)")
+    out = ";dtype=%s;kv=%s" % (dtype, _kv_format(getattr(cache, "cache_dtype", "auto"), dtype))
+    skip = getattr(cache, "kv_cache_dtype_skip_layers", None)
+    if skip and getattr(cache, "cache_dtype", "auto") != "auto":
+        out += ";kv-skip=%s" % ",".join(sorted(str(x) for x in skip))
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or \
+        getattr(cache, "kv_cache_layout", None)
+    if not layout:
+        raise ValueError("kvtier: vLLM has not resolved the KV cache layout (KVCacheConfig."
+                         "kv_cache_layout): kvtier cannot tell which bytes of a block are "
+                         "which; this vLLM is not one kvtier supports")
+    out += ";layout=%s" % getattr(layout, "name", layout)
+    quant = getattr(mc, "quantization", None)
+    if quant:
+        out += ";quant=%s" % quant
+    load = getattr(getattr(mc, "load_config", None), "load_format", None) or \
+        getattr(mc, "load_format", None)
+    if str(load) == "dummy":
+        out += ";weights=dummy"
+    return out
+
+
 def _opt(extra, key, env, default, conv=str):
     if extra and key in extra and extra[key] is not None:
         v = extra[key]
@@ -406,9 +474,27 @@ class _Settings:
         self.hash_algo = cache.prefix_caching_hash_algo
         self.prefix_caching = bool(cache.enable_prefix_caching)
         mc = vllm_config.model_config
-        default_model = "%s/%s" % (mc.model, str(mc.dtype).replace("torch.", ""))
-        self.model = _opt(extra, "kvtier_model", "KVTIER_MODEL", default_model) + \
+        name = _opt(extra, "kvtier_model", "KVTIER_MODEL", str(mc.model))
+        if ";" in name:
+            raise ValueError("kvtier: the model name %r contains ';', which separates the "
+                             "model identity's fields" % name)
+        # The identity: the name, what the engine decides, what the keys
+        # depend on, then what the model's files say (kvt_model_files_id,
+        # last: kvtierd --model-config appends the same) -- see the
+        # module's design comment, "What a chunk's bytes mean".
+        self.model_name = name
+        self.config_file = _model_config_file(mc)
+        self.model_engine = name + _engine_identity(mc, cache, kv_cache_config) + \
             _key_identity(self.prefix_caching, self.hash_algo)
+        files = ""
+        if self.config_file is not None:
+            files = ";" + kvtier.model_files_id(self.config_file)
+        elif getattr(mc, "revision", None):
+            files = ";rev=%s" % mc.revision
+        self.model = self.model_engine + files
+        if len(self.model.encode()) > 1000:
+            raise ValueError("kvtier: the model identity is %d bytes, over 1000: %r"
+                             % (len(self.model.encode()), self.model))
         if self.prefix_caching and self.hash_algo in _NON_DETERMINISTIC_ALGOS and \
                 os.environ.get("PYTHONHASHSEED") is None:
             raise ValueError(
@@ -574,11 +660,15 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _kvtierd_line(self):
         s = self._s
+        # with the model's config.json, kvtierd appends its files' fields
+        # itself (the same kvt_model_files_id)
+        model = ("--model-config '%s' --model '%s'" % (s.config_file, s.model_engine)
+                 if s.config_file else "--model '%s'" % s.model)
         return ("kvtierd --segment %s %s --world %d --chunk-tokens %d --instances %d "
-                "--model '%s'%s" % (
+                "%s%s" % (
                     s.segment, " ".join("--group %d:%d" % (g.n_layers, g.bytes_per_token)
                                         for g in s.groups),
-                    s.world, s.chunk_tokens, s.instances, s.model,
+                    s.world, s.chunk_tokens, s.instances, model,
                     " --replicated" if s.replicated else ""))
 
     def _open(self, role, **kw):

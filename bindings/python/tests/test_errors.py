@@ -115,7 +115,7 @@ def test_other_model_is_stale(segname):
         # the message names the field and both sides' model descriptions:
         # the segment's (its header keeps its creator's) and this process's
         msg = str(ei.value)
-        assert "model: the segment's 'kvtier-pytest', this process's 'another-model'" in msg, msg
+        assert "model name: the segment's 'kvtier-pytest', this process's 'another-model'" in msg, msg
         assert "chunk_tokens" not in msg, msg
 
 
