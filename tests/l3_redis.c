@@ -42,6 +42,7 @@
 #include <cmocka.h>
 
 #include <hiredis/hiredis.h>
+#include <xxhash.h>
 
 #include "kvt_clock.h"
 #include "kvt_l3.h"
@@ -742,14 +743,21 @@ static uint8_t node_stamp(uint64_t i, uint32_t sh, uint64_t b)
 }
 
 /* A node: its own segment (world 2: two shards per chunk), owned. */
+static const char *node_model; /* the next node's model text (NULL: none) */
+
 static kvt_seg *node_seg(const char *name)
 {
 	struct kvt_geometry g = kvt_test_geo(2, 64);
 	struct kvt_seg_attach_opts a = { .size = sizeof(a), .name = name,
-					 .role = KVT_ROLE_CLIENT };
+					 .role = KVT_ROLE_CLIENT, .model = node_model };
 	kvt_seg *sg;
 
 	g.groups[0].bytes_per_token = 1024; /* 16 KiB shards */
+	if (node_model) { /* its id as kvt_open makes it (tier/kvtier.c) */
+		XXH128_hash_t h = XXH3_128bits(node_model, strlen(node_model));
+		g.model_id.lo = h.low64;
+		g.model_id.hi = h.high64;
+	}
 	sg = kvt_test_create(name, &g, &a);
 	assert_int_equal(kvt_seg_own(sg), 0);
 	return sg;
@@ -945,6 +953,74 @@ static void test_two_nodes(void **st)
 	kvt_l3e_close(ea);
 	kvt_l3e_close(eb);
 	two_nodes_close(na, nb, a, b);
+}
+
+/* Two nodes whose model identities differ in one field -- each field the
+ * vLLM connector and kvtierd put there in turn: B's engine never takes A's
+ * objects (their store keys and sealed headers carry the layout
+ * fingerprint, of which the model's id is part): no get, nothing READY.
+ * The same identity on both: every chunk fetched (the check can pass). */
+static void test_two_nodes_other_model(void **st)
+{
+	static const char *const base = "m;dtype=bfloat16;kv=bfloat16;layout=LBHNC;"
+		"weights=00aa;config=00bb";
+	static const char *const other[] = {
+		"m2;dtype=bfloat16;kv=bfloat16;layout=LBHNC;weights=00aa;config=00bb",
+		"m;dtype=float16;kv=float16;layout=LBHNC;weights=00aa;config=00bb",
+		"m;dtype=bfloat16;kv=fp8_e4m3/ocp;layout=LBHNC;weights=00aa;config=00bb",
+		"m;dtype=bfloat16;kv=fp8_e4m3/fnuz;layout=LBHNC;weights=00aa;config=00bb",
+		"m;dtype=bfloat16;kv=bfloat16;layout=BLHNC;weights=00aa;config=00bb",
+		"m;dtype=bfloat16;kv=bfloat16;layout=LBHNC;hashseed=1;weights=00aa;config=00bb",
+		"m;dtype=bfloat16;kv=bfloat16;layout=LBHNC;weights=00ab;config=00bb",
+		"m;dtype=bfloat16;kv=bfloat16;layout=LBHNC;weights=00aa;config=00bc",
+		base, /* last: the same identity, every chunk a hit */
+	};
+	kvt_key keys[NODE_CHUNKS];
+	uint32_t depths[NODE_CHUNKS];
+
+	(void)st;
+	for (uint32_t t = 0; t < sizeof(other) / sizeof(other[0]); t++) {
+		char na[64], nb[64], tag[16];
+		kvt_seg *a, *b;
+		kvt_l3e *ea, *eb;
+		struct kvt_l3e_info ib;
+		uint64_t lease;
+		uint32_t want = other[t] == base ? NODE_CHUNKS : 0;
+
+		snprintf(tag, sizeof(tag), "om%u", t);
+		snprintf(na, 64, "t-l3%sa-%d", tag, (int)getpid());
+		snprintf(nb, 64, "t-l3%sb-%d", tag, (int)getpid());
+		node_model = base;
+		a = node_seg(na);
+		node_model = other[t];
+		b = node_seg(nb);
+		node_model = NULL;
+		for (uint32_t i = 0; i < NODE_CHUNKS; i++) {
+			keys[i] = (kvt_key){ 0x99000 + i + (uint64_t)t * 100 +
+					     (uint64_t)getpid() * 10000, 0x5151 };
+			depths[i] = i;
+		}
+		node_save(a, keys, NODE_CHUNKS);
+		ea = node_engine(a, KVT_ADMIT_ALL);
+		assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+		eb = node_engine(b, KVT_ADMIT_NONE);
+		assert_int_equal(kvt_l3e_fetch(eb, keys, depths, NODE_CHUNKS), NODE_CHUNKS);
+		assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
+		kvt_l3e_info(eb, &ib);
+		if (ib.gets != want)
+			fail_msg("model '%s' took %llu of the chunks of '%s'", other[t],
+				 (unsigned long long)ib.gets, base);
+		assert_int_equal(ib.misses, NODE_CHUNKS - want);
+		assert_int_equal(ib.refused, 0);
+		assert_int_equal(kvt_seg_lookup(b, keys, NODE_CHUNKS, &lease), want);
+		if (want) {
+			kvt_lease_release(b, lease);
+			assert_int_equal(node_check(b, keys, NODE_CHUNKS, 1), NODE_CHUNKS);
+		}
+		kvt_l3e_close(ea);
+		kvt_l3e_close(eb);
+		two_nodes_close(na, nb, a, b);
+	}
 }
 
 /* A raw asker: a socket connected to v's channel, for messages the client
@@ -1516,6 +1592,7 @@ int main(void)
 		cmocka_unit_test(test_forged),
 		cmocka_unit_test(test_malformed_replies),
 		cmocka_unit_test(test_two_nodes),
+		cmocka_unit_test(test_two_nodes_other_model),
 		cmocka_unit_test(test_channel),
 		cmocka_unit_test(test_channel_depth),
 		cmocka_unit_test(test_channel_flood),
