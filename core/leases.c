@@ -187,11 +187,27 @@ static int slot_pin(struct kvt_slot *sl, uint64_t gen)
 	}
 }
 
+/* 1 when a pinned slot was allocated by a rank of another instance than
+ * the caller's.  Statistic only (KVT_C_SHARED_HITS): the slot's owner is a
+ * diagnostic word, and its entry may have been taken over since; both read
+ * relaxed and bounds-checked. */
+static uint32_t hit_is_shared(const kvt_seg *s, struct kvt_slot *sl)
+{
+	uint32_t o = kat_load(&sl->owner, KVT_RLX);
+	struct kvt_ent *e;
+
+	if (!o || o > s->d.n_entries)
+		return 0;
+	e = &s->ents[o - 1];
+	return kat_load(&e->role, KVT_RLX) == KVT_ROLE_RANK &&
+	       kat_load(&e->instance, KVT_RLX) != s->instance;
+}
+
 int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 {
 	struct kvt_lease *l = NULL;
 	kvt_a64 *refs = NULL;
-	uint32_t idx = 0, hits = 0, x;
+	uint32_t idx = 0, hits = 0, shared = 0, x;
 	uint64_t lgen = 0, gen;
 	int r;
 
@@ -235,6 +251,7 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 		kat_store(kvt__journal(s), 0, KVT_REL);
 		/* A hit protects the chunk for one more sweep (relaxed: heuristic). */
 		kat_store(&sl->ref, 2, KVT_RLX);
+		shared += hit_is_shared(s, sl);
 		hits++;
 	}
 	if (l) {
@@ -251,6 +268,8 @@ int kvt_seg_lookup(kvt_seg *s, const kvt_key *keys, uint32_t n, uint64_t *lease)
 	}
 	kvt__count(s, KVT_C_HIT_CHUNKS, hits);
 	kvt__count(s, KVT_C_HIT_TOKENS, (uint64_t)hits * s->geo.chunk_tokens);
+	if (shared)
+		kvt__count(s, KVT_C_SHARED_HITS, shared);
 	return (int)hits;
 }
 

@@ -1321,6 +1321,7 @@ static const char *const counter_names[KVT_C__COUNT] = {
 	[KVT_C_DISK_WRITE_DROPS] = "disk_write_drops",
 	[KVT_C_PROMOTE_REQUESTS] = "promote_requests",
 	[KVT_C_PROMOTE_DROPS] = "promote_drops",
+	[KVT_C_SHARED_HITS] = "shared_hits",
 };
 
 const char *kvt_counter_name(enum kvt_counter c)

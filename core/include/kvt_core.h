@@ -380,6 +380,11 @@ enum kvt_counter {
 	KVT_C_DISK_WRITE_DROPS,   /* demotions abandoned: the slot changed under the write, or an I/O error */
 	KVT_C_PROMOTE_REQUESTS,   /* disk chunks lookups asked back */
 	KVT_C_PROMOTE_DROPS,      /* promotions not done: ring full, no slot, stale request */
+	/* Chunks a lookup hit that a rank of another instance saved (the
+	 * slot's allocator, read when pinned: a statistic).  An instance that
+	 * looks up while others save and never hits one of theirs computes
+	 * other keys, or serves other prompts: kvtierd's "unshared" alarm. */
+	KVT_C_SHARED_HITS,
 	KVT_C__COUNT
 };
 const char *kvt_counter_name(enum kvt_counter c);

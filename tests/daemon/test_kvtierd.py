@@ -398,6 +398,44 @@ def test_write_only_tier_is_reported(name, procs):
                          'engine="0"') == 0, "the verdict to clear", timeout=5)
 
 
+def test_unshared_instances_are_reported(name, procs):
+    """Instance 0's ranks save; instance 1's scheduler looks up as many
+    chunks and finds none of them (keys of other prompts: what another
+    hash seed or salt would give): /metrics, /status and the log say
+    instance 1 is unshared, not instance 0.  Once it hits chunks instance 0
+    saved, the verdict clears and the shared-hit counter has them."""
+    d = Daemon(name, instances=2, slots=128)
+    procs.append(d)
+    ranks = [Rank(name, 0, r) for r in range(WORLD)]
+    procs.extend(ranks)
+    n = 8    # chunks a save; 4 prompts x WORLD shards: KVTD_UNSHARED_MIN (64)
+    for seed in (5, 6, 7, 8):
+        for r in ranks:
+            assert r.cmd(cmd="save", seed=seed, chunks=n)["count"] == n
+    s = scheduler(name, 1)
+    procs.append(s)
+    s0 = scheduler(name, 0)
+    procs.append(s0)
+    with s.lookup(s.hash_tokens(prompt(64, seed=9))) as lease:
+        assert lease.hits == 0
+    with s0.lookup(s0.hash_tokens(prompt(n, seed=5))) as lease:   # its own: not shared
+        assert lease.hits == n
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_instance_unshared", 'engine="1"') == 1
+    assert metric(m, "kvtier_instance_unshared", 'engine="0"') == 0
+    inst = json.loads(d.get("/status")[1])["instances"]
+    assert inst[1]["unshared"] and "unshared" in inst[1]["warnings"][0]
+    assert not inst[0]["unshared"] and inst[0]["shared_hit_chunks"] == 0
+    until(lambda: "instance 1 is unshared" in d.log(), "the daemon's warning", timeout=5)
+    with s.lookup(s.hash_tokens(prompt(n, seed=5))) as lease:
+        assert lease.hits == n
+    until(lambda: metric(d.get("/metrics")[1], "kvtier_instance_unshared",
+                         'engine="1"') == 0, "the verdict to clear", timeout=5)
+    _, m = d.get("/metrics")
+    assert metric(m, "kvtier_instance_shared_hit_chunks_total", 'engine="1"') == n
+    assert metric(m, "kvtier_instance_shared_hit_chunks_total", 'engine="0"') == 0
+
+
 def test_stat_watch_in_a_terminal(name, procs):
     """kvtier-stat --watch in tmux: the screen shows the segment, and its
     figures change after a save."""

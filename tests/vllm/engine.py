@@ -11,6 +11,8 @@ per line.  argv[1] is a JSON object of options:
   batched_tokens  max_num_batched_tokens (chunked prefill), default vLLM's
   attention_backend  vLLM's attention backend by name (CPU_MLA), default
                the platform's choice
+  kv_cache_dtype  vLLM's --kv-cache-dtype (the CPU build: auto, fp8,
+               fp8_e4m3, fp8_e5m2), default auto
 
 Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n}
 -> {"outputs": [[ids]]};  {"cmd": "metrics"} -> vLLM's counters;
@@ -47,6 +49,8 @@ def main():
         kw["num_gpu_blocks_override"] = o["blocks"]
     if o.get("attention_backend"):
         kw["attention_config"] = {"backend": o["attention_backend"]}
+    if o.get("kv_cache_dtype"):
+        kw["kv_cache_dtype"] = o["kv_cache_dtype"]
     if o.get("transfer") is not None:   # a whole kv_transfer_config (MultiConnector)
         kw["kv_transfer_config"] = KVTransferConfig(**o["transfer"])
     elif o.get("kvtier") is not None:

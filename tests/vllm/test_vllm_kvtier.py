@@ -34,6 +34,9 @@ from kvt_testlib import segment_paths  # noqa: E402  (where a segment's file liv
 
 START_TIMEOUT = 300
 CMD_TIMEOUT = 300
+# the engine fields of the connector's model identity for the test engines
+# (bindings/python/kvtier/vllm.py, _engine_identity): bf16 KV, CPU layout
+ENGINE = ";dtype=bfloat16;kv=bfloat16;layout=LBHNC"
 BLOCKS = 64          # vLLM's own KV cache: 64 blocks of 32 tokens = 2,048 tokens
 CHUNK = 32           # kvtier chunk = vLLM block
 
@@ -54,11 +57,12 @@ SHORT = [tokens(100, 5), tokens(300, 6), tokens(700, 7)]
 class Engine:
     def __init__(self, model, kv=None, blocks=BLOCKS, tp=1, env=None, expect_ready=True,
                  max_num_seqs=4, max_model_len=1536, block_size=32, transfer=None,
-                 batched_tokens=None, attention_backend=None):
+                 batched_tokens=None, attention_backend=None, kv_cache_dtype=None):
         opts = {"model": model, "kvtier": kv, "blocks": blocks, "tp": tp,
                 "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                 "block_size": block_size, "transfer": transfer,
-                "batched_tokens": batched_tokens, "attention_backend": attention_backend}
+                "batched_tokens": batched_tokens, "attention_backend": attention_backend,
+                "kv_cache_dtype": kv_cache_dtype}
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +
@@ -623,13 +627,40 @@ def test_engines_with_other_hash_seeds_are_told(model):
         line = e2.p.stdout.readline() if r else ""
         assert not line, "the engine with another hash seed started: %s" % line
         log = e2.tail(600)
-        assert "model: the segment's '%s/bfloat16', this process's '%s/bfloat16;hashseed=1'" % (
-            model, model) in log, log[-3000:]
+        assert "model hashseed: the segment's '(none)', this process's '1'" in log, log[-3000:]
         # and the kvtierd line this engine would attach to, when it is needed
         assert "a kvtierd for this engine: kvtierd --segment %s " % name in log, log[-3000:]
-        assert "--model '%s/bfloat16;hashseed=1'" % model in log
+        assert "--model-config '%s/config.json' --model '%s%s;hashseed=1'" % (
+            model, model, ENGINE) in log, log[-3000:]
     finally:
         e2.close()
+        e1.close()
+        _unlink(name)
+
+
+def test_engines_with_other_kv_dtypes_are_told(model):
+    """Two real engines on one segment whose KV caches hold fp8 of the two
+    formats (e4m3, e5m2: one byte a number either way, so the layouts are
+    the same size and only the meaning differs).  The second is refused at
+    start with the field named on each side; the first serves on.  (Before,
+    both started and loaded each other's bytes as their own format.)"""
+    name = "vllm-kvdtype-%d" % os.getpid()
+    prompt = list(range(3, 3 + 200))
+    e1 = Engine(model, kv(name, 0), kv_cache_dtype="fp8_e4m3")
+    e2 = None
+    try:
+        out = e1.generate([prompt])
+        e2 = Engine(model, kv(name, 1), kv_cache_dtype="fp8_e5m2", expect_ready=False)
+        r, _, _ = select.select([e2.p.stdout], [], [], START_TIMEOUT)
+        line = e2.p.stdout.readline() if r else ""
+        assert not line, "the engine with another KV dtype started: %s" % line
+        log = e2.tail(600)
+        assert "model kv: the segment's 'fp8_e4m3/ocp', this process's 'fp8_e5m2/ocp'" in log, \
+            log[-3000:]
+        assert e1.generate([prompt]) == out
+    finally:
+        if e2 is not None:
+            e2.close()
         e1.close()
         _unlink(name)
 
@@ -823,7 +854,7 @@ class Kvtierd:
         self.p = subprocess.Popen(
             [os.path.join(build, "tier", "daemon", "kvtierd"), "--segment", name,
              "--model-config", os.path.join(model, "config.json"), "--tp", "1",
-             "--vllm-block-size", "32", "--model", "tiny-llama/bf16",
+             "--vllm-block-size", "32", "--model", "tiny-llama/bf16" + ENGINE,
              "--http", "127.0.0.1:%d" % self.port, "--unlink"] + list(extra),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60

@@ -851,7 +851,7 @@ static int http_start(const struct opts *o)
 
 struct sample {
 	uint64_t t;
-	uint64_t saved[KVT_MAX_INSTANCES], lookups[KVT_MAX_INSTANCES];
+	struct kvtd_isample in[KVT_MAX_INSTANCES];
 };
 
 static struct sample hist[MAX_HISTORY];
@@ -866,11 +866,11 @@ static void watch_write_only(const struct opts *o)
 	if (kvtd_snap_read(D.seg, &s))
 		return;
 	struct sample *n = &hist[hist_head];
+	uint32_t us[KVT_MAX_INSTANCES];
+	static uint32_t warned_us[KVT_MAX_INSTANCES];
+
 	n->t = s.mono_ns;
-	for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++) {
-		n->saved[i] = s.inst[i].saved_chunks;
-		n->lookups[i] = s.inst[i].lookups;
-	}
+	kvtd_isample(&s, n->in);
 	hist_head = (hist_head + 1) % MAX_HISTORY;
 	if (hist_n < MAX_HISTORY)
 		hist_n++;
@@ -884,10 +884,24 @@ static void watch_write_only(const struct opts *o)
 			break;
 		}
 	}
+	/* unshared: over the window once there is one (an alarm that clears
+	 * when sharing resumes), since creation before */
+	kvtd_unshared(&s, old ? old->in : NULL, us);
 	for (uint32_t i = 0; i < s.geo.n_instances && i < KVT_MAX_INSTANCES; i++) {
 		wo[i] = s.inst[i].write_only;
-		if (old && n->saved[i] > old->saved[i] && n->lookups[i] == old->lookups[i])
+		if (old && n->in[i].saved > old->in[i].saved &&
+		    n->in[i].lookups == old->in[i].lookups)
 			wo[i] = 1;
+		if (us[i] && !warned_us[i])
+			LOG_WARN("instance %u is unshared: it looked up %llu chunks while the other "
+				 "instances saved, and found none of theirs (%llu hits in all): do "
+				 "the engines compute the same keys for the same prompts "
+				 "(PYTHONHASHSEED, a cache salt, LoRA), and do their prompts overlap?",
+				 i, (unsigned long long)s.inst[i].lookup_chunks,
+				 (unsigned long long)s.inst[i].hit_chunks);
+		else if (!us[i] && warned_us[i])
+			LOG_INFO("instance %u shares again (hits on other instances' chunks)", i);
+		warned_us[i] = us[i];
 		if (wo[i] && !warned[i])
 			LOG_WARN("instance %u is write-only: its ranks saved %llu chunk shards and its "
 				 "scheduler made %llu lookups%s; nothing saved is read back (is its "
@@ -898,6 +912,7 @@ static void watch_write_only(const struct opts *o)
 		else if (!wo[i] && warned[i])
 			LOG_INFO("instance %u is read again (lookups resumed)", i);
 		warned[i] = wo[i];
+		wo[i] = (wo[i] ? KVTD_V_WRITE_ONLY : 0) | (us[i] ? KVTD_V_UNSHARED : 0);
 	}
 	pthread_mutex_lock(&D.mu);
 	memcpy(D.write_only, wo, sizeof(wo));

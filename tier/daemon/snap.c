@@ -160,6 +160,7 @@ int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
 		in->hit_chunks += x->ctr[KVT_C_HIT_CHUNKS];
 		in->hit_tokens += x->ctr[KVT_C_HIT_TOKENS];
 		in->saved_chunks += x->ctr[KVT_C_SAVED_CHUNKS];
+		in->shared_hits += x->ctr[KVT_C_SHARED_HITS];
 		in->loaded_chunks += x->ctr[KVT_C_LOADED_CHUNKS];
 		if (x->info.state == KVT_ENTRY_ATTACHED) {
 			if (x->info.role == KVT_ROLE_SCHEDULER)
@@ -173,6 +174,9 @@ int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *o)
 		kvtd_write_only(o, NULL, wo);
 		for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++)
 			o->inst[i].write_only = wo[i];
+		kvtd_unshared(o, NULL, wo);
+		for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++)
+			o->inst[i].unshared = wo[i];
 	}
 	return 0;
 }
@@ -198,6 +202,45 @@ void kvtd_write_only(struct kvtd_snap *now, const struct kvtd_snap *old,
 			if (a->saved_chunks > b->saved_chunks && a->lookups == b->lookups)
 				out[i] = 1;
 		}
+	}
+}
+
+void kvtd_isample(const struct kvtd_snap *s, struct kvtd_isample out[KVT_MAX_INSTANCES])
+{
+	for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++)
+		out[i] = (struct kvtd_isample){ .saved = s->inst[i].saved_chunks,
+			.lookups = s->inst[i].lookups, .lookup_chunks = s->inst[i].lookup_chunks,
+			.shared_hits = s->inst[i].shared_hits };
+}
+
+void kvtd_unshared(const struct kvtd_snap *now, const struct kvtd_isample *old,
+		   uint32_t out[KVT_MAX_INSTANCES])
+{
+	struct kvtd_isample cur[KVT_MAX_INSTANCES];
+	uint32_t n = now->geo.n_instances < KVT_MAX_INSTANCES ? now->geo.n_instances :
+		     KVT_MAX_INSTANCES;
+	uint64_t saved_all = 0, d_saved[KVT_MAX_INSTANCES];
+
+	kvtd_isample(now, cur);
+	for (uint32_t i = 0; i < n; i++) {
+		/* counters only grow; a reset (a segment made again) reads as 0 */
+		d_saved[i] = old && cur[i].saved >= old[i].saved ? cur[i].saved - old[i].saved :
+			     old ? 0 : cur[i].saved;
+		saved_all += d_saved[i];
+	}
+	for (uint32_t i = 0; i < KVT_MAX_INSTANCES; i++) {
+		uint64_t lc, sh;
+
+		out[i] = 0;
+		if (i >= n || n < 2)
+			continue;
+		lc = cur[i].lookup_chunks - (old ? old[i].lookup_chunks : 0);
+		sh = cur[i].shared_hits - (old ? old[i].shared_hits : 0);
+		if (old && (cur[i].lookup_chunks < old[i].lookup_chunks ||
+			    cur[i].shared_hits < old[i].shared_hits))
+			continue;
+		out[i] = lc >= KVTD_UNSHARED_MIN && saved_all - d_saved[i] >= KVTD_UNSHARED_MIN &&
+			 sh == 0;
 	}
 }
 
@@ -238,6 +281,7 @@ static const struct {
 	[KVT_C_DISK_WRITE_DROPS] = { "disk_write_drops", "Demotions abandoned (the slot was evicted during the write, or an I/O error)" },
 	[KVT_C_PROMOTE_REQUESTS] = { "promote_requests", "Disk chunks lookups asked back into DRAM" },
 	[KVT_C_PROMOTE_DROPS] = { "promote_drops", "Promotions not done (stale request, no free slot, ring full, bad checksum)" },
+	[KVT_C_SHARED_HITS] = { "shared_hits", "Chunks lookups hit that a rank of another instance saved" },
 };
 
 static const char *const hist_help[KVT_H__COUNT] = {
@@ -605,6 +649,7 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			{ offsetof(struct kvtd_inst, hit_tokens), "kvtier_instance_hit_tokens_total", "Tokens the instance's lookups hit" },
 			{ offsetof(struct kvtd_inst, saved_chunks), "kvtier_instance_saved_chunks_total", "Chunk shards the instance's ranks saved" },
 			{ offsetof(struct kvtd_inst, loaded_chunks), "kvtier_instance_loaded_chunks_total", "Chunk shards the instance's ranks loaded" },
+			{ offsetof(struct kvtd_inst, shared_hits), "kvtier_instance_shared_hit_chunks_total", "Chunks the instance's lookups hit that another instance's ranks saved" },
 		};
 		for (size_t k = 0; k < sizeof(ic) / sizeof(ic[0]); k++) {
 			prom_head(&b, ic[k].n, "counter", ic[k].h);
@@ -619,8 +664,18 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 	for (uint32_t i = 0; i < n_inst; i++) {
 		uint32_t wo = s->inst[i].write_only;
 		if (c->write_only_window)
-			wo |= c->write_only_window[i];
+			wo |= !!(c->write_only_window[i] & KVTD_V_WRITE_ONLY);
 		kvtd_printf(&b, "kvtier_instance_write_only{engine=\"%u\"} %u\n", i, wo);
+	}
+	prom_head(&b, "kvtier_instance_unshared", "gauge",
+		  "1 when the instance looked up chunks while other instances saved, and hit "
+		  "none of theirs (engines that should share a prefix cache do not: another "
+		  "hash seed or salt, or prompts that do not overlap)");
+	for (uint32_t i = 0; i < n_inst; i++) {
+		uint32_t us = s->inst[i].unshared;
+		if (c->write_only_window)
+			us |= !!(c->write_only_window[i] & KVTD_V_UNSHARED);
+		kvtd_printf(&b, "kvtier_instance_unshared{engine=\"%u\"} %u\n", i, us);
 	}
 
 	for (int h = 0; h < KVT_H__COUNT; h++) {
@@ -750,19 +805,30 @@ char *kvtd_json(const struct kvtd_snap *s, const struct kvtd_ctx *c, const struc
 	kvtd_printf(&b, "},\"instances\":[");
 	for (uint32_t i = 0; i < g->n_instances; i++) {
 		const struct kvtd_inst *in = &s->inst[i];
-		uint32_t wo = in->write_only | (c->write_only_window ? c->write_only_window[i] : 0);
+		uint32_t wo = in->write_only | (c->write_only_window ?
+				!!(c->write_only_window[i] & KVTD_V_WRITE_ONLY) : 0);
+		uint32_t us = in->unshared | (c->write_only_window ?
+				!!(c->write_only_window[i] & KVTD_V_UNSHARED) : 0);
 		kvtd_printf(&b, "%s{\"instance\":%u,\"lookups\":%llu,\"lookup_chunks\":%llu,"
 			    "\"hit_chunks\":%llu,\"hit_tokens\":%llu,\"saved_chunks\":%llu,"
 			    "\"loaded_chunks\":%llu,\"ranks_up\":%u,\"scheduler_up\":%s,"
-			    "\"write_only\":%s,\"warnings\":[", i ? "," : "", i,
+			    "\"shared_hit_chunks\":%llu,\"write_only\":%s,\"unshared\":%s,"
+			    "\"warnings\":[", i ? "," : "", i,
 			    (unsigned long long)in->lookups, (unsigned long long)in->lookup_chunks,
 			    (unsigned long long)in->hit_chunks, (unsigned long long)in->hit_tokens,
 			    (unsigned long long)in->saved_chunks, (unsigned long long)in->loaded_chunks,
-			    in->ranks_up, in->scheduler_up ? "true" : "false", wo ? "true" : "false");
+			    in->ranks_up, in->scheduler_up ? "true" : "false",
+			    (unsigned long long)in->shared_hits, wo ? "true" : "false",
+			    us ? "true" : "false");
 		if (wo)
 			kvtd_printf(&b, "\"write-only tier: instance %u's ranks save chunks but its "
 				    "scheduler makes no lookups, so nothing saved is ever read "
 				    "(is the scheduler opened on this segment, with this instance?)\"", i);
+		if (us)
+			kvtd_printf(&b, "%s\"unshared: instance %u looks chunks up while other "
+				    "instances save, and finds none of theirs: do the engines compute "
+				    "the same keys (PYTHONHASHSEED, cache salt, LoRA) for the same "
+				    "prompts?\"", wo ? "," : "", i);
 		kvtd_printf(&b, "]}");
 	}
 	kvtd_printf(&b, "],\"entries\":[");
@@ -878,10 +944,14 @@ char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
 	kvtd_printf(&b, "\nranks\n");
 	for (uint32_t i = 0; i < g->n_instances; i++) {
 		const struct kvtd_inst *in = &s->inst[i];
-		uint32_t wo = in->write_only | (c && c->write_only_window ? c->write_only_window[i] : 0);
+		uint32_t wo = in->write_only | (c && c->write_only_window ?
+				!!(c->write_only_window[i] & KVTD_V_WRITE_ONLY) : 0);
+		uint32_t us = in->unshared | (c && c->write_only_window ?
+				!!(c->write_only_window[i] & KVTD_V_UNSHARED) : 0);
 		kvtd_printf(&b, "  instance %u: %u/%u ranks up, scheduler %s%s\n   ", i, in->ranks_up,
 			    g->world, in->scheduler_up ? "up" : "absent",
-			    wo ? "   WARNING: write-only (saves, no lookups)" : "");
+			    wo ? "   WARNING: write-only (saves, no lookups)" :
+			    us ? "   WARNING: unshared (finds none of the other instances' chunks)" : "");
 		for (uint32_t r = 0; r <= g->world; r++) {
 			const struct kvtd_entry *e = &s->ents[entry_index(s, i, r)];
 			char who[16];

@@ -29,8 +29,10 @@ struct kvtd_entry {
 struct kvtd_inst {
 	uint64_t lookups, lookup_chunks, hit_chunks, hit_tokens;
 	uint64_t saved_chunks, loaded_chunks;
+	uint64_t shared_hits;          /* hits on other instances' chunks */
 	uint32_t ranks_up, scheduler_up;
 	uint32_t write_only;           /* saves and no lookups (kvtd_write_only) */
+	uint32_t unshared;             /* looks up, finds none of others' (kvtd_unshared) */
 };
 
 struct kvtd_snap {
@@ -59,7 +61,8 @@ struct kvtd_ctx {
 	uint64_t start_wall_ns;        /* the daemon's start (0: not a daemon) */
 	int draining;
 	const uint32_t *write_only_window; /* per instance, from the daemon's
-					    * history; NULL: totals only */
+					    * history: KVTD_V_* bits; NULL:
+					    * totals only */
 	/* the daemon's exit witness (core/witness_srv.c) */
 	int witness_up;                /* its socket listens */
 	uint32_t witness_ranks;        /* ranks whose lock it holds now */
@@ -78,6 +81,25 @@ void kvtd_snap_free(struct kvtd_snap *s);
  * old to now its ranks saved and its scheduler made no lookup. */
 void kvtd_write_only(struct kvtd_snap *now, const struct kvtd_snap *old,
 		     uint32_t out[KVT_MAX_INSTANCES]);
+
+/* The windowed verdicts' bits (kvtd_ctx.write_only_window). */
+#define KVTD_V_WRITE_ONLY 1u
+#define KVTD_V_UNSHARED   2u
+
+/* An instance's counters at one time, for the windowed verdicts. */
+struct kvtd_isample {
+	uint64_t saved, lookups, lookup_chunks, shared_hits;
+};
+#define KVTD_UNSHARED_MIN 64 /* chunks looked up, and shards others saved */
+/* Unshared instances: with two instances or more, instance i looked up at
+ * least KVTD_UNSHARED_MIN chunks while the others saved at least as many
+ * chunk shards, and it hit none of theirs -- engines that should share a
+ * prefix cache and do not: another hash seed or salt on one side, a
+ * LoRA or multimodal extra key, or prompts that do not overlap.  Since
+ * creation (old == NULL) or since old (per instance). */
+void kvtd_unshared(const struct kvtd_snap *now, const struct kvtd_isample *old,
+		   uint32_t out[KVT_MAX_INSTANCES]);
+void kvtd_isample(const struct kvtd_snap *s, struct kvtd_isample out[KVT_MAX_INSTANCES]);
 
 /* Health: 1 when every expected rank (and scheduler, if asked) is attached
  * and alive and the segment is not draining; writes a JSON body. */
