@@ -721,3 +721,120 @@ def test_failed_load_of_a_finished_request_is_forgotten():
     assert c._failed == {"y"}
     c.request_finished(c._reqs["y"], [])
     assert not c._failed
+
+
+# ---- the model identity at attach: vLLM's own layout resolution, kvtierd ----
+
+def _resolved_layout(monkeypatch, supported, env=None):
+    """The layout vLLM's engine core resolves (resolve_kv_cache_layout) for
+    workers whose backends support `supported`, most preferred first."""
+    from vllm.config import CacheConfig
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    import vllm.envs as envs
+    if env is None:
+        monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", env)
+    if hasattr(envs, "__getattr__") and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    vc = SimpleNamespace(cache_config=CacheConfig(), kv_transfer_config=None)
+    return resolve_kv_cache_layout(vc, [list(supported)]).name
+
+
+def test_engines_of_other_layouts_are_refused(monkeypatch):
+    """Two engines whose backends make vLLM resolve other KV layouts (the
+    bytes of a block in another order): the second is refused at attach,
+    the field named on each side; the same layout attaches."""
+    flashinfer_b200 = ("LBHNC", "BLHNC")       # flashinfer.py on capability 10
+    flex = ("LBNHC",)                           # flex_attention.py
+    a = _resolved_layout(monkeypatch, flashinfer_b200)
+    b = _resolved_layout(monkeypatch, flex)
+    c = _resolved_layout(monkeypatch, flashinfer_b200, env="BLHNC")
+    assert (a, b, c) == ("LBHNC", "LBNHC", "BLHNC")
+    name = "cfg-layout-%d" % os.getpid()
+    first = kv._Settings(vllm_config(extra={"kvtier_segment": name, "kvtier_instances": 2}),
+                         kv_cache_config(layout=a)).open("scheduler")
+    second = {"kvtier_segment": name, "kvtier_create": False, "kvtier_instance": 1}
+    try:
+        for other in (b, c):
+            s = kv._Settings(vllm_config(extra=second), kv_cache_config(layout=other))
+            with pytest.raises(kvtier.KvtierError) as e:
+                s.open("scheduler")
+            assert "model layout: the segment's '%s', this process's '%s'" % (a, other) \
+                in str(e.value)
+        kv._Settings(vllm_config(extra=second), kv_cache_config(layout=a)) \
+            .open("scheduler").close()
+    finally:
+        first.close()
+        kvtier.unlink(name)
+
+
+def _kvtierd(line, name, tmp_path):
+    """kvtierd started from a connector's logged line (its flags, this
+    test's segment, a small tier): the process, and its first output when
+    it exited."""
+    import shlex
+    import subprocess
+    import time
+    build = os.environ.get("KVTIER_BUILD", os.path.join(os.path.dirname(os.path.dirname(HERE)),
+                                                         "build"))
+    args = shlex.split(line)
+    args[0] = os.path.join(build, "tier", "daemon", "kvtierd")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / ("%s.log" % name)
+    args += ["--slots", "16", "--http", "127.0.0.1:%d" % port, "--unlink", "--no-lock",
+             "--log", str(log)]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            return p, p.stdout.read() + (log.read_text() if log.exists() else "")
+        try:
+            with kvtier.Tier(segment=name, role="client"):
+                return p, ""
+        except kvtier.KvtierError:
+            time.sleep(0.05)
+    p.kill()
+    raise AssertionError("kvtierd did not make segment %s" % name)
+
+
+def test_kvtierd_computes_the_same_identity(tmp_path):
+    """The kvtierd line the connector logs, run: kvtierd appends the model
+    files' fields from --model-config itself, and the engine attaches.  A
+    kvtierd given another config.json (the model updated on disk) makes a
+    segment the engine is refused, the field named."""
+    import signal
+    m = _write_model(str(tmp_path / "model"))
+    name = "cfg-kvtierd-%d" % os.getpid()
+    vc = vllm_config(model=m, extra={"kvtier_segment": name, "kvtier_create": False})
+    c = kv.KvtierConnector.__new__(kv.KvtierConnector)
+    c._s = kv._Settings(vc, kv_cache_config())
+    line = c._kvtierd_line()
+    assert "--model-config '%s/config.json' --model '%s%s'" % (m, m, ENGINE) in line
+    p, out = _kvtierd(line, name, tmp_path)
+    try:
+        assert p.poll() is None, out
+        c._s.open("scheduler").close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+    # the model's config changed under kvtierd: the engine's is the old one
+    other = _write_model(str(tmp_path / "model2"), b'{"model_type": "llama", "x": 1}')
+    p, out = _kvtierd(line.replace(m + "/config.json", other + "/config.json"), name, tmp_path)
+    try:
+        assert p.poll() is None, out
+        with pytest.raises(kvtier.KvtierError) as e:
+            c._s.open("scheduler")
+        assert "model config: the segment's '" in str(e.value)
+        assert "model weights" not in str(e.value)   # the weights are the same files' figures
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+    # a --model that names other files than --model-config's is refused by kvtierd
+    bad = line.replace("--model '%s%s'" % (m, ENGINE), "--model '%s'" % c._s.model) \
+        .replace(m + "/config.json", other + "/config.json")
+    p, out = _kvtierd(bad, name, tmp_path)
+    assert p.wait(timeout=30) == 2 and "names other model files than --model-config" in out, out
