@@ -813,7 +813,9 @@ def test_kvtierd_computes_the_same_identity(tmp_path):
     c = kv.KvtierConnector.__new__(kv.KvtierConnector)
     c._s = kv._Settings(vc, kv_cache_config())
     line = c._kvtierd_line()
-    assert "--model-config '%s/config.json' --model '%s%s'" % (m, m, ENGINE) in line
+    import shlex
+    assert "--model-config %s --model %s" % (shlex.quote(m + "/config.json"),
+                                             shlex.quote(m + ENGINE)) in line
     p, out = _kvtierd(line, name, tmp_path)
     try:
         assert p.poll() is None, out
@@ -834,7 +836,8 @@ def test_kvtierd_computes_the_same_identity(tmp_path):
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
     # a --model that names other files than --model-config's is refused by kvtierd
-    bad = line.replace("--model '%s%s'" % (m, ENGINE), "--model '%s'" % c._s.model) \
+    bad = line.replace("--model %s" % shlex.quote(m + ENGINE),
+                       "--model %s" % shlex.quote(c._s.model)) \
         .replace(m + "/config.json", other + "/config.json")
     p, out = _kvtierd(bad, name, tmp_path)
     assert p.wait(timeout=30) == 2 and "names other model files than --model-config" in out, out

@@ -13,6 +13,7 @@ overwrites the tier's chunks with noise and sees the output change."""
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -630,8 +631,9 @@ def test_engines_with_other_hash_seeds_are_told(model):
         assert "model hashseed: the segment's '(none)', this process's '1'" in log, log[-3000:]
         # and the kvtierd line this engine would attach to, when it is needed
         assert "a kvtierd for this engine: kvtierd --segment %s " % name in log, log[-3000:]
-        assert "--model-config '%s/config.json' --model '%s%s;hashseed=1'" % (
-            model, model, ENGINE) in log, log[-3000:]
+        assert "--model-config %s --model %s" % (
+            shlex.quote(model + "/config.json"), shlex.quote(model + ENGINE + ";hashseed=1")) \
+            in log, log[-3000:]
     finally:
         e2.close()
         e1.close()

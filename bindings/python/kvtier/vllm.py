@@ -134,6 +134,45 @@ identities named, instead of sharing a tier neither finds the other's
 chunks in.  With prefix caching off (no block hashes), keys
 are kvtier's own hash of the token ids (kvt_hash_tokens).
 
+What a chunk's bytes mean.  A chunk is served to any engine whose layout
+fingerprint is the segment's (and, through the L3, the node's), so the
+fingerprint must cover everything that gives the bytes their meaning, not
+only their sizes.  The geometry (chunk tokens, world, the groups' layers
+and bytes per token) is the segment's own; the rest is the model identity,
+a text "NAME;field=value;..." whose hash is part of the fingerprint and
+which the segment keeps for messages (a mismatch names each field that
+differs, with both values):
+
+  NAME          kvtier_model / KVTIER_MODEL, default the model as given to
+                vLLM (a path or a Hugging Face name);
+  dtype         the model's dtype as vLLM resolved it;
+  kv            the KV cache's element format: "auto" is the model's
+                dtype; every fp8 format with the platform's variant
+                ("fp8_e4m3/ocp", "fp8_e4m3/fnuz": MI300/MI325 store FNUZ,
+                MI355X, NVIDIA and CPUs OCP -- one byte, another number);
+  kv-skip       layers vLLM keeps unquantized (kv_cache_dtype_skip_layers);
+  layout        the KV cache layout vLLM's engine core resolved for the
+                backends (KVCacheConfig.kv_cache_layout: LBHNC, LBNHC, ...:
+                the order of heads and tokens inside a block);
+  quant         online quantization (--quantization);
+  weights=dummy vLLM's dummy weights;
+  prefix-hash, hashseed   what the keys depend on (see Keys);
+  then what the model's files say (kvt_model_files_id, in libkvtier so that
+  kvtierd --model-config computes the same from the same file):
+  rev           the Hugging Face snapshot's commit (every file of it), or
+  weights       the weight files' names, sizes and mtimes (a checkpoint
+                rewritten in place is another model);
+  config        config.json's digest (architecture, rope, the
+                quantization config, the checkpoint's KV-scale scheme).
+
+The fp8 KV scales: vLLM 0.32 takes them from the checkpoint (or 1.0 where
+it has none) -- covered by the files' fields; it has no runtime
+calculation any more (calculate_kv_scales), and an engine that has one is
+refused at start: two engines would scale the same prefix differently.
+Not covered: weights changed without their files changing (a process that
+patches them in memory), and a local checkpoint copied without its mtimes
+is another identity on that node (a miss there, never a wrong chunk).
+
 Ranks.  Every TP x PP worker is a kvtier rank: rank = pp_rank x TP + tp_rank,
 world = TP x PP, both from vLLM's parallel config and checked against the
 worker's process groups; a worker whose groups disagree with the config
@@ -159,6 +198,7 @@ few; recomputing those chunks costs their prefill.
 
 import errno
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -662,8 +702,9 @@ class KvtierConnector(KVConnectorBase_V1):
         s = self._s
         # with the model's config.json, kvtierd appends its files' fields
         # itself (the same kvt_model_files_id)
-        model = ("--model-config '%s' --model '%s'" % (s.config_file, s.model_engine)
-                 if s.config_file else "--model '%s'" % s.model)
+        q = shlex.quote
+        model = ("--model-config %s --model %s" % (q(s.config_file), q(s.model_engine))
+                 if s.config_file else "--model %s" % q(s.model))
         return ("kvtierd --segment %s %s --world %d --chunk-tokens %d --instances %d "
                 "%s%s" % (
                     s.segment, " ".join("--group %d:%d" % (g.n_layers, g.bytes_per_token)
