@@ -841,3 +841,65 @@ def test_kvtierd_computes_the_same_identity(tmp_path):
         .replace(m + "/config.json", other + "/config.json")
     p, out = _kvtierd(bad, name, tmp_path)
     assert p.wait(timeout=30) == 2 and "names other model files than --model-config" in out, out
+
+
+def test_engines_differing_in_each_field_are_refused(monkeypatch, tmp_path):
+    """On one segment, an engine that differs from its creator in one field
+    of the model identity at a time is refused at attach, that field named
+    on each side -- and only that field."""
+    from vllm.platforms import current_platform
+    m = _write_model(str(tmp_path / "model"))
+    other_cfg = _write_model(str(tmp_path / "cfg"), b'{"model_type": "llama", "y": 2}')
+    name = "cfg-fields-%d" % os.getpid()
+    base = dict(model=m, extra={"kvtier_segment": name, "kvtier_instances": 2,
+                                "kvtier_model": "m"}, cache_dtype="fp8")
+    first = kv._Settings(vllm_config(**base), kv_cache_config()).open("scheduler")
+
+    def variant(field, **kw):
+        b = dict(base, **kw)
+        b["extra"] = dict(base["extra"], kvtier_create=False, kvtier_instance=1,
+                          **kw.pop("extra", {}))
+        vc = vllm_config(**{k: v for k, v in b.items() if k not in ("skip", "layout")})
+        if "skip" in kw:
+            vc.cache_config.kv_cache_dtype_skip_layers = kw["skip"]
+        return field, vc, kv_cache_config(layout=kw.get("layout", "LBHNC"))
+
+    cases = [variant("name", extra={"kvtier_model": "m2"}),
+             variant("dtype", dtype=torch.float16),
+             variant("kv", cache_dtype="fp8_e5m2"),
+             variant("kv-skip", skip=["0"]),
+             variant("layout", layout="LBNHC"),
+             variant("quant", quantization="fp8"),
+             variant("weights", load_config=SimpleNamespace(load_format="dummy")),
+             variant("prefix-hash", algo="sha256_cbor"),
+             variant("config", model=other_cfg)]
+    try:
+        for field, vc, kc in cases:
+            with pytest.raises(kvtier.KvtierError) as e:
+                kv._Settings(vc, kc).open("scheduler")
+            msg = str(e.value)
+            named = [f for f in ("name", "dtype", "kv", "kv-skip", "layout", "quant", "weights",
+                                 "prefix-hash", "config") if "model %s: the segment's" % f in msg]
+            assert named == [field], (field, msg)
+        # the platform's fp8 variant
+        monkeypatch.setattr(type(current_platform), "is_fp8_fnuz", classmethod(lambda c: True))
+        _, vc, kc = variant("kv")
+        vc.cache_config.cache_dtype = "fp8"
+        with pytest.raises(kvtier.KvtierError) as e:
+            kv._Settings(vc, kc).open("scheduler")
+        assert "model kv: the segment's 'fp8_e4m3/ocp', this process's 'fp8_e4m3/fnuz'" \
+            in str(e.value)
+        monkeypatch.undo()
+        # the hash seed
+        monkeypatch.setenv("PYTHONHASHSEED", "3")
+        _, vc, kc = variant("hashseed")
+        with pytest.raises(kvtier.KvtierError) as e:
+            kv._Settings(vc, kc).open("scheduler")
+        assert "model hashseed: the segment's '(none)', this process's '3'" in str(e.value)
+        monkeypatch.delenv("PYTHONHASHSEED")
+        # and the same settings attach
+        _, vc, kc = variant("none")
+        kv._Settings(vc, kc).open("scheduler").close()
+    finally:
+        first.close()
+        kvtier.unlink(name)
