@@ -36,6 +36,7 @@
 #include "kvt_l3_client.h"
 #if defined(KVTIER_HAVE_NUMA) && defined(KVTIER_NUMA_HAVE_SEG)
 #include "kvt_numa.h"
+#include "kvt_tier_int.h"
 #define TIER_PLACEMENT 1
 #endif
 
