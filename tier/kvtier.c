@@ -94,40 +94,22 @@ struct kvt_tier {
 
 static _Thread_local char tier_err[1280];
 
-static int vterr(int code, const char *fmt, va_list ap)
+/* Sets the thread's message (kvt_last_error); also the library's other
+ * files' (model_id.c).  terr for short. */
+int kvt__tier_err(int code, const char *fmt, ...)
 {
 	char tmp[sizeof(tier_err)];
+	va_list ap;
 
 	/* Through a copy: an argument may be this very buffer (a message
 	 * that wraps the previous one); vsnprintf onto itself garbles it. */
+	va_start(ap, fmt);
 	vsnprintf(tmp, sizeof(tmp), fmt, ap);
+	va_end(ap);
 	memcpy(tier_err, tmp, sizeof(tmp));
 	return code;
 }
-
-static int terr(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int terr(int code, const char *fmt, ...)
-{
-	va_list ap;
-	int r;
-
-	va_start(ap, fmt);
-	r = vterr(code, fmt, ap);
-	va_end(ap);
-	return r;
-}
-
-/* terr for the library's other files (model_id.c) */
-int kvt__tier_err(int code, const char *fmt, ...)
-{
-	va_list ap;
-	int r;
-
-	va_start(ap, fmt);
-	r = vterr(code, fmt, ap);
-	va_end(ap);
-	return r;
-}
+#define terr kvt__tier_err
 
 /* Passes a core or dma failure through with its message. */
 static int terr_core(int code, const char *what)
