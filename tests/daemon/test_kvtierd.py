@@ -520,7 +520,7 @@ def test_bad_settings_are_refused(name, procs):
     assert d.stop() == 0
     d2 = Daemon(name, instances=1, slots=32, expect=False)
     procs.append(d2)
-    assert d2.p.wait(timeout=T) == 1
+    assert d2.p.wait(timeout=T) == 6   # EXIT_INCOMPATIBLE: no restart
     assert "capacity: the segment has 64 slots, 32 asked" in d2.log()
     assert "--recreate" in d2.log()
     d3 = Daemon(name, extra=["--recreate", "--unlink"], instances=1, slots=32)

@@ -96,7 +96,8 @@ static struct {
 	kvtd_http *http;
 	struct kvtd_pages pages; /* what the HTTP side reads */
 	struct kvtd_ctx ctx;
-	pthread_mutex_t mu;      /* write_only */
+	int exit_code;           /* segment_start's verdict, when not 1 */
+	pthread_mutex_t mu;      /* write_only: KVTD_V_* bits */
 	uint32_t write_only[KVT_MAX_INSTANCES];
 	atomic_int draining;
 	char model[KVT_MODEL_TEXT_MAX];
@@ -177,6 +178,9 @@ static int log_open(void)
  * keeps its default action.  Engines attached to a truncated segment fault
  * as well: the library installs no signal handler in a host process. */
 #define EXIT_TRUNCATED 4
+/* A segment of another layout or model is at the name and --recreate was
+ * not given: a restart cannot help (the unit's RestartPreventExitStatus). */
+#define EXIT_INCOMPATIBLE 6
 static struct {
 	uintptr_t lo[2], hi[2];
 	char msg[512];
@@ -643,6 +647,7 @@ again:
 		if (!o->recreate) {
 			LOG_ERR("segment '%s' exists with another geometry (%s); start with "
 				"--recreate to replace it (its chunks are lost)", env->segment, why);
+			D.exit_code = EXIT_INCOMPATIBLE;
 			return -ESTALE;
 		}
 		LOG_WARN("segment '%s': %s; --recreate: replacing it", env->segment, why);
@@ -651,6 +656,7 @@ again:
 		snprintf(why, sizeof(why), "%s", kvt_last_error());
 		if (r == -EINVAL && strstr(why, "KVTIER_")) {
 			LOG_ERR("%s", why);
+			D.exit_code = 2;
 			return r; /* a bad variable, not a bad segment */
 		}
 		/* Is an owner alive on it?  Ask without the layout. */
@@ -672,6 +678,7 @@ again:
 		if (!o->recreate) {
 			LOG_ERR("segment '%s' is not compatible: %s; start with --recreate to replace "
 				"it (its chunks are lost)", env->segment, why);
+			D.exit_code = EXIT_INCOMPATIBLE;
 			return r;
 		}
 		LOG_WARN("segment '%s' is not compatible (%s); --recreate: replacing it",
@@ -1041,7 +1048,7 @@ int main(int argc, char **argv)
 	r = segment_start(&o, &env, &warm);
 	if (r) {
 		kvt_close(D.tier);
-		return r == -EBUSY ? 3 : 1;
+		return r == -EBUSY ? 3 : D.exit_code ? D.exit_code : 1;
 	}
 	D.seg = kvt__tier_seg(D.tier);
 	/* a killed predecessor stays the owner until its last disk read
