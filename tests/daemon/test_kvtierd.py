@@ -436,6 +436,63 @@ def test_unshared_instances_are_reported(name, procs):
     assert metric(m, "kvtier_instance_shared_hit_chunks_total", 'engine="0"') == 0
 
 
+def test_remove_segment(name, procs):
+    """kvtier-stat --remove: refused while processes have the segment
+    attached (each named with its pid) or when it cannot be read, unless
+    --force; a segment nobody uses is removed."""
+    def rm(*extra):
+        p = subprocess.run([KVTIER_STAT, name, "--remove"] + list(extra), capture_output=True,
+                           text=True, timeout=T)
+        return p.returncode, p.stdout + p.stderr
+
+    def exists():
+        return any(os.path.exists(p) for p in segment_paths(name))
+
+    rc, out = rm()
+    assert rc == 1 and "no segment '%s'" % name in out, out
+    assert rm("--force", "--json")[0] == 2
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    r0 = Rank(name, 0, 0)
+    procs.append(r0)
+    rc, out = rm()
+    assert rc == 1 and exists(), out
+    assert "kvtierd (pid %d, its owner)" % d.p.pid in out, out
+    assert "rank 0 of instance 0 (pid %d)" % r0.pid in out, out
+    assert "in use by 2 processes" in out, out
+    r0.close()
+    assert d.stop() == 0
+    assert exists()                     # kvtierd keeps it for a warm restart
+    rc, out = rm()
+    assert rc == 0 and "removed segment '%s'" % name in out and not exists(), out
+    # --force while attached: removed; the process keeps its mapping
+    t = kvtier.Tier(segment=name, role="scheduler", world=WORLD, instance=0, groups=groups(),
+                    chunk_tokens=CHUNK_TOKENS, model=MODEL, create=True, n_instances=1,
+                    tier_bytes=1 << 24)
+    procs.append(t)
+    rc, out = rm()
+    assert rc == 1 and "the scheduler of instance 0 (pid %d)" % os.getpid() in out, out
+    rc, out = rm("--force")
+    assert rc == 0 and "still mapped by: the scheduler of instance 0" in out and not exists()
+    assert t.stats() is not None
+    t.close()
+    # a segment that cannot be read: whether it is used is unknown
+    t = kvtier.Tier(segment=name, role="scheduler", world=WORLD, instance=0, groups=groups(),
+                    chunk_tokens=CHUNK_TOKENS, model=MODEL, create=True, n_instances=1,
+                    tier_bytes=1 << 24)
+    t.close()
+    path = [p for p in segment_paths(name) if os.path.exists(p)][0]
+    import mmap
+    with open(path, "r+b") as f:        # (mapped: hugetlbfs has no write())
+        m = mmap.mmap(f.fileno(), min(os.fstat(f.fileno()).st_size, 2 << 20))
+        m[0:8] = b"XXXXXXXX"            # the magic
+        m.close()
+    rc, out = rm()
+    assert rc == 1 and "cannot be read" in out and "--force" in out and exists(), out
+    rc, out = rm("--force")
+    assert rc == 0 and not exists(), out
+
+
 def test_stat_watch_in_a_terminal(name, procs):
     """kvtier-stat --watch in tmux: the screen shows the segment, and its
     figures change after a save."""

@@ -2,9 +2,16 @@
  * observer handle (no table entry; nothing in the segment changes).
  *
  *   kvtier-stat [NAME] [--dir DIR] [--watch SECONDS] [--json] [--count N]
+ *   kvtier-stat NAME --remove [--force] [--dir DIR]
  *
  * --watch redraws in place like top (rates from the previous frame); q or
  * Ctrl-C ends it.  --json prints the same as kvtierd's /status.
+ *
+ * --remove removes the segment, refusing while a process has it attached
+ * (kvtierd, a rank, a scheduler, a client: each named with its pid) or
+ * when it cannot be read to tell, unless --force.  Attached processes keep
+ * their mapping until they exit (the kernel frees it then); new attaches
+ * no longer find it.  Dead processes' entries are no users.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -17,6 +24,7 @@
 #include <unistd.h>
 
 #include "kvt_core.h"
+#include "kvtier.h"
 #include "kvt_l3_chan.h"
 #include "kvt_l3_client.h"
 #include "snap.h"
@@ -64,6 +72,73 @@ static void l3_figures(kvt_seg *s, struct kvtd_ctx *c)
 	c->l3_on = kvt__l3c_status(s, &c->l3, 200) == 0;
 }
 
+/* --remove: 0 removed, 1 refused or failed. */
+static int remove_segment(const char *name, const char *dir, int any_uid, int force)
+{
+	char who[1024] = "";
+	size_t n = 0;
+	uint32_t users = 0;
+	kvt_seg *s;
+	int r = attach(name, dir, any_uid, &s);
+
+#define WHO(...) do { \
+		if (n < sizeof(who)) \
+			n += (size_t)snprintf(who + n, sizeof(who) - n, __VA_ARGS__); \
+	} while (0)
+	if (r == -ENOENT) {
+		fprintf(stderr, "kvtier-stat: --remove: no segment '%s'%s%s\n", name,
+			dir ? " in " : "", dir ? dir : "");
+		return 1;
+	}
+	if (r && !force) {
+		fprintf(stderr, "kvtier-stat: --remove: segment '%s' cannot be read (%s), so "
+			"whether processes use it is unknown; --force removes it anyway\n", name,
+			kvt_core_last_error());
+		return 1;
+	}
+	if (!r) {
+		int owner = kvt_seg_owner(s);
+		if (owner) {
+			users++;
+			WHO("kvtierd (pid %d, its owner)", owner);
+		}
+		for (uint32_t e = 0; e < kvt_seg_n_entries(s); e++) {
+			struct kvt_entry_info in;
+			if (kvt_seg_entry_info(s, e, &in) || in.state != KVT_ENTRY_ATTACHED ||
+			    (owner && in.pid == owner && in.role == KVT_ROLE_CLIENT))
+				continue; /* (the owner's own client entry: named once) */
+			users++;
+			if (in.role == KVT_ROLE_RANK)
+				WHO("%srank %u of instance %u (pid %d)", n ? ", " : "", in.rank,
+				    in.instance, in.pid);
+			else if (in.role == KVT_ROLE_SCHEDULER)
+				WHO("%sthe scheduler of instance %u (pid %d)", n ? ", " : "",
+				    in.instance, in.pid);
+			else
+				WHO("%sa client (pid %d)", n ? ", " : "", in.pid);
+		}
+		kvt_seg_detach(s);
+	}
+#undef WHO
+	if (users && !force) {
+		fprintf(stderr, "kvtier-stat: --remove: segment '%s' is in use by %u process%s: "
+			"%s; stop them first (kvtierd: systemctl stop kvtierd), or --force: they "
+			"keep their mapping until they exit, and new attaches do not find it\n",
+			name, users, users > 1 ? "es" : "", who);
+		return 1;
+	}
+	r = kvt_unlink(name, dir);
+	if (r) {
+		fprintf(stderr, "kvtier-stat: --remove: %s\n", kvt_last_error());
+		return 1;
+	}
+	printf("removed segment '%s'%s%s\n", name, users ? " (still mapped by: " : "",
+	       users ? who : "");
+	if (users)
+		printf(")\n");
+	return 0;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: kvtier-stat [NAME] [--dir DIR] [--watch SECONDS] [--json] [--count N]\n"
@@ -72,7 +147,9 @@ static void usage(FILE *f)
 		"  --watch S       redraw every S seconds (q or Ctrl-C quits)\n"
 		"  --count N       with --watch: stop after N frames\n"
 		"  --json          JSON (kvtierd's /status) instead of the screen\n"
-		"  --any-uid       read a segment of another user\n");
+		"  --any-uid       read a segment of another user\n"
+		"  --remove        remove the segment (refused while processes have it\n"
+		"                  attached, or when it cannot be read, unless --force)\n");
 }
 
 int main(int argc, char **argv)
@@ -81,11 +158,12 @@ int main(int argc, char **argv)
 		{ "dir", required_argument, NULL, 'd' }, { "watch", required_argument, NULL, 'w' },
 		{ "json", no_argument, NULL, 'j' }, { "count", required_argument, NULL, 'n' },
 		{ "any-uid", no_argument, NULL, 'u' }, { "help", no_argument, NULL, 'h' },
-		{ "version", no_argument, NULL, 'V' }, { NULL, 0, NULL, 0 } };
+		{ "version", no_argument, NULL, 'V' }, { "remove", no_argument, NULL, 'r' },
+		{ "force", no_argument, NULL, 'f' }, { NULL, 0, NULL, 0 } };
 	const char *dir = NULL, *name;
 	double watch = 0;
 	long count = 0;
-	int json = 0, any_uid = 0, c;
+	int json = 0, any_uid = 0, rm = 0, force = 0, c;
 	char *end;
 
 	while ((c = getopt_long(argc, argv, "d:w:jn:h", lo, NULL)) != -1) {
@@ -107,6 +185,8 @@ int main(int argc, char **argv)
 			break;
 		case 'j': json = 1; break;
 		case 'u': any_uid = 1; break;
+		case 'r': rm = 1; break;
+		case 'f': force = 1; break;
 		case 'V': printf("kvtier-stat %s\n", KVTIER_VERSION); return 0;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
@@ -124,6 +204,16 @@ int main(int argc, char **argv)
 			name);
 		return 2;
 	}
+	if (force && !rm) {
+		fprintf(stderr, "kvtier-stat: --force goes with --remove\n");
+		return 2;
+	}
+	if (rm && (watch || json || count)) {
+		fprintf(stderr, "kvtier-stat: --remove takes no --watch, --json or --count\n");
+		return 2;
+	}
+	if (rm)
+		return remove_segment(name, dir, any_uid, force);
 	kvt_seg *s;
 	int r = attach(name, dir, any_uid, &s);
 	if (r) {
