@@ -558,9 +558,10 @@ static void print_text(const struct opts *o, const struct kvt_model *m,
 	       p->n_shards, gib(o->fixed), gib(p->segment_bytes), gib(p->need_bytes),
 	       gib(p->free_bytes), p->fits ? "fits" : "DOES NOT FIT");
 	if (p->max_slots)
-		printf("largest     tier that fits: %.2f GiB per rank = %s chunks = %s tokens\n",
+		printf("largest     tier that fits: %.2f GiB per rank = %s chunks = %s tokens%s\n",
 		       gib(p->max_tier_bytes), commas(p->max_slots, a, sizeof(a)),
-		       commas(p->max_tokens, b, sizeof(b)));
+		       commas(p->max_tokens, b, sizeof(b)),
+		       p->max_on_4k ? " (on 4 KiB pages: more than the huge page pool holds)" : "");
 	else
 		printf("largest     tier that fits: none (F and the segment's metadata alone "
 		       "leave no room for one chunk)\n");
@@ -646,6 +647,7 @@ static void print_json(const struct opts *o, const struct kvt_model *m,
 		I64(j, "max_chunks", p->max_slots);
 		I64(j, "max_tokens", p->max_tokens);
 		I64(j, "max_tier_bytes_rank", p->max_tier_bytes);
+		json_object_object_add(j, "max_on_4k_pages", json_object_new_boolean(p->max_on_4k));
 	}
 	if (A.on) {
 		json_object *ao = json_object_new_object();
@@ -731,8 +733,11 @@ int main(int argc, char **argv)
 		return EXIT_USAGE;
 	}
 	/* AUTO does what the runtime does (kvt_hugepages_choose): huge pages
-	 * when the pools hold the segment, else 4 KiB pages from MemFree. */
-	if (o.hp == KVT_HP_AUTO && !plan.fits) {
+	 * when the pools hold the segment, else 4 KiB pages from MemFree.  So
+	 * the largest tier that fits is the larger of the two placements' --
+	 * a small pool reserved must not shrink it to what the pool holds --
+	 * and when no size was asked, that largest is the plan. */
+	if (o.hp == KVT_HP_AUTO) {
 		struct kvt_size_node flat[KVT_SIZE_MAX_NODES];
 		struct kvt_size_plan p4k;
 		int any = 0;
@@ -744,12 +749,24 @@ int main(int argc, char **argv)
 			flat[i].hp_free_bytes = 0;
 		}
 		req.nodes = flat;
-		if (any && kvt_size_compute(&req, &p4k) == 0 &&
-		    (p4k.fits || p4k.max_tier_bytes > plan.max_tier_bytes)) {
-			snprintf(hp_note, sizeof(hp_note), "the 2 MiB huge page pool%s too small: "
-				 "as kvtier would, the segment falls back to 4 KiB pages (reserve "
-				 "more pages, or --hugepages off)", n_nodes > 1 ? "s are" : " is");
-			plan = p4k;
+		if (any && kvt_size_compute(&req, &p4k) == 0) {
+			int sized = !o.tier && !o.tokens;  /* the plan is the largest */
+
+			if ((!plan.fits && (p4k.fits || p4k.max_tier_bytes > plan.max_tier_bytes)) ||
+			    (sized && p4k.max_tier_bytes > plan.max_tier_bytes)) {
+				snprintf(hp_note, sizeof(hp_note), "the 2 MiB huge page pool%s too "
+					 "small: as kvtier would, the segment falls back to 4 KiB pages "
+					 "(reserve more pages, or --hugepages off)",
+					 n_nodes > 1 ? "s are" : " is");
+				plan = p4k;
+			} else if (p4k.max_tier_bytes > plan.max_tier_bytes) {
+				/* this segment fits the pool; a larger one would go on
+				 * 4 KiB pages, as kvtier would put it */
+				plan.max_slots = p4k.max_slots;
+				plan.max_tokens = p4k.max_tokens;
+				plan.max_tier_bytes = p4k.max_tier_bytes;
+				plan.max_on_4k = 1;
+			}
 		}
 	}
 	if (amd_budget(&o, &plan))

@@ -159,6 +159,9 @@ struct kvt_size_plan {
 	uint64_t max_slots;         /* largest tier that fits (checked) */
 	uint64_t max_tokens;
 	uint64_t max_tier_bytes;
+	uint32_t max_on_4k;         /* kvtier-size: the largest is on 4 KiB pages,
+				     * the plan's segment on huge pages */
+	uint32_t reserved2;
 };
 
 /* Sizes a tier.  Returns 0 with *out filled (out->fits says whether it

@@ -84,6 +84,12 @@ static void has(const char *text, const char *want)
 		fail_msg("output lacks '%s':\n%s", want, text);
 }
 
+static void hasnt(const char *text, const char *not)
+{
+	if (strstr(text, not))
+		fail_msg("output has '%s':\n%s", not, text);
+}
+
 static void t_llama_fits(void **state)
 {
 	struct out *o;
@@ -316,6 +322,34 @@ static void t_fake_hugepages(void **state)
 	o = run(root, "--hugepages", "on", "--tier-gib", "100", "--fixed-gib", "10",
 		"@deepseek-v3.json", NULL);
 	assert_int_equal(o->rc, 1);
+	fake_sysfs_remove(root);
+
+	/* A small pool reserved (32 pages, 64 MiB) beside plenty of memory:
+	 * the largest tier is what the node can still give on 4 KiB pages,
+	 * not what the pool holds -- sized, and beside a segment that fits
+	 * the pool; --hugepages off says the same. */
+	fake_machine_sym(&m, 1, 1, 0x1002, 0x120000);
+	m.hp2m_total = m.hp2m_free = m.nodes[0].hp2m_total = m.nodes[0].hp2m_free = 32;
+	root = fake_sysfs_write(&m);
+	o = run(root, "--tp", "1", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 0);
+	has(o->so, "falls back to 4 KiB pages");
+	hasnt(o->so, "tier that fits: 0.0");
+	{
+		const char *l = strstr(o->so, "tier that fits: ");
+		double gb = l ? strtod(l + 16, NULL) : 0;
+		if (gb < 100)
+			fail_msg("largest tier %.2f GiB with a 32-page pool:\n%s", gb, o->so);
+	}
+	char *sized = strdup(strstr(o->so, "tier that fits: "));
+	o = run(root, "--tp", "1", "--tokens", "256", "@llama-3.1-8b.json", NULL);
+	if (o->rc) fail_msg("rc %d: %s", o->rc, o->se);
+	has(o->so, "2 MiB huge pages for the segment");
+	has(o->so, "(on 4 KiB pages: more than the huge page pool holds)");
+	o = run(root, "--tp", "1", "--hugepages", "off", "@llama-3.1-8b.json", NULL);
+	assert_int_equal(o->rc, 0);
+	has(o->so, strtok(sized, "\n"));
+	free(sized);
 	fake_sysfs_remove(root);
 }
 
