@@ -12,10 +12,13 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef KVTIER_HAVE_NUMA
@@ -113,15 +116,137 @@ static int unbind(void *addr, size_t len)
 }
 #endif
 
-/* Faults the range in.  Returns 0 and sets *how, or -errno. */
-static int prefault(void *addr, size_t len, uint64_t page, uint32_t *how)
+/* ---- prefault: in parallel, with progress ----
+ *
+ * Faulting a page in is the kernel zeroing it: one thread does 2-4 GiB/s,
+ * so a 64 GiB shard took half a minute and a 512 GiB node minutes, while
+ * systemd waited (kvtierd sends EXTEND_TIMEOUT_USEC meanwhile).  The range
+ * is cut in pieces of PF_PIECE (whole pages) that threads take in turn
+ * with MADV_POPULATE_WRITE; the pages land where the region's policy says
+ * whichever CPU faults them (mbind came first), so the threads need no
+ * placement of their own.  Threads: KVTIER_PREFAULT_THREADS, default the
+ * online CPUs up to 16, never more than the pieces.  The calling thread
+ * logs progress every 5 s and a summary line (bytes, time, GiB/s). */
+#define PF_PIECE (256ull << 20)
+#define PF_MAX_THREADS 64
+
+struct pf_job {
+	char *base;
+	size_t len, step;
+	atomic_size_t next, done;
+	atomic_int err;
+};
+
+static void *pf_worker(void *arg)
 {
-	if (madvise(addr, len, MADV_POPULATE_WRITE) == 0) {
+	struct pf_job *j = arg;
+
+	for (;;) {
+		size_t off = atomic_fetch_add(&j->next, j->step);
+		size_t n;
+
+		if (off >= j->len || atomic_load(&j->err))
+			break;
+		n = j->len - off < j->step ? j->len - off : j->step;
+		if (madvise(j->base + off, n, MADV_POPULATE_WRITE)) {
+			int e = errno, zero = 0;
+			atomic_compare_exchange_strong(&j->err, &zero, e);
+			break;
+		}
+		atomic_fetch_add(&j->done, n);
+	}
+	return NULL;
+}
+
+static uint32_t pf_threads(size_t len, size_t step)
+{
+	const char *v = getenv("KVTIER_PREFAULT_THREADS");
+	long cpus = sysconf(_SC_NPROCESSORS_ONLN), t = cpus > 16 ? 16 : cpus;
+	size_t pieces = (len + step - 1) / step;
+
+	if (v && *v) {
+		char *end;
+		long x = strtol(v, &end, 10);
+		if (!*end && x >= 1 && x <= PF_MAX_THREADS)
+			t = x;   /* kvt_open refuses a bad value (tier/config.c) */
+	}
+	if (t < 1)
+		t = 1;
+	return (uint32_t)((size_t)t < pieces ? (size_t)t : pieces);
+}
+
+static double pf_now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* MADV_POPULATE_WRITE over [addr, addr+len) by threads: 0, or -errno
+ * (-EINVAL before Linux 5.14, from the first piece). */
+static int populate(void *addr, size_t len, uint64_t page, kvt_numa_log_fn log, void *log_arg)
+{
+	struct pf_job j = { .base = addr, .len = len };
+	pthread_t tid[PF_MAX_THREADS];
+	uint32_t n, started = 0;
+	double t0 = pf_now(), last = t0;
+
+	j.step = PF_PIECE < page ? page : PF_PIECE - PF_PIECE % page;
+	atomic_init(&j.next, 0);
+	atomic_init(&j.done, 0);
+	atomic_init(&j.err, 0);
+	n = pf_threads(len, j.step);
+	for (uint32_t i = 0; n > 1 && i < n; i++)
+		if (pthread_create(&tid[started], NULL, pf_worker, &j) == 0)
+			started++;
+	if (!started) {
+		pf_worker(&j);   /* one thread, or none could start: this one */
+	} else {
+		/* the caller watches and reports; its share is the threads' */
+		/* every piece is taken and ends done or failed: done reaches
+		 * len, or err is set */
+		while (!atomic_load(&j.err) && atomic_load(&j.done) < len) {
+			struct timespec d = { 0, 100 * 1000 * 1000 };
+			size_t done = atomic_load(&j.done);
+			double t = pf_now();
+
+			if (t - last >= 5.0) {
+				kvt__numa_log(log, log_arg, KVT_NUMA_LOG_INFO, "prefault: %.1f of "
+					      "%.1f GiB in %.0f s (%.2f GiB/s, %u threads)",
+					      (double)done / (1 << 30), (double)len / (1 << 30), t - t0,
+					      (double)done / (1 << 30) / (t - t0), started);
+				last = t;
+			}
+			nanosleep(&d, NULL);
+		}
+		for (uint32_t i = 0; i < started; i++)
+			pthread_join(tid[i], NULL);
+	}
+	if (atomic_load(&j.err))
+		return -atomic_load(&j.err);
+	if (len >= (1ull << 30)) {
+		double t = pf_now() - t0;
+		kvt__numa_log(log, log_arg, KVT_NUMA_LOG_INFO, "prefault: %.1f GiB in %.2f s "
+			      "(%.2f GiB/s, %u thread%s)", (double)len / (1 << 30), t,
+			      t > 0 ? (double)len / (1 << 30) / t : 0.0, started ? started : 1,
+			      started > 1 ? "s" : "");
+	}
+	return 0;
+}
+
+/* Faults the range in.  Returns 0 and sets *how, or -errno. */
+static int prefault(void *addr, size_t len, uint64_t page, uint32_t *how,
+		    kvt_numa_log_fn log, void *log_arg)
+{
+	int r = populate(addr, len, page, log, log_arg);
+
+	if (r == 0) {
 		*how = 1;
 		return 0;
 	}
-	if (errno != EINVAL)
-		return -errno;
+	if (r != -EINVAL)
+		return r;
 	/* EINVAL: a kernel before 5.14.  Touching is only safe on normal
 	 * pages: on hugetlb a page the pool cannot supply is SIGBUS, where
 	 * madvise would have returned an error. */
@@ -249,7 +374,7 @@ int kvt_numa_bind_region(void *addr, size_t len, uint32_t mode,
 		mode = KVT_NUMA_NONE;
 	}
 	if (!(flags & KVT_NUMA_BIND_F_NO_PREFAULT)) {
-		r = prefault(addr, len, page, &rep.prefault);
+		r = prefault(addr, len, page, &rep.prefault, log, log_arg);
 		if (r)
 			return kvt__numa_err(r, "prefault of %zu bytes failed: %s", len,
 					     strerror(-r));
@@ -315,7 +440,7 @@ int kvt_numa_bind_region(void *addr, size_t len, uint32_t mode,
 	}
 
 	if (!(flags & KVT_NUMA_BIND_F_NO_PREFAULT)) {
-		r = prefault(addr, len, page, &rep.prefault);
+		r = prefault(addr, len, page, &rep.prefault, log, log_arg);
 		if (r && rep.bound && fallback && (r == -ENOMEM || r == -EFAULT)) {
 			kvt__numa_log(log, log_arg, KVT_NUMA_LOG_WARN,
 				"node %s cannot hold %zu bytes (%s); --numa-fallback: "
@@ -323,7 +448,7 @@ int kvt_numa_bind_region(void *addr, size_t len, uint32_t mode,
 			unbind(addr, len);
 			rep.bound = 0;
 			mode = KVT_NUMA_NONE;
-			r = prefault(addr, len, page, &rep.prefault);
+			r = prefault(addr, len, page, &rep.prefault, log, log_arg);
 		}
 		if (r)
 			return kvt__numa_err(r == -EFAULT ? -ENOMEM : r,

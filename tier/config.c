@@ -227,6 +227,12 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 	if ((v = var(cfg, "KVTIER_NUMA_FALLBACK")) &&
 	    (r = kvt_parse_u32("KVTIER_NUMA_FALLBACK", v, 0, 1, &e->numa_fallback, err, len)))
 		return r;
+	/* read by numa/bind.c's prefault itself; refused here when bad */
+	if ((v = var(cfg, "KVTIER_PREFAULT_THREADS"))) {
+		uint32_t t;
+		if ((r = kvt_parse_u32("KVTIER_PREFAULT_THREADS", v, 1, 64, &t, err, len)))
+			return r;
+	}
 	e->witness = 1;
 	if ((v = var(cfg, "KVTIER_WITNESS"))) {
 		if (!strcmp(v, "on"))

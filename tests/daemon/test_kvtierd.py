@@ -436,6 +436,41 @@ def test_unshared_instances_are_reported(name, procs):
     assert metric(m, "kvtier_instance_shared_hit_chunks_total", 'engine="0"') == 0
 
 
+def test_start_under_systemd(name, procs, tmp_path, monkeypatch):
+    """systemd's notify protocol, from a socket as systemd makes it: while
+    the segment is made, EXTEND_TIMEOUT_USEC (so a start that works is not
+    killed at TimeoutStartSec) with a STATUS line, then READY=1 once it
+    serves.  The arena (1 GiB+ a shard) is prefaulted by two threads, and
+    the log says how fast."""
+    from kvt_testlib import BYTES_PER_TOKEN, N_LAYERS
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "notify")
+    sock.bind(path)
+    sock.settimeout(T)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    monkeypatch.setenv("KVTIER_PREFAULT_THREADS", "2")
+    monkeypatch.setenv("KVTIER_HUGEPAGES", "off")
+    chunk = CHUNK_TOKENS * N_LAYERS * BYTES_PER_TOKEN      # one shard's
+    slots = (1 << 30) // chunk + 8
+    d = Daemon(name, instances=1, slots=slots, expect=False,
+               extra=["--unlink", "--no-lock"])
+    procs.append(d)
+    msgs = []
+    try:
+        while not any(m.startswith("READY=1") for m in msgs):
+            msgs.append(sock.recv(4096).decode())
+    finally:
+        sock.close()
+    first = msgs[0].split("\n")
+    assert first[0] == "EXTEND_TIMEOUT_USEC=60000000", msgs
+    assert first[1].startswith("STATUS=making segment '%s'" % name), msgs
+    assert msgs[-1] == "READY=1\nSTATUS=serving segment", msgs
+    until(lambda: d.get("/healthcheck/segment")[0] == 200, "kvtierd up")
+    log = d.log()
+    assert "prefault: 1.0 GiB in " in log and " GiB/s, 2 threads)" in log, log
+    assert d.stop() == 0
+
+
 def test_remove_segment(name, procs):
     """kvtier-stat --remove: refused while processes have the segment
     attached (each named with its pid) or when it cannot be read, unless

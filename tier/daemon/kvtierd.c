@@ -790,6 +790,60 @@ static void sd_notify_(const char *msg)
 	close(fd);
 }
 
+/* While the segment is made (prefaulting a large arena takes minutes) and
+ * locked, systemd hears that the start goes on: EXTEND_TIMEOUT_USEC of 60 s
+ * every 20 s, with a STATUS= line, so TimeoutStartSec (90 s by default)
+ * bounds a start that hangs, not one that works.  The arena's progress
+ * (bytes, GiB/s) is in the log, from the library's prefault. */
+static struct {
+	pthread_t tid;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	int on, stop;
+	char status[160];
+} EXT = { .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER };
+
+static void *extend_main(void *arg)
+{
+	char msg[256];
+
+	(void)arg;
+	pthread_mutex_lock(&EXT.mu);
+	while (!EXT.stop) {
+		struct timespec until;
+
+		snprintf(msg, sizeof(msg), "EXTEND_TIMEOUT_USEC=60000000\nSTATUS=%s", EXT.status);
+		sd_notify_(msg);
+		clock_gettime(CLOCK_REALTIME, &until);
+		until.tv_sec += 20;
+		while (!EXT.stop && pthread_cond_timedwait(&EXT.cv, &EXT.mu, &until) != ETIMEDOUT)
+			;
+	}
+	pthread_mutex_unlock(&EXT.mu);
+	return NULL;
+}
+
+static void extend_start(const char *status)
+{
+	if (!getenv("NOTIFY_SOCKET"))
+		return;
+	snprintf(EXT.status, sizeof(EXT.status), "%s", status);
+	EXT.stop = 0;
+	EXT.on = pthread_create(&EXT.tid, NULL, extend_main, NULL) == 0;
+}
+
+static void extend_stop(void)
+{
+	if (!EXT.on)
+		return;
+	pthread_mutex_lock(&EXT.mu);
+	EXT.stop = 1;
+	pthread_cond_signal(&EXT.cv);
+	pthread_mutex_unlock(&EXT.mu);
+	pthread_join(EXT.tid, NULL);
+	EXT.on = 0;
+}
+
 /* ---- the exit witness's holds (core/witness_srv.c) ---- */
 
 static void witness_service(void)
@@ -1045,8 +1099,15 @@ int main(int argc, char **argv)
 	r = segment_name_check(&o, &env);
 	if (r)
 		return r;
+	{
+		char st[160];
+		snprintf(st, sizeof(st), "making segment '%.64s' (the arena is faulted in: "
+			 "progress in the log)", env.segment);
+		extend_start(st);
+	}
 	r = segment_start(&o, &env, &warm);
 	if (r) {
+		extend_stop();
 		kvt_close(D.tier);
 		return r == -EBUSY ? 3 : D.exit_code ? D.exit_code : 1;
 	}
@@ -1062,7 +1123,9 @@ int main(int argc, char **argv)
 	if (kvt__tier_segment_dir(D.tier))
 		snprintf(D.dir, sizeof(D.dir), "%s", kvt__tier_segment_dir(D.tier));
 	log_plan(&env, warm);
-	if (lock_arena(&o)) {
+	r = lock_arena(&o);
+	extend_stop();
+	if (r) {
 		kvt_close(D.tier);
 		return 1;
 	}
@@ -1172,7 +1235,7 @@ int main(int argc, char **argv)
 	guard_install(D.seg, D.obs);
 	LOG_INFO("up: owner of '%s'; /healthcheck wants %u instance(s) x %u rank(s)%s", D.name,
 		 D.ctx.expect_instances, g->world, o.expect_schedulers ? " and their schedulers" : "");
-	sd_notify_("READY=1");
+	sd_notify_("READY=1\nSTATUS=serving segment");
 
 	uint64_t next_watch = 0, next_reap = 0, last_work = 0;
 	int rc = 0;
