@@ -253,6 +253,8 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 	} else {
 		e->log_level = KVT_LOG_INFO;
 	}
+	e->log = cfg->log;
+	e->log_arg = cfg->log_arg;
 	if (cfg->tier_bytes) {
 		e->tier_bytes = cfg->tier_bytes;
 	} else if ((v = var(cfg, "KVTIER_TIER_GIB"))) {

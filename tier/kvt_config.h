@@ -23,6 +23,8 @@ struct kvt_tier_env {
 	uint32_t numa_fallback;
 	uint32_t witness;        /* KVTIER_WITNESS: 1 on (default), 0 off */
 	uint64_t tier_bytes;
+	void (*log)(void *log_arg, int level, const char *msg); /* config.log */
+	void *log_arg;
 };
 
 enum { KVT_LOG_ERROR = 0, KVT_LOG_WARN = 1, KVT_LOG_INFO = 2, KVT_LOG_DEBUG = 3 };

@@ -181,8 +181,29 @@ static void tier_log(void *arg, int level, const char *msg)
 {
 	const struct kvt_tier_env *e = arg;
 
-	if (level == 1 /* warn */ ? e->log_level >= KVT_LOG_WARN : e->log_level >= KVT_LOG_INFO)
+	if (level == 1 /* warn */ ? e->log_level < KVT_LOG_WARN : e->log_level < KVT_LOG_INFO)
+		return;
+	if (e->log)
+		e->log(e->log_arg, level == 1 ? KVT_LOG_LEVEL_WARN : KVT_LOG_LEVEL_INFO, msg);
+	else
 		fprintf(stderr, "kvtier: %s\n", msg);
+}
+
+/* The DMA backend's lines, through the same logger (named as its own). */
+static void dma_log(void *arg, int level, const char *msg)
+{
+	const struct kvt_tier_env *e = arg;
+	char line[600];
+	int lv = level == KVT_DMA_LOG_ERR ? KVT_LOG_LEVEL_ERROR :
+		 level == KVT_DMA_LOG_INFO ? KVT_LOG_LEVEL_INFO : KVT_LOG_LEVEL_DEBUG;
+
+	if (lv > (int)e->log_level)
+		return;
+	snprintf(line, sizeof(line), "dma: %s", msg);
+	if (e->log)
+		e->log(e->log_arg, lv, line);
+	else
+		fprintf(stderr, "kvtier %s\n", line);
 }
 
 /* A segment directory the creator was given (KVTIER_SEGMENT_DIR or
@@ -410,9 +431,8 @@ int kvt_open_v(const struct kvt_config *cfg, unsigned api_version, kvt_tier **ou
 		return terr(-EINVAL, "config.size: %zu, expected %zu", cfg->size, sizeof(*cfg));
 	if (cfg->flags & ~KVT_F_MASK)
 		return terr(-EINVAL, "config.flags: unknown bits 0x%x", cfg->flags & ~KVT_F_MASK);
-	for (int i = 0; i < 3; i++)
-		if (cfg->reserved[i])
-			return terr(-EINVAL, "config.reserved[%d]: must be 0", i);
+	if (cfg->reserved[0])
+		return terr(-EINVAL, "config.reserved[0]: must be 0");
 	if (cfg->disk_chunks > (1u << 30))
 		return terr(-EINVAL, "config.disk_chunks: %llu above 2^30",
 			    (unsigned long long)cfg->disk_chunks);
@@ -964,6 +984,8 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	}
 	if (t->env.log_level < KVT_LOG_INFO)
 		dc.flags |= KVT_DMA_F_QUIET;
+	dc.log = dma_log;
+	dc.log_arg = &t->env;
 	r = kvt_dma_open(&dc, &t->dma);
 	if (r)
 		return terr_dma(r, "register_kv: DMA backend");

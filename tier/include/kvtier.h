@@ -119,8 +119,19 @@ struct kvt_config {
 				    * (kvtierd sets it from its disk file);
 				    * 0: no disk tier.  API version 2; a
 				    * version-1 caller has 0 here */
-	uint64_t reserved[3];      /* must be 0 */
+	/* The library's own lines (placement, huge pages, the DMA backend,
+	 * warnings), at the level $KVTIER_LOG_LEVEL lets through (default
+	 * info): to log(log_arg, level, msg) -- KVT_LOG_LEVEL_* , msg one line
+	 * without a newline, valid during the call -- instead of stderr
+	 * ("kvtier: ...").  From kvt_open to kvt_close, on the caller's
+	 * thread or the library's (copy threads, the witness).  NULL: stderr.
+	 * (Was reserved[0..1]: an older caller has NULL here.) */
+	void (*log)(void *log_arg, int level, const char *msg);
+	void *log_arg;
+	uint64_t reserved[1];      /* must be 0 */
 };
+enum { KVT_LOG_LEVEL_ERROR = 0, KVT_LOG_LEVEL_WARN = 1, KVT_LOG_LEVEL_INFO = 2,
+       KVT_LOG_LEVEL_DEBUG = 3 };
 
 /* Opens (and with KVT_F_CREATE creates) the tier; the handshake checks the
  * header against the library.  Returns 0, -EINVAL (a bad option or

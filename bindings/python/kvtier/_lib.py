@@ -67,8 +67,16 @@ class kvt_config(ctypes.Structure):
         ("n_instances", c_u32),
         ("tier_bytes", c_u64),
         ("disk_chunks", c_u64),
-        ("reserved", c_u64 * 3),
+        ("log", ctypes.c_void_p),      # LOG_FN, as an address (see _tier.Tier)
+        ("log_arg", ctypes.c_void_p),
+        ("reserved", c_u64 * 1),
     ]
+
+
+#: config.log: void (*)(void *arg, int level, const char *msg)
+LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+#: its levels (KVT_LOG_LEVEL_*) and the logging module's
+LOG_LEVELS = {0: 40, 1: 30, 2: 20, 3: 10}
 
 
 class kvt_group_buffers(ctypes.Structure):

@@ -500,7 +500,11 @@ class Tier:
     """A handle on the node's kvtier segment (kvt_open_v .. kvt_close).
 
     Every option left at None comes from its KVTIER_* variable (unless
-    no_env=True), else the library's default.  create=True makes this
+    no_env=True), else the library's default.  log: a callable
+    log(level, msg) -- level as the logging module's (40 error, 30
+    warning, 20 info, 10 debug) -- that gets the library's own lines
+    (placement, huge pages, the DMA backend) instead of stderr, from any
+    thread, until close(); a logging.Logger's .log fits.  create=True makes this
     process the segment's embedded owner (replace=True: replace an existing
     segment).  Use it as a context manager, or call close().
 
@@ -512,8 +516,9 @@ class Tier:
                  groups=None, model=None, create=False, replace=False, n_slots=0,
                  n_instances=0, tier_bytes=0, chunk_tokens=0, dma=None,
                  max_inflight=0, segment_dir=None, no_env=False, group_access=False,
-                 any_uid=False, prefault=False):
+                 any_uid=False, prefault=False, log=None):
         self._h = None
+        self._log_cb = None
         # kvt_lookup's out-parameter, reused (a handle is one thread's)
         self._lease_out = L.kvt_lease_id()
         self._lease_addr = ctypes.addressof(self._lease_out)
@@ -584,6 +589,18 @@ class Tier:
                 descs[i].replicated = 1 if g.replicated else 0
             cfg.n_groups = len(self.groups)
             cfg.groups = descs
+        if log is not None:
+            if not callable(log):
+                raise _invalid("log=%r: expected a callable log(level, msg)" % (log,), func)
+
+            def _cb(arg, level, msg, log=log):
+                try:
+                    log(L.LOG_LEVELS.get(level, 20), msg.decode("utf-8", "replace"))
+                except Exception:  # a logger's failure must not reach C
+                    pass
+            # kept alive while the library may call it: until close()
+            self._log_cb = L.LOG_FN(_cb)
+            cfg.log = ctypes.cast(self._log_cb, ctypes.c_void_p)
         h = ctypes.c_void_p()
         r = L.lib().kvt_open_v(ctypes.byref(cfg), L.API_VERSION, ctypes.byref(h))
         _check(r, func)
@@ -622,6 +639,7 @@ class Tier:
         if h is not None:
             L.lib().kvt_close(h)
         self._kv = None
+        self._log_cb = None
 
     @property
     def closed(self):

@@ -589,9 +589,12 @@ class _Settings:
         (wherever kvt_open finds it: the segment dir, /dev/shm, a hugetlbfs
         mount), create only where there is none, and attach again if
         another process created it meanwhile."""
+        # the library's own lines (placement, huge pages, the DMA backend)
+        # through vLLM's logger, with its format and level
         kw = dict(segment=self.segment, segment_dir=self.segment_dir, role=role,
                   world=self.world, instance=self.instance, groups=self.groups,
-                  chunk_tokens=self.chunk_tokens, model=self.model)
+                  chunk_tokens=self.chunk_tokens, model=self.model,
+                  log=lambda level, msg: logger.log(level, "kvtier: %s", msg))
         if rank is not None:
             kw["rank"] = rank
         if self.dma and role == "rank":

@@ -276,3 +276,42 @@ def test_order_after(segname):
 def s_groups():
     from kvt_testlib import groups
     return groups(False)
+
+
+def test_library_lines_through_the_callers_logger(segname, capfd, monkeypatch):
+    """log=: the library's own lines (the arena's placement, the DMA
+    backend's) reach the caller's logger, at logging's levels, and not
+    stderr; without it they are on stderr as before; a logger that raises
+    does not break the library."""
+    from kvt_testlib import groups
+    monkeypatch.setenv("KVTIER_LOG_LEVEL", "info")
+    got = []
+    s = kvtier.Tier(segment=segname, role="scheduler", world=WORLD, instance=0,
+                    groups=groups(False), chunk_tokens=CHUNK_TOKENS, create=True, replace=True,
+                    n_slots=64, model="kvtier-pytest", log=lambda lv, m: got.append((lv, m)))
+    try:
+        t = kvtier.Tier(segment=segname, role="rank", rank=0, world=WORLD, instance=0,
+                        groups=groups(False), chunk_tokens=CHUNK_TOKENS, dma="host",
+                        model="kvtier-pytest", log=lambda lv, m: got.append((lv, m)))
+        t.register_kv(groups=[kv_cache()])
+        t.close()
+
+        def boom(lv, m):
+            raise RuntimeError("a broken logger")
+        t = kvtier.Tier(segment=segname, role="rank", rank=1, world=WORLD, instance=0,
+                        groups=groups(False), chunk_tokens=CHUNK_TOKENS, dma="host",
+                        model="kvtier-pytest", log=boom)
+        t.register_kv(groups=[kv_cache()])
+        t.close()
+        with pytest.raises(kvtier.KvtierError, match="log="):
+            kvtier.Tier(segment=segname, role="client", log="stderr")
+    finally:
+        s.close()
+    err = capfd.readouterr().err
+    assert any(lv == 20 and m.startswith("arena on node") for lv, m in got), got
+    assert any(lv == 20 and m.startswith("dma: ") for lv, m in got), got
+    assert "kvtier: arena on node" not in err and "kvtier dma:" not in err, err
+    # without a logger: stderr, as before
+    with scheduler(segname) as s2:
+        pass
+    assert "kvtier: arena on node" in capfd.readouterr().err
