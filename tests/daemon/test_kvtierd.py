@@ -468,6 +468,9 @@ def test_start_under_systemd(name, procs, tmp_path, monkeypatch):
     until(lambda: d.get("/healthcheck/segment")[0] == 200, "kvtierd up")
     log = d.log()
     assert "prefault: 1.0 GiB in " in log and " GiB/s, 2 threads)" in log, log
+    import re    # the library's lines are the daemon's: timestamped, with a level
+    assert re.search(r"^\d{4}-\d\d-\d\dT[\d:.]+Z kvtierd\[\d+\] info: kvtier: prefault: ",
+                     log, re.M), log
     assert d.stop() == 0
 
 

@@ -380,12 +380,22 @@ static int model_identity(struct opts *o)
 	return 0;
 }
 
+/* The library's own lines (placement, huge pages, the prefault's
+ * progress) as the daemon's: timestamped, with their level. */
+static void lib_log(void *arg, int level, const char *msg)
+{
+	(void)arg;
+	logf_(level <= KVT_LOG_LEVEL_ERROR ? "error" : level == KVT_LOG_LEVEL_WARN ? "warning" :
+	      "info", "kvtier: %s", msg);
+}
+
 static void config_fill(const struct opts *o, struct kvt_config *c, uint32_t flags)
 {
 	static struct kvt_group_desc groups[8];
 
 	memset(c, 0, sizeof(*c));
 	c->size = sizeof(*c);
+	c->log = lib_log;
 	c->flags = flags | (o->group ? KVT_F_GROUP : 0);
 	c->role = KVT_TIER_CLIENT;
 	c->instance = -1;
