@@ -906,6 +906,8 @@ char *kvtd_screen(const struct kvtd_snap *s, const struct kvtd_ctx *c,
 	if (s->owner_pid)
 		kvtd_printf(&b, "owner      kvtierd pid %d%s\n", s->owner_pid,
 			    s->draining ? "  DRAINING" : "");
+	if (c && c->model && c->model[0])
+		kvtd_printf(&b, "model      %s\n", c->model);
 	kvtd_printf(&b, "geometry   world %u x %u instance%s, %s, %u tokens/chunk, %u slots, "
 		    "shard %s, segment %s\n", g->world, g->n_instances, g->n_instances == 1 ? "" : "s",
 		    g->mode == KVT_MODE_REPLICATED ? "replicated" : "sharded", g->chunk_tokens,

@@ -1,0 +1,78 @@
+"""The README's operator commands, taken from README.md
+(tests/readme/readme_blocks.py) and run: kvtier-size's example must print
+what the README shows; the operator guide's kvtierd command must start and
+serve, kvtier-stat read it and --remove remove it.  What is substituted is
+named at each place: this checkout's build, a model config in the tests'
+data for /models/..., a free port, a small tier."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "readme"))
+import readme_blocks as rb  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(HERE))
+BUILD = os.environ.get("KVTIER_BUILD", os.path.join(REPO, "build"))
+
+
+def _build_path(arg):
+    return os.path.join(BUILD, arg[len("build/"):]) if arg.startswith("build/") else arg
+
+
+def test_kvtier_size_example_prints_what_the_readme_shows():
+    b = rb.block("$ build/numa/kvtier-size")
+    env, argv = rb.command(b)
+    shown = b.split("\n", 1)[1]
+    p = subprocess.run([_build_path(a) for a in argv], cwd=REPO, capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, **env))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == shown, "README.md shows:\n%s\nkvtier-size prints:\n%s" % (shown, p.stdout)
+
+
+def test_operator_guide_kvtierd_command(tmp_path):
+    import socket
+    b = rb.block("kvtierd --segment kvtier --model-config /models/llama-3.1-8b/config.json")
+    env, argv = rb.command(b)
+    name = "readme-%d" % os.getpid()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv[0] = os.path.join(BUILD, "tier", "daemon", "kvtierd")
+    argv = rb.replace_arg(argv, "--segment", name)
+    # the README's model path is an example: the same model's config here
+    argv = rb.replace_arg(argv, "--model-config",
+                          os.path.join(REPO, "tests", "numa", "data", "llama-3.1-8b.json"))
+    argv = rb.replace_arg(argv, "--tier-gib", "0.125")            # 64 GiB x 8 ranks: not here
+    argv = rb.replace_arg(argv, "--log", str(tmp_path / "kvtierd.log"))
+    argv += ["--http", "127.0.0.1:%d" % port, "--no-lock"]        # a free port; no memlock limit
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, **env))
+    stat = os.path.join(BUILD, "tier", "daemon", "kvtier-stat")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, (tmp_path / "kvtierd.log").read_text()
+            r = subprocess.run(["curl", "-fs", "http://127.0.0.1:%d/healthcheck/segment" % port],
+                               capture_output=True, timeout=10)
+            if r.returncode == 0:
+                break
+            assert time.monotonic() < deadline, "kvtierd did not come up"
+            time.sleep(0.2)
+        # kvtier-stat [NAME], as the guide says
+        st = subprocess.run([stat, name], capture_output=True, text=True, timeout=30)
+        assert st.returncode == 0, st.stderr
+        assert "llama-3.1-8b;dtype=bfloat16;kv=bfloat16;layout=LBNHC;weights=" in st.stdout, \
+            st.stdout
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # removed as "Removing a segment" says
+    rm = subprocess.run([stat, name, "--remove"], capture_output=True, text=True, timeout=30)
+    assert rm.returncode == 0 and "removed segment" in rm.stdout, rm.stdout + rm.stderr
