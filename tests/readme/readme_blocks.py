@@ -32,15 +32,22 @@ def command(text):
     """The first command of a block: continuation lines joined, a "$ "
     prompt and a trailing "# comment" dropped, split as a shell splits it.
     Returns (env assignments at its start, argv)."""
-    lines, out = text.splitlines(), []
-    for ln in lines:
-        if ln.startswith("$ "):
+    src = ""
+    for ln in text.splitlines():
+        if not src and ln.startswith("$ "):
             ln = ln[2:]
-        out.append(ln.rstrip())
-        if not ln.rstrip().endswith("\\"):
+        ln = ln.rstrip()
+        if ln.endswith("\\"):
+            src += ln[:-1] + " "          # a continuation line
+            continue
+        src += ln
+        try:
+            argv = shlex.split(src, comments=True)
             break
-    line = " ".join(x[:-1] if x.endswith("\\") else x for x in out)
-    argv = shlex.split(line, comments=True)
+        except ValueError:                # a quote open across lines (a JSON argument)
+            src += "\n"
+    else:
+        raise AssertionError("README.md: an unfinished command: %r" % text[:200])
     env = {}
     while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
         k, v = argv.pop(0).split("=", 1)

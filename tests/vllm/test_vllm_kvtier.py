@@ -726,26 +726,32 @@ def test_openai_server(tmp_path):
     and on vLLM's /metrics kvtier's hit tokens equal vLLM's external hits."""
     import socket
     import urllib.request
+    sys.path.insert(0, os.path.join(REPO, "tests", "readme"))
+    import readme_blocks as rb
     m = models.make("llama", str(tmp_path / "llama-tok"), tokenizer=True)
     name = "vllm-server-%d" % os.getpid()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
-           "kv_role": "kv_both",
-           "kv_connector_extra_config": {"kvtier_segment": name, "kvtier_tier_gib": 0.25,
-                                         "kvtier_model": "tiny-llama/bf16"}}
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "bindings", "python")] +
-                                          ([os.environ["PYTHONPATH"]]
-                                           if os.environ.get("PYTHONPATH") else [])))
+    # the command as README.md has it; what is substituted, named:
+    renv, argv = rb.command(rb.block("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=4 VENV/bin/"
+                                     "python -m vllm.entrypoints.openai.api_server"))
+    assert argv[0] == "VENV/bin/python"
+    argv[0] = sys.executable                                  # this venv
+    argv = rb.replace_arg(argv, "--model", m)                 # MODEL_DIR: a model it writes
+    argv = rb.replace_arg(argv, "--max-model-len", "1536")    # that model's positions
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    cfg["kv_connector_extra_config"]["kvtier_segment"] = name  # a segment of its own
+    argv = rb.replace_arg(argv, "--kv-transfer-config", json.dumps(cfg))
+    # a free port; eager mode (no torch.compile: minutes on 2 CPUs)
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager"]
+    env = dict(os.environ, **renv)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "bindings", "python")] +
+                                        ([os.environ["PYTHONPATH"]]
+                                         if os.environ.get("PYTHONPATH") else []))
     log = open(tmp_path / "server.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                          "--model", m, "--dtype", "bfloat16", "--max-model-len", "1536",
-                          "--block-size", "32", "--host", "127.0.0.1", "--port", str(port),
-                          "--num-gpu-blocks-override", str(BLOCKS), "--enforce-eager",
-                          "--kv-transfer-config", json.dumps(cfg)],
-                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                         start_new_session=True)
 
     def call(path, body=None):
         req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path),
