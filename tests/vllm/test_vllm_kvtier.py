@@ -752,6 +752,27 @@ def test_openai_server(tmp_path):
     log = open(tmp_path / "server.log", "w")
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                          start_new_session=True)
+    d = None
+
+    def stop(proc):
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def wait_up(proc):
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert proc.poll() is None, "the server exited:\n" + server_log()
+            try:
+                call("/health")
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start:\n" + server_log()
+                time.sleep(1)
 
     def call(path, body=None):
         req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path),
@@ -770,15 +791,7 @@ def test_openai_server(tmp_path):
                    if ln.startswith(name + "{") or ln.startswith(name + " "))
 
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            assert p.poll() is None, "the server exited:\n" + server_log()
-            try:
-                call("/health")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start:\n" + server_log()
-                time.sleep(1)
+        wait_up(p)
         body = {"model": m, "prompt": models.text(LONG), "max_tokens": 8, "temperature": 0}
         first = json.loads(call("/v1/completions", body))["choices"][0]["text"]
         call("/reset_prefix_cache", {})
@@ -798,14 +811,44 @@ def test_openai_server(tmp_path):
             time.sleep(2)
         line = [ln for ln in open(tmp_path / "server.log") if "KV Transfer metrics: " in ln][0]
         assert "hit_tokens=" in line and "loaded_chunks=" in line, line
+
+        # "With kvtierd owning the segment": the kvtierd line the engine
+        # logged, run with service flags, and the server again with
+        # kvtier_create false -- warm: the chunks the first one saved hit
+        import re
+        import shlex
+        found = re.findall(r"the same segment from kvtierd: (kvtierd .*)$",
+                           open(tmp_path / "server.log").read(), re.M)
+        assert found, server_log()
+        stop(p)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dport = s.getsockname()[1]
+        dargv = shlex.split(found[0])
+        dargv[0] = os.path.join(os.environ.get("KVTIER_BUILD", os.path.join(REPO, "build")),
+                                "tier", "daemon", "kvtierd")
+        dargv += ["--http", "127.0.0.1:%d" % dport, "--no-lock", "--unlink",
+                  "--log", str(tmp_path / "kvtierd.log")]
+        d = subprocess.Popen(dargv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        deadline = time.monotonic() + 60
+        while subprocess.run(["curl", "-fs", "http://127.0.0.1:%d/healthcheck/segment" % dport],
+                             capture_output=True).returncode:
+            assert d.poll() is None, (tmp_path / "kvtierd.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "kvtierd.log").read_text()
+            time.sleep(0.2)
+        assert "(new)" not in (tmp_path / "kvtierd.log").read_text()   # warm: the engine's
+        cfg["kv_connector_extra_config"]["kvtier_create"] = False
+        argv = rb.replace_arg(argv, "--kv-transfer-config", json.dumps(cfg))
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+        wait_up(p)
+        assert json.loads(call("/v1/completions", body))["choices"][0]["text"] == first
+        assert metric(call("/metrics"), "vllm:kvtier_hit_tokens_total") >= 32 * CHUNK, \
+            server_log()
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop(p)
+        stop(d)
         log.close()
         _unlink(name)
 
