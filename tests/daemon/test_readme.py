@@ -76,3 +76,49 @@ def test_operator_guide_kvtierd_command(tmp_path):
     # removed as "Removing a segment" says
     rm = subprocess.run([stat, name, "--remove"], capture_output=True, text=True, timeout=30)
     assert rm.returncode == 0 and "removed segment" in rm.stdout, rm.stdout + rm.stderr
+
+
+def _run_kvtierd(argv, tmp_path):
+    """kvtierd from a README argv (its segment, port and log this test's);
+    returns what kvtier-stat shows of it, then stops it."""
+    import socket
+    name = "readme-%d-%d" % (os.getpid(), len(os.listdir(tmp_path)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [os.path.join(BUILD, "tier", "daemon", "kvtierd")] + argv[1:]
+    argv = rb.replace_arg(argv, "--segment", name)
+    log = tmp_path / ("%s.log" % name)
+    argv += ["--http", "127.0.0.1:%d" % port, "--no-lock", "--unlink", "--log", str(log)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(["curl", "-fs", "http://127.0.0.1:%d/healthcheck/segment" % port],
+                             capture_output=True, timeout=10).returncode:
+            assert p.poll() is None, log.read_text() if log.exists() else p.stdout.read()
+            assert time.monotonic() < deadline, "kvtierd did not come up"
+            time.sleep(0.2)
+        st = subprocess.run([os.path.join(BUILD, "tier", "daemon", "kvtier-stat"), name],
+                            capture_output=True, text=True, timeout=30)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+        return st.stdout
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_kvtierd_owning_the_segment_example(tmp_path):
+    """The vLLM section's kvtierd-owned example (a TP 4 GPU engine's line):
+    kvtierd runs it here too -- it needs no GPU -- with the tests' copy of
+    the model's config.json for /models/..., and a small tier."""
+    b = rb.block("kvtierd --segment kvtier --group 64:512 --world 4")
+    env, argv = rb.command(b)
+    argv = rb.replace_arg(argv, "--model-config",
+                          os.path.join(REPO, "tests", "numa", "data", "llama-3.1-8b.json"))
+    argv = rb.replace_arg(argv, "--tier-gib", "0.0625")
+    shown = _run_kvtierd(argv, tmp_path)
+    assert "model      llama-3.1-8b;dtype=bfloat16;kv=bfloat16;layout=LBNHC;weights=" in shown
+    assert "world 4 x 1 instance, sharded, 16 tokens/chunk" in shown, shown
+
