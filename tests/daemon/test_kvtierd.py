@@ -581,6 +581,29 @@ def test_stat_watch_in_a_terminal(name, procs):
     assert st["model"] == MODEL, st["model"]
 
 
+def test_stat_json_is_status(name, procs):
+    """kvtier-stat --json prints what kvtierd's /status does (the README
+    says "the same object"), read from the segment with no daemon asked:
+    equal but for the clock's fields (the time, the heartbeats' ages)."""
+    d = Daemon(name, instances=1)
+    procs.append(d)
+    r = Rank(name, 0, 0)
+    procs.append(r)
+    r.cmd(cmd="save", seed=2, chunks=2)
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("time", "heartbeat_age_s")}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    status = json.loads(d.get("/status")[1])
+    out = subprocess.run([KVTIER_STAT, name, "--json"], capture_output=True, text=True,
+                         timeout=10)
+    assert strip(json.loads(out.stdout)) == strip(status)
+    assert status["model"] == MODEL and status["instances"][0]["saved_chunks"] == 2
+
+
 def test_bad_settings_are_refused(name, procs):
     def run(args, env=None):
         e = dict(os.environ)
