@@ -227,7 +227,10 @@ struct kvt_ent {
 	kvt_a32 role;
 	kvt_a32 instance;
 	kvt_a32 rank;
-	kvt_a32 pad32;
+	kvt_a32 left;       /* how the last holder left (enum kvt_left): written
+			     * (relaxed) before the release that empties the
+			     * entry, 0 at attach; a diagnostic only, no
+			     * protocol step reads it */
 	uint8_t pad[KVT_CACHELINE - 56];
 };
 _Static_assert(sizeof(struct kvt_ent) == KVT_CACHELINE, "entry is one line");
@@ -558,7 +561,8 @@ void kvt__index_prefetch(const kvt_seg *s, const kvt_key *k);
 /* slots.c */
 void kvt__slot_reclaim(kvt_seg *s, uint32_t slot, uint64_t gen);
 int kvt__slot_unpin(kvt_seg *s, uint32_t slot, uint64_t gen32);
-void kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
+/* 1 when entry held a claim of the slot's current life (dropped). */
+int kvt__slot_writer_gone(kvt_seg *s, uint32_t slot, uint32_t entry);
 int kvt__slot_abandon(kvt_seg *s, uint32_t slot, uint64_t gen, uint32_t dead_owner);
 int kvt__slot_state_live(uint64_t w);
 int kvt__claims_drained(const kvt_seg *s, struct kvt_slot *sl, uint64_t gen);

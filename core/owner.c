@@ -282,7 +282,9 @@ int kvt_seg_entry_info(const kvt_seg *s, uint32_t e, struct kvt_entry_info *o)
 	}
 	o->attach_gen = kat_load(&s->ents[e].attach_gen, KVT_RLX);
 	if (st == KVT_ENT_EMPTY) {
+		uint32_t left = kat_load(&s->ents[e].left, KVT_RLX);
 		o->state = KVT_ENTRY_EMPTY;
+		o->left = left <= KVT_LEFT_REPAIRED ? left : KVT_LEFT_UNKNOWN;
 		return 0;
 	}
 	o->pid = KVT_OWNER_PID(w);

@@ -45,6 +45,14 @@
  * frozen, finish
  * evictions left half done, release the leases it built, was releasing,
  * or that wait for its load, and finish index inserts left pending.
+ *
+ * How the last holder left (the entry's `left` word, kvt_left): DETACHED,
+ * written by the detach, or REAPED / REPAIRED, written by the reaper from
+ * what it found to repair (kvt_seg_reap_report) -- each before the release
+ * store of EMPTY (R10, R11), so a reader that acquires EMPTY reads it; 0
+ * at attach.  A diagnostic for the owner's log (a process killed between
+ * its last operation and its detach left nothing: that is not a failure);
+ * no protocol step reads it.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -132,7 +140,8 @@ int kvt__entry_alive(const kvt_seg *s, uint32_t e)
 	return kvt__entry_held(s, e);
 }
 
-static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting);
+static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting,
+			      struct kvt_reaped *rep);
 
 static void pause_briefly(unsigned tries)
 {
@@ -188,8 +197,10 @@ int kvt__entry_claim(kvt_seg *s, uint32_t e, unsigned flags)
 	if (KVT_OWNER_ST(w) != KVT_ENT_EMPTY) {
 		/* Left by a dead holder or a dead reaper: reap it as its
 		 * next holder (we borrow its journal; the lock makes it ours). */
+		struct kvt_reaped rep;
+
 		kat_store(&ent->owner, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_REL);
-		entry_reap_locked(s, e, e);
+		entry_reap_locked(s, e, e, &rep);
 	}
 	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_CLAIMING, s->pid), KVT_REL);
 	kat_store(&ent->start, s->start, KVT_RLX);
@@ -197,6 +208,7 @@ int kvt__entry_claim(kvt_seg *s, uint32_t e, unsigned flags)
 	kat_store(&ent->instance, s->instance, KVT_RLX);
 	kat_store(&ent->rank, s->rank, KVT_RLX);
 	kat_store(&ent->journal, 0, KVT_RLX);
+	kat_store(&ent->left, KVT_LEFT_UNKNOWN, KVT_RLX);
 	kat_store(&ent->heartbeat, kvt__now_ns(), KVT_RLX);
 	kat_fadd(&ent->attach_gen, 1, KVT_RLX);
 	/* R9: publishes the fields above to readers of the owner word (acq). */
@@ -219,6 +231,7 @@ void kvt__entry_release(kvt_seg *s)
 	}
 	kat_store(&s->ents[e].journal, 0, KVT_REL);
 	KVT_SP(DETACH_ABORTED, s);
+	kat_store(&s->ents[e].left, KVT_LEFT_DETACHED, KVT_RLX);
 	/* R10: everything we did is visible before the entry can be reused;
 	 * then the lock goes (a waiting attacher retries on EMPTY). */
 	kat_store(&s->ents[e].owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
@@ -230,7 +243,8 @@ void kvt__entry_release(kvt_seg *s)
 /* The caller holds entry e's lock, the entry is REAPING.  `acting` is the
  * entry whose journal our own pins and unpins use: the caller's own, or e
  * itself for a process re-attaching to it. */
-static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
+static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting,
+			      struct kvt_reaped *rep)
 {
 	struct kvt_ent *ent = &s->ents[e];
 	uint64_t j = kat_load(&ent->journal, KVT_ACQ);
@@ -239,6 +253,7 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 	uint32_t rank = kat_load(&ent->rank, KVT_RLX);
 	uint32_t me = s->entry, was_reaping = s->reaping;
 
+	*rep = (struct kvt_reaped){ .entry = e, .role = role, .instance = inst, .rank = rank };
 	s->entry = acting;
 	s->reaping = acting == e ? UINT32_MAX : e;
 	KVT_SP(REAP_LOCKED, s);
@@ -253,6 +268,7 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 		 * for ever on a dead op otherwise. */
 		kat_store(&ent->journal, KVT_J(KVT_J_REPAIR, x, g), KVT_REL);
 		kvt__pins_repair(s, x, g);
+		rep->in_op = 1;
 		break;
 	}
 	default:
@@ -265,21 +281,25 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 		uint64_t w = kat_load(&sl->state, KVT_ACQ);
 		switch (KVT_ST(w)) {
 		case KVT_S_FILLING:
-			kvt__slot_writer_gone(s, x, e);
-			if (KVT_FILL_OWNER(w) == e + 1) /* died setting it up */
+			rep->slots += (uint32_t)kvt__slot_writer_gone(s, x, e);
+			if (KVT_FILL_OWNER(w) == e + 1) { /* died setting it up */
 				kvt__slot_abandon(s, x, KVT_GEN(w), e + 1);
+				rep->slots++;
+			}
 			break;
 		case KVT_S_DOOMED:
 		case KVT_S_EVICTING:
-			kvt__slot_writer_gone(s, x, e);
+			rep->slots += (uint32_t)kvt__slot_writer_gone(s, x, e);
 			kvt__slot_reclaim(s, x, KVT_GEN(w)); /* finish what is left */
 			break;
 		case KVT_S_READY:
 			/* It died in kvt_write_end between the READY CAS and its
 			 * claim drop: only the claim is left to drop. */
-			kvt__slot_writer_gone(s, x, e);
-			if ((w & KVT_ST_FROZEN) && KVT_FREEZER(w) == e + 1)
+			rep->slots += (uint32_t)kvt__slot_writer_gone(s, x, e);
+			if ((w & KVT_ST_FROZEN) && KVT_FREEZER(w) == e + 1) {
 				kvt__pins_repair(s, x, KVT_GEN(w) & 0xfffffffULL);
+				rep->slots++;
+			}
 			break;
 		default:
 			break;
@@ -305,8 +325,10 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 		/* Take the lease over as its releaser, in one CAS. */
 		if (release &&
 		    kat_cas(&l->state, &w, KVT_LW(KVT_L_RELEASING, KVT_LGEN(w), s->entry + 1),
-			    KVT_AR))
+			    KVT_AR)) {
 			kvt__lease_finish_release(s, i);
+			rep->leases++;
+		}
 	}
 	/* An insert it committed but did not finalize. */
 	kvt__index_help_all(s);
@@ -314,6 +336,8 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting)
 	kvt__count(s, KVT_C_REAPED_RANKS, 1);
 	s->entry = me;
 	s->reaping = was_reaping;
+	kat_store(&ent->left, rep->in_op || rep->slots || rep->leases ? KVT_LEFT_REPAIRED
+								   : KVT_LEFT_REAPED, KVT_RLX);
 	/* R11: the repairs are visible before the entry is reused. */
 	kat_store(&ent->journal, 0, KVT_REL);
 	kat_store(&ent->owner, KVT_OWNER(KVT_ENT_EMPTY, 0), KVT_REL);
@@ -342,6 +366,12 @@ int kvt_seg_live_ranks(const kvt_seg *s)
 
 int kvt_seg_reap(kvt_seg *s)
 {
+	return kvt_seg_reap_report(s, NULL, NULL);
+}
+
+int kvt_seg_reap_report(kvt_seg *s, void (*cb)(void *arg, const struct kvt_reaped *r),
+			void *arg)
+{
 	int reaped = 0, r;
 
 	if ((r = kvt__need_entry(s, "reap")))
@@ -357,8 +387,15 @@ int kvt_seg_reap(kvt_seg *s)
 			continue; /* its holder (or another reaper) lives */
 		w = kat_load(&s->ents[e].owner, KVT_ACQ);
 		if (KVT_OWNER_ST(w) != KVT_ENT_EMPTY && KVT_OWNER_ST(w) <= KVT_ENT_REAPING) {
+			struct kvt_reaped rep;
+			/* REAPING: the pid is a dead reaper's, not the holder's */
+			int pid = KVT_OWNER_ST(w) == KVT_ENT_REAPING ? 0 : KVT_OWNER_PID(w);
+
 			kat_store(&s->ents[e].owner, KVT_OWNER(KVT_ENT_REAPING, s->pid), KVT_REL);
-			entry_reap_locked(s, e, s->entry);
+			entry_reap_locked(s, e, s->entry, &rep);
+			rep.pid = pid;
+			if (cb)
+				cb(arg, &rep);
 			reaped++;
 		}
 		ent_unlock(s, e);

@@ -207,7 +207,7 @@ int kvt__slot_abandon(kvt_seg *s, uint32_t x, uint64_t gen, uint32_t dead_owner)
 
 /* Drops every claim entry e holds on slot x (the reaper, for a dead e; a
  * detaching handle, for itself) and moves the slot on. */
-void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
+int kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 {
 	struct kvt_slot *sl = kvt__slot(s, x);
 	uint64_t w = kat_load(&sl->state, KVT_SC);
@@ -223,7 +223,7 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 			had = 1;
 	}
 	if (!had)
-		return;
+		return 0;
 	if (KVT_ST(w) == KVT_S_FILLING) {
 		/* Its shard will not come from it; live co-writers keep the
 		 * slot (it completes if the shard is written again, else the
@@ -233,6 +233,7 @@ void kvt__slot_writer_gone(kvt_seg *s, uint32_t x, uint32_t e)
 	} else if (KVT_ST(w) == KVT_S_DOOMED || KVT_ST(w) == KVT_S_EVICTING) {
 		kvt__slot_reclaim(s, x, KVT_GEN(w));
 	}
+	return 1;
 }
 
 int kvt__slot_unpin(kvt_seg *s, uint32_t x, uint64_t gen32)

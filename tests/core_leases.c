@@ -167,6 +167,16 @@ static void die_with_lease(uint32_t role, uint32_t rank)
 	assert_int_equal(WEXITSTATUS(status), 0);
 }
 
+static struct kvt_reaped last_reaped;
+static int n_reaped;
+
+static void on_reaped(void *arg, const struct kvt_reaped *r)
+{
+	(void)arg;
+	last_reaped = *r;
+	n_reaped++;
+}
+
 static void test_reap_leases(void **st)
 {
 	(void)st;
@@ -180,12 +190,27 @@ static void test_reap_leases(void **st)
 	/* the scheduler dies: its leases are released */
 	die_with_lease(KVT_ROLE_SCHEDULER, 0);
 	assert_int_equal(pins_total(s), 4);
-	assert_int_equal(kvt_seg_reap(s), 1);
+	n_reaped = 0;
+	assert_int_equal(kvt_seg_reap_report(s, on_reaped, NULL), 1);
+	assert_int_equal(n_reaped, 1); /* told what it left: its lease */
+	assert_int_equal(last_reaped.role, KVT_ROLE_SCHEDULER);
+	assert_int_equal(last_reaped.leases, 1);
+	assert_int_equal(last_reaped.slots + last_reaped.in_op, 0);
+	assert_true(last_reaped.pid > 0);
+	struct kvt_entry_info in;
+	assert_int_equal(kvt_seg_entry_info(s, last_reaped.entry, &in), 0);
+	assert_int_equal(in.state, KVT_ENTRY_EMPTY);
+	assert_int_equal(in.left, KVT_LEFT_REPAIRED);
 	assert_int_equal(pins_total(s), 4);
 	kvt_test_assert_check(s);
 	/* a rank dies: leases still waiting for its load are released */
 	die_with_lease(KVT_ROLE_RANK, 0);
-	assert_int_equal(kvt_seg_reap(s), 1);
+	n_reaped = 0;
+	assert_int_equal(kvt_seg_reap_report(s, on_reaped, NULL), 1);
+	assert_int_equal(n_reaped, 1);
+	assert_int_equal(last_reaped.role, KVT_ROLE_RANK);
+	assert_int_equal(last_reaped.rank, 0);
+	assert_int_equal(last_reaped.leases, 2); /* its own, and `keep` */
 	assert_int_equal(kvt_seg_reap(s), 0);
 	assert_int_equal(kvt_test_counter(s, KVT_C_REAPED_RANKS), 2);
 	/* `keep` also waited for rank 0's load: it went with it */
@@ -193,6 +218,31 @@ static void test_reap_leases(void **st)
 	kvt_test_assert_check(s);
 	assert_int_equal(kvt_lease_release(s, keep), -EALREADY);
 	kvt_test_assert_check(s);
+
+	/* one that exits holding nothing is told as such, and a detach as one */
+	pid_t pid = fork();
+	int status;
+	if (pid == 0) {
+		kvt_seg *c;
+		_exit(kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 1, 2, &c) ? 1 : 0);
+	}
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_int_equal(WEXITSTATUS(status), 0);
+	n_reaped = 0;
+	assert_int_equal(kvt_seg_reap_report(s, on_reaped, NULL), 1);
+	assert_int_equal(last_reaped.pid, pid);
+	assert_int_equal(last_reaped.leases + last_reaped.slots + last_reaped.in_op, 0);
+	assert_int_equal(kvt_seg_entry_info(s, last_reaped.entry, &in), 0);
+	assert_int_equal(in.left, KVT_LEFT_REAPED);
+	kvt_seg *c;
+	assert_int_equal(kvt_test_attach(NAME, KVT_ROLE_RANK, 0, 1, 2, &c), 0);
+	uint32_t e = kvt_seg_entry(c);
+	assert_int_equal(kvt_seg_entry_info(s, e, &in), 0);
+	assert_int_equal(in.state, KVT_ENTRY_ATTACHED);
+	assert_int_equal(in.left, KVT_LEFT_UNKNOWN);
+	kvt_seg_detach(c);
+	assert_int_equal(kvt_seg_entry_info(s, e, &in), 0);
+	assert_int_equal(in.left, KVT_LEFT_DETACHED);
 	kvt_seg_detach(s);
 }
 

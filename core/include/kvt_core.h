@@ -348,6 +348,31 @@ int kvt_seg_step(kvt_seg *s, const uint64_t *live, uint32_t n);
  * is in on a slot being repaired, never for a dead one. */
 int kvt_seg_reap(kvt_seg *s);
 
+/* How an entry's last holder left it (kvt_entry_info.left). */
+enum kvt_left {
+	KVT_LEFT_UNKNOWN = 0,  /* attached, never held, or an older library */
+	KVT_LEFT_DETACHED = 1, /* its holder detached */
+	KVT_LEFT_REAPED = 2,   /* died holding nothing: reaped, nothing repaired */
+	KVT_LEFT_REPAIRED = 3, /* died mid-operation: a reaper repaired it */
+};
+
+/* What one reaped entry left behind (kvt_seg_reap_report).  All zero: it
+ * died holding nothing -- an exit without a detach, with nothing to repair
+ * (a process its parent killed at shutdown between its last operation and
+ * its detach). */
+struct kvt_reaped {
+	uint32_t entry, role, instance, rank; /* as kvt_entry_info has them */
+	int pid;         /* 0: unknown (a reaper of it died mid-reap) */
+	uint32_t in_op;  /* 1: it died inside a pin, unpin or pin repair */
+	uint32_t slots;  /* slots it was writing, evicting or repairing */
+	uint32_t leases; /* leases released for it (its own, and its
+			  * instance's that waited for its load) */
+};
+/* kvt_seg_reap, calling cb (when not NULL) once per reaped entry, after its
+ * repair and before the entry is reused. */
+int kvt_seg_reap_report(kvt_seg *s, void (*cb)(void *arg, const struct kvt_reaped *r),
+			void *arg);
+
 /* Rank processes attached to the segment and alive (every instance; the
  * callers' own entry included; schedulers and clients not counted): what
  * shares the node's CPUs with this process.  A snapshot; -EINVAL. */
@@ -441,7 +466,7 @@ struct kvt_entry_info {
 	uint32_t instance, rank;/* rank: UINT32_MAX for schedulers and clients */
 	uint32_t state;         /* enum kvt_entry_state */
 	int pid;                /* as the holder's PID namespace numbers it; 0 */
-	uint32_t reserved;
+	uint32_t left;          /* EMPTY: how its last holder left (kvt_left) */
 	uint64_t attach_gen;    /* attaches of this entry since creation */
 	uint64_t heartbeat_ns;  /* CLOCK_MONOTONIC of the holder's last sign */
 	uint64_t start;         /* the holder's start time (/proc/PID/stat field

@@ -255,13 +255,35 @@ def test_lifecycle(name, procs):
     assert code == 503 and [(p["instance"], p["rank"]) for p in probs] == [(0, 1)]
     until(lambda: s0.stats()["leases_live"] == 0 and s0.stats()["slots_pinned"] == 0,
           "the reaper to free the dead rank's lease", timeout=5)
-    assert "rank 1 of instance 0 (pid %d) died" % dead in d.log()
+    # a death is told as what it left (the lease that waited for its load)
+    assert ("rank 1 of instance 0 (pid %d) died: repaired 0 slot(s) it was writing or "
+            "evicting, released 1 lease(s)" % dead) in d.log(), d.log()
     _, m = d.get("/metrics")
     assert metric(m, "kvtier_rank_up", 'engine="0",rank="1"') == 0
     assert metric(m, "kvtier_reaped_entries_total") >= 1
     ranks[0, 1] = Rank(name, 0, 1)
     procs.append(ranks[0, 1])
     until(lambda: d.get("/healthcheck")[0] == 200, "200 after the re-attach")
+    until(lambda: "rank 1 of instance 0 attached (pid %d)" % ranks[0, 1].pid in d.log(),
+          "the attach logged")
+    # a clean detach is logged as one, at info; a process killed holding
+    # nothing (an engine's scheduler its parent killed at shutdown) is an
+    # exit without a detach, at info too: neither is a death to repair
+    left = ranks[1, 1].pid
+    ranks[1, 1].close()
+    until(lambda: "rank 1 of instance 1 (pid %d) detached" % left in d.log(),
+          "the detach logged")
+    ranks[1, 1] = Rank(name, 1, 1)
+    procs.append(ranks[1, 1])
+    gone = ranks[1, 0].pid
+    ranks[1, 0].kill()
+    until(lambda: "rank 0 of instance 1 (pid %d) exited without detaching; it held nothing"
+          % gone in d.log(), "the exit logged")
+    ranks[1, 0] = Rank(name, 1, 0)
+    procs.append(ranks[1, 0])
+    for ln in d.log().splitlines():
+        if "(pid %d)" % gone in ln or "(pid %d)" % left in ln:
+            assert " info: " in ln, ln
 
     # SIGTERM with a live lease: draining (503, attaches refused) until it goes
     held = s1.lookup(keys)

@@ -12,6 +12,7 @@ overwrites the tier's chunks with noise and sees the output change."""
 
 import json
 import os
+import re
 import select
 import shlex
 import signal
@@ -846,6 +847,21 @@ def test_openai_server(tmp_path):
         assert json.loads(call("/v1/completions", body))["choices"][0]["text"] == first
         assert metric(call("/metrics"), "vllm:kvtier_hit_tokens_total") >= 32 * CHUNK, \
             server_log()
+        # a normal stop is no failure in kvtierd's log: the rank detaches;
+        # the scheduler, which vLLM's server may kill mid-shutdown, held
+        # nothing (info, nothing repaired); no warning after the start
+        stop(p)
+        deadline = time.monotonic() + 30
+        while True:
+            after = (tmp_path / "kvtierd.log").read_text().split(" up: ", 1)[-1]
+            if re.search(r"rank 0 of instance 0 \(pid \d+\) detached", after) and \
+                    re.search(r"scheduler of instance 0 \(pid \d+\) (detached|exited without "
+                              r"detaching; it held nothing)", after.split("scheduler of "
+                                                                         "instance 0 attached")[-1]):
+                break
+            assert time.monotonic() < deadline, after
+            time.sleep(0.2)
+        assert " warning: " not in after and " error: " not in after, after
     finally:
         stop(p)
         stop(d)
@@ -969,10 +985,19 @@ def test_kvtierd_owns_the_segment(model):
             e.generate([p])
         assert e.generate([LONG]) == a
         assert d.metric('kvtier_instance_hit_tokens_total{engine="0"}') >= 32 * CHUNK
+        e.close()
+        e = None
+        d.until(lambda: d.get("/healthcheck")[0] == 503, "the engine gone")
     finally:
         if e is not None:
             e.close()
         d.stop()
+    # the engine's stop, in kvtierd's log: its rank attached and detached,
+    # no warning after the start
+    after = d.p.stdout.read().split(" up: ", 1)[-1]
+    assert re.search(r"rank 0 of instance 0 attached \(pid \d+\)", after), after
+    assert re.search(r"rank 0 of instance 0 \(pid \d+\) detached", after), after
+    assert " warning: " not in after and " error: " not in after, after
 
 
 def test_kvtierd_disk_tier(model, tmp_path):

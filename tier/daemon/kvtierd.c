@@ -991,27 +991,96 @@ static void watch_write_only(const struct opts *o)
 	kvtd_snap_free(&s);
 }
 
-static void reap_once(void)
+/* Who an entry is, for a log line: "rank 2 of instance 0", "scheduler of
+ * instance 0", "client entry 40". */
+static const char *who(char *b, size_t n, uint32_t e, uint32_t role, uint32_t inst,
+		       uint32_t rank)
+{
+	if (role == KVT_ROLE_RANK)
+		snprintf(b, n, "rank %u of instance %u", rank, inst);
+	else if (role == KVT_ROLE_SCHEDULER)
+		snprintf(b, n, "scheduler of instance %u", inst);
+	else
+		snprintf(b, n, "client entry %u", e);
+	return b;
+}
+
+/* The entries as the last look saw them: attaches and leavings are logged
+ * once, each as what it was (a detach, an exit that left nothing, a death
+ * repaired). */
+static struct went {
+	uint64_t gen;
+	uint32_t state;
+	int pid;
+} *W;
+static uint32_t W_n;
+
+static void reaped_cb(void *arg, const struct kvt_reaped *r)
+{
+	char b[64];
+
+	(void)arg;
+	who(b, sizeof(b), r->entry, r->role, r->instance, r->rank);
+	if (!r->in_op && !r->slots && !r->leases)
+		LOG_INFO("%s (pid %d) exited without detaching; it held nothing, nothing to "
+			 "repair", b, r->pid);
+	else
+		LOG_WARN("%s (pid %d) died: repaired %s%u slot(s) it was writing or evicting, "
+			 "released %u lease(s)", b, r->pid,
+			 r->in_op ? "the pin it was changing, " : "", r->slots, r->leases);
+	if (r->entry < W_n)
+		W[r->entry].state = KVT_ENTRY_EMPTY; /* logged here, not by watch_entries */
+}
+
+static void watch_entries(void)
 {
 	uint32_t n = kvt_seg_n_entries(D.seg);
 	struct kvt_entry_info in;
+	char b[64];
 
-	for (uint32_t e = 0; e < n; e++) {
-		if (kvt_seg_entry_info(D.seg, e, &in) || in.state != KVT_ENTRY_DEAD)
-			continue;
-		if (in.role == KVT_ROLE_RANK)
-			LOG_WARN("rank %u of instance %u (pid %d) died: reaping its claims, pins and "
-				 "leases", in.rank, in.instance, in.pid);
-		else
-			LOG_WARN("%s entry %u (pid %d) died: reaping it",
-				 in.role == KVT_ROLE_SCHEDULER ? "scheduler" : "client", e, in.pid);
+	if (!W) {
+		W = calloc(n, sizeof(*W)); /* all EMPTY (0): the first look logs who is on */
+		if (!W)
+			return;
+		W_n = n;
 	}
-	int r = kvt_seg_reap(D.seg);
-	if (r > 0) {
-		LOG_INFO("reaped %d entr%s", r, r == 1 ? "y" : "ies");
-	} else if (r < 0) {
+	for (uint32_t e = 0; e < n && e < W_n; e++) {
+		if (e == kvt_seg_entry(D.seg) || kvt_seg_entry_info(D.seg, e, &in) ||
+		    in.state == KVT_ENTRY_DEAD)
+			continue; /* a dead one: reap_once logs it */
+		int live = in.state != KVT_ENTRY_EMPTY;
+		int was = W[e].state != KVT_ENTRY_EMPTY;
+		if (was && (!live || in.attach_gen != W[e].gen)) {
+			who(b, sizeof(b), e, in.role, in.instance, in.rank);
+			if (in.attach_gen != W[e].gen)
+				LOG_INFO("%s (pid %d) left; pid %d holds it now", b, W[e].pid, in.pid);
+			else if (in.left == KVT_LEFT_DETACHED)
+				LOG_INFO("%s (pid %d) detached", b, W[e].pid);
+			else if (in.left == KVT_LEFT_REAPED)
+				LOG_INFO("%s (pid %d) exited without detaching; another process "
+					 "reaped it, nothing to repair", b, W[e].pid);
+			else if (in.left == KVT_LEFT_REPAIRED)
+				LOG_WARN("%s (pid %d) died; another process repaired what it left",
+					 b, W[e].pid);
+			else
+				LOG_INFO("%s (pid %d) left", b, W[e].pid);
+		}
+		if (live && (!was || in.attach_gen != W[e].gen)) {
+			who(b, sizeof(b), e, in.role, in.instance, in.rank);
+			LOG_INFO("%s attached (pid %d)", b, in.pid);
+		}
+		W[e].state = in.state;
+		W[e].gen = in.attach_gen;
+		W[e].pid = in.pid;
+	}
+}
+
+static void reap_once(void)
+{
+	int r = kvt_seg_reap_report(D.seg, reaped_cb, NULL);
+	if (r < 0)
 		LOG_ERR("reap: %s", kvt_core_last_error());
-	}
+	watch_entries();
 }
 
 static int drain(const struct opts *o, int sfd)
