@@ -6,6 +6,8 @@ named at each place: this checkout's build, a model config in the tests'
 data for /models/..., a free port, a small tier."""
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,3 +124,51 @@ def test_kvtierd_owning_the_segment_example(tmp_path):
     assert "model      llama-3.1-8b;dtype=bfloat16;kv=bfloat16;layout=LBNHC;weights=" in shown
     assert "world 4 x 1 instance, sharded, 16 tokens/chunk" in shown, shown
 
+
+
+def test_build_and_install_block(tmp_path):
+    """The vLLM section's build and install block, run as written on a copy
+    of the source tree (VENV: a new virtual environment of Debian's
+    python3): the library builds, pip installs the binding with the library
+    bundled, and the installed package -- no source tree, no
+    $KVTIER_LIBRARY -- loads that copy, computes a model identity and
+    registers its vLLM plugin.  The paths the README names for the
+    operator's tools are where `cmake --build build` puts them."""
+    text = rb.block("cmake -S . -B build && cmake --build build --target kvtier")
+    src = tmp_path / "src"
+    src.mkdir()
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.split(b"\0")
+    for f in filter(None, files):
+        f = f.decode()
+        if os.path.isfile(os.path.join(REPO, f)):
+            os.makedirs(src / os.path.dirname(f), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, f), src / f)
+    venv = tmp_path / "venv"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_LIBRARY", "PYTHONPATH")}
+    p = subprocess.run(["bash", "-euo", "pipefail", "-c", text.replace("VENV", str(venv))],
+                       cwd=src, env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    check = ("import importlib.metadata as m, kvtier, os, sys\n"
+             "print(kvtier.library_path())\n"
+             "print(kvtier.model_files_id(sys.argv[1]))\n"
+             "print([e.value for e in m.entry_points(group='vllm.general_plugins')"
+             " if e.name == 'kvtier'])\n")
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", check, str(cfg)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lib, mid, plugin = r.stdout.splitlines()
+    assert lib.startswith(str(venv)) and os.path.basename(lib).startswith("libkvtier.so"), lib
+    assert "config=" in mid, mid
+    assert plugin == "['kvtier.vllm_plugin:register']", plugin
+    # the paragraph under the block: where the operator's tools are built
+    readme = open(rb.README).read()
+    para = readme[readme.index(text):][:1200]
+    named = re.findall(r"`build/([\w/.-]+)`", para)
+    assert len(named) >= 4, named
+    for rel in named:
+        assert os.path.exists(os.path.join(BUILD, rel)), "README names build/%s" % rel
