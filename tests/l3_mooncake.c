@@ -3,11 +3,12 @@
  * ($KVTIER_MOONCAKE_PYTHON: the venv scripts/mooncake.sh makes), on a
  * loopback port made here.  Run in the normal, ASan+UBSan and TSan builds,
  * so the backend's thread and its channel run under the sanitizers.
- *   - sealed objects put from a registered memfd (the arena's stand-in),
+ *   - sealed objects put from a memfd (the arena's stand-in),
  *     found (EXISTS over several keys), got back into it byte for byte;
  *   - an object whose payload byte was changed (the tag kept) refused by
  *     the check; an absent one -ENOENT; a get into pieces of the wrong
- *     size -EMSGSIZE; a large piece outside the registered memory -EINVAL;
+ *     size -EMSGSIZE, nothing written past its pieces; a large piece outside
+ *     the arena -EINVAL;
  *   - the master killed: requests fail at once (-ENOTCONN), the status goes
  *     down; restarted, the store is up again by itself and puts succeed;
  *   - bad URLs refused at open, named; a Python without the wheel refused
@@ -289,12 +290,18 @@ static void test_refused_and_bad_requests(void **st)
 	q = &objs[2].q;
 	run(l, &q, 1);
 	assert_int_equal(q->status, -ENOENT);
-	/* pieces of the wrong size: a miss, and nothing written past them */
+	/* pieces smaller than the object (a master that says the object is
+	 * larger than what the get allotted): a miss, and nothing written
+	 * past them */
+	memset(dst(3), 0x5a, PAYLOAD);
 	req(&objs[3], KVT_L3_GET, 3, dst(3), PAYLOAD / 2);
 	q = &objs[3].q;
 	run(l, &q, 1);
 	assert_int_equal(q->status, -EMSGSIZE);
-	/* a large piece outside the registered memory */
+	for (uint32_t b = PAYLOAD / 2; b < PAYLOAD; b++)
+		if (dst(3)[b] != 0x5a)
+			fail_msg("a get wrote %u bytes past its pieces", b - PAYLOAD / 2 + 1);
+	/* a large piece outside the arena */
 	static uint8_t outside[PAYLOAD];
 	req(&objs[4], KVT_L3_GET, 4, outside, PAYLOAD);
 	q = &objs[4].q;

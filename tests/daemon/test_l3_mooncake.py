@@ -381,3 +381,124 @@ def test_l3_mooncake_settings_refused(name, procs, tmp_path):
     procs.append(d)
     assert d.p.wait(timeout=60) == 1
     assert "has no Mooncake" in d.log() and "scripts/mooncake.sh" in d.log(), d.log()
+
+
+PEER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    "l3_mooncake_peer.py")
+
+
+def attack(net, from_ns, node, daemon, segment):
+    """tests/l3_mooncake_peer.py from node `from_ns`'s network against
+    `daemon`'s companion on node `node`: a write of b"EVILEVIL" and a read
+    at 16 places spread over the arena.  Returns its JSON."""
+    p = subprocess.run(net.prefix(from_ns) + [MC_PY, PEER, str(daemon.p.pid), "kvtier." + segment,
+                                              net.node[from_ns], net.node[node], "16"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, MC_LOG_LEVEL="ERROR", GLOG_minloglevel="2"))
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print("peer: %d transfers in %.1f s" % (2 * len(r["writes"]), r.get("seconds", 0)))
+    # it did reach the companion's transfer engine (the store's own
+    # segment, reachable by design): a refusal below is the companion's
+    assert r["reached"], r
+    return r
+
+
+def test_l3_mooncake_network_peer(name, procs, tmp_path):
+    """The arena is not reachable from the store's network: a peer on
+    another node, with no fleet key and no master (a plain Mooncake
+    TransferEngine), asks a node's companion to WRITE b"EVILEVIL" and to
+    READ at 16 places spread over the arena -- its READY chunks, put to
+    the store, among them -- and, on a node whose get is held in flight
+    (its sub-slot claimed and waited for), over that arena too: every
+    transfer is refused, and every chunk loads byte-exact afterwards."""
+    net = TwoNets(bridged=True)
+    procs.append(net)
+    m = Master(tmp_path)
+    procs.append(m)
+    key = str(tmp_path / "fleet.key")
+    hold = str(tmp_path / "hold")
+    common = ["--l3-key", key, "--l3-timeout-ms", "300", "--l3-negative-ms", "300",
+              "--l3-python", MC_PY]
+    name_b = name[:-2] + "-b"
+    remove_segment(name_b)
+    try:
+        a = Daemon(name, extra=["--l3", "mooncake://%s:%d?segment=64M" % (net.store[0], m.port),
+                                "--l3-admit", "all"] + common,
+                   instances=1, slots=64, prefix=net.prefix(0), host=net.node[0])
+        procs.append(a)
+        ranks_a = [Rank(name, 0, k) for k in range(WORLD)]
+        procs.extend(ranks_a)
+        for k in ranks_a:
+            for seed in (21, 22):
+                assert k.cmd(cmd="save", seed=seed, chunks=8)["count"] == 8
+        until(lambda: metric(a.get("/metrics")[1], "kvtier_l3_puts_total") >= 16,
+              "node A to put its chunks")
+        r = attack(net, 1, 0, a, name)
+        assert r["writes"] and all(rc != 0 for rc in r["writes"]), \
+            "the peer wrote into node A's arena: %s" % r["writes"]
+        assert all(rc != 0 for rc, _ in r["reads"]), \
+            "the peer read node A's arena: %s" % [x for x in r["reads"] if x[0] == 0][:4]
+        sa = scheduler(name, 0)
+        procs.append(sa)
+        for seed in (21, 22):
+            with sa.lookup(sa.hash_tokens(prompt(8, seed=seed))) as lease:
+                assert lease.hits == 8
+                lid = lease.hand_off()
+                sa.step([lease])
+                for k in ranks_a:
+                    assert k.cmd(cmd="load", lease=lid, chunks=8)["sha"] == \
+                        expected_sha(k.r, seed, 8), "node A's chunk changed (rank %d)" % k.r
+
+        # node B, its get of A's chunk held in flight (the test hook: the
+        # companion never answers it); the peer, from node A's network
+        b = Daemon(name_b, extra=["--l3", "mooncake://%s:%d?segment=16M" % (net.store[1], m.port),
+                                  "--l3-admit", "none"] + common,
+                   instances=1, slots=32, host=net.node[1],
+                   prefix=["env", "KVTIER_TEST_MOONCAKE_HOLD=" + hold] + net.prefix(1))
+        procs.append(b)
+        s = scheduler(name_b, 0)
+        procs.append(s)
+        g = s.lookup_ex(s.hash_tokens(prompt(8, seed=21)))
+        g.release()
+        until(lambda: os.path.exists(hold), "a get held in flight", timeout=60)
+        r = attack(net, 0, 1, b, name_b)
+        assert all(rc != 0 for rc in r["writes"]), \
+            "the peer wrote into node B's arena: %s" % r["writes"]
+        assert all(rc != 0 for rc, _ in r["reads"]), "the peer read node B's arena"
+        s.close()
+        b.p.kill()
+        b.p.wait()
+    finally:
+        remove_segment(name_b)
+        for f in side_files(name_b) + side_files(name):
+            if os.path.exists(f):
+                os.unlink(f)
+
+
+def test_l3_mooncake_rdma_needs_local_only_registration():
+    """protocol=rdma only with a Mooncake that registers the arena for
+    local access only (0.3.13, kvcache-ai/Mooncake#3151): an older one
+    would grant every peer remote read and write of it.  The companion's
+    own rule, and the version it reads from the installed wheel."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "l3_mooncake", os.path.join(os.path.dirname(PEER), "..", "tier", "l3", "l3_mooncake.py"))
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    assert mc.rdma_refusal("rdma", (0, 3, 12)) and "0.3.13 or newer (this is 0.3.12)" in \
+        mc.rdma_refusal("rdma", (0, 3, 12))
+    assert mc.rdma_refusal("rdma", (0, 0, 0))            # a version it cannot read
+    assert mc.rdma_refusal("rdma", (0, 3, 13)) is None
+    assert mc.rdma_refusal("tcp", (0, 3, 12)) is None     # nothing registered over TCP
+    need_mooncake()
+    got = subprocess.run([MC_PY, "-c", "import importlib.util as u, sys; "
+                          "s = u.spec_from_file_location('m', sys.argv[1]); "
+                          "m = u.module_from_spec(s); s.loader.exec_module(m); "
+                          "import importlib.metadata as md; "
+                          "print(md.version('mooncake-transfer-engine-non-cuda')); "
+                          "print(*m.mooncake_version())", spec.origin],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    text, nums = got.stdout.split("\n")[:2]     # "0.3.13.post1", "0 3 13"
+    assert text.split(".")[:3] == nums.split(), got.stdout

@@ -11,14 +11,46 @@
  * in the process that owns the segment.  So the client runs in a companion
  * process (l3_mooncake.py, `kvtier-l3-mooncake`) that this backend spawns
  * and drives over a socketpair, one datagram per request, and the bytes
- * do not pass through the channel: the companion maps the arena itself
- * and registers it with the transfer engine, so a put reads the sub-slot
- * where it lies and a get lands in it (Mooncake's batch_put_from /
- * batch_get_into over three pieces: header, sub-slot, tag; the header and
- * the tag, 80 bytes, through a small buffer both processes map).  Every
- * protocol step stays in kvtierd, as for Redis (kvt_l3e.h): the claims,
- * the life checks, the seal and its check, the publication.  The
- * companion only moves bytes between registered memory and the store.
+ * do not pass through the channel: the companion maps the arena itself,
+ * so a put reads the sub-slot where it lies and a get lands in it
+ * (Mooncake's batch_put_from / batch_get_into over three pieces: header,
+ * sub-slot, tag; the header and the tag, 80 bytes, through a small buffer
+ * both processes map).  Every protocol step stays in kvtierd, as for Redis
+ * (kvt_l3e.h): the claims, the life checks, the seal and its check, the
+ * publication.  The companion only moves bytes between the arena and the
+ * store.
+ *
+ * What the store's network reaches.  Mooncake's transfer engine serves
+ * any peer's READ or WRITE inside a buffer registered with it, with no
+ * credential: over TCP its transport publishes every registered buffer in
+ * the node's segment descriptor (it ignores register_buffer's
+ * remote_accessible=false), over RDMA a region registered for remote
+ * access grants the same through its key.  Layout 1 registered the whole
+ * arena and the side buffer: any host reaching the companion's transfer
+ * port could rewrite every chunk the node's engines load (DRAM hits are
+ * not re-checked) and read every prompt's KV.  Now nothing of kvtierd's is
+ * registered over TCP -- the transport's own puts and gets read and write
+ * unregistered memory as well (its server checks only the addresses peers
+ * ask for) -- and over RDMA, where the NIC needs them registered, the
+ * companion registers them for local access only, which Mooncake honours
+ * from 0.3.13 (kvcache-ai/Mooncake#3151); an older wheel is refused with
+ * protocol=rdma.  A staging area (a bounded registered buffer, copied to
+ * and from the arena) or a registration per request were the other ways:
+ * the first costs a copy per object (a second one on a get: Mooncake's
+ * own local path copies once), the second a metadata update per request
+ * that peers then see; this one costs nothing -- the same zero-copy path,
+ * measured the same (docs/BENCHMARKS.md) -- and exposes less than either:
+ * no byte of the arena, not even an in-flight get's sub-slot
+ * (tests/daemon/test_l3_mooncake.py, test_l3_mooncake_network_peer: a
+ * plain TransferEngine's writes and reads at the arena, READY chunks and a
+ * held get's sub-slot, all refused).  What stays reachable is the store's
+ * own memory -- the segment= this node gives the store, and Mooncake's
+ * local buffer -- which holds objects sealed under the fleet key: a peer
+ * that rewrites one causes a miss.  What the master directs: a put reads
+ * only the pieces its request names (the object), and a get writes only
+ * into its pieces (header and tag in the side slot, the payload in the
+ * claimed sub-slot); an object larger than them is refused by Mooncake's
+ * client (-EMSGSIZE, tests/l3_mooncake.c).
  *
  * What a companion may write, and when.  A get's bytes land in a sub-slot
  * that kvtierd claimed; the claim is released (kvt_write_end) once the

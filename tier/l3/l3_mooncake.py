@@ -6,8 +6,9 @@ the Python that has Mooncake's wheel and drives it over a socketpair:
 
   fd 3  the channel (SOCK_SEQPACKET): requests in, answers out
   fd 4  the segment file, mapped at --mem-off for --mem-len bytes: the arena,
-        registered with the transfer engine, so puts read the sub-slots where
-        they lie and gets land in them
+        so puts read the sub-slots where they lie and gets land in them; it
+        is not registered with the transfer engine over TCP (so no peer can
+        reach it), and registered for local access only over RDMA
   fd 5  the side buffer (--side-len bytes): the headers and tags
 
 It moves bytes only: which chunk, which slot, whether what arrived is right
@@ -96,6 +97,40 @@ def local_address(master):
         return "127.0.0.1"
 
 
+# Mooncake's first version whose RDMA registration honours
+# remote_accessible=false (kvcache-ai/Mooncake#3151, 2026-07-30)
+RDMA_LOCAL_ONLY = (0, 3, 13)
+
+
+def mooncake_version():
+    """The installed wheel's version as a tuple of its first three numbers
+    ((0, 0, 0) when it cannot be read: treated as too old)."""
+    import importlib.metadata as md
+    for dist in ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
+        try:
+            v = md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+        nums = []
+        for part in v.split(".")[:3]:
+            digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+            if not digits:
+                break
+            nums.append(int(digits))
+        return tuple(nums + [0] * (3 - len(nums)))
+    return (0, 0, 0)
+
+
+def rdma_refusal(protocol, have):
+    """Why this Mooncake may not run `protocol` (None: it may)."""
+    if protocol == "rdma" and have < RDMA_LOCAL_ONLY:
+        return ("protocol=rdma needs Mooncake %s or newer (this is %s): older versions "
+                "register every buffer for remote read and write, which would open the "
+                "arena to the store's network" % (".".join(map(str, RDMA_LOCAL_ONLY)),
+                                                  ".".join(map(str, have))))
+    return None
+
+
 def human(n):
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -129,6 +164,9 @@ class Companion:
     def setup(self):
         from mooncake.store import MooncakeDistributedStore
         a = self.a
+        why = rdma_refusal(a.protocol, mooncake_version())
+        if why:
+            return -1, why
         self.host = a.host or local_address(a.master)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(self.host, a.metadata, a.segment, 16 << 20, a.protocol,
@@ -136,11 +174,21 @@ class Companion:
         if rc:
             return rc, "the store's setup failed (%d): master %s, metadata %s, %s" % (
                 rc, a.master, a.metadata, a.protocol)
-        for base, n, what in ((self.mem_base, a.mem_len, "the arena"),
-                              (self.side_base, a.side_len, "the side buffer")):
-            rc = self.store.register_buffer(base, n)
-            if rc:
-                return rc, "register_buffer of %s (%s) failed (%d)" % (what, human(n), rc)
+        # Nothing of kvtierd's is registered over TCP: Mooncake's TCP
+        # transport publishes every registered buffer in this node's
+        # segment descriptor and serves any peer's READ or WRITE inside one
+        # (it ignores register_buffer's remote_accessible=false), while its
+        # own transfers read and write unregistered memory as well.  Over
+        # RDMA the NIC needs the buffers registered; register_buffer asks
+        # for local access only (IBV_ACCESS_LOCAL_WRITE, no rkey published),
+        # which Mooncake honours from 0.3.13 on (#3151): older versions
+        # granted remote read and write to every registered buffer.
+        if a.protocol == "rdma":
+            for base, n, what in ((self.mem_base, a.mem_len, "the arena"),
+                                  (self.side_base, a.side_len, "the side buffer")):
+                rc = self.store.register_buffer(base, n)
+                if rc:
+                    return rc, "register_buffer of %s (%s) failed (%d)" % (what, human(n), rc)
         return 0, "mooncake store: master %s, %s, this node %s contributes %s" % (
             a.master, a.protocol + ((" " + a.device) if a.device else ""), self.host,
             human(a.segment))
