@@ -122,6 +122,16 @@ class Master:
         self.logf.close()
 
 
+def fleet(procs, tmp_path):
+    """Two nodes' networks (bridged), a master, where the fleet key and the
+    held-get marker go."""
+    net = TwoNets(bridged=True)
+    procs.append(net)
+    m = Master(tmp_path)
+    procs.append(m)
+    return net, m, str(tmp_path / "fleet.key"), str(tmp_path / "hold")
+
+
 def test_l3_mooncake_two_nodes(name, procs, tmp_path):
     """Node A's prefix is a byte-exact hit on node B through Mooncake Store;
     a prefix no one has is a miss; a get torn and never answered is killed
@@ -133,12 +143,7 @@ def test_l3_mooncake_two_nodes(name, procs, tmp_path):
     killed: its segment's objects are misses on B, never wrong; objects
     forged by a client without the fleet key (one bit flipped, upserted):
     refused, never served."""
-    net = TwoNets(bridged=True)
-    procs.append(net)
-    m = Master(tmp_path)
-    procs.append(m)
-    key = str(tmp_path / "fleet.key")
-    hold = str(tmp_path / "hold")
+    net, m, key, hold = fleet(procs, tmp_path)
 
     def url(i, segment="64M"):
         return "mooncake://%s:%d?segment=%s" % (net.store[i], m.port, segment)
@@ -412,12 +417,7 @@ def test_l3_mooncake_network_peer(name, procs, tmp_path):
     the store, among them -- and, on a node whose get is held in flight
     (its sub-slot claimed and waited for), over that arena too: every
     transfer is refused, and every chunk loads byte-exact afterwards."""
-    net = TwoNets(bridged=True)
-    procs.append(net)
-    m = Master(tmp_path)
-    procs.append(m)
-    key = str(tmp_path / "fleet.key")
-    hold = str(tmp_path / "hold")
+    net, m, key, hold = fleet(procs, tmp_path)
     common = ["--l3-key", key, "--l3-timeout-ms", "300", "--l3-negative-ms", "300",
               "--l3-python", MC_PY]
     name_b = name[:-2] + "-b"
