@@ -535,6 +535,44 @@ def test_beside_another_connector(engines, model, tmp_path):
         _unlink(name)
 
 
+def test_offload_by_environment(engines, model, tmp_path):
+    """A launcher that writes --kv-transfer-config itself (here naming
+    vLLM's ExampleConnector, which runs on the CPU) and adds kvtier only by
+    environment: KVTIER_OFFLOAD=On, KVTIER_OFFLOAD_CONFIG the connector's
+    settings.  The plugin folds kvtier in first (a MultiConnector of both,
+    logged); the evicted prefix is served by kvtier, vLLM's external hits
+    are kvtier's, the other connector still saves, the outputs are the
+    baseline's.  Failed with the plugin's fold removed (no kvtier: no hit)."""
+    name = "vllm-env-%d" % os.getpid()
+    store = tmp_path / "example-connector"
+    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    e = Engine(model, transfer=transfer,
+               env={"KVTIER_OFFLOAD": "On", "KVTIER_OFFLOAD_CONFIG": json.dumps(kv(name, 0))})
+    try:
+        want = engines["base"].generate([LONG])
+        assert e.generate([LONG]) == want
+        for p in OTHERS:
+            e.generate([p])
+        m0 = e.metrics()
+        s0 = stats(name)
+        assert e.generate([LONG]) == want
+        s1, m1 = stats(name), e.metrics()
+        hit = s1["hit_tokens"] - s0["hit_tokens"]
+        assert hit >= 32 * CHUNK, (s0, s1)
+        ext = m1.get("vllm:external_prefix_cache_hits", 0) - m0.get(
+            "vllm:external_prefix_cache_hits", 0)
+        assert ext == hit, ("vllm external hits", ext, "kvtier hit tokens", hit)
+        assert any(store.rglob("*.safetensors")), "the other connector saved nothing"
+        log = e.tail(400)
+        assert ("KVTIER_OFFLOAD added kvtier to the engine's kv_transfer_config: "
+                "ExampleConnector (kv_role kv_both) -> MultiConnector [KvtierConnector "
+                "(kv_both), ExampleConnector (kv_both)]") in log, log[-3000:]
+    finally:
+        e.close()
+        _unlink(name)
+
+
 def test_sliding_window_chunked_prefill(model_dir):
     """A sliding window (128) with chunked prefill in 100-token steps and
     224-token chunks (7 blocks): vLLM frees each block once it leaves the

@@ -16,6 +16,11 @@ the connector in vLLM's KVConnectorFactory, so that:
 The registration is lazy (a module path: nothing of kvtier or of the
 library is loaded until vLLM makes the connector), idempotent, and quiet
 when vLLM is absent or too different (then it does nothing).
+
+It also adds kvtier by environment (KVTIER_OFFLOAD, kvtier.vllm_offload):
+EngineArgs.create_engine_config is wrapped to fold kvtier into the
+kv_transfer_config a launcher wrote, in the process that builds the
+engine's configuration.
 """
 
 CONNECTOR = "KvtierConnector"
@@ -26,6 +31,7 @@ def register():
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:
         return False
+    _offload_by_env()
     registry = getattr(KVConnectorFactory, "_registry", None)
     if isinstance(registry, dict) and CONNECTOR in registry:
         return True
@@ -34,3 +40,14 @@ def register():
     except ValueError:  # registered meanwhile
         pass
     return True
+
+
+def _offload_by_env():
+    try:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.logger import init_logger
+    except ImportError:
+        return
+    from kvtier.vllm_offload import install
+    install(EngineArgs, KVTransferConfig, init_logger("vllm.kvtier").info)
