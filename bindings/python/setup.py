@@ -71,7 +71,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    packages=["kvtier"],
+    packages=["kvtier", "kvtier.vllm"],
     python_requires=">=3.9",
     # numpy / torch are used when given; neither is required to import.
     extras_require={"numpy": ["numpy"]},

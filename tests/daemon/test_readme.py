@@ -165,6 +165,10 @@ def test_build_and_install_block(tmp_path):
     assert lib.startswith(str(venv)) and os.path.basename(lib).startswith("libkvtier.so"), lib
     assert "config=" in mid, mid
     assert plugin == "['kvtier.vllm_plugin:register']", plugin
+    # the connector's package went in too (vLLM is not here to import it)
+    import glob
+    assert glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "kvtier" / "vllm" /
+                         "_connector.py")), "kvtier.vllm was not installed"
     # the paragraph under the block: where the operator's tools are built
     readme = open(rb.README).read()
     para = readme[readme.index(text):][:1200]

@@ -28,6 +28,7 @@ def test_gpu_vllm_command_parses():
     assert {k: cfg[k] for k in keys} == {k: cpu_cfg[k] for k in keys}
     # every extra key one the connector reads
     import kvtier.vllm as kv  # noqa: F401  (the connector imports with this vLLM)
-    src = open(kv.__file__).read()
+    pkg = os.path.dirname(kv.__file__)   # the package's modules
+    src = "".join(open(os.path.join(pkg, f)).read() for f in os.listdir(pkg) if f.endswith(".py"))
     for k in cfg["kv_connector_extra_config"]:
         assert '"%s"' % k in src, k

@@ -37,7 +37,7 @@ from kvt_testlib import segment_paths  # noqa: E402  (where a segment's file liv
 START_TIMEOUT = 300
 CMD_TIMEOUT = 300
 # the engine fields of the connector's model identity for the test engines
-# (bindings/python/kvtier/vllm.py, _engine_identity): bf16 KV, CPU layout
+# (bindings/python/kvtier/vllm/_settings.py, _engine_identity): bf16 KV, CPU layout
 ENGINE = ";dtype=bfloat16;kv=bfloat16;layout=LBHNC"
 BLOCKS = 64          # vLLM's own KV cache: 64 blocks of 32 tokens = 2,048 tokens
 CHUNK = 32           # kvtier chunk = vLLM block
