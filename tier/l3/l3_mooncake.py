@@ -98,7 +98,10 @@ def local_address(master):
 
 
 # Mooncake's first version whose RDMA registration honours
-# remote_accessible=false (kvcache-ai/Mooncake#3151, 2026-07-30)
+# remote_accessible=false: kvcache-ai/Mooncake#3151 was merged on
+# 2026-07-30, after 0.3.12.post1 (2026-07-25); Mooncake's tree of
+# 2026-08-22 has it and still calls itself 0.3.12.post1, so 0.3.13 is the
+# first release that can have it.  (Read from the source; no RDMA NIC here.)
 RDMA_LOCAL_ONLY = (0, 3, 13)
 
 
