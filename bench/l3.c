@@ -142,23 +142,26 @@ static const char mooncake_ref[] =
 	"        err += sum(1 for x in r if x < 0)\n"
 	"    return n * size / (time.perf_counter() - t) / 1e9, err\n"
 	"run(s.batch_put_from, ['warm:%d' % i for i in range(n)])\n"
-	"assert s.remove_all(True) >= 0\n"
+	"assert s.remove_by_regex('^warm:', True) >= 0\n"
 	"p, pe = run(s.batch_put_from, keys)\n"
 	"g, ge = run(s.batch_get_into, keys)\n"
 	"print('%f %f %d' % (p, g, pe + ge), flush=True)\n"
 	"os._exit(0)\n";
 
-/* Every object of the master removed (a client of no segment of its own):
- * 0, or -1. */
-static int mooncake_remove_all(const char *python, const char *master)
+/* The warm-up's objects removed, and only those (the master may be a
+ * --url of the fleet's): keys of salt WARM_SALT.  0, or -1. */
+#define BENCH_FP  0x62656e6368ull
+#define WARM_SALT 0x3a3aull
+static int mooncake_remove_warm(const char *python, const char *master)
 {
 	char cmd[2048];
 
 	snprintf(cmd, sizeof(cmd), "MC_LOG_LEVEL=ERROR GLOG_minloglevel=2 '%s' -c \""
 		 "import sys\nfrom mooncake.store import MooncakeDistributedStore as S\n"
 		 "s = S()\nassert s.setup('127.0.0.1', 'P2PHANDSHAKE', 0, 16 << 20, 'tcp', '', "
-		 "sys.argv[1]) == 0\nassert s.remove_all(True) >= 0\n\" %s >/dev/null 2>&1",
-		 python, master);
+		 "sys.argv[1]) == 0\nassert s.remove_by_regex(sys.argv[2], True) >= 0\n\" "
+		 "%s '^kvt:[{]%016llx%016llx' >/dev/null 2>&1", python, master,
+		 (unsigned long long)BENCH_FP, (unsigned long long)WARM_SALT);
 	return system(cmd) == 0 ? 0 : -1;
 }
 
@@ -213,7 +216,7 @@ static double run(kvt_l3 *l, struct item *it, uint32_t n, uint32_t op, uint8_t *
 			x->iov[2] = (struct iovec){ x->tag, sizeof(x->tag) };
 			q->op = op;
 			q->n_keys = 1;
-			kvt_l3_key(q->key, 0x62656e6368ull, &k, 0);
+			kvt_l3_key(q->key, BENCH_FP, &k, 0);
 			q->iov = x->iov;
 			q->iovcnt = 3;
 			batch[nb++] = q;
@@ -412,13 +415,13 @@ int kvt_bench_l3(int argc, char **argv)
 	 * redis-benchmark's SET rewrites its one key (the first pass of 1,024
 	 * x 4 MiB ran at a fifth of the speed of the next ones).  mooncake: a
 	 * put of a key the store has moves no bytes, so the warm-up puts other
-	 * keys, which the master then removes, and the timed pass puts fresh
+	 * keys, which the master then removes (those keys only), and the timed pass puts fresh
 	 * keys into the segment's memory the warm-up faulted in (the
 	 * reference does the same: its first pass of 1,024 x 1 MiB ran at
 	 * 1.9 GB/s, the next ones 5.1-5.3). */
 	uint64_t vsize = size - KVT_L3_HDR_SIZE - KVT_L3_TAG_SIZE;
-	(void)run(l, it, n, KVT_L3_PUT, vals, vsize, depth, mooncake ? 0x3a3a : 0xbe1c, &e_put);
-	if (mooncake && mooncake_remove_all(python, master)) {
+	(void)run(l, it, n, KVT_L3_PUT, vals, vsize, depth, mooncake ? WARM_SALT : 0xbe1c, &e_put);
+	if (mooncake && mooncake_remove_warm(python, master)) {
 		fprintf(stderr, "kvtier-bench l3: the warm-up's objects could not be removed\n");
 		rc = -1;
 		goto out;

@@ -280,27 +280,31 @@ static void entry_reap_locked(kvt_seg *s, uint32_t e, uint32_t acting,
 		struct kvt_slot *sl = kvt__slot(s, x);
 		uint64_t w = kat_load(&sl->state, KVT_ACQ);
 		switch (KVT_ST(w)) {
-		case KVT_S_FILLING:
-			rep->slots += (uint32_t)kvt__slot_writer_gone(s, x, e);
+		case KVT_S_FILLING: {
+			int had = kvt__slot_writer_gone(s, x, e);
 			if (KVT_FILL_OWNER(w) == e + 1) { /* died setting it up */
 				kvt__slot_abandon(s, x, KVT_GEN(w), e + 1);
-				rep->slots++;
+				had = 1;
 			}
+			rep->slots += (uint32_t)had; /* a slot counts once */
 			break;
+		}
 		case KVT_S_DOOMED:
 		case KVT_S_EVICTING:
 			rep->slots += (uint32_t)kvt__slot_writer_gone(s, x, e);
 			kvt__slot_reclaim(s, x, KVT_GEN(w)); /* finish what is left */
 			break;
-		case KVT_S_READY:
+		case KVT_S_READY: {
 			/* It died in kvt_write_end between the READY CAS and its
 			 * claim drop: only the claim is left to drop. */
-			rep->slots += (uint32_t)kvt__slot_writer_gone(s, x, e);
+			int had = kvt__slot_writer_gone(s, x, e);
 			if ((w & KVT_ST_FROZEN) && KVT_FREEZER(w) == e + 1) {
 				kvt__pins_repair(s, x, KVT_GEN(w) & 0xfffffffULL);
-				rep->slots++;
+				had = 1;
 			}
+			rep->slots += (uint32_t)had;
 			break;
+		}
 		default:
 			break;
 		}
