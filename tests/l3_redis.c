@@ -15,6 +15,10 @@
  *   - a store at maxmemory: evicting (allkeys-lru) some chunks whole,
  *     some a shard short (misses), none wrong; refusing writes
  *     (noeviction): puts dropped, the store still up;
+ *   - encrypted objects (--l3-encrypt): no payload in the clear in the
+ *     store, decrypted exact on another node (which also takes a clear
+ *     one), a flipped ciphertext bit or a header claiming "clear" refused;
+ *     puts wait for staging, never dropped;
  *   - the lookups' channel (kvt_l3_chan.h): a node's asks over the socket
  *     beside its segment answered HERE (then READY, exact) or MISSING, a
  *     malformed ask ends only that connection.
@@ -781,6 +785,8 @@ static void two_nodes_close(const char *na, const char *nb, kvt_seg *a, kvt_seg 
 }
 
 static uint32_t node_jobs; /* the engines' jobs (0: the default) */
+static uint32_t node_encrypt;  /* the engines' --l3-encrypt */
+static uint64_t node_stage;    /* ... and their staging's bytes (0: the default) */
 
 /* A node's engine on the store at p (0: the cluster). */
 static kvt_l3e *node_engine_at(kvt_seg *sg, uint32_t admit, void (*hook)(void *, uint32_t),
@@ -789,7 +795,8 @@ static kvt_l3e *node_engine_at(kvt_seg *sg, uint32_t admit, void (*hook)(void *,
 	static char url[64], keyf[300];
 	struct kvt_l3e_opts o = { .size = sizeof(o), .key_path = keyf, .create_key = 1,
 				  .admit = admit, .jobs = node_jobs, .test_before_seal = hook,
-				  .test_arg = arg };
+				  .test_arg = arg, .encrypt = node_encrypt,
+				  .stage_bytes = node_stage };
 	char err[256];
 	kvt_l3e *e = NULL;
 
@@ -826,43 +833,55 @@ static int slot_of(kvt_seg *sg, const kvt_key *k)
 	return -1;
 }
 
-/* A rank of the node saving chunks keys[0..n) (depth = index), stamped. */
-static void node_save(kvt_seg *sg, const kvt_key *keys, uint32_t n)
+/* A rank of the node saving chunk k at depth (and stamp) i. */
+static void node_save_at(kvt_seg *sg, const kvt_key *k, uint32_t i)
 {
 	uint64_t pay = kvt_seg_chunk_bytes(sg);
 
+	for (uint32_t sh = 0; sh < 2; sh++) {
+		struct kvt_wref w;
+		assert_int_equal(kvt_write_begin(sg, k, i, sh, &w), 0);
+		uint8_t *p = kvt_slot_shard_ptr(sg, w.slot, sh);
+		for (uint64_t o = 0; o < pay; o++)
+			p[o] = node_stamp(i, sh, o);
+		assert_true(kvt_write_end(sg, &w, 1) >= 0);
+	}
+}
+
+/* ... chunks keys[0..n) (depth = index), stamped. */
+static void node_save(kvt_seg *sg, const kvt_key *keys, uint32_t n)
+{
 	for (uint32_t i = 0; i < n; i++)
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			struct kvt_wref w;
-			assert_int_equal(kvt_write_begin(sg, &keys[i], i, sh, &w), 0);
-			uint8_t *p = kvt_slot_shard_ptr(sg, w.slot, sh);
-			for (uint64_t o = 0; o < pay; o++)
-				p[o] = node_stamp(i, sh, o);
-			assert_true(kvt_write_end(sg, &w, 1) >= 0);
-		}
+		node_save_at(sg, &keys[i], i);
+}
+
+/* Chunk k READY in sg with stamp i. */
+static void node_check_one(kvt_seg *sg, const kvt_key *k, uint32_t i)
+{
+	uint64_t pay = kvt_seg_chunk_bytes(sg);
+	int x = slot_of(sg, k);
+
+	assert_true(x >= 0);
+	for (uint32_t sh = 0; sh < 2; sh++) {
+		const uint8_t *p = kvt_slot_shard_ptr(sg, (uint32_t)x, sh);
+		for (uint64_t o = 0; o < pay; o++)
+			if (p[o] != node_stamp(i, sh, o))
+				fail_msg("chunk %u shard %u: another chunk's bytes or none at "
+					 "byte %llu (%#x)", i, sh, (unsigned long long)o, p[o]);
+	}
 }
 
 /* Every chunk of keys[0..n) READY in sg holds its stamp; returns how many
  * are READY (all of them when need_all). */
 static uint32_t node_check(kvt_seg *sg, const kvt_key *keys, uint32_t n, int need_all)
 {
-	uint64_t pay = kvt_seg_chunk_bytes(sg);
 	uint32_t ready = 0;
 
 	for (uint32_t i = 0; i < n; i++) {
-		int x = slot_of(sg, &keys[i]);
-		if (need_all)
-			assert_true(x >= 0);
-		if (x < 0)
+		if (slot_of(sg, &keys[i]) < 0 && !need_all)
 			continue;
+		node_check_one(sg, &keys[i], i);
 		ready++;
-		for (uint32_t sh = 0; sh < 2; sh++) {
-			const uint8_t *p = kvt_slot_shard_ptr(sg, (uint32_t)x, sh);
-			for (uint64_t o = 0; o < pay; o++)
-				if (p[o] != node_stamp(i, sh, o))
-					fail_msg("chunk %u shard %u: another chunk's bytes or none at "
-						 "byte %llu (%#x)", i, sh, (unsigned long long)o, p[o]);
-		}
 	}
 	return ready;
 }
@@ -951,6 +970,152 @@ static void test_two_nodes(void **st)
 	/* in DRAM now: a fetch asks nothing */
 	assert_int_equal(kvt_l3e_fetch(eb, keys, depths, NODE_CHUNKS), 0);
 	kvt_l3e_close(ea);
+	kvt_l3e_close(eb);
+	two_nodes_close(na, nb, a, b);
+}
+
+/* The raw object of (chunk key, shard) from whichever master has it (a
+ * malloc'd copy; *len set), or NULL. */
+static uint8_t *obj_get(uint64_t fp, const kvt_key *k, uint32_t sh, size_t *len)
+{
+	char key[KVT_L3_KEY_MAX];
+	uint8_t *out = NULL;
+
+	kvt_l3_key(key, fp, k, sh);
+	for (int i = 0; i < 3 && !out; i++) {
+		redisContext *c = connect_ok(port[i]);
+		redisReply *y = redisCommand(c, "GET %s", key);
+		if (y && y->type == REDIS_REPLY_STRING && (out = malloc(y->len))) {
+			memcpy(out, y->str, y->len);
+			*len = y->len;
+		}
+		if (y)
+			freeReplyObject(y);
+		redisFree(c);
+	}
+	return out;
+}
+
+static void obj_set(uint64_t fp, const kvt_key *k, uint32_t sh, const uint8_t *obj, size_t len)
+{
+	char key[KVT_L3_KEY_MAX];
+	int ok = 0;
+
+	kvt_l3_key(key, fp, k, sh);
+	for (int i = 0; i < 3 && !ok; i++) {
+		redisContext *c = connect_ok(port[i]);
+		redisReply *y = redisCommand(c, "SET %s %b", key, obj, len);
+		ok = y && y->type == REDIS_REPLY_STATUS;
+		if (y)
+			freeReplyObject(y);
+		redisFree(c);
+	}
+	assert_true(ok);
+}
+
+/* --l3-encrypt: node A's engine encrypts (a staging of one chunk: its puts
+ * wait for it, none is dropped); what the store holds is no payload in
+ * the clear (the bytes match the chunk's at chance rate); node B decrypts
+ * every one exact, and takes a clear object (a MAC-only node's) as well;
+ * one flipped ciphertext bit, and a header rewritten to say "clear", are
+ * refused, never published. */
+static void test_encrypted(void **st)
+{
+	char na[64], nb[64];
+	kvt_seg *a, *b;
+	kvt_l3e *ea, *eb;
+	struct kvt_l3e_info ia, ib;
+	kvt_key keys[NODE_CHUNKS + 1], fpk;
+	uint32_t depths[NODE_CHUNKS + 1];
+	uint64_t lease, pay, fp;
+
+	(void)st;
+	two_nodes("enc", na, nb, &a, &b);
+	pay = kvt_seg_chunk_bytes(a);
+	kvt_seg_fingerprint(a, &fpk);
+	fp = fpk.lo ^ fpk.hi;
+	for (uint32_t i = 0; i < NODE_CHUNKS + 1; i++) {
+		keys[i] = (kvt_key){ 0x3e000 + i + (uint64_t)getpid() * 1000, 0x6e63 };
+		depths[i] = i;
+	}
+	node_save(a, keys, NODE_CHUNKS);
+	node_encrypt = 1;
+	node_stage = 2 * pay; /* one chunk's two shards */
+	ea = node_engine(a, KVT_ADMIT_ALL);
+	assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+	kvt_l3e_info(ea, &ia);
+	assert_int_equal(ia.puts, NODE_CHUNKS);
+	assert_int_equal(ia.put_drops, 0);
+	assert_int_equal(ia.stage_bytes, 2 * pay);
+	assert_true(ia.put_waits > 0);
+	kvt_l3e_close(ea);
+	/* in the store: encrypted, nothing of the payload in the clear */
+	for (uint32_t i = 0; i < NODE_CHUNKS; i++)
+		for (uint32_t sh = 0; sh < 2; sh++) {
+			size_t len = 0;
+			uint8_t *o = obj_get(fp, &keys[i], sh, &len);
+			struct kvt_l3_hdr h;
+			uint64_t same = 0;
+
+			assert_non_null(o);
+			assert_int_equal(len, KVT_L3_HDR_SIZE + pay + KVT_L3_TAG_SIZE);
+			memcpy(&h, o, sizeof(h));
+			assert_int_equal(h.version, KVT_L3_ENCRYPTED);
+			for (uint64_t x = 0; x < pay; x++)
+				same += o[KVT_L3_HDR_SIZE + x] == node_stamp(i, sh, x);
+			if (same > pay / 64) /* chance: 1 in 256 */
+				fail_msg("chunk %u shard %u: %llu of %llu payload bytes in the clear",
+					 i, sh, (unsigned long long)same, (unsigned long long)pay);
+			free(o);
+		}
+	/* a clear object too: chunk NODE_CHUNKS put by a third node's
+	 * MAC-only engine */
+	{
+		char nc[64];
+		kvt_seg *c;
+
+		snprintf(nc, 64, "t-l3encc-%d", (int)getpid());
+		c = node_seg(nc);
+		node_save_at(c, &keys[NODE_CHUNKS], NODE_CHUNKS);
+		node_encrypt = 0;
+		ea = node_engine(c, KVT_ADMIT_ALL);
+		assert_int_equal(kvt_l3e_drain(ea, 1, -1), 0);
+		kvt_l3e_info(ea, &ia);
+		assert_int_equal(ia.puts, 1);
+		kvt_l3e_close(ea);
+		kvt_seg_detach(c);
+		kvt_seg_unlink(nc, NULL);
+	}
+	/* forged: chunk 0's shard 1 one ciphertext bit flipped; chunk 1's
+	 * shard 0 header says "clear" (the tag covers the header) */
+	{
+		size_t len = 0;
+		uint8_t *o = obj_get(fp, &keys[0], 1, &len);
+		assert_non_null(o);
+		o[KVT_L3_HDR_SIZE + pay / 2] ^= 0x10;
+		obj_set(fp, &keys[0], 1, o, len);
+		free(o);
+		o = obj_get(fp, &keys[1], 0, &len);
+		assert_non_null(o);
+		((struct kvt_l3_hdr *)o)->version = KVT_L3_CLEAR;
+		obj_set(fp, &keys[1], 0, o, len);
+		free(o);
+	}
+	/* node B (encrypting too) fetches everything */
+	node_encrypt = 1;
+	eb = node_engine(b, KVT_ADMIT_NONE);
+	node_encrypt = 0;
+	node_stage = 0;
+	assert_int_equal(kvt_l3e_fetch(eb, keys, depths, NODE_CHUNKS + 1), NODE_CHUNKS + 1);
+	assert_int_equal(kvt_l3e_drain(eb, 0, -1), 0);
+	kvt_l3e_info(eb, &ib);
+	assert_int_equal(ib.gets, NODE_CHUNKS - 1);
+	assert_int_equal(ib.refused, 2);
+	assert_true(slot_of(b, &keys[0]) < 0 && slot_of(b, &keys[1]) < 0); /* never published */
+	assert_int_equal(kvt_seg_lookup(b, &keys[2], NODE_CHUNKS - 1, &lease), NODE_CHUNKS - 1);
+	kvt_lease_release(b, lease);
+	for (uint32_t i = 2; i <= NODE_CHUNKS; i++)
+		node_check_one(b, &keys[i], i);
 	kvt_l3e_close(eb);
 	two_nodes_close(na, nb, a, b);
 }
@@ -1593,6 +1758,7 @@ int main(void)
 		cmocka_unit_test(test_malformed_replies),
 		cmocka_unit_test(test_two_nodes),
 		cmocka_unit_test(test_two_nodes_other_model),
+		cmocka_unit_test(test_encrypted),
 		cmocka_unit_test(test_channel),
 		cmocka_unit_test(test_channel_depth),
 		cmocka_unit_test(test_channel_flood),

@@ -646,6 +646,8 @@ def test_bad_settings_are_refused(name, procs):
     assert rc == 2 and "KVTIER_CHUNK_TOKENS" in out
     rc, out = run(["--segment", name, "--world", "2"])
     assert rc == 2 and "KV layout is needed" in out
+    rc, out = run(["--segment", name, "--l3-encrypt"] + daemon_layout_args())
+    assert rc == 2 and "--l3-encrypt go with --l3 URL" in out, out
     cfg = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
     cfg.write("# comment\nsegment = %s\nworlds = 2\n" % name)
     cfg.close()

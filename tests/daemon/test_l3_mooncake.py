@@ -9,7 +9,6 @@ Run by scripts/test.sh with the rest of tests/daemon."""
 
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -21,8 +20,9 @@ from test_kvtierd import (KVTIER_STAT, T, WORLD, Daemon, Rank, TwoNets, expected
                           side_files, until)
 
 MC_PY = os.environ.get("KVTIER_MOONCAKE_PYTHON", "")
-FORGE = r"""
-import sys, urllib.request
+# a client of the store with no fleet key: every kvt: object's key, and s
+STORE_CLIENT = r"""
+import struct, sys, urllib.request
 from mooncake.store import MooncakeDistributedStore as S
 master, admin = sys.argv[1], sys.argv[2]
 body = urllib.request.urlopen("http://%s/get_all_keys" % admin, timeout=10).read().decode()
@@ -30,6 +30,9 @@ keys = [k for k in body.replace(",", " ").replace('"', " ").split() if k.startsw
 s = S()
 # no segment of its own (0): what it writes lives in the nodes' segments
 assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master) == 0
+"""
+# one bit of every object's payload flipped, upserted: how many
+FORGE = STORE_CLIENT + r"""
 n = 0
 for k in keys:
     v = s.get(k)
@@ -40,6 +43,15 @@ for k in keys:
     if s.upsert(k, bytes(b)) == 0:
         n += 1
 print(n)
+"""
+# the header versions of every object: 1 clear, 2 encrypted (VERSION:COUNT)
+VERSIONS = STORE_CLIENT + r"""
+seen = {}
+for k in keys:
+    v = s.get(k)
+    ver = struct.unpack_from("<I", v, 44)[0] if v and len(v) >= 64 else 0
+    seen[ver] = seen.get(ver, 0) + 1
+print(" ".join("%d:%d" % kv for kv in sorted(seen.items())))
 """
 
 
@@ -142,7 +154,9 @@ def test_l3_mooncake_two_nodes(name, procs, tmp_path):
     still answers, and back up by itself once a master runs again; node A
     killed: its segment's objects are misses on B, never wrong; objects
     forged by a client without the fleet key (one bit flipped, upserted):
-    refused, never served."""
+    refused, never served.  Node A encrypts (--l3-encrypt: its puts go
+    from the staging its companion maps, the store holds version-2
+    objects), node B does not: it reads them all the same."""
     net, m, key, hold = fleet(procs, tmp_path)
 
     def url(i, segment="64M"):
@@ -154,9 +168,11 @@ def test_l3_mooncake_two_nodes(name, procs, tmp_path):
     remove_segment(name_b)
     try:
         node_a = dict(instances=1, slots=64, prefix=net.prefix(0), host=net.node[0])
-        a = Daemon(name, extra=["--l3", url(0), "--l3-admit", "all"] + common, **node_a)
+        a = Daemon(name, extra=["--l3", url(0), "--l3-admit", "all", "--l3-encrypt"] + common,
+                   **node_a)
         procs.append(a)
         assert "l3 tier: mooncake store: master " in a.log(), a.log()
+        assert "objects encrypted (staging " in a.log(), a.log()
         ranks_a = [Rank(name, 0, k) for k in range(WORLD)]
         procs.extend(ranks_a)
         for k in ranks_a:
@@ -165,6 +181,11 @@ def test_l3_mooncake_two_nodes(name, procs, tmp_path):
         until(lambda: metric(a.get("/metrics")[1], "kvtier_l3_puts_total") >= 48,
               "node A to put its 48 chunks")
         assert len(m.keys()) == 48 * WORLD  # one object per (chunk, shard)
+        v = subprocess.run([MC_PY, "-c", VERSIONS, "127.0.0.1:%d" % m.port,
+                            "127.0.0.1:%d" % m.admin], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, MC_LOG_LEVEL="ERROR"))
+        assert v.returncode == 0 and v.stdout.split()[-1] == "2:%d" % (48 * WORLD), \
+            v.stdout + v.stderr
 
         # node B: admission none, and no memory of its own in the store
         # (segment=0): every object lives in node A's segment

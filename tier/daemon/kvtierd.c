@@ -1225,7 +1225,8 @@ int main(int argc, char **argv)
 #ifdef KVTIERD_L3
 		struct kvt_l3e_opts lo = {
 			.size = sizeof(lo), .key_path = o.l3_key, .create_key = 1,
-			.admit = o.l3_admit, .negative_ms = o.l3_negative_ms, .log = l3_log };
+			.admit = o.l3_admit, .negative_ms = o.l3_negative_ms, .log = l3_log,
+			.encrypt = (uint32_t)o.l3_encrypt };
 		struct kvt_l3e_info in;
 		lo.store = (struct kvt_l3_conf){ .size = sizeof(lo.store), .url = o.l3_url,
 						 .auth_file = o.l3_auth, .python = o.l3_python,
@@ -1253,9 +1254,13 @@ int main(int argc, char **argv)
 			LOG_WARN("l3: made a new fleet key at %s: copy this file to every other "
 				 "node (a node with another key refuses these objects, and its "
 				 "own are refused here)", o.l3_key);
+		char how[96] = "objects authenticated, in the clear";
+		if (o.l3_encrypt)
+			snprintf(how, sizeof(how), "objects encrypted (staging %llu MiB)",
+				 (unsigned long long)(in.stage_bytes >> 20));
 		if (in.store.up)
-			LOG_INFO("l3 tier: %s, admission %s, fleet key %s", in.store.describe,
-				 kvt_disk_admit_name(o.l3_admit), o.l3_key);
+			LOG_INFO("l3 tier: %s, admission %s, fleet key %s, %s", in.store.describe,
+				 kvt_disk_admit_name(o.l3_admit), o.l3_key, how);
 		else
 			LOG_WARN("l3 tier: %s does not answer yet (%s); starting without it, it is "
 				 "retried", o.l3_url, in.store.last_error);

@@ -31,7 +31,7 @@ enum {
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
 	O_VERSION, O_VLLM_BLOCK, O_DISK, O_DISK_GIB, O_DISK_DIRECT, O_DISK_ADMIT,
 	O_DISK_DEPTH, O_DISK_RESET, O_DISK_KEY, O_L3, O_L3_ADMIT, O_L3_AUTH_FILE, O_L3_KEY,
-	O_L3_TIMEOUT, O_L3_NEGATIVE, O_L3_PYTHON,
+	O_L3_TIMEOUT, O_L3_NEGATIVE, O_L3_PYTHON, O_L3_ENCRYPT,
 };
 
 static const struct option LONGOPTS[] = {
@@ -80,6 +80,7 @@ static const struct option LONGOPTS[] = {
 	{ "l3-timeout-ms", required_argument, NULL, O_L3_TIMEOUT },
 	{ "l3-negative-ms", required_argument, NULL, O_L3_NEGATIVE },
 	{ "l3-python", required_argument, NULL, O_L3_PYTHON },
+	{ "l3-encrypt", no_argument, NULL, O_L3_ENCRYPT },
 	{ "version", no_argument, NULL, O_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -157,6 +158,9 @@ static void usage(FILE *f)
 "  --l3-key PATH           the fleet's object key: the same file on every node\n"
 "                          (made, mode 0600, when missing: copy it to the others)\n"
 "  --l3-admit POLICY       all | second-hit | none (default all)\n"
+"  --l3-encrypt            encrypt the objects, not only authenticate them (the\n"
+"                          store then holds no prompt's KV in the clear); the\n"
+"                          seal then runs at a third of its rate (README, L3)\n"
 "  --l3-auth-file PATH     \"password\" or \"user password\" (an ACL user), mode 0600\n"
 "  --l3-timeout-ms N       connect and command timeout (default 1000)\n"
 "  --l3-negative-ms N      how long a chunk the store lacked is not asked for\n"
@@ -375,6 +379,7 @@ static int apply(struct opts *o, int c, const char *arg)
 		return 0;
 	case O_L3_NEGATIVE:
 		return parse_u32("l3-negative-ms", arg, 1, 3600000, &o->l3_negative_ms);
+	case O_L3_ENCRYPT: o->l3_encrypt = 1; return 0;
 	default: return -EINVAL;
 	}
 }
@@ -654,9 +659,9 @@ int kvtd_opts_parse(struct opts *o, int argc, char **argv)
 		return -EINVAL;
 	}
 	if (!o->l3_url && (o->l3_key || o->l3_auth || o->l3_timeout_ms || o->l3_negative_ms ||
-			   o->l3_python)) {
-		fprintf(stderr, "kvtierd: --l3-key, --l3-auth-file, --l3-timeout-ms and "
-			"--l3-negative-ms go with --l3 URL\n");
+			   o->l3_python || o->l3_encrypt)) {
+		fprintf(stderr, "kvtierd: --l3-key, --l3-auth-file, --l3-timeout-ms, "
+			"--l3-negative-ms, --l3-python and --l3-encrypt go with --l3 URL\n");
 		return -EINVAL;
 	}
 	if (!o->model_config && !o->n_groups) {

@@ -45,6 +45,7 @@ struct opts {
 	/* the L3 tier */
 	const char *l3_url, *l3_auth, *l3_key, *l3_python;
 	uint32_t l3_admit, l3_timeout_ms, l3_negative_ms;
+	int l3_encrypt;           /* --l3-encrypt */
 	struct kvtd_str *strings; /* the config file's values, owned */
 };
 

@@ -63,6 +63,7 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/hmac.h>
 
 #include "kvt_disk.h"
 #include "kvt_disk_trust.h"
@@ -243,7 +244,8 @@ int kvt_disk_key_load(const char *path, int create, uint8_t key[KVT_MAC_KEY_BYTE
 /* ---- the MAC ---- */
 
 struct kvt_mac {
-	EVP_CIPHER_CTX *c;
+	EVP_CIPHER_CTX *c;         /* sealing: a MAC, or encrypting (the L3's) */
+	EVP_CIPHER_CTX *d;         /* opening an encrypted object (the L3's) */
 	uint8_t key[KVT_MAC_KEY_BYTES];
 };
 
@@ -254,7 +256,10 @@ kvt_mac *kvt_mac_new(const uint8_t key[KVT_MAC_KEY_BYTES])
 	if (!m)
 		return NULL;
 	m->c = EVP_CIPHER_CTX_new();
-	if (!m->c || EVP_EncryptInit_ex(m->c, EVP_chacha20_poly1305(), NULL, NULL, NULL) != 1) {
+	m->d = EVP_CIPHER_CTX_new();
+	if (!m->c || !m->d ||
+	    EVP_EncryptInit_ex(m->c, EVP_chacha20_poly1305(), NULL, NULL, NULL) != 1 ||
+	    EVP_DecryptInit_ex(m->d, EVP_chacha20_poly1305(), NULL, NULL, NULL) != 1) {
 		kvt_mac_free(m);
 		return NULL;
 	}
@@ -267,6 +272,7 @@ void kvt_mac_free(kvt_mac *m)
 	if (!m)
 		return;
 	EVP_CIPHER_CTX_free(m->c);
+	EVP_CIPHER_CTX_free(m->d);
 	OPENSSL_clear_free(m, sizeof(*m));
 }
 
@@ -283,19 +289,76 @@ int kvt_mac_begin(kvt_mac *m, const uint8_t nonce[KVT_MAC_NONCE_BYTES])
 	return EVP_EncryptInit_ex(m->c, NULL, NULL, m->key, nonce) == 1 ? 0 : -EIO;
 }
 
-int kvt_mac_update(kvt_mac *m, const void *p, size_t n)
+int kvt_mac_derive(kvt_mac *m, const void *info, size_t n, uint8_t sub[KVT_MAC_KEY_BYTES])
 {
-	const uint8_t *b = p;
-	int out;
+	unsigned int len = 0;
+
+	return HMAC(EVP_sha256(), m->key, KVT_MAC_KEY_BYTES, info, n, sub, &len) &&
+	       len == KVT_MAC_KEY_BYTES ? 0 : -EIO;
+}
+
+int kvt_mac_begin_sub(kvt_mac *m, const uint8_t sub[KVT_MAC_KEY_BYTES],
+		      const uint8_t nonce[KVT_MAC_NONCE_BYTES])
+{
+	return EVP_EncryptInit_ex(m->c, NULL, NULL, sub, nonce) == 1 ? 0 : -EIO;
+}
+
+/* EVP's lengths are ints: pieces of at most 1 GiB.  dec: the opening
+ * context; out NULL: associated data. */
+static int crypt_update(EVP_CIPHER_CTX *c, int dec, void *out, const void *in, size_t n)
+{
+	const uint8_t *b = in;
+	uint8_t *o = out;
+	int got;
 
 	while (n) {
 		int step = n > (1u << 30) ? 1 << 30 : (int)n;
-		if (EVP_EncryptUpdate(m->c, NULL, &out, b, step) != 1)
+		if ((dec ? EVP_DecryptUpdate(c, o, &got, b, step)
+			 : EVP_EncryptUpdate(c, o, &got, b, step)) != 1)
 			return -EIO;
 		b += step;
+		if (o)
+			o += step;
 		n -= (size_t)step;
 	}
 	return 0;
+}
+
+int kvt_mac_update(kvt_mac *m, const void *p, size_t n)
+{
+	return crypt_update(m->c, 0, NULL, p, n);
+}
+
+int kvt_mac_encrypt(kvt_mac *m, void *out, const void *in, size_t n)
+{
+	return crypt_update(m->c, 0, out, in, n);
+}
+
+int kvt_mac_open_begin(kvt_mac *m, const uint8_t sub[KVT_MAC_KEY_BYTES],
+		       const uint8_t nonce[KVT_MAC_NONCE_BYTES])
+{
+	return EVP_DecryptInit_ex(m->d, NULL, NULL, sub, nonce) == 1 ? 0 : -EIO;
+}
+
+int kvt_mac_open_aad(kvt_mac *m, const void *p, size_t n)
+{
+	return crypt_update(m->d, 1, NULL, p, n);
+}
+
+int kvt_mac_decrypt(kvt_mac *m, void *out, const void *in, size_t n)
+{
+	return crypt_update(m->d, 1, out, in, n);
+}
+
+int kvt_mac_open_final(kvt_mac *m, const uint8_t tag[KVT_MAC_TAG_BYTES])
+{
+	uint8_t none[16];
+	int out = 0;
+
+	if (EVP_CIPHER_CTX_ctrl(m->d, EVP_CTRL_AEAD_SET_TAG, KVT_MAC_TAG_BYTES,
+				(void *)tag) != 1)
+		return -EIO;
+	return EVP_DecryptFinal_ex(m->d, none, &out) == 1 ? 0 : -EBADMSG;
 }
 
 int kvt_mac_final(kvt_mac *m, uint8_t tag[KVT_MAC_TAG_BYTES])

@@ -50,6 +50,23 @@ int kvt_mac_nonce(uint8_t nonce[KVT_MAC_NONCE_BYTES]);
 int kvt_mac_begin(kvt_mac *m, const uint8_t nonce[KVT_MAC_NONCE_BYTES]);
 int kvt_mac_update(kvt_mac *m, const void *p, size_t n);
 int kvt_mac_final(kvt_mac *m, uint8_t tag[KVT_MAC_TAG_BYTES]);
+/* The same with a plaintext (the L3's encrypted objects; the disk's
+ * chunks are MAC-only), under a subkey: kvt_mac_derive makes it from the
+ * key and info (HMAC-SHA-256), kvt_mac_begin_sub starts with it; after the
+ * associated data (kvt_mac_update), kvt_mac_encrypt writes n bytes of
+ * ciphertext (out may be in), then kvt_mac_final.  Opening: open_begin
+ * with the subkey, the associated data, kvt_mac_decrypt (out may be in),
+ * and final with the tag: 0, -EBADMSG (the tag does not match: what was
+ * decrypted is garbage, to be thrown away), -EIO. */
+int kvt_mac_derive(kvt_mac *m, const void *info, size_t n, uint8_t sub[KVT_MAC_KEY_BYTES]);
+int kvt_mac_begin_sub(kvt_mac *m, const uint8_t sub[KVT_MAC_KEY_BYTES],
+		      const uint8_t nonce[KVT_MAC_NONCE_BYTES]);
+int kvt_mac_encrypt(kvt_mac *m, void *out, const void *in, size_t n);
+int kvt_mac_open_begin(kvt_mac *m, const uint8_t sub[KVT_MAC_KEY_BYTES],
+		       const uint8_t nonce[KVT_MAC_NONCE_BYTES]);
+int kvt_mac_open_aad(kvt_mac *m, const void *p, size_t n);
+int kvt_mac_decrypt(kvt_mac *m, void *out, const void *in, size_t n);
+int kvt_mac_open_final(kvt_mac *m, const uint8_t tag[KVT_MAC_TAG_BYTES]);
 /* Zeroes a key's copy (not optimised away). */
 void kvt_mac_wipe(void *p, size_t n);
 /* Constant-time comparison: 1 equal. */

@@ -45,6 +45,23 @@
  *   node).  A chunk of another model (another fingerprint), an object
  *   written by anyone without the key, a torn or truncated one: its tag
  *   fails, and it is a miss, never served.
+ *   Confidentiality (kvtierd --l3-encrypt, off by default).  The same
+ *   AEAD with the payload as its plaintext: the header says which
+ *   (version KVT_L3_CLEAR or KVT_L3_ENCRYPTED, under the tag, so it
+ *   cannot be rewritten), and every node reads both, so a fleet turns it
+ *   on node by node.  A put encrypts from the sub-slot into a staging
+ *   buffer of the engine's (the sub-slot is a live READY chunk: it is
+ *   never written) and goes from there; a get decrypts in the claimed
+ *   sub-slot, which is published only when the tag checked -- what a
+ *   failed one leaves there is freed, never read.  Off by default because
+ *   of its cost, measured (docs/BENCHMARKS.md, kvtier-bench l3 --seal):
+ *   ChaCha20 runs at 6.5 GB/s on one core beside Poly1305's 12, so the
+ *   engine's one thread seals at 4.1 GB/s instead of 12, under a warm
+ *   Mooncake put (5.1 GB/s); on the 2-core machines the L3 is measured on,
+ *   1 MiB puts fell from 0.62x of Mooncake's own client (MAC only) to
+ *   0.50x.  Random 96-bit nonces: the fleet key should be replaced well
+ *   before 2^32 objects (a repeated nonce would show the XOR of two
+ *   payloads), as with the MAC alone (it would allow a forgery).
  *   Failure is a miss.  A backend reports -EIO, -ETIMEDOUT, -ENOTCONN,
  *   -ENOENT (absent), -ENOSPC (the store is full) per request; it is never
  *   an error to the engine, and kvtierd marks the L3 down (degraded) while
@@ -113,6 +130,11 @@ struct kvt_l3_conf {
 	int mem_fd;                /* the file mem is mapped from (at mem_off) */
 	const char *python;        /* mooncake: the Python with the wheel; NULL:
 				    * $KVTIER_MOONCAKE_PYTHON, else python3 */
+	/* A second such region, or NULL: the engine's staging of encrypted
+	 * puts (a memfd of its own; stage_fd read only when stage is set). */
+	const void *stage;
+	uint64_t stage_len;
+	int stage_fd;
 };
 
 struct kvt_l3_status {
@@ -149,13 +171,15 @@ void kvt_l3_close(kvt_l3 *l);
 #define KVT_L3_MAGIC    0x314c33544b56ull /* "KVT3L1" */
 #define KVT_L3_HDR_SIZE 64
 #define KVT_L3_TAG_SIZE 16
+#define KVT_L3_CLEAR     1 /* the payload in the clear, under the tag */
+#define KVT_L3_ENCRYPTED 2 /* the payload encrypted (ChaCha20-Poly1305) */
 
 struct kvt_l3_hdr {
 	uint64_t magic;
 	uint64_t fingerprint;      /* the layout's */
 	uint64_t key_lo, key_hi;
 	uint32_t shard, n_shards;
-	uint32_t depth, version;
+	uint32_t depth, version;   /* KVT_L3_CLEAR or KVT_L3_ENCRYPTED */
 	uint32_t payload;          /* bytes after the header (one sub-slot) */
 	uint8_t nonce[12];
 };
@@ -182,10 +206,21 @@ void kvt_l3_seal_close(kvt_l3_sealer *s);
 int kvt_l3_seal_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
 		       uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint, const kvt_key *k,
 		       uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t len);
-int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE],
-			const void *payload, const uint8_t tag[KVT_L3_TAG_SIZE],
-			uint64_t fingerprint, const kvt_key *k, uint32_t shard,
-			uint32_t n_shards, uint32_t depth, uint64_t len);
+/* The same, encrypting: the payload's ciphertext written to ct (not the
+ * payload's place: a put's sub-slot is a live chunk), the header's
+ * version KVT_L3_ENCRYPTED, the tag over the header and the ciphertext. */
+int kvt_l3_encrypt_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
+			  void *ct, uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint,
+			  const kvt_key *k, uint32_t shard, uint32_t n_shards, uint32_t depth,
+			  uint64_t len);
+/* Either version is accepted (both are the fleet key's: a node with
+ * encryption off reads a node's with it on, and the other way): an
+ * encrypted payload is decrypted in place, and on -EBADMSG what is there
+ * is garbage, never to be published. */
+int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE], void *payload,
+			const uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint,
+			const kvt_key *k, uint32_t shard, uint32_t n_shards, uint32_t depth,
+			uint64_t len);
 
 /* Writes the header before payload (obj[0..64)) and the tag after it
  * (obj[64 + payload .. + 16)): the object is obj[0 .. 80 + payload). */
@@ -193,7 +228,7 @@ int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_
 		uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t payload);
 /* Checks an object of len bytes against what it must be: 0, or -EBADMSG
  * (tag, magic, length, or a field that is not the expected one). */
-int kvt_l3_open_obj(kvt_l3_sealer *s, const uint8_t *obj, uint64_t len, uint64_t fingerprint,
+int kvt_l3_open_obj(kvt_l3_sealer *s, uint8_t *obj, uint64_t len, uint64_t fingerprint,
 		    const kvt_key *k, uint32_t shard, uint32_t n_shards, uint64_t payload);
 
 #endif

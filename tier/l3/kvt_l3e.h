@@ -9,7 +9,8 @@
  *     the store) and admitted (all, or second-hit: hit in DRAM since it was
  *     saved, or asked for before) is sealed shard by shard -- header and
  *     tag over the sub-slot as it is -- and put from the sub-slot, without
- *     a pin.  Two life checks (kvt_slot_same_life): after the seal, before
+ *     a pin (encrypting: the ciphertext into staging buffers, put from
+ *     there; a put waits while the staging is full).  Two life checks (kvt_slot_same_life): after the seal, before
  *     the submit -- a life that ended between kvt_slot_ready and the seal
  *     would give another chunk's bytes a valid tag under this chunk's key,
  *     an object no check could refuse, so the put is not made; and at
@@ -66,6 +67,13 @@ struct kvt_l3e_opts {
 	 * the store or the store failed.  Called from kvt_l3e_poll. */
 	void (*answer)(void *arg, const kvt_key *key, int result);
 	void *answer_arg;
+	/* the payloads encrypted (ChaCha20-Poly1305 under the fleet key), not
+	 * only authenticated: a put encrypts each shard into a staging buffer
+	 * (stage_bytes of them, at least one chunk's: a put waits for room)
+	 * and goes from there; a get decrypts in the claimed sub-slot.  Gets
+	 * accept either kind of object. */
+	uint32_t encrypt;
+	uint64_t stage_bytes;      /* 0: 64 MiB (less when the put jobs need less) */
 	/* testing: called between a put's kvt_slot_ready and its seal (the
 	 * window the life check after the seal closes); NULL in production */
 	void (*test_before_seal)(void *arg, uint32_t slot);
@@ -76,6 +84,8 @@ struct kvt_l3e_info {
 	uint64_t puts, put_bytes, put_drops, put_skips;
 	uint64_t fetches, gets, get_bytes, misses, refused, get_drops, negative_hits;
 	uint64_t ask_drops;        /* asks answered missing: the queue full */
+	uint64_t put_waits;        /* put scans stopped: no staging free */
+	uint64_t stage_bytes;      /* the staging's size (0: not encrypting) */
 	uint32_t inflight;
 	uint32_t asking;           /* asks in flight: queued or in a job */
 	struct kvt_hist_snap put_ns, get_ns; /* put: sealed to stored; get:

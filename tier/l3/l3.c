@@ -204,44 +204,99 @@ static int tag_of(kvt_l3_sealer *s, const struct kvt_l3_hdr *h, const void *payl
 	return 0;
 }
 
+static int hdr_make(struct kvt_l3_hdr *h, uint32_t version, uint64_t fingerprint,
+		    const kvt_key *k, uint32_t shard, uint32_t n_shards, uint32_t depth,
+		    uint64_t len)
+{
+	if (len > UINT32_MAX)
+		return -EMSGSIZE;
+	memset(h, 0, sizeof(*h));
+	h->magic = KVT_L3_MAGIC;
+	h->fingerprint = fingerprint;
+	h->key_lo = k->lo;
+	h->key_hi = k->hi;
+	h->shard = shard;
+	h->n_shards = n_shards;
+	h->depth = depth;
+	h->version = version;
+	h->payload = (uint32_t)len;
+	return kvt_mac_nonce(h->nonce) ? -EIO : 0;
+}
+
 int kvt_l3_seal_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
 		       uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint, const kvt_key *k,
 		       uint32_t shard, uint32_t n_shards, uint32_t depth, uint64_t len)
 {
 	struct kvt_l3_hdr h;
+	int r = hdr_make(&h, KVT_L3_CLEAR, fingerprint, k, shard, n_shards, depth, len);
 
-	if (len > UINT32_MAX)
-		return -EMSGSIZE;
-	memset(&h, 0, sizeof(h));
-	h.magic = KVT_L3_MAGIC;
-	h.fingerprint = fingerprint;
-	h.key_lo = k->lo;
-	h.key_hi = k->hi;
-	h.shard = shard;
-	h.n_shards = n_shards;
-	h.depth = depth;
-	h.version = 1;
-	h.payload = (uint32_t)len;
-	if (kvt_mac_nonce(h.nonce))
-		return -EIO;
+	if (r)
+		return r;
 	memcpy(hdr, &h, sizeof(h));
 	return tag_of(s, &h, payload, tag);
 }
 
-int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE],
-			const void *payload, const uint8_t tag[KVT_L3_TAG_SIZE],
-			uint64_t fingerprint, const kvt_key *k, uint32_t shard,
-			uint32_t n_shards, uint32_t depth, uint64_t len)
+/* An encrypted object's key: HMAC-SHA-256 under the fleet key of what the
+ * object is (layout, chunk key, shard) -- so a nonce drawn twice repeats a
+ * keystream only between two objects of the same chunk and shard, which
+ * hold the same bytes (the same prefix), never between two prompts. */
+static int sub_key(kvt_l3_sealer *s, const struct kvt_l3_hdr *h, uint8_t sub[32])
+{
+	struct { char what[16]; uint64_t fp, lo, hi; uint32_t shard, n_shards; } info;
+
+	memset(&info, 0, sizeof(info));
+	memcpy(info.what, "kvtier l3 v2", 12);
+	info.fp = h->fingerprint;
+	info.lo = h->key_lo;
+	info.hi = h->key_hi;
+	info.shard = h->shard;
+	info.n_shards = h->n_shards;
+	return kvt_mac_derive(s->mac, &info, sizeof(info), sub);
+}
+
+int kvt_l3_encrypt_pieces(kvt_l3_sealer *s, uint8_t hdr[KVT_L3_HDR_SIZE], const void *payload,
+			  void *ct, uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint,
+			  const kvt_key *k, uint32_t shard, uint32_t n_shards, uint32_t depth,
+			  uint64_t len)
+{
+	struct kvt_l3_hdr h;
+	int r = hdr_make(&h, KVT_L3_ENCRYPTED, fingerprint, k, shard, n_shards, depth, len);
+
+	if (r)
+		return r;
+	memcpy(hdr, &h, sizeof(h));
+	uint8_t sub[KVT_MAC_KEY_BYTES];
+	r = sub_key(s, &h, sub) || kvt_mac_begin_sub(s->mac, sub, h.nonce) ||
+	    kvt_mac_update(s->mac, &h, sizeof(h)) || kvt_mac_encrypt(s->mac, ct, payload, len) ||
+	    kvt_mac_final(s->mac, tag) ? -EIO : 0;
+	kvt_mac_wipe(sub, sizeof(sub));
+	return r;
+}
+
+int kvt_l3_check_pieces(kvt_l3_sealer *s, const uint8_t hdr[KVT_L3_HDR_SIZE], void *payload,
+			const uint8_t tag[KVT_L3_TAG_SIZE], uint64_t fingerprint,
+			const kvt_key *k, uint32_t shard, uint32_t n_shards, uint32_t depth,
+			uint64_t len)
 {
 	struct kvt_l3_hdr h;
 	uint8_t want[KVT_L3_TAG_SIZE];
 
 	memcpy(&h, hdr, sizeof(h));
-	if (h.magic != KVT_L3_MAGIC || h.version != 1 || h.fingerprint != fingerprint ||
-	    h.key_lo != k->lo || h.key_hi != k->hi || h.shard != shard ||
-	    h.n_shards != n_shards || h.payload != len ||
+	if (h.magic != KVT_L3_MAGIC ||
+	    (h.version != KVT_L3_CLEAR && h.version != KVT_L3_ENCRYPTED) ||
+	    h.fingerprint != fingerprint || h.key_lo != k->lo || h.key_hi != k->hi ||
+	    h.shard != shard || h.n_shards != n_shards || h.payload != len ||
 	    (depth != KVT_L3_ANY_DEPTH && h.depth != depth))
 		return -EBADMSG;
+	if (h.version == KVT_L3_ENCRYPTED) { /* decrypted in place, then the tag */
+		uint8_t sub[KVT_MAC_KEY_BYTES];
+		int r = sub_key(s, &h, sub) || kvt_mac_open_begin(s->mac, sub, h.nonce) ||
+			kvt_mac_open_aad(s->mac, &h, sizeof(h)) ||
+			kvt_mac_decrypt(s->mac, payload, payload, len) ||
+			kvt_mac_open_final(s->mac, tag) ? -EBADMSG : 0;
+		kvt_mac_wipe(sub, sizeof(sub));
+		return r;
+	}
 	if (tag_of(s, &h, payload, want) || !kvt_mac_equal(want, tag))
 		return -EBADMSG;
 	return 0;
@@ -254,7 +309,7 @@ int kvt_l3_seal(kvt_l3_sealer *s, uint8_t *obj, uint64_t fingerprint, const kvt_
 				  fingerprint, k, shard, n_shards, depth, payload);
 }
 
-int kvt_l3_open_obj(kvt_l3_sealer *s, const uint8_t *obj, uint64_t len, uint64_t fingerprint,
+int kvt_l3_open_obj(kvt_l3_sealer *s, uint8_t *obj, uint64_t len, uint64_t fingerprint,
 		    const kvt_key *k, uint32_t shard, uint32_t n_shards, uint64_t payload)
 {
 	if (len != KVT_L3_HDR_SIZE + payload + KVT_L3_TAG_SIZE)

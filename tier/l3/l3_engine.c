@@ -10,6 +10,9 @@
 #include "kvt_l3_asks.h"
 #include "kvt_disk.h"
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <errno.h>
 #include <poll.h>
 #include <stdarg.h>
@@ -17,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/mman.h>
 
 #define REC_BITS 16 /* the put record: 65,536 keys */
 #define NEG_BITS 12 /* the negative cache: 4,096 keys */
@@ -32,6 +37,7 @@ struct job {
 	uint32_t depth, slot;
 	uint64_t w;                /* put: the slot's life */
 	uint32_t left;             /* requests not completed */
+	uint32_t staged;           /* put: staging buffers held (stage[]) */
 	int err;                   /* the first failure */
 	uint64_t t0;
 	char keys[KVT_L3_MAX_SHARDS][KVT_L3_KEY_MAX];
@@ -40,6 +46,7 @@ struct job {
 	struct iovec iov[KVT_L3_MAX_SHARDS][3];
 	struct kvt_l3_req q[KVT_L3_MAX_SHARDS];
 	struct kvt_wref wr[KVT_L3_MAX_SHARDS];
+	uint32_t stage[KVT_L3_MAX_SHARDS];
 };
 
 struct kvt_l3e {
@@ -63,6 +70,11 @@ struct kvt_l3e {
 	struct { kvt_key k; uint32_t depth; } aq[AQ_MAX]; /* asks waiting for a job */
 	struct kvt_l3_asks as;     /* asks in flight: queued or in a job */
 	uint32_t aq_head, aq_n;
+	/* encrypting: the staging (a memfd the store's companion may map),
+	 * buffers of one shard's payload, and the free ones */
+	uint8_t *stage;
+	int stage_fd;
+	uint32_t n_stage, *stage_free, n_stage_free;
 	struct kvt_l3e_info info;
 };
 
@@ -144,6 +156,7 @@ static struct job *job_get(kvt_l3e *e, int kind)
 			j->kind = kind;
 			j->err = 0;
 			j->left = 0;
+			j->staged = 0;
 			j->t0 = kvt__now_ns();
 			e->live++;
 			return j;
@@ -155,6 +168,8 @@ static void job_put(kvt_l3e *e, struct job *j)
 {
 	if (j->kind == J_EXISTS || j->kind == J_GET)
 		kvt_l3_asks_del(&e->as, &j->key, j->depth);
+	while (j->staged) /* the store is done reading them */
+		e->stage_free[e->n_stage_free++] = j->stage[--j->staged];
 	j->kind = J_FREE;
 	e->live--;
 }
@@ -200,8 +215,13 @@ static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, u
 {
 	/* the last jobs are the asks': a lookup waits on them, a put does
 	 * not (a put backlog must not turn every ask into a miss) */
-	struct job *j = e->live + e->reserve < e->o.jobs ? job_get(e, J_PUT) : NULL;
+	struct job *j;
 
+	if (e->stage && e->n_stage_free < e->n_shards) {
+		e->info.put_waits++; /* the staging full: the next poll */
+		return 0;
+	}
+	j = e->live + e->reserve < e->o.jobs ? job_get(e, J_PUT) : NULL;
 	if (!j)
 		return 0;
 	j->key = *k;
@@ -213,19 +233,31 @@ static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, u
 	for (uint32_t sh = 0; sh < e->n_shards; sh++) {
 		void *p = kvt_slot_shard_ptr(e->s, x, sh);
 
+		void *from = p;
+		int r;
+
 		kvt_l3_key(j->keys[sh], e->fp, k, sh);
-		if (!p || kvt_l3_seal_pieces(e->seal, j->hdr[sh], p, j->tag[sh], e->fp, k, sh,
-					     e->n_shards, depth, e->payload)) {
+		if (p && e->stage) { /* encrypted into a buffer of its own */
+			j->stage[j->staged] = e->stage_free[--e->n_stage_free];
+			from = e->stage + (uint64_t)j->stage[j->staged++] * e->payload;
+			r = kvt_l3_encrypt_pieces(e->seal, j->hdr[sh], p, from, j->tag[sh], e->fp,
+						  k, sh, e->n_shards, depth, e->payload);
+		} else {
+			r = !p || kvt_l3_seal_pieces(e->seal, j->hdr[sh], p, j->tag[sh], e->fp, k,
+						     sh, e->n_shards, depth, e->payload);
+		}
+		if (r) {
 			e->info.put_drops++;
 			job_put(e, j);
 			return -1;
 		}
-		req_set(e, j, sh, KVT_L3_PUT, p);
+		req_set(e, j, sh, KVT_L3_PUT, from);
 	}
 	/* Sealed over the bytes of this life only: a life that ended between
 	 * kvt_slot_ready and the seal leaves another chunk's bytes under this
 	 * chunk's tag -- a valid object with the wrong content, which no get
-	 * could refuse.  (After the seal, a change fails the tag instead.) */
+	 * could refuse.  (After the seal, a change fails the tag instead; an
+	 * encrypted put's bytes are the staging's, which nothing changes.) */
 	if (!kvt_slot_same_life(e->s, x, w)) {
 		e->info.put_drops++;
 		job_put(e, j);
@@ -632,6 +664,52 @@ void kvt_l3e_info(kvt_l3e *e, struct kvt_l3e_info *out)
 	kvt_l3_status(e->l3, &out->store);
 }
 
+/* The staging of encrypted puts: buffers of one shard's payload, as many
+ * as the put jobs can fill, at most stage_bytes (64 MiB) but at least one
+ * chunk's.  A memfd, so that a backend's companion can map it (as the
+ * arena: kvt_l3_conf.stage); never registered for a peer to reach. */
+static int stage_open(kvt_l3e *e, char *err, size_t len)
+{
+	uint64_t cap = e->o.stage_bytes ? e->o.stage_bytes : 64ull << 20;
+	uint64_t want = (uint64_t)(e->o.jobs - e->reserve) * e->n_shards, n = cap / e->payload;
+
+	if (n > want)
+		n = want;
+	if (n < e->n_shards)
+		n = e->n_shards;
+	e->stage_fd = memfd_create("kvtier-l3-stage", MFD_CLOEXEC);
+	e->stage_free = calloc(n, sizeof(*e->stage_free));
+	if (e->stage_fd < 0 || !e->stage_free || ftruncate(e->stage_fd, (off_t)(n * e->payload)) ||
+	    (e->stage = mmap(NULL, n * e->payload, PROT_READ | PROT_WRITE, MAP_SHARED,
+			     e->stage_fd, 0)) == MAP_FAILED) {
+		int rc = errno ? -errno : -ENOMEM;
+		e->stage = NULL;
+		snprintf(err, len, "l3: the staging of encrypted puts (%llu bytes): %s",
+			 (unsigned long long)(n * e->payload), strerror(-rc));
+		return rc;
+	}
+	e->n_stage = (uint32_t)n;
+	for (uint32_t i = e->n_stage; i-- > 0;)
+		e->stage_free[e->n_stage_free++] = i;
+	e->info.stage_bytes = n * e->payload;
+	e->o.store.stage = e->stage;
+	e->o.store.stage_len = n * e->payload;
+	e->o.store.stage_fd = e->stage_fd;
+	return 0;
+}
+
+static void stage_close(kvt_l3e *e)
+{
+	if (e->stage)
+		munmap(e->stage, (uint64_t)e->n_stage * e->payload);
+	if (e->stage_fd >= 0)
+		close(e->stage_fd);
+	free(e->stage_free);
+	e->stage = NULL;
+	e->stage_fd = -1;
+	e->stage_free = NULL;
+}
+
 int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *err,
 		 size_t len)
 {
@@ -652,6 +730,7 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 		return snprintf(err, len, "out of memory"), -ENOMEM;
 	e->s = s;
 	e->o = *o;
+	e->stage_fd = -1;
 	if (!e->o.jobs)
 		e->o.jobs = 32;
 	if (!e->o.scan)
@@ -684,6 +763,8 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 			      err, len);
 	if (rc)
 		goto fail;
+	if (o->encrypt && (rc = stage_open(e, err, len)))
+		goto fail;
 	/* room for every job's requests: submit never comes back short */
 	if (e->o.store.depth < e->o.jobs * e->n_shards)
 		e->o.store.depth = e->o.jobs * e->n_shards;
@@ -706,6 +787,7 @@ int kvt_l3e_open(kvt_seg *s, const struct kvt_l3e_opts *o, kvt_l3e **out, char *
 	*out = e;
 	return 0;
 fail:
+	stage_close(e);
 	kvt_l3_seal_close(e->seal);
 	free(e->jobs);
 	free(e->seen);
@@ -722,6 +804,7 @@ void kvt_l3e_close(kvt_l3e *e)
 	 * their claims (unchecked ones unpublished), puts end */
 	kvt_l3e_drain(e, 0, -1);
 	kvt_l3_close(e->l3);
+	stage_close(e);
 	kvt_l3_seal_close(e->seal);
 	free(e->jobs);
 	free(e->seen);

@@ -50,7 +50,10 @@
  * only the pieces its request names (the object), and a get writes only
  * into its pieces (header and tag in the side slot, the payload in the
  * claimed sub-slot); an object larger than them is refused by Mooncake's
- * client (-EMSGSIZE, tests/l3_mooncake.c).
+ * client (-EMSGSIZE, tests/l3_mooncake.c).  An encrypted put's payload
+ * lies in the engine's staging (kvt_l3_conf.stage), a memfd the companion
+ * maps as its third region and registers as it does the arena: never
+ * over TCP, local-only over RDMA.
  *
  * What a companion may write, and when.  A get's bytes land in a sub-slot
  * that kvtierd claimed; the claim is released (kvt_write_end) once the
@@ -130,9 +133,11 @@ enum { MC_HELLO = 1, MC_REQ = 2, MC_DONE = 3 };
 #define MC_PROBE_OP 0          /* a request with no key: is the master there */
 
 struct mc_piece {
-	uint64_t off, len;         /* in the arena mapping, or in the side slot */
-	uint32_t side, pad;
+	uint64_t off, len;         /* in the region `side` names */
+	uint32_t side, pad;        /* MC_IN_* */
 };
+enum { MC_IN_MEM = 0, MC_IN_SIDE = 1, MC_IN_STAGE = 2 }; /* the arena, the
+			    * request's side slot, the engine's staging */
 
 struct mc_req {
 	uint32_t magic;
@@ -424,8 +429,8 @@ static int fd_high(int fd)
 /* Starts a companion (C_STARTING): its hello comes on the socket. */
 static int child_spawn(struct ml3 *m, char *err, size_t len)
 {
-	int sv[2] = { -1, -1 }, a = -1, b = -1, c = -1, rc;
-	char off[32], mlen[32], slen[32], seg[32], ppid[32], tmo[32];
+	int sv[2] = { -1, -1 }, a = -1, b = -1, c = -1, d = -1, rc;
+	char off[32], mlen[32], slen[32], stlen[32], seg[32], ppid[32], tmo[32];
 	posix_spawn_file_actions_t fa;
 	posix_spawnattr_t at;
 	sigset_t none, all;
@@ -440,7 +445,9 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	a = fd_high(sv[1]);
 	b = fd_high(m->conf.mem_fd);
 	c = fd_high(m->side_fd);
-	if (a < 0 || b < 0 || c < 0) {
+	if (m->conf.stage)
+		d = fd_high(m->conf.stage_fd);
+	if (a < 0 || b < 0 || c < 0 || (m->conf.stage && d < 0)) {
 		rc = -errno;
 		snprintf(err, len, "dup: %s", strerror(errno));
 		goto out;
@@ -448,6 +455,8 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	snprintf(off, sizeof(off), "%llu", (unsigned long long)m->conf.mem_off);
 	snprintf(mlen, sizeof(mlen), "%llu", (unsigned long long)m->conf.mem_len);
 	snprintf(slen, sizeof(slen), "%llu", (unsigned long long)(m->conf.depth + 1) * MC_SIDE);
+	snprintf(stlen, sizeof(stlen), "%llu",
+		 (unsigned long long)(m->conf.stage ? m->conf.stage_len : 0));
 	snprintf(seg, sizeof(seg), "%llu", (unsigned long long)m->segment);
 	snprintf(ppid, sizeof(ppid), "%d", (int)getpid());
 	snprintf(tmo, sizeof(tmo), "%u", m->conf.timeout_ms);
@@ -463,6 +472,7 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	argv[i++] = (char *)"--mem-off"; argv[i++] = off;
 	argv[i++] = (char *)"--mem-len"; argv[i++] = mlen;
 	argv[i++] = (char *)"--side-len"; argv[i++] = slen;
+	argv[i++] = (char *)"--stage-len"; argv[i++] = stlen;
 	argv[i++] = (char *)"--ppid"; argv[i++] = ppid;
 	argv[i++] = (char *)"--timeout-ms"; argv[i++] = tmo;
 	argv[i] = NULL;
@@ -482,6 +492,8 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	posix_spawn_file_actions_adddup2(&fa, a, 3);
 	posix_spawn_file_actions_adddup2(&fa, b, 4);
 	posix_spawn_file_actions_adddup2(&fa, c, 5);
+	if (d >= 0)
+		posix_spawn_file_actions_adddup2(&fa, d, 6);
 	posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
 	posix_spawnattr_init(&at);
 	sigemptyset(&none);
@@ -533,7 +545,7 @@ static int child_spawn(struct ml3 *m, char *err, size_t len)
 	m->probe_out = 0;
 	rc = 0;
 out:
-	for (int *f = (int[]){ sv[0], sv[1], a, b, c }, k = 0; k < 5; k++)
+	for (int *f = (int[]){ sv[0], sv[1], a, b, c, d }, k = 0; k < 6; k++)
 		if (f[k] >= 0)
 			close(f[k]);
 	return rc;
@@ -625,6 +637,7 @@ static int req_build(struct ml3 *m, struct kvt_l3_req *q, uint32_t slot, struct 
 		     struct mc_req *r, size_t *out_len)
 {
 	const uint8_t *lo = m->conf.mem, *hi = lo + m->conf.mem_len;
+	const uint8_t *slo = m->conf.stage, *shi = slo ? slo + m->conf.stage_len : NULL;
 	uint64_t side = 0;
 
 	memset(r, 0, offsetof(struct mc_req, keys));
@@ -646,9 +659,12 @@ static int req_build(struct ml3 *m, struct kvt_l3_req *q, uint32_t slot, struct 
 			uint64_t n = q->iov[i].iov_len;
 
 			if (p >= lo && p <= hi && n <= (uint64_t)(hi - p)) {
-				r->p[i] = (struct mc_piece){ (uint64_t)(p - lo), n, 0, 0 };
+				r->p[i] = (struct mc_piece){ (uint64_t)(p - lo), n, MC_IN_MEM, 0 };
+			} else if (slo && p >= slo && p <= shi && n <= (uint64_t)(shi - p)) {
+				r->p[i] = (struct mc_piece){ (uint64_t)(p - slo), n, MC_IN_STAGE, 0 };
 			} else if (side + n <= MC_SIDE) {
-				r->p[i] = (struct mc_piece){ (uint64_t)slot * MC_SIDE + side, n, 1, 0 };
+				r->p[i] = (struct mc_piece){ (uint64_t)slot * MC_SIDE + side, n,
+							     MC_IN_SIDE, 0 };
 				if (q->op == KVT_L3_PUT)
 					memcpy(m->side + (uint64_t)slot * MC_SIDE + side, p, n);
 				side += n;
@@ -759,7 +775,7 @@ static int read_done(struct ml3 *m)
 			if (!status && q->op == KVT_L3_GET) {
 				q->got = it->got;
 				for (uint32_t k = 0; k < q->iovcnt; k++)
-					if (f->p[k].side)
+					if (f->p[k].side == MC_IN_SIDE)
 						memcpy(q->iov[k].iov_base, m->side + f->p[k].off,
 						       f->p[k].len);
 			}

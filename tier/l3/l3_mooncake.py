@@ -10,6 +10,8 @@ the Python that has Mooncake's wheel and drives it over a socketpair:
         is not registered with the transfer engine over TCP (so no peer can
         reach it), and registered for local access only over RDMA
   fd 5  the side buffer (--side-len bytes): the headers and tags
+  fd 6  with --stage-len > 0: kvtierd's staging of encrypted puts (their
+        ciphertext), held to the same rules as the arena
 
 It moves bytes only: which chunk, which slot, whether what arrived is right
 and whether it is published are kvtierd's.  It dies with kvtierd
@@ -163,6 +165,15 @@ class Companion:
         self.side = mmap.mmap(5, a.side_len, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.side_base = ctypes.addressof(ctypes.c_char.from_buffer(self.side))
         os.close(5)
+        self.stage, self.stage_base = None, 0
+        if a.stage_len:
+            self.stage = mmap.mmap(6, a.stage_len, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            self.stage_base = ctypes.addressof(ctypes.c_char.from_buffer(self.stage))
+            os.close(6)
+        # a piece's region (l3_mooncake.c's MC_IN_*): base, length
+        self.regions = ((self.mem_base, a.mem_len), (self.side_base, a.side_len),
+                        (self.stage_base, a.stage_len))
 
     def setup(self):
         from mooncake.store import MooncakeDistributedStore
@@ -188,7 +199,10 @@ class Companion:
         # granted remote read and write to every registered buffer.
         if a.protocol == "rdma":
             for base, n, what in ((self.mem_base, a.mem_len, "the arena"),
-                                  (self.side_base, a.side_len, "the side buffer")):
+                                  (self.side_base, a.side_len, "the side buffer"),
+                                  (self.stage_base, a.stage_len, "the staging")):
+                if not n:
+                    continue
                 rc = self.store.register_buffer(base, n)
                 if rc:
                     return rc, "register_buffer of %s (%s) failed (%d)" % (what, human(n), rc)
@@ -212,10 +226,9 @@ class Companion:
         ptrs, sizes = [], []
         for i in range(n_pieces):
             off, n, side, _ = PIECE.unpack_from(msg, REQ_HDR.size + i * PIECE.size)
-            limit = self.a.side_len if side else self.a.mem_len
-            if off + n > limit:
+            if side >= len(self.regions) or off + n > self.regions[side][1]:
                 raise ValueError("a piece past its buffer")
-            ptrs.append((self.side_base if side else self.mem_base) + off)
+            ptrs.append(self.regions[side][0] + off)
             sizes.append(n)
         return (slot, gen, op, keys, ptrs, sizes)
 
@@ -352,6 +365,7 @@ def main():
     p.add_argument("--mem-off", type=int, required=True)
     p.add_argument("--mem-len", type=int, required=True)
     p.add_argument("--side-len", type=int, required=True)
+    p.add_argument("--stage-len", type=int, default=0)
     p.add_argument("--ppid", type=int, required=True)
     p.add_argument("--timeout-ms", type=int, default=1000)
     a = p.parse_args()
