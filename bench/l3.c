@@ -1,8 +1,10 @@
 /* l3.c - kvtier-bench l3: put and get GB/s through the L3 backend (one
  * connection per master, `depth` requests in flight, objects sent from
- * their pieces as the engine sends them from the arena) beside the
- * store's own client on the same store, value size and depth, in the same
- * run:
+ * their pieces as the engine sends them from the arena, sealed and
+ * checked on the bench's thread as the engine does on its one thread:
+ * --seal mac, kvtierd's default; encrypt, --l3-encrypt's; none, the
+ * transport alone) beside the store's own client on the same store,
+ * value size and depth, in the same run:
  *   redis: redis-benchmark (one client: -c 1 -P depth).  Goal: >= 0.8 x.
  *   mooncake: Mooncake's Python client, batch_put_from / batch_get_into
  *     of `depth` objects per call from one registered buffer, as a
@@ -189,54 +191,107 @@ struct item {
 	uint8_t hdr[KVT_L3_HDR_SIZE], tag[KVT_L3_TAG_SIZE];
 	struct iovec iov[3];
 	struct kvt_l3_req q;
+	uint32_t buf;              /* its buffer of bufs[] (UINT32_MAX: none) */
 };
 
-/* n requests of op, depth in flight: GB/s of values, or < 0. */
-static double run(kvt_l3 *l, struct item *it, uint32_t n, uint32_t op, uint8_t *vals,
-		  uint64_t size, uint32_t depth, uint64_t salt, int *errors)
+/* What kvtierd's L3 engine does to an object on its thread, done here on
+ * the bench's own: SEAL_MAC seals a put over the value where it lies and
+ * checks a get (kvt_l3_seal_pieces, kvt_l3_check_pieces); SEAL_ENCRYPT
+ * encrypts a put into a buffer of its own (the engine's staging) and
+ * decrypts a get where it landed; SEAL_NONE moves the bytes only (the
+ * transport's figure, not a path kvtierd has). */
+enum { SEAL_NONE, SEAL_MAC, SEAL_ENCRYPT };
+
+struct runner {
+	kvt_l3 *l;
+	kvt_l3_sealer *sealer;     /* NULL: SEAL_NONE */
+	int mode;
+	uint8_t *vals;             /* 64 values */
+	uint8_t *bufs;             /* depth buffers: encrypted puts, checked gets */
+	uint32_t *free, n_free;
+};
+
+/* n requests of op, depth in flight: GB/s of values, or < 0.  errors:
+ * failed requests and (gets) objects whose check failed. */
+static double run(struct runner *R, struct item *it, uint32_t n, uint32_t op, uint64_t size,
+		  uint32_t depth, uint64_t salt, int *errors)
 {
 	uint32_t next = 0, done = 0, inflight = 0;
 	uint64_t t0 = kvt__now_ns();
 
 	*errors = 0;
 	while (done < n) {
-		struct kvt_l3_req *batch[256];
+		struct kvt_l3_req *batch[1];
 		uint32_t nb = 0;
 
-		/* every free place at once: one wake-up of the I/O thread */
-		while (next + nb < n && inflight + nb < depth) {
-			uint32_t id = next + nb;
+		/* each free place as soon as its object is sealed, as the engine
+		 * submits a chunk's as soon as they are: the store moves one
+		 * while the next is sealed */
+		while (next < n && inflight < depth) {
+			uint32_t id = next;
 			struct item *x = &it[id];
 			struct kvt_l3_req *q = &x->q;
 			kvt_key k = { id, salt };
+			uint8_t *v = R->vals + (uint64_t)(id % 64) * size;
 
 			memset(q, 0, sizeof(*q));
+			x->buf = UINT32_MAX;
+			if (R->mode == SEAL_ENCRYPT || (R->mode == SEAL_MAC && op == KVT_L3_GET)) {
+				x->buf = R->free[--R->n_free]; /* depth of them: one each */
+				if (op == KVT_L3_PUT) {
+					uint8_t *ct = R->bufs + (uint64_t)x->buf * size;
+					if (kvt_l3_encrypt_pieces(R->sealer, x->hdr, v, ct, x->tag,
+								  BENCH_FP, &k, 0, 1, 0, size))
+						(*errors)++;
+					v = ct;
+				} else {
+					v = R->bufs + (uint64_t)x->buf * size;
+				}
+			} else if (R->mode == SEAL_MAC && op == KVT_L3_PUT &&
+				   kvt_l3_seal_pieces(R->sealer, x->hdr, v, x->tag, BENCH_FP, &k,
+						      0, 1, 0, size)) {
+				(*errors)++;
+			}
 			x->iov[0] = (struct iovec){ x->hdr, sizeof(x->hdr) };
-			x->iov[1] = (struct iovec){ vals + (uint64_t)(id % 64) * size, (size_t)size };
+			x->iov[1] = (struct iovec){ v, (size_t)size };
 			x->iov[2] = (struct iovec){ x->tag, sizeof(x->tag) };
 			q->op = op;
 			q->n_keys = 1;
+			q->tag = id;
 			kvt_l3_key(q->key, BENCH_FP, &k, 0);
 			q->iov = x->iov;
 			q->iovcnt = 3;
-			batch[nb++] = q;
-		}
-		if (nb) {
-			int t = kvt_l3_submit(l, batch, nb);
-			if (t > 0) {
-				next += (uint32_t)t;
-				inflight += (uint32_t)t;
+			batch[0] = q;
+			nb = kvt_l3_submit(R->l, batch, 1) == 1;
+			if (!nb) { /* the queue full: taken again after a reap */
+				if (x->buf != UINT32_MAX)
+					R->free[R->n_free++] = x->buf;
+				break;
 			}
+			next++;
+			inflight++;
 		}
-		struct kvt_l3_req *got[64];
-		int r = kvt_l3_reap(l, got, 64);
-		for (int i = 0; i < r; i++)
+		/* a few at a time: a reaped place is filled again before the
+		 * next ones are checked */
+		struct kvt_l3_req *got[4];
+		int r = kvt_l3_reap(R->l, got, 4);
+		for (int i = 0; i < r; i++) {
+			struct item *x = &it[got[i]->tag];
+			kvt_key k = { got[i]->tag, salt };
+
 			*errors += got[i]->status != 0;
+			if (!got[i]->status && op == KVT_L3_GET && R->mode != SEAL_NONE &&
+			    kvt_l3_check_pieces(R->sealer, x->hdr, x->iov[1].iov_base, x->tag,
+						BENCH_FP, &k, 0, 1, KVT_L3_ANY_DEPTH, size))
+				(*errors)++;
+			if (x->buf != UINT32_MAX)
+				R->free[R->n_free++] = x->buf;
+		}
 		if (r > 0) {
 			done += (uint32_t)r;
 			inflight -= (uint32_t)r;
 		} else {
-			struct pollfd p = { .fd = kvt_l3_event_fd(l), .events = POLLIN };
+			struct pollfd p = { .fd = kvt_l3_event_fd(R->l), .events = POLLIN };
 			poll(&p, 1, 10); /* as kvtierd's loop waits */
 		}
 	}
@@ -279,6 +334,7 @@ int kvt_bench_l3(int argc, char **argv)
 		{ "requests", required_argument, NULL, 'n' },
 		{ "store", required_argument, NULL, 'S' },
 		{ "python", required_argument, NULL, 'P' },
+		{ "seal", required_argument, NULL, 'e' },
 		{ "help", no_argument, NULL, 'h' },
 		{ 0, 0, 0, 0 },
 	};
@@ -287,7 +343,12 @@ int kvt_bench_l3(int argc, char **argv)
 	uint32_t depth = 16, n = 512;
 	char own_url[128], err[256], host[64] = "127.0.0.1", b[32], master[300] = "";
 	pid_t server = 0;
-	int opt, port = 0, admin = 0, cluster = 0, mooncake = 0, memfd = -1;
+	int opt, port = 0, admin = 0, cluster = 0, mooncake = 0, memfd = -1, seal = SEAL_MAC;
+	static const char *const seal_names[] = { "none", "mac", "encrypt" };
+	char keydir[] = "/tmp/kvtier-bench-l3-XXXXXX", keyfile[64] = "";
+	struct runner R = { 0 };
+	uint64_t mem_len = 0;
+
 	uint8_t *vals = NULL;
 	struct item *it = NULL;
 	kvt_l3 *l = NULL;
@@ -318,6 +379,12 @@ int kvt_bench_l3(int argc, char **argv)
 			store = optarg;
 			break;
 		case 'P': python = optarg; break;
+		case 'e':
+			for (seal = 0; seal < 3 && strcmp(optarg, seal_names[seal]); seal++)
+				;
+			if (seal == 3)
+				goto usage;
+			break;
 		case 'h':
 		default:
 		usage:
@@ -328,8 +395,13 @@ int kvt_bench_l3(int argc, char **argv)
 				"[--auth-file F]\n"
 				"                       [--value-size SIZE (1M)] [--depth N (16)] "
 				"[--requests N (512)]\n"
+				"                       [--seal mac|encrypt|none (mac)]\n"
 				"  without --url: a store of its own on loopback ports (redis-server, or\n"
-				"  mooncake_master beside --python, default $KVTIER_MOONCAKE_PYTHON)\n");
+				"  mooncake_master beside --python, default $KVTIER_MOONCAKE_PYTHON)\n"
+				"  --seal: what kvtierd does to each object on its thread, here on the\n"
+				"  bench's: mac (kvtierd's default: sealed and checked in place), encrypt\n"
+				"  (--l3-encrypt: the put into a buffer of its own, the get decrypted where\n"
+				"  it landed), none (the transport alone)\n");
 			return opt == 'h' ? 0 : 2;
 		}
 	}
@@ -364,19 +436,38 @@ int kvt_bench_l3(int argc, char **argv)
 		fprintf(stderr, "kvtier-bench l3: %s: not redis://HOST:PORT\n", url);
 		return 2;
 	}
-	/* the values in memory a backend can register (mooncake's companion
-	 * maps this file), as kvtierd's arena is */
+	/* the values, and a buffer per request in flight (encrypted puts,
+	 * checked gets), in memory a backend can map (mooncake's companion
+	 * maps this file), as kvtierd's arena and staging are */
+	mem_len = (64 + (uint64_t)depth) * size;
 	memfd = memfd_create("kvtier-bench-l3", MFD_CLOEXEC);
-	if (memfd < 0 || ftruncate(memfd, (off_t)(64 * size)) ||
-	    (vals = mmap(NULL, 64 * size, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0)) ==
+	if (memfd < 0 || ftruncate(memfd, (off_t)mem_len) ||
+	    (vals = mmap(NULL, mem_len, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0)) ==
 		    MAP_FAILED) {
 		fprintf(stderr, "kvtier-bench l3: its values: %s\n", strerror(errno));
 		vals = NULL;
 		goto out;
 	}
+	R.mode = seal;
+	R.vals = vals;
+	R.bufs = vals + 64 * size;
+	R.free = calloc(depth, sizeof(*R.free));
+	for (uint32_t i = 0; R.free && i < depth; i++)
+		R.free[R.n_free++] = i;
+	if (seal != SEAL_NONE) { /* a key of the run's own, removed at the end */
+		if (!mkdtemp(keydir)) {
+			fprintf(stderr, "kvtier-bench l3: %s: %s\n", keydir, strerror(errno));
+			goto out;
+		}
+		snprintf(keyfile, sizeof(keyfile), "%s/key", keydir);
+		if (kvt_l3_seal_open(keyfile, 1, &R.sealer, NULL, err, sizeof(err))) {
+			fprintf(stderr, "kvtier-bench l3: %s\n", err);
+			goto out;
+		}
+	}
 	struct kvt_l3_conf c = { .size = sizeof(c), .url = url, .auth_file = auth,
 				 .timeout_ms = 5000, .depth = depth, .mem = vals,
-				 .mem_len = 64 * size, .mem_fd = memfd, .python = python };
+				 .mem_len = mem_len, .mem_fd = memfd, .python = python };
 	for (int tries = 0; tries < 200; tries++) { /* our server starting */
 		rc = kvt_l3_open(&c, &l, err, sizeof(err));
 		if (!rc || url != own_url)
@@ -402,7 +493,8 @@ int kvt_bench_l3(int argc, char **argv)
 	}
 	cluster = strstr(st.describe, "cluster") != NULL;
 	it = calloc(n, sizeof(*it));
-	if (!it) {
+	R.l = l;
+	if (!it || !R.free) {
 		fprintf(stderr, "kvtier-bench l3: out of memory\n");
 		goto out;
 	}
@@ -420,14 +512,14 @@ int kvt_bench_l3(int argc, char **argv)
 	 * reference does the same: its first pass of 1,024 x 1 MiB ran at
 	 * 1.9 GB/s, the next ones 5.1-5.3). */
 	uint64_t vsize = size - KVT_L3_HDR_SIZE - KVT_L3_TAG_SIZE;
-	(void)run(l, it, n, KVT_L3_PUT, vals, vsize, depth, mooncake ? WARM_SALT : 0xbe1c, &e_put);
+	(void)run(&R, it, n, KVT_L3_PUT, vsize, depth, mooncake ? WARM_SALT : 0xbe1c, &e_put);
 	if (mooncake && mooncake_remove_warm(python, master)) {
 		fprintf(stderr, "kvtier-bench l3: the warm-up's objects could not be removed\n");
 		rc = -1;
 		goto out;
 	}
-	double put = run(l, it, n, KVT_L3_PUT, vals, vsize, depth, 0xbe1c, &e_put);
-	double get = run(l, it, n, KVT_L3_GET, vals, vsize, depth, 0xbe1c, &e_get);
+	double put = run(&R, it, n, KVT_L3_PUT, vsize, depth, 0xbe1c, &e_put);
+	double get = run(&R, it, n, KVT_L3_GET, vsize, depth, 0xbe1c, &e_get);
 	double rsb, rgb;
 	const char *ref = mooncake ? "mooncake python" : "redis-benchmark";
 	if (mooncake) {
@@ -448,8 +540,8 @@ int kvt_bench_l3(int argc, char **argv)
 		rsb = rs > 0 ? rs * (double)size / 1e9 : -1;
 		rgb = rg > 0 ? rg * (double)size / 1e9 : -1;
 	}
-	printf("kvtier-bench l3: %s, values of %s, %u in flight, %u requests\n", st.describe,
-	       human(size, b, sizeof(b)), depth, n);
+	printf("kvtier-bench l3: %s, values of %s, %u in flight, %u requests, seal %s\n",
+	       st.describe, human(size, b, sizeof(b)), depth, n, seal_names[seal]);
 	printf("  %-4s %10s %16s %7s %7s\n", "op", "kvtier GB/s", ref, "ratio", "errors");
 	printf("  %-4s %10.3f %16.3f %7.2f %7d\n", "put", put, rsb, rsb > 0 ? put / rsb : 0, e_put);
 	printf("  %-4s %10.3f %16.3f %7.2f %7d\n", "get", get, rgb, rgb > 0 ? get / rgb : 0, e_get);
@@ -463,8 +555,14 @@ int kvt_bench_l3(int argc, char **argv)
 out:
 	free(it);
 	kvt_l3_close(l);
+	kvt_l3_seal_close(R.sealer);
+	free(R.free);
+	if (keyfile[0])
+		unlink(keyfile);
+	if (keyfile[0] || strcmp(keydir, "/tmp/kvtier-bench-l3-XXXXXX"))
+		rmdir(keydir);
 	if (vals)
-		munmap(vals, 64 * size);
+		munmap(vals, mem_len);
 	if (memfd >= 0)
 		close(memfd);
 	if (server > 0) {
