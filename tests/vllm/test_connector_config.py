@@ -903,3 +903,48 @@ def test_engines_differing_in_each_field_are_refused(monkeypatch, tmp_path):
     finally:
         first.close()
         kvtier.unlink(name)
+
+
+def test_versions(monkeypatch):
+    """The vLLM running here is one of the tested releases (this suite runs
+    without KVTIER_VLLM_ANY_VERSION on each of them); another is refused
+    with the tested ones named, unless the variable says to try it."""
+    import vllm
+    from kvtier.vllm import _versions
+    expect = os.environ.get("KVTIER_VLLM_EXPECT")   # tests/vllm/other-releases.sh's
+    monkeypatch.delenv("KVTIER_VLLM_ANY_VERSION", raising=False)
+    assert not expect or vllm.__version__ == expect, (vllm.__version__, vllm.__file__)
+    assert any(vllm.__version__.startswith(v) for v in _versions.VLLM_VERSIONS), vllm.__version__
+    for v in ("0.31.0", "0.31.1", "0.32.0", "0.33.0", "0.34.0"):
+        _versions.check(v)
+    for v in ("0.30.0", "0.35.0", "1.31.0"):
+        with pytest.raises(ImportError, match=r"vLLM 0\.31\.x / 0\.32\.x / 0\.33\.x / "
+                           r"0\.34\.x; this is vLLM " + v.replace(".", r"\.")):
+            _versions.check(v)
+    monkeypatch.setenv("KVTIER_VLLM_ANY_VERSION", "1")
+    _versions.check("0.35.0")
+
+
+def test_sleep_mode_is_refused(tmp_path):
+    """vLLM's sleep mode replaces the KV cache's bytes under kvtier's block
+    records: refused by the connector's settings on every release, and by
+    vLLM's own configuration from 0.33 (it asks supports_sleep_mode), with
+    the connector named."""
+    with pytest.raises(ValueError, match="sleep mode is on"):
+        kv._Settings(vllm_config(enable_sleep_mode=True), kv_cache_config())
+    kv._Settings(vllm_config(enable_sleep_mode=False), kv_cache_config())
+    from kvtier.vllm import KvtierConnector
+    assert KvtierConnector.supports_sleep_mode(None) is False
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    if not hasattr(KVConnectorBase_V1, "supports_sleep_mode"):
+        return   # 0.31, 0.32: vLLM does not ask
+    import models
+    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    models.config("llama").save_pretrained(str(tmp_path))
+    mc = ModelConfig(model=str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True)
+    mc.enable_sleep_mode = True   # the CPU platform refuses it in ModelConfig itself
+    with pytest.raises(ValueError, match="KvtierConnector does not support sleep mode"):
+        VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"),
+                   kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
+                                                       kv_connector_module_path="kvtier.vllm",
+                                                       kv_role="kv_both"))

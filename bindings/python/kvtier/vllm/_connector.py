@@ -45,6 +45,13 @@ class KvtierConnector(_SchedulerSide, _WorkerSide, KVConnectorBase_V1):
             return None
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None):
+        """No (vLLM 0.33 and later ask, and refuse the configuration with
+        this connector named; _Settings refuses it on the releases that do
+        not ask): _settings.SLEEP_REFUSED says why."""
+        return False
+
     # -- scheduler side --
 
     @property

@@ -126,9 +126,20 @@ def _bool(v):
     raise ValueError(v)
 
 
+SLEEP_REFUSED = (
+    "kvtier: vLLM's sleep mode is on (enable_sleep_mode): a sleep discards the KV cache's "
+    "contents and the wake-up gives other bytes at the same addresses, so a save still "
+    "queued, or one of a block that held a chunk before the sleep, would put those bytes "
+    "under the chunk's key -- wrong KV for every engine that loads it.  Run without sleep "
+    "mode, or without kvtier")
+
+
 class _Settings:
     def __init__(self, vllm_config, kv_cache_config):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        # vLLM 0.33 and later ask KvtierConnector.supports_sleep_mode first
+        if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+            raise ValueError(SLEEP_REFUSED)
         par = vllm_config.parallel_config
         cache = vllm_config.cache_config
         self.tp = par.tensor_parallel_size
