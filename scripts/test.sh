@@ -98,7 +98,7 @@ if [ "${1:-}" != quick ]; then
   if ! wait "$venv_pid"; then
     cat "$logs/venv.log"; echo "kvtier test: the vLLM environment could not be made" >&2; exit 1
   fi
-  tail -1 "$logs/venv.log"
+  grep "^vllm " "$logs/venv.log" || true   # each new environment's vLLM and torch
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
   # The other releases the connector supports (kvtier/vllm/_versions.py).

@@ -885,17 +885,19 @@ def test_openai_server(tmp_path):
         assert json.loads(call("/v1/completions", body))["choices"][0]["text"] == first
         assert metric(call("/metrics"), "vllm:kvtier_hit_tokens_total") >= 32 * CHUNK, \
             server_log()
-        # a normal stop is no failure in kvtierd's log: the rank detaches;
-        # the scheduler, which vLLM's server may kill mid-shutdown, held
-        # nothing (info, nothing repaired); no warning after the start
+        # a normal stop is no failure in kvtierd's log: the rank and the
+        # scheduler detach, or -- vLLM's server sends the engine core a
+        # second SIGTERM during its shutdown, which on a loaded machine can
+        # land before the executor's shutdown as well as before the
+        # scheduler's -- exit holding nothing (info, nothing repaired); no
+        # warning after the start
         stop(p)
         deadline = time.monotonic() + 30
+        normal = r"of instance 0 \(pid \d+\) (detached|exited without detaching; it held nothing)"
         while True:
             after = (tmp_path / "kvtierd.log").read_text().split(" up: ", 1)[-1]
-            if re.search(r"rank 0 of instance 0 \(pid \d+\) detached", after) and \
-                    re.search(r"scheduler of instance 0 \(pid \d+\) (detached|exited without "
-                              r"detaching; it held nothing)", after.split("scheduler of "
-                                                                         "instance 0 attached")[-1]):
+            if all(re.search(who + " " + normal, after.split(who + " of instance 0 attached")[-1])
+                   for who in ("rank 0", "scheduler")):
                 break
             assert time.monotonic() < deadline, after
             time.sleep(0.2)

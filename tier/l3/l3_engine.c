@@ -4,15 +4,15 @@
  * that ended during the put voids it), kvt_write_begin / kvt_write_end
  * around a get (the claims are this handle's; published only checked).
  * No new shared-memory step: the engine's state is its own. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create */
+#endif
 #include "kvt_clock.h"
 #include "kvt_l3e.h"
 #include "kvt_log.h"
 #include "kvt_l3_asks.h"
 #include "kvt_disk.h"
 
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE
-#endif
 #include <errno.h>
 #include <poll.h>
 #include <stdarg.h>
@@ -231,9 +231,7 @@ static int put_start(kvt_l3e *e, uint32_t x, const kvt_key *k, uint32_t depth, u
 	if (e->o.test_before_seal) /* the window the life check closes */
 		e->o.test_before_seal(e->o.test_arg, x);
 	for (uint32_t sh = 0; sh < e->n_shards; sh++) {
-		void *p = kvt_slot_shard_ptr(e->s, x, sh);
-
-		void *from = p;
+		void *p = kvt_slot_shard_ptr(e->s, x, sh), *from = p;
 		int r;
 
 		kvt_l3_key(j->keys[sh], e->fp, k, sh);
