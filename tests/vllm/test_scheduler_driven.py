@@ -68,6 +68,11 @@ class Harness:
     own, the stand-in forward pass, and the checks."""
 
     def __init__(self, tmp_path, segment, num_blocks, max_tokens_step=256, **extra):
+        # vLLM's platform and config set process-wide variables (LD_PRELOAD,
+        # the worker start method, thread counts) as an engine process of
+        # its own would: put back at close, so that no engine a later test
+        # starts inherits them
+        self._environ = dict(os.environ)
         import vllm
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                                  SchedulerConfig, VllmConfig, set_current_vllm_config)
@@ -141,6 +146,8 @@ class Harness:
         destroy_model_parallel()
         destroy_distributed_environment()
         self._ctx.__exit__(None, None, None)
+        os.environ.clear()
+        os.environ.update(self._environ)
 
     def add(self, req_id, prompt, max_tokens):
         from vllm import SamplingParams
