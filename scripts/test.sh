@@ -22,6 +22,9 @@ scripts/deps.sh
 sh numa/reserve-hugepages.sh 32 || true
 
 jobs=$(nproc 2>/dev/null || echo 2)
+# each stage's header with the time since the start, so that a CI log
+# shows where the suite's minutes go
+stage() { echo "== kvtier test: $* [$(date -u +%H:%M:%S), ${SECONDS}s in]"; }
 logs=$(mktemp -d /tmp/kvtier-test.XXXXXX)
 venv=${KVTIER_VLLM_VENV:-$PWD/build/vllm-venv}
 # the other vLLM release the connector supports (kvtier/vllm/_versions.py)
@@ -46,7 +49,7 @@ fi
 # before the long stages.
 release_stage() {   # $1 build dir, $2 C compiler
   local dir=$1 cc=$2
-  echo "== kvtier test: $dir (the main command's Release build, $cc)"
+  stage "$dir (the main command's Release build, $cc)"
   CC=$cc scripts/build-release.sh "$dir"
   local bench=$dir/bench/kvtier-bench log=$logs/${dir//\//_}.log
   if ! { "$bench" ops && "$bench" bandwidth --chunk-sizes 256K --depths 1,32 --ranks 1,2 \
@@ -62,7 +65,7 @@ fi
 
 run_suite() {   # $1 build dir, $2 ctest -E regex (or ""), rest: cmake args
   local dir=$1 excl=$2; shift 2
-  echo "== kvtier test: $dir $*"
+  stage "$dir $*"
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
   cmake --build "$dir" -j "$jobs" >/dev/null
   (cd "$dir" && ctest --output-on-failure -j "$jobs" --timeout 900 ${excl:+-E "$excl"})
@@ -81,12 +84,12 @@ setsid bash -c 'cd build && exec ctest --output-on-failure --timeout 1500 -R mod
 model_pid=$!; pids+=("$model_pid")
 
 if [ -d bindings/python/tests ]; then
-  echo "== kvtier test: python"
+  stage "python"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
     /usr/bin/python3 -m pytest -q -p no:cacheprovider bindings/python/tests
 fi
 if [ -x build/tier/daemon/kvtierd ]; then
-  echo "== kvtier test: kvtierd (real daemon, rank processes, curl, Prometheus, tmux, Redis, Mooncake)"
+  stage "kvtierd (real daemon, rank processes, curl, Prometheus, tmux, Redis, Mooncake)"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
     /usr/bin/python3 -m pytest -q -p no:cacheprovider tests/daemon
 else
@@ -94,7 +97,7 @@ else
   exit 1
 fi
 if [ "${1:-}" != quick ]; then
-  echo "== kvtier test: vLLM engines on kvtier (tests/vllm)"
+  stage "vLLM engines on kvtier (tests/vllm)"
   if ! wait "$venv_pid"; then
     cat "$logs/venv.log"; echo "kvtier test: the vLLM environment could not be made" >&2; exit 1
   fi
@@ -114,14 +117,16 @@ if [ "${1:-}" != quick ]; then
   # differ between releases -- saves, loads, outputs, aborts, preemptions,
   # the fold in an engine: about 2 minutes; the whole of tests/vllm ran on
   # it by hand (README, vLLM).
-  echo "== kvtier test: vLLM 0.31 (tests/vllm: unit tests whole, engine tests in part)"
+  stage "vLLM 0.31 (tests/vllm: unit tests whole, engine tests in part)"
+  # one line: pytest's -k grammar refuses a newline
+  v031_engine_tests="outputs_identical or evicted_prefix or second_engine"
+  v031_engine_tests+=" or aborted_and_preempted or offload_by_environment"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_offload_env.py \
     tests/vllm/test_connector_config.py tests/vllm/test_scheduler_driven.py
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_vllm_kvtier.py \
-    -k "outputs_identical or evicted_prefix or second_engine or aborted_and_preempted or
-        offload_by_environment"
+    -k "$v031_engine_tests"
   # 0.33 and 0.34, the CUDA package's (no CPU build): their own scheduler
   # and worker-side connector code, unpacked beside 0.32's environment
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
@@ -130,10 +135,10 @@ if [ "${1:-}" != quick ]; then
   run_suite build-tsan "" -DKVTIER_SANITIZE=thread
   # libFuzzer (clang), a bounded time per target; the corpora already ran
   # as regression tests in each build above
-  echo "== kvtier test: fuzz"
+  stage "fuzz"
   tests/fuzz/run.sh "${KVTIER_FUZZ_SECONDS:-20}"
 fi
-echo "== kvtier test: model_spin (Promela models, run beside the rest)"
+stage "model_spin (Promela models, run beside the rest)"
 if ! wait "$model_pid"; then cat "$logs/model.log"; exit 1; fi
 grep -E "tests passed|Passed|Failed" "$logs/model.log" | tail -2
 rm -rf "$logs"
