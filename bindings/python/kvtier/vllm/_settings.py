@@ -1,9 +1,9 @@
 """kvtier.vllm._settings: the engine's identity and the connector's
 settings, from vLLM's configuration and kv_connector_extra_config."""
 import os
-import time
 
 import kvtier
+from kvtier._connect import as_bool, open_segment, opt
 
 from ._common import _NON_DETERMINISTIC_ALGOS, logger
 
@@ -99,31 +99,10 @@ def _engine_identity(mc, cache, kv_cache_config):
 
 
 def _opt(extra, key, env, default, conv=str):
-    if extra and key in extra and extra[key] is not None:
-        v = extra[key]
-        what = "kv_connector_extra_config[%r]" % key
-    elif os.environ.get(env) is not None:
-        v = os.environ[env]
-        what = env
-        if v == "":
-            raise ValueError("kvtier: %s is set but empty: unset it or give a value" % env)
-    else:
-        return default
-    try:
-        return conv(v)
-    except (TypeError, ValueError):
-        raise ValueError("kvtier: %s=%r: expected %s" % (what, v, conv.__name__)) from None
+    return opt(extra, key, env, default, conv, where="kv_connector_extra_config")
 
 
-def _bool(v):
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(v)
+_bool = as_bool
 
 
 SLEEP_REFUSED = (
@@ -268,22 +247,7 @@ class _Settings:
             kw["dma"] = self.dma
         if self.max_inflight and role == "rank":
             kw["max_inflight"] = self.max_inflight
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                return kvtier.Tier(**kw)
-            except kvtier.KvtierError as e:
-                if e.errno == 71 and time.monotonic() < deadline:
-                    time.sleep(0.05)  # EPROTO: its creator is still writing it
-                    continue
-                if e.errno != 2 or not self.create:  # ENOENT
-                    raise
-            try:
-                return kvtier.Tier(create=True, n_instances=self.instances,
-                                   tier_bytes=int(self.tier_gib * (1 << 30)), **kw)
-            except kvtier.KvtierError as e:
-                if e.errno != 17:  # EEXIST: another process created it first
-                    raise
+        return open_segment(kw, self.create, self.instances, self.tier_gib)
 
 
 def _group_kind(spec):
