@@ -8,12 +8,13 @@
 # what not).  Idempotent: an unpacked release is kept.
 # Usage: tests/vllm/other-releases.sh VENV DIR [VERSION...]
 set -euo pipefail
-venv=$1 dir=$2
+venv=$1
+# absolute: the wheel is unpacked from inside the release's folder
+dir=$(mkdir -p "$2" && cd "$2" && pwd)
 shift 2
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(0.33.0 0.34.0)
 here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$dir"
 for v in "${versions[@]}"; do
   src=$dir/vllm-$v
   if [ ! -f "$src/vllm/__init__.py" ]; then
