@@ -22,11 +22,12 @@ import threading
 
 import torch
 
-PAGE = 16
+PAGE = 64  # DSA requires 64-token pages; the others take it too
 LAYERS = 3
 HEADS = 2        # KV heads of one rank
 HEAD_DIM = 32
 KV_LORA, ROPE = 64, 16
+INDEX_DIM = 128  # DSA's index key (fp8) and its fp32 scale: 132 bytes a token
 
 
 def publish(world):
@@ -50,17 +51,37 @@ def extra_config(segment, **kw):
     return cfg
 
 
-def host_pool(layout, mla, pools=("kv",)):
-    """(device pool, allocator, HostPoolGroup) of one rank, SGLang's classes."""
+def host_pool(layout, kind, pools=("kv",)):
+    """(allocator, HostPoolGroup) of one rank, SGLang's classes.  kind:
+    "mha" (GQA, sharded), "mla", or "dsa" (DeepSeek V3.2 / GLM-5: MLA with
+    the indexer's host pool beside it, riding on the KV pages)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import (DSATokenToKVPool, MHATokenToKVPool,
+                                                  MLATokenToKVPool)
+    from sglang.srt.mem_cache.pool_host.dsa import (DSAIndexerPoolHost,
+                                                    make_dsa_indexer_pool_decl)
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     entries = []
+    if kind == "dsa":
+        kv = DSATokenToKVPool(1024, PAGE, KV_LORA, torch.bfloat16, ROPE, LAYERS, "cpu",
+                              INDEX_DIM, False, KV_LORA + ROPE, start_layer=0,
+                              end_layer=LAYERS - 1)
+        host = MLATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE,
+                                    layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=kv.size, start_layer=0,
+                                    end_layer=LAYERS - 1, target_layer_num=LAYERS)
+        index = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(kv), host, pin_memory=False,
+                                   device="cpu")
+        entries = [PoolEntry(name=PoolName.KV, host_pool=host, device_pool=kv,
+                             layer_mapper=lambda layer: layer, is_primary_index_anchor=True),
+                   PoolEntry(name=PoolName.INDEXER, host_pool=index, device_pool=kv,
+                             layer_mapper=lambda layer: layer)]
+        pools = ()
     for name in pools:
-        if mla:
+        if kind == "mla":
             kv = MLATokenToKVPool(1024, PAGE, torch.bfloat16, KV_LORA, ROPE, LAYERS, "cpu",
                                   False, start_layer=0, end_layer=LAYERS - 1)
             host = MLATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE,
@@ -83,13 +104,13 @@ def host_pool(layout, mla, pools=("kv",)):
     return alloc, HostPoolGroup(entries)
 
 
-def controller(rc, rank, layout, mla, extra, model="tiny-hicache", pools=("kv",)):
+def controller(rc, rank, layout, kind, extra, model="tiny-hicache", pools=("kv",)):
     """SGLang's HybridCacheController of rank `rank`, with the storage
     backend attached by its own constructor (as the engine does)."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import \
         HybridCacheController
     rc.get_parallel().override_permanently(tp_rank=rank, pp_rank=0)
-    alloc, group = host_pool(layout, mla, pools)
+    alloc, group = host_pool(layout, kind, pools)
     return HybridCacheController(alloc, group, PAGE, tp_group=None,
                                  load_cache_event=threading.Event(), io_backend="direct",
                                  storage_backend="dynamic", model_name=model,
@@ -110,18 +131,33 @@ def page_data(pool, seed, shard, page):
     return raw.view(flat.dtype)
 
 
+def sidecars(cc):
+    """The PoolTransfers the tree hands the controller for the pools that
+    ride on the KV pages (DSA's indexer), as _build_sidecar_transfers."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    return [PoolTransfer(name=e.name, hit_policy=PoolHitPolicy.ALL_PAGES,
+                         indices_from_pool=PoolName.KV)
+            for e in cc.mem_pool_host.entries if e.name != PoolName.KV] or None
+
+
+def pools_of(cc):
+    """(number, host pool) of each pool of the rank, the KV anchor first."""
+    return list(enumerate(e.host_pool for e in cc.mem_pool_host.entries))
+
+
 def write(cc, seed, shard, n_pages, timeout=60):
-    """Fills n_pages host pages and backs them up through the controller's
-    backup thread (write_storage, as the tree does).  Returns the tokens the
-    controller reports stored."""
+    """Fills n_pages host pages (of every pool) and backs them up through
+    the controller's backup thread (write_storage, as the tree does).
+    Returns the tokens the controller reports stored."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
-    pool = cc.storage_host_pool
     toks = tokens(seed, n_pages)
-    idx = pool.alloc(n_pages * PAGE)
-    for i in range(n_pages):
-        pool.set_from_flat_data_page(int(idx[i * PAGE]), page_data(pool, seed, shard, i))
+    idx = cc.storage_host_pool.alloc(n_pages * PAGE)
+    for k, pool in pools_of(cc):
+        for i in range(n_pages):
+            pool.set_from_flat_data_page(int(idx[i * PAGE]),
+                                         page_data(pool, seed, shard * 10 + k, i))
     hashes = get_storage_hash_str(toks, None, page_size=PAGE)
-    cc.write_storage(idx, toks, hash_value=hashes, prefix_keys=[])
+    cc.write_storage(idx, toks, hash_value=hashes, prefix_keys=[], extra_pools=sidecars(cc))
     op = cc.ack_backup_queue.get(timeout=timeout)
     return op.completed_tokens
 
@@ -134,9 +170,9 @@ def read(cc, seed, shard, n_pages, timeout=60):
     sync thread acks.  Returns (hit tokens, loaded tokens, pages whose
     bytes are wrong)."""
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    pool = cc.storage_host_pool
     toks = tokens(seed, n_pages)
-    op = cc.prefetch(CacheRequestHandle("req-%d" % seed, 0), toks, None, prefix_keys=[])
+    op = cc.prefetch(CacheRequestHandle("req-%d" % seed, 0), toks, None, prefix_keys=[],
+                     extra_pools=sidecars(cc))
     got = cc.prefetch_hit_queue.get(timeout=timeout)
     assert got is op
     hit = op.storage_hit_count
@@ -154,14 +190,14 @@ def read(cc, seed, shard, n_pages, timeout=60):
             done = max(done, ack.completed_tokens)
         if ack.completed_req:
             break
-    bad = [i for i in range(done // PAGE)
-           if not torch.equal(pool.get_data_page(int(idx[i * PAGE])).view(torch.uint8),
-                              page_data(pool, seed, shard, i).view(torch.uint8))]
+    bad = [(k, i) if k else i for k, p in pools_of(cc) for i in range(done // PAGE)
+           if not torch.equal(p.get_data_page(int(idx[i * PAGE])).view(torch.uint8),
+                              page_data(p, seed, shard * 10 + k, i).view(torch.uint8))]
     return hit, done, bad
 
 
 def run(spec):
-    """A node process's steps: spec = {world, instance, ranks, layout, mla,
+    """A node process's steps: spec = {world, instance, ranks, layout, kind,
     segment, seed, pages, action: write|read, extra: {...}}."""
     rc = publish(spec["world"])
     out = []
@@ -169,9 +205,9 @@ def run(spec):
     for r in spec["ranks"]:
         extra = extra_config(spec["segment"], kvtier_instance=spec["instance"],
                              **spec.get("extra", {}))
-        cc = controller(rc, r, spec["layout"], spec["mla"], extra)
+        cc = controller(rc, r, spec["layout"], spec["kind"], extra)
         ccs.append(cc)
-        shard = 0 if spec["mla"] else r
+        shard = r if spec["kind"] == "mha" else 0
         if spec["action"] == "write":
             out.append({"rank": r, "stored": write(cc, spec["seed"], shard, spec["pages"])})
         else:

@@ -68,12 +68,12 @@ def test_ranks_and_instances_share_one_segment(rc, segment, layout):
     written, through SGLang's controller threads; a longer prompt hits
     only the pages that were stored."""
     w = other_process({"world": 2, "instance": 0, "ranks": [0, 1], "layout": layout,
-                       "mla": False, "segment": segment, "seed": 11, "pages": 9,
+                       "kind": "mha", "segment": segment, "seed": 11, "pages": 9,
                        "action": "write"})
     assert [r["stored"] for r in w["ranks"]] == [9 * node.PAGE] * 2
     assert w["saved_chunks"] == 18       # 9 pages x 2 shards
     for rank in (0, 1):
-        cc = node.controller(rc, rank, layout, False,
+        cc = node.controller(rc, rank, layout, "mha",
                              node.extra_config(segment, kvtier_instance=1))
         try:
             assert type(cc.storage_backend).__name__ == "KvtierStorage"
@@ -95,12 +95,12 @@ def test_mla_is_written_once_and_read_by_every_rank(rc, segment):
     skipped by SGLang's controller; one copy in the segment; both ranks of
     the other instance read the same bytes."""
     w = other_process({"world": 2, "instance": 0, "ranks": [0, 1], "layout": "page_first",
-                       "mla": True, "segment": segment, "seed": 23, "pages": 6,
+                       "kind": "mla", "segment": segment, "seed": 23, "pages": 6,
                        "action": "write"})
     assert w["ranks"][0]["stored"] == 6 * node.PAGE
     assert w["saved_chunks"] == 6        # once, not once per rank
     for rank in (0, 1):
-        cc = node.controller(rc, rank, "page_first", True,
+        cc = node.controller(rc, rank, "page_first", "mla",
                              node.extra_config(segment, kvtier_instance=1))
         try:
             assert cc.storage_backend.replicated
@@ -110,9 +110,31 @@ def test_mla_is_written_once_and_read_by_every_rank(rc, segment):
             cc.detach_storage_backend()
 
 
+def test_dsa_indexer_rides_on_the_kv_pages(rc, segment):
+    """DeepSeek V3.2 / GLM-5 (DSA): SGLang's MLA host pool and its indexer
+    host pool beside it (the tree's KV-derived sidecar transfer, v2 calls):
+    both pools' bytes of a page in one chunk, once, read back byte-exact
+    by both ranks of the other instance."""
+    w = other_process({"world": 2, "instance": 0, "ranks": [0, 1], "layout": "page_first",
+                       "kind": "dsa", "segment": segment, "seed": 41, "pages": 5,
+                       "action": "write"})
+    assert w["ranks"][0]["stored"] == 5 * node.PAGE
+    assert w["saved_chunks"] == 5
+    for rank in (0, 1):
+        cc = node.controller(rc, rank, "page_first", "dsa",
+                             node.extra_config(segment, kvtier_instance=1))
+        try:
+            b = cc.storage_backend
+            assert b.folded == ["indexer"] and ";+indexer=DSAIndexerPoolHost" in b.model
+            assert len(node.pools_of(cc)) == 2
+            assert node.read(cc, 41, 0, 5) == (5 * node.PAGE, 5 * node.PAGE, [])
+        finally:
+            cc.detach_storage_backend()
+
+
 def test_unsupported_layout_is_refused_by_name(rc, segment):
     with pytest.raises(ValueError, match="page_unified"):
-        node.controller(rc, 0, "page_unified", False, node.extra_config(segment))
+        node.controller(rc, 0, "page_unified", "mha", node.extra_config(segment))
 
 
 def test_a_second_pool_is_refused_by_name(rc, segment):
@@ -120,17 +142,17 @@ def test_a_second_pool_is_refused_by_name(rc, segment):
     anchor) is refused at attach, naming it: kvtier would store half of
     what a page needs."""
     with pytest.raises(ValueError, match="'swa'"):
-        node.controller(rc, 0, "page_first", False, node.extra_config(segment),
+        node.controller(rc, 0, "page_first", "mha", node.extra_config(segment),
                         pools=("kv", "swa"))
 
 
 def test_wrong_world_is_refused(rc, segment):
     """A segment of a TP2 engine; a rank that thinks the world is 1."""
-    cc = node.controller(rc, 0, "page_first", False, node.extra_config(segment))
+    cc = node.controller(rc, 0, "page_first", "mha", node.extra_config(segment))
     try:
         node.publish(1)
         with pytest.raises(kvtier.KvtierError, match="world") as ei:
-            node.controller(rc, 0, "page_first", False,
+            node.controller(rc, 0, "page_first", "mha",
                             node.extra_config(segment, kvtier_instance=1))
         assert ei.value.errno in (errno.ESTALE, errno.EINVAL)
     finally:
@@ -140,13 +162,13 @@ def test_wrong_world_is_refused(rc, segment):
 
 def test_bad_settings_are_refused(rc, segment, monkeypatch):
     with pytest.raises(ValueError, match="'/'"):
-        node.controller(rc, 0, "page_first", False, node.extra_config("a/b"))
+        node.controller(rc, 0, "page_first", "mha", node.extra_config("a/b"))
     with pytest.raises(ValueError, match="kvtier_tier_gib"):
-        node.controller(rc, 0, "page_first", False,
+        node.controller(rc, 0, "page_first", "mha",
                         node.extra_config(segment, kvtier_tier_gib="lots"))
     monkeypatch.setenv("KVTIER_PROMOTE_WAIT_MS", "")
     with pytest.raises(ValueError, match="KVTIER_PROMOTE_WAIT_MS"):
-        node.controller(rc, 0, "page_first", False, node.extra_config(segment))
+        node.controller(rc, 0, "page_first", "mha", node.extra_config(segment))
 
 
 def test_other_sglang_versions_are_refused(monkeypatch):
@@ -163,12 +185,12 @@ def test_killed_rank_leaves_nothing_pinned(rc, segment, tmp_path):
     pins of its lookup: once reaped, nothing is pinned and no lease
     lives, and the pages are still there for the next reader."""
     w = other_process({"world": 2, "instance": 0, "ranks": [0, 1], "layout": "page_first",
-                       "mla": False, "segment": segment, "seed": 31, "pages": 5,
+                       "kind": "mha", "segment": segment, "seed": 31, "pages": 5,
                        "action": "write"})
     assert w["saved_chunks"] == 10
     hold = str(tmp_path / "holding")
     p = other_process({"world": 2, "instance": 1, "ranks": [0], "layout": "page_first",
-                       "mla": False, "segment": segment, "seed": 31, "pages": 5,
+                       "kind": "mha", "segment": segment, "seed": 31, "pages": 5,
                        "action": "read"}, env={"KVTIER_SGLANG_TEST_HOLD": hold}, wait=False)
     try:
         deadline = time.monotonic() + 300
@@ -190,7 +212,7 @@ def test_killed_rank_leaves_nothing_pinned(rc, segment, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-    cc = node.controller(rc, 1, "page_first", False,
+    cc = node.controller(rc, 1, "page_first", "mha",
                          node.extra_config(segment, kvtier_instance=1))
     try:
         assert node.read(cc, 31, 1, 5) == (5 * node.PAGE, 5 * node.PAGE, [])

@@ -96,11 +96,20 @@ a lock serializes them.
 A process killed in any of these leaves nothing pinned: kvtierd's reaper
 (or any process's kvt_reap) releases a dead process's leases and claims.
 
-Hybrid pools (v2).  SGLang's hybrid models add pools with their own hit
-policies (SWA and Mamba: trailing pages; DSA's indexer: all pages).
-kvtier stores a page's bytes of every cache as one chunk under one key,
-so a second pool is not stored: a registration of any pool but the KV
-anchor is refused at attach, naming the pool, rather than half-served.
+Hybrid pools (v2).  SGLang's hybrid models add host pools beside the KV
+anchor, each with a hit rule (PoolHitPolicy).  kvtier keeps a page's
+bytes of every cache it stores as one chunk under one key, so it takes a
+pool only when that pool's pages are the KV pages' own: DSA's indexer
+(DeepSeek V3.2, GLM-5.x: the index keys "ride on the full-KV pages",
+its indices and layout follow the KV pool's, every page needed:
+FOLDED_POOLS).  Its pieces join the chunk's groups; batch_set_v1 saves
+both pools' bytes of a page in one kvt_save, batch_get_v1 loads both, and
+the v2 calls for it report what the v1 call of the same keys did (SGLang
+makes the v1 call of a batch and the v2 calls of its KV-derived pools on
+one thread, v1 first for a get, v2 first for a set, whose failure then
+leaves nothing of the page stored).  Pools with keys or windows of their
+own (SWA and Mamba: trailing pages; DeepSeek V4's compressed pools:
+block groups) are refused at attach, named, rather than half-served.
 
 Metrics.  get_stats() gives SGLang's StorageMetrics (pages and GB/s of
 each batch get and set), which SGLang exports with
@@ -139,6 +148,8 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("kvtier.sglang needs SGLang installed: %s" % e) from None
 
 TESTED = ("0.5.23",)
+# SGLang's pools whose pages are the KV pages' own (see "Hybrid pools")
+FOLDED_POOLS = ("indexer",)
 # the layouts whose pages get_page_buffer_meta describes and the tests
 # run (page_first_kv_split, the NPU's, has split buffers no test builds)
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -317,6 +328,10 @@ class KvtierStorage(HiCacheStorage):
             c.extra_config["interface_v1"] = 1
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
+        self.folded = []
+        # per thread: the keys and loaded count of its last batch_get_v1
+        # (its batch_get_v2 of a folded pool reports them)
+        self._last_get = threading.local()
         self._tier = None
         self._pools = {}
         self._depth_warned = False
@@ -332,13 +347,18 @@ class KvtierStorage(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if str(host_pool_name) != "kv" and host_pool is not self._pools.get("kv"):
-            raise ValueError(
-                "kvtier.sglang: the host pool %r (%s) is not stored: kvtier keeps a page's "
-                "bytes of every cache as one chunk under one key, and this pool has keys and "
-                "a hit rule of its own (hybrid models: SWA, Mamba, DSA's indexer).  Run this "
-                "model without kvtier's storage backend" %
-                (str(host_pool_name), type(host_pool).__name__))
+        name = str(host_pool_name)
+        if name == "kv" or host_pool is self._pools.get("kv"):
+            return
+        if name in FOLDED_POOLS:
+            self._pools[name] = host_pool
+            return
+        raise ValueError(
+            "kvtier.sglang: the host pool %r (%s) is not stored: kvtier keeps a page's bytes "
+            "of every cache as one chunk under one key, and this pool has keys or a window "
+            "of its own (SWA, Mamba, DeepSeek V4's compressed pools; kvtier takes %s beside "
+            "the KV pool).  Run this model without kvtier's storage backend" %
+            (name, type(host_pool).__name__, ", ".join(FOLDED_POOLS)))
 
     def on_host_pools_registered(self):
         self._attach()
@@ -350,6 +370,11 @@ class KvtierStorage(HiCacheStorage):
         tag = getattr(pool, "storage_format_tag", None)
         if tag:
             ident += ";format=%s" % tag
+        for name in self.folded:
+            side = self._pools[name]
+            ident += ";+%s=%s/%d" % (name, type(side).__name__,
+                                     side.get_size_per_token() if hasattr(
+                                         side, "get_size_per_token") else 0)
         files = ""
         if self.model_config:
             files = ";" + kvtier.model_files_id(self.model_config)
@@ -367,6 +392,19 @@ class KvtierStorage(HiCacheStorage):
                                                    ", ".join(LAYOUTS)))
         page = int(pool.page_size)
         pieces, n_pages = page_pieces(pool)
+        self.folded = sorted(n for n in self._pools if n != "kv")
+        for name in self.folded:
+            side = self._pools[name]
+            if int(side.page_size) != page or getattr(side, "layout", pool.layout) != pool.layout:
+                raise ValueError("kvtier.sglang: the %r pool's pages (%s tokens, %s) are not the "
+                                 "KV pool's (%d, %s)" % (name, side.page_size,
+                                                          getattr(side, "layout", None),
+                                                          page, pool.layout))
+            more, n = page_pieces(side)
+            if n != n_pages:
+                raise ValueError("kvtier.sglang: the %r pool has %d pages, the KV pool %d"
+                                 % (name, n, n_pages))
+            pieces += more
         groups = page_groups(pieces, page, self.replicated)
         self.page_size = page
         self.groups = [g for g, _, _ in groups]
@@ -482,6 +520,7 @@ class KvtierStorage(HiCacheStorage):
                 # lease (world 1); every other way out releases it here.
                 if lease.id and not (loaded and self.world == 1):
                     lease.release()
+        self._last_get.keys, self._last_get.got = list(keys), got
         if got:
             self._note("prefetch", got, t0)
         return [True] * got + [False] * (n - got)
@@ -518,6 +557,46 @@ class KvtierStorage(HiCacheStorage):
                 return [False] * n
         self._note("backup", n, t0)
         return [True] * n
+
+    # ---- v2: the folded pools (see "Hybrid pools") ----
+
+    def _folded_transfers(self, transfers, what):
+        for t in transfers or ():
+            name = str(t.name)
+            if name not in self.folded:
+                raise ValueError("kvtier.sglang: %s of the pool %r, which is not stored "
+                                 "(kvtier stores the KV pool and %s)"
+                                 % (what, name, ", ".join(self.folded) or "nothing else"))
+            policy = str(getattr(t.hit_policy, "value", t.hit_policy))
+            if policy != "all_pages":
+                raise ValueError("kvtier.sglang: the %r pool asks for hit policy %r; its pages "
+                                 "ride on the KV pages (all_pages)" % (name, policy))
+            yield name, t
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
+        hits = self.batch_exists(keys, extra_info)
+        # keyed by SGLang's own names (PoolName hashes by its member name)
+        pools = {PoolName.KV: hits}
+        for _, t in self._folded_transfers(pool_transfers, "a lookup"):
+            pools[t.name] = hits  # stored in the same chunk as the KV page
+        return PoolTransferResult(hits, pools if hits else {}, list(range(1, hits + 1)))
+
+    def batch_get_v2(self, transfers, extra_info=None):
+        out = {}
+        last = getattr(self._last_get, "keys", None)
+        got = getattr(self._last_get, "got", 0)
+        for name, t in self._folded_transfers(transfers, "a get"):
+            keys = list(t.keys or ())
+            # loaded by this thread's batch_get_v1 of the same keys
+            n = got if keys == last else 0
+            out[t.name] = [True] * min(n, len(keys)) + [False] * (len(keys) - min(n, len(keys)))
+        return out
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        # saved by the batch_set_v1 of the same keys, with the KV page
+        return {t.name: [True] * len(t.keys or ())
+                for _, t in self._folded_transfers(transfers, "a set")}
 
     def _hold_here(self):
         """Test hook (KVTIER_SGLANG_TEST_HOLD=PATH): a get that holds its
