@@ -138,7 +138,8 @@ if [ "${1:-}" != quick ]; then
   v031_engine_tests+=" or aborted_and_preempted or offload_by_environment"
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_offload_env.py \
-    tests/vllm/test_connector_config.py tests/vllm/test_scheduler_driven.py
+    tests/vllm/test_connector_config.py tests/vllm/test_scheduler_driven.py \
+    tests/vllm/test_layouts.py
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_vllm_kvtier.py \
     -k "$v031_engine_tests"

@@ -173,6 +173,13 @@ Not covered: weights changed without their files changing (a process that
 patches them in memory), and a local checkpoint copied without its mtimes
 is another identity on that node (a miss there, never a wrong chunk).
 
+Layouts.  Whichever KV cache layout vLLM resolved (the connector asks
+for none): a layer's block is described as the runs that layout makes
+of it -- its two halves where it is one run, one run per KV head in the
+head-outer layouts ROCm's native backends want (LHBNC, BHLNC) -- from
+vLLM's own stride function, and each worker checks its tensors against
+that (_layout.py).
+
 Ranks.  Every TP x PP worker is a kvtier rank: rank = pp_rank x TP + tp_rank,
 world = TP x PP, both from vLLM's parallel config and checked against the
 worker's process groups; a worker whose groups disagree with the config
@@ -198,7 +205,8 @@ few; recomputing those chunks costs their prefill.
 
 # The package's parts: _versions (the tested vLLM releases and what differs
 # between them), _common (vLLM's classes, the logger), _settings (identity,
-# settings), _metadata (scheduler -> workers, stats), _scheduler and
+# settings), _layout (a layer's blocks in each KV cache layout), _metadata
+# (scheduler -> workers, stats), _scheduler and
 # _worker (the two sides), _connector (the class vLLM makes).  The module
 # path users give, "kvtier.vllm", names this package.
 import kvtier  # noqa: F401  (kvtier.vllm.kvtier: the binding, for tests)
@@ -210,5 +218,6 @@ from ._metadata import (STATS, KvtierConnectorMetadata, KvtierConnectorStats,  #
 from ._settings import (_Settings, _engine_identity, _group_kind, _key_identity,  # noqa: F401
                         _kv_format, _model_config_file)
 from ._scheduler import _chunk_keys_from_hashes, _skipped_tokens  # noqa: F401
-from ._worker import _halves, _tables  # noqa: F401
+from ._layout import block_runs, pieces_per_block  # noqa: F401
+from ._worker import _tables  # noqa: F401
 from ._connector import KvtierConnector  # noqa: F401

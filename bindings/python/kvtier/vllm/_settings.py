@@ -6,6 +6,7 @@ import kvtier
 from kvtier._connect import as_bool, open_segment, opt
 
 from ._common import _NON_DETERMINISTIC_ALGOS, logger
+from ._layout import pieces_per_block
 
 
 # ---- configuration ----
@@ -189,13 +190,17 @@ class _Settings:
                 "key and nothing saved would ever be found; kvtier shares chunks across "
                 "processes.  Use --prefix-caching-hash-algo sha256 (or sha256_cbor), or set "
                 "PYTHONHASHSEED to the same value for every vLLM process" % self.hash_algo)
+        layout = getattr(kv_cache_config, "kv_cache_layout", None) or \
+            getattr(cache, "kv_cache_layout", None)
+        self.layout = str(getattr(layout, "name", layout))
         self.groups, self.replicated = self._groups(kv_cache_config)
 
     def _groups(self, kv_cache_config):
         """One kvtier group per vLLM KV cache group: each attention layer's
-        block (one rank's) is two kvtier "layers", its two halves -- the
-        one description that fits every backend's tensor layout, K and V
-        apart (GPU) or interleaved in one block (CPU) (see register).
+        block (one rank's) is as many kvtier "layers" as the resolved
+        layout makes it runs -- its two halves where the block is one run
+        (or K and V apart), one per KV head in the head-outer layouts
+        (_layout.py).
         self.windows[g]: the group's skipped-token rule (see the module's
         design comment), None for full attention."""
         groups, repl = [], set()
@@ -213,12 +218,14 @@ class _Settings:
                 raise ValueError("kvtier: KV cache groups with different block sizes (%d, "
                                  "%d) are not supported" % (spec.block_size, self.block_size))
             page = spec.page_size_bytes
-            if page % (2 * spec.block_size):
-                raise ValueError("kvtier: a block of %d bytes does not split into two halves "
-                                 "of whole tokens" % page)
+            pieces = pieces_per_block(spec, self.layout, len(g.layer_names))
+            if page % (pieces * spec.block_size):
+                raise ValueError("kvtier: a block of %d bytes does not split into %d runs of "
+                                 "whole tokens (layout %s)" % (page, pieces, self.layout))
             is_mla = kind in ("mla", "sliding-mla")
             repl.add(is_mla)
-            groups.append(kvtier.Group(2 * len(g.layer_names), page // (2 * spec.block_size),
+            groups.append(kvtier.Group(pieces * len(g.layer_names),
+                                       page // (pieces * spec.block_size),
                                        spec.block_size, is_mla))
             self.windows.append(None if kind in ("full", "mla") else
                                 ("chunked" if kind == "chunked" else "sliding", param))

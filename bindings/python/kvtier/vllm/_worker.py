@@ -8,6 +8,7 @@ import numpy as np
 import kvtier
 
 from ._common import KVConnectorTransferResults, logger
+from ._layout import block_runs
 from ._metadata import KvtierConnectorMetadata
 
 
@@ -44,17 +45,19 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches):
         """Each layer's tensor must hold its blocks at a fixed stride on some
-        dimension of size num_blocks, each block one contiguous run of
-        page_size bytes, or split in two equal runs (K and V apart)."""
+        dimension of size num_blocks, each block the runs the resolved
+        layout gives it (_layout.py): one contiguous run (described as its
+        halves), K and V apart, or one run per KV head."""
         s = self._s
         cfg = self._kv_cache_config
         per_group = []
         for g, grp in zip(s.groups, cfg.kv_cache_groups):
             page = grp.kv_cache_spec.page_size_bytes
-            half = page // 2
+            pieces = g.n_layers // len(grp.layer_names)
             spans = []
             for name in grp.layer_names:
-                spans.extend(_halves(kv_caches[name], cfg.num_blocks, page, half, name))
+                spans.extend(block_runs(kv_caches[name], cfg.num_blocks, page, pieces, name,
+                                        s.layout))
             strides = {st for _, st in spans}
             if len(strides) != 1:
                 raise ValueError("kvtier: the layers of a KV cache group have different block "
@@ -242,33 +245,3 @@ def _tables(block_ids):
     one group, a list of tables for several."""
     tabs = [np.asarray(b, dtype=np.uint32) for b in block_ids]
     return tabs[0] if len(tabs) == 1 else tabs
-
-
-def _halves(t, num_blocks, page, half, name):
-    """The two halves of each block of layer tensor t: (base, stride) of
-    each, as kvtier layers of half-block bytes."""
-    es = t.element_size()
-    dims = [d for d in range(t.dim()) if t.shape[d] == num_blocks]
-    if not dims:
-        raise ValueError("kvtier: layer %s: no dimension of its KV tensor %s has the %d "
-                         "blocks" % (name, tuple(t.shape), num_blocks))
-    d = dims[0]
-    if d == 0:
-        # [num_blocks, ...]: a block is the rest, contiguous
-        if t[0].numel() * es != page or not t[0].is_contiguous():
-            raise ValueError("kvtier: layer %s: a block of %s is not %d contiguous bytes"
-                             % (name, tuple(t.shape), page))
-        stride = t.stride(0) * es
-        return [(t.data_ptr(), stride), (t.data_ptr() + half, stride)]
-    if d == 1 and t.shape[0] == 2:
-        # [2, num_blocks, ...]: K and V apart
-        out = []
-        for kv in (0, 1):
-            sub = t[kv]
-            if sub[0].numel() * es != half or not sub[0].is_contiguous():
-                raise ValueError("kvtier: layer %s: K/V block of %s is not %d contiguous "
-                                 "bytes" % (name, tuple(t.shape), half))
-            out.append((sub.data_ptr(), sub.stride(0) * es))
-        return out
-    raise ValueError("kvtier: layer %s: KV tensor layout %s (blocks on dimension %d) is not "
-                     "supported" % (name, tuple(t.shape), d))
