@@ -201,7 +201,10 @@ static int cu_errno(CUresult r)
  * being retried as if one chunk had failed. */
 static int cu_sticky(CUresult r)
 {
-	switch (r) {
+	/* By value, not by name, for the codes newer headers added: a build
+	 * against an older toolkit still knows them (the driver it meets may
+	 * be newer than its headers). */
+	switch ((int)r) {
 	case CUDA_ERROR_ILLEGAL_ADDRESS:
 	case CUDA_ERROR_LAUNCH_TIMEOUT:
 	case CUDA_ERROR_ASSERT:
@@ -211,6 +214,10 @@ static int cu_sticky(CUresult r)
 	case CUDA_ERROR_INVALID_ADDRESS_SPACE:
 	case CUDA_ERROR_INVALID_PC:
 	case CUDA_ERROR_LAUNCH_FAILED:
+	case 226: /* CUDA_ERROR_CONTAINED: a contained hardware or kernel fault */
+	case 721: /* CUDA_ERROR_TENSOR_MEMORY_LEAK: a kernel left tensor memory */
+	case 810: /* CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS server ended us */
+	case 911: /* CUDA_ERROR_EXTERNAL_DEVICE: an external device's error */
 		return 1;
 	default:
 		return 0;

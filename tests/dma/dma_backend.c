@@ -702,6 +702,49 @@ static void test_completion_out_of_order(void **state)
 	fix_close(&f);
 }
 
+/* Every error cuda.h calls sticky ("any further CUDA work will return the
+ * same error"): the backend says the context is lost and makes no more
+ * copies, naming the error -- the ones ILLEGAL_ADDRESS stands for in
+ * test_error_on_ticket, and those later drivers added (CONTAINED,
+ * TENSOR_MEMORY_LEAK, MPS_CLIENT_TERMINATED, EXTERNAL_DEVICE). */
+static void test_every_sticky_error_loses_the_context(void **state)
+{
+	static const struct { int code; const char *name; } sticky[] = {
+		{ 700, "CUDA_ERROR_ILLEGAL_ADDRESS" },
+		{ 226, "CUDA_ERROR_CONTAINED" },
+		{ 721, "CUDA_ERROR_TENSOR_MEMORY_LEAK" },
+		{ 810, "CUDA_ERROR_MPS_CLIENT_TERMINATED" },
+		{ 911, "CUDA_ERROR_EXTERNAL_DEVICE" },
+	};
+
+	(void)state;
+	if (strcmp(backend, "cuda") || real_gpu || !fake_ctl)
+		skip();
+	for (size_t i = 0; i < sizeof(sticky) / sizeof(sticky[0]); i++) {
+		struct kvt_dma_config c = base_cfg();
+		struct fix f;
+		kvt_dma_ticket t;
+
+		fix_open(&f, &c);
+		ctl("fault_code", sticky[i].code);
+		ctl("async_error", 1);
+		/* the ticket's first copy faults: its second may already find
+		 * the context lost */
+		int rc = kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_D2H, &t);
+		assert_true(rc == 0 || rc == -EIO);
+		if (rc == 0)
+			assert_int_equal(kvt_dma_wait(f.d, t, -1), -EIO);
+		assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + f.a.stride,
+						KVT_DMA_D2H, &t), -EIO);
+		if (!strstr(kvt_dma_last_error(), "context was lost") ||
+		    !strstr(kvt_dma_last_error(), sticky[i].name))
+			fail_msg("%s: not taken as the context lost: %s", sticky[i].name,
+				 kvt_dma_last_error());
+		fix_close(&f);
+		ctl("reset", 0); /* a new process, for the real driver */
+	}
+}
+
 /* The caller's protocol: a ready bit only for a ticket that completed. */
 static void test_error_on_ticket(void **state)
 {
@@ -1474,6 +1517,7 @@ int main(void)
 		cmocka_unit_test(test_wait_out_of_order),
 		cmocka_unit_test(test_completion_out_of_order),
 		cmocka_unit_test(test_error_on_ticket),
+		cmocka_unit_test(test_every_sticky_error_loses_the_context),
 		cmocka_unit_test(test_save_after_compute),
 		cmocka_unit_test(test_kv_over_several_mappings),
 		cmocka_unit_test(test_lock_budget),

@@ -62,6 +62,9 @@ static _Thread_local struct fctx *ctx_stack[16];
 static _Thread_local int ctx_depth;
 
 static atomic_long fail_copy, async_error, fail_register;
+/* the code an injected copy fault returns, and then every call ("fault_code";
+ * default CUDA_ERROR_ILLEGAL_ADDRESS): each of the driver's sticky errors */
+static atomic_int fault_code = CUDA_ERROR_ILLEGAL_ADDRESS;
 /* A copy fault is sticky, as on a real context (CUDA_ERROR_ILLEGAL_ADDRESS
  * and its kind): once one happened, every later copy, record, query and
  * synchronize returns it -- for events that completed before it too.
@@ -88,6 +91,8 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&fail_copy, v);
 	else if (!strcmp(key, "async_error"))
 		atomic_store(&async_error, v);
+	else if (!strcmp(key, "fault_code"))
+		atomic_store(&fault_code, (int)v);
 	else if (!strcmp(key, "fail_register"))
 		atomic_store(&fail_register, v);
 	else if (!strcmp(key, "hold"))
@@ -99,6 +104,7 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 	else if (!strcmp(key, "reset")) {
 		atomic_store(&fail_copy, 0);
 		atomic_store(&async_error, 0);
+		atomic_store(&fault_code, CUDA_ERROR_ILLEGAL_ADDRESS);
 		atomic_store(&lost, 0);
 		fake_copy_resume();
 		atomic_store(&fail_register, 0);
@@ -869,8 +875,8 @@ static void run_copy(void *arg)
 		 * only then do records report (fake_copy_settled) */
 		fake_copy_halt(0);
 		if (t->s)
-			t->s->err = CUDA_ERROR_ILLEGAL_ADDRESS;
-		atomic_store(&lost, CUDA_ERROR_ILLEGAL_ADDRESS);
+			t->s->err = (CUresult)atomic_load(&fault_code);
+		atomic_store(&lost, atomic_load(&fault_code));
 		fake_copy_report(0);
 	} else if (fake_copy_begin(0)) { /* one context: device 0's queues */
 		for (uint64_t r = 0; r < t->rows; r++)
@@ -1088,6 +1094,10 @@ static CUresult f_cuGetErrorName(CUresult r, const char **s)
 	case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
 	case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
 	case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+	case CUDA_ERROR_CONTAINED: *s = "CUDA_ERROR_CONTAINED"; break;
+	case CUDA_ERROR_TENSOR_MEMORY_LEAK: *s = "CUDA_ERROR_TENSOR_MEMORY_LEAK"; break;
+	case CUDA_ERROR_MPS_CLIENT_TERMINATED: *s = "CUDA_ERROR_MPS_CLIENT_TERMINATED"; break;
+	case CUDA_ERROR_EXTERNAL_DEVICE: *s = "CUDA_ERROR_EXTERNAL_DEVICE"; break;
 	case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
 		*s = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; break;
 	case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED:
