@@ -126,11 +126,25 @@ struct kvt_copy {
 };
 
 /* What the backend can do in one copy.  max_rows <= 1: 1-D copies only. */
+/* A range of device memory that the runtime treats as one allocation
+ * (cuPointerGetAttribute's RANGE_START/SIZE, hsa_amd_pointer_info's
+ * agentBaseAddress/sizeInBytes): [start, end). */
+struct kvt_range {
+	uint64_t start, end;
+};
+
 struct kvt_plan_caps {
 	uint32_t max_rows;    /* rows of one 2-D copy */
 	uint32_t pitch_align; /* pitches, row length and both row-0 addresses
 			       * must be multiples of it (power of two, >= 1) */
 	uint64_t max_pitch;   /* largest pitch */
+	/* The device allocations the layers lie in, sorted, disjoint (NULL:
+	 * unknown, no constraint): a copy -- a 2-D copy's whole extent, rows
+	 * and pitches included -- never runs from one into another, where a
+	 * runtime may refuse it (one tensor per layer: each layer its own
+	 * allocation, even when they sit at an even spacing). */
+	const struct kvt_range *ranges;
+	uint32_t n_ranges;
 };
 
 struct kvt_plan {

@@ -507,6 +507,10 @@ static int cu_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 			    !be->f.ptr_attr(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) &&
 			    !be->f.ptr_attr(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) && size) {
 				CUdeviceptr end = start + size;
+				int rr = kvt__dma_add_range(d, start, end);
+
+				if (rr)
+					return rr;
 				while (end < need) {
 					CUdeviceptr s2 = 0;
 					size_t z2 = 0;
@@ -520,6 +524,8 @@ static int cu_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 					    s2 != end ||
 					    be->f.ptr_attr(&z2, CU_POINTER_ATTRIBUTE_RANGE_SIZE, end) || !z2)
 						break;
+					if ((rr = kvt__dma_add_range(d, end, end + z2)))
+						return rr;
 					end += z2;
 				}
 				if (end < need)

@@ -197,7 +197,33 @@ static void dma_free(kvt_dma *d)
 	pthread_mutex_destroy(&d->lock);
 	free(d->slots);
 	free(d->bases);
+	free(d->ranges);
 	free(d);
+}
+
+int kvt__dma_add_range(struct kvt_dma *d, uint64_t start, uint64_t end)
+{
+	uint32_t i = 0;
+
+	if (end <= start)
+		return 0;
+	while (i < d->n_ranges && d->ranges[i].end <= start)
+		i++;
+	if (i < d->n_ranges && d->ranges[i].start < end)
+		return 0; /* known (or overlapping what is known: keep the first) */
+	if (d->n_ranges == d->cap_ranges) {
+		uint32_t cap = d->cap_ranges ? 2 * d->cap_ranges : 16;
+		struct kvt_range *r = realloc(d->ranges, cap * sizeof(*r));
+
+		if (!r)
+			return kvt__dma_err(-ENOMEM, "out of memory");
+		d->ranges = r;
+		d->cap_ranges = cap;
+	}
+	memmove(&d->ranges[i + 1], &d->ranges[i], (d->n_ranges - i) * sizeof(*d->ranges));
+	d->ranges[i] = (struct kvt_range){ .start = start, .end = end };
+	d->n_ranges++;
+	return 0;
 }
 
 int kvt_dma_open(const struct kvt_dma_config *cin, kvt_dma **out)
@@ -342,6 +368,7 @@ int kvt_dma_kv_register(kvt_dma *d, const struct kvt_kv_layout *l)
 	if (rc) {
 		free(d->bases);
 		d->bases = NULL;
+		d->n_ranges = 0;
 		return rc;
 	}
 	d->have_layout = 1;
@@ -367,6 +394,8 @@ void kvt_dma_plan_caps(const kvt_dma *d, struct kvt_plan_caps *c)
 	d->ops->caps(d, c);
 	if (d->cfg.flags & KVT_DMA_F_NO_2D)
 		c->max_rows = 1;
+	c->ranges = d->ranges;
+	c->n_ranges = d->n_ranges;
 }
 
 int kvt_dma_plan_build(const kvt_dma *d, struct kvt_plan *p,

@@ -149,11 +149,20 @@ struct kvt_dma {
 	int have_layout;
 	struct kvt_kv_layout layout; /* layer_base -> bases */
 	uint64_t *bases;
+	/* The device allocations the layers lie in, as bind found them
+	 * (kvt__dma_add_range), sorted and disjoint: the plans keep each copy
+	 * inside one (kvt_plan_caps.ranges). */
+	struct kvt_range *ranges;
+	uint32_t n_ranges, cap_ranges;
 
 	char describe[1024];
 	char skipped[512];           /* backends auto skipped, and why */
 	char feature[256];           /* the backend's part of describe */
 };
+
+/* Notes that device bytes [start, end) are one allocation of the runtime
+ * (bind).  0 or -ENOMEM. */
+int kvt__dma_add_range(struct kvt_dma *d, uint64_t start, uint64_t end);
 
 /* Non-temporal copy for large blocks (x86-64: SSE2 streaming stores;
  * elsewhere memcpy). */

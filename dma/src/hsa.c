@@ -670,6 +670,10 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 			 * cuda.c's bind): walk the ones that follow. */
 			uint64_t end = (uintptr_t)info.agentBaseAddress + info.sizeInBytes;
 			uint64_t need = gr->layer_base[i] + kvt__layer_extent(gr);
+			int rr = kvt__dma_add_range(d, (uintptr_t)info.agentBaseAddress, end);
+
+			if (rr)
+				return rr;
 			while (info.sizeInBytes && end < need) {
 				hsa_amd_pointer_info_t nx;
 
@@ -682,6 +686,8 @@ static int hsa_bind(struct kvt_dma *d, const struct kvt_kv_layout *l)
 				    nx.agentOwner.handle != info.agentOwner.handle ||
 				    (uintptr_t)nx.agentBaseAddress != end || !nx.sizeInBytes)
 					break;
+				if ((rr = kvt__dma_add_range(d, end, end + nx.sizeInBytes)))
+					return rr;
 				end += nx.sizeInBytes;
 			}
 			if (info.sizeInBytes && end < need)

@@ -19,7 +19,10 @@
  *     run-major (runs outer, layers inner: the same block in every layer,
  *     when the engine allocated the layers at a constant spacing).  Both
  *     are counted and the one with fewer copies is emitted (layer-major on
- *     a tie: its rows are the longer ones).
+ *     a tie: its rows are the longer ones).  A copy's device extent stays
+ *     inside one allocation where the backend knows them (caps->ranges,
+ *     from bind): with one tensor per layer, the same block of evenly
+ *     spaced layers is not one 2-D copy, which a runtime may refuse.
  *  3. Skips.  A block id KVT_DMA_BLOCK_SKIP is no block: it gets no copy,
  *     ends the run before it and starts none; its sub-slot pages are left
  *     alone (p->skipped counts their bytes).
@@ -180,6 +183,8 @@ struct emitter {
 	uint32_t max_rows;
 	uint64_t align_mask;
 	uint64_t max_pitch;
+	const struct kvt_range *ranges; /* device allocations (caps), or NULL */
+	uint32_t n_ranges;
 };
 
 static void em_init(struct emitter *e, struct kvt_copy *out, uint32_t cap,
@@ -195,6 +200,29 @@ static void em_init(struct emitter *e, struct kvt_copy *out, uint32_t cap,
 		e->align_mask = caps->pitch_align - 1;
 		e->max_pitch = caps->max_pitch;
 	}
+	if (caps && caps->ranges && caps->n_ranges) {
+		e->ranges = caps->ranges;
+		e->n_ranges = caps->n_ranges;
+	}
+}
+
+/* Whether device bytes [a, end) lie in the one allocation holding a (no
+ * known allocation holds a: nothing to keep to). */
+static int em_one_alloc(const struct emitter *e, uint64_t a, uint64_t end)
+{
+	uint32_t lo = 0, hi = e->n_ranges;
+
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (e->ranges[mid].end <= a)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo == e->n_ranges || e->ranges[lo].start > a)
+		return 1;
+	return end <= e->ranges[lo].end;
 }
 
 static void em_flush(struct emitter *e)
@@ -219,7 +247,10 @@ static int em_pitch_ok(const struct emitter *e, uint64_t pitch, uint64_t len)
 /* A 1-D copy never spans two layers, even where their caches happen to be
  * adjacent: they may be separate allocations, and runtimes reject a copy
  * that crosses from one allocation into another.  Rows of a 2-D copy may
- * each lie in a different layer. */
+ * each lie in a different layer, but all in one allocation when the
+ * backend says where its allocations are (caps->ranges): a 2-D copy's
+ * extent from its first row's start to its last row's end is what a
+ * driver checks, gaps included. */
 static void em_add(struct emitter *e, uint64_t dev, uint64_t off, uint64_t len,
 		   uint32_t group, uint32_t layer)
 {
@@ -235,7 +266,8 @@ static void em_add(struct emitter *e, uint64_t dev, uint64_t off, uint64_t len,
 		if (len == c->len && e->max_rows > 1) {
 			if (c->rows > 1 && c->rows < e->max_rows &&
 			    dev == c->dev + c->rows * c->dev_pitch &&
-			    off == c->off + c->rows * c->host_pitch) {
+			    off == c->off + c->rows * c->host_pitch &&
+			    (!e->ranges || em_one_alloc(e, c->dev, dev + len))) {
 				c->rows++;
 				e->cur_layer = layer;
 				return;
@@ -243,7 +275,8 @@ static void em_add(struct emitter *e, uint64_t dev, uint64_t off, uint64_t len,
 			if (c->rows == 1 && dev > c->dev && off > c->off &&
 			    !((c->dev | c->off | len) & e->align_mask) &&
 			    em_pitch_ok(e, dev - c->dev, len) &&
-			    em_pitch_ok(e, off - c->off, len)) {
+			    em_pitch_ok(e, off - c->off, len) &&
+			    (!e->ranges || em_one_alloc(e, c->dev, dev + len))) {
 				c->dev_pitch = dev - c->dev;
 				c->host_pitch = off - c->off;
 				c->rows = 2;

@@ -702,6 +702,69 @@ static void test_completion_out_of_order(void **state)
 	fix_close(&f);
 }
 
+/* One tensor per layer, each its own allocation (cuMemAlloc, an HSA pool
+ * allocation), at an even spacing: what vLLM's per-layer caches are.  The
+ * same block of every layer is then a row at a constant pitch, a 2-D copy
+ * to a planner that does not know the allocations -- whose extent runs
+ * from one allocation into the next, which a runtime refuses (the fakes
+ * do, as the real drivers may).  The plan keeps each copy inside one
+ * allocation, and every byte arrives. */
+static void test_layers_in_separate_allocations(void **state)
+{
+	enum { L = 4, NB = 16, TPB = 16, BPT = 256 };
+	const uint64_t page = TPB * BPT, per = page * NB;
+	struct kvt_dma_config c = base_cfg();
+	struct kvt_kv_layout l = { .chunk_tokens = 2 * TPB, .n_groups = 1 };
+	uint64_t bases[L];
+	uint8_t *data[L];
+	const uint32_t blk[2] = { 3, 4 };
+	const uint32_t *bp[1] = { blk };
+	struct kvt_plan plan;
+	struct arena a;
+	kvt_dma_ticket t;
+	kvt_dma *d;
+
+	(void)state;
+	d = open_cfg(&c);
+	for (int i = 0; i < L; i++) {
+		assert_int_equal(kvt_dma_dev_alloc(d, per, &bases[i]), 0);
+		data[i] = malloc(per);
+		assert_non_null(data[i]);
+		for (uint64_t k = 0; k < per; k++)
+			data[i][k] = (uint8_t)rnd();
+		assert_int_equal(kvt_dma_dev_write(d, bases[i], data[i], per), 0);
+	}
+	l.groups[0] = (struct kvt_kv_group){ .n_layers = L, .bytes_per_token = BPT,
+					     .tokens_per_block = TPB, .block_stride = page,
+					     .n_blocks = NB, .layer_base = bases };
+	assert_int_equal(kvt_dma_kv_register(d, &l), 0);
+	arena_create(d, &a, &l, 1);
+	assert_int_equal(kvt_plan_init(&plan, kvt_kv_layout_max_copies(&l)), 0);
+	assert_true(kvt_dma_plan_build(d, &plan, bp, 2 * TPB) >= 0);
+	for (uint32_t k = 0; gpu && k < plan.n; k++) {
+		const struct kvt_copy *cp = &plan.copies[k];
+		uint64_t end = cp->dev + (uint64_t)(cp->rows - 1) * cp->dev_pitch + cp->len;
+		int inside = 0;
+
+		for (int i = 0; i < L; i++)
+			inside |= cp->dev >= bases[i] && end <= bases[i] + per;
+		if (!inside)
+			fail_msg("copy %u (%u rows, pitch %llu) runs from one layer's allocation "
+				 "into another's", k, cp->rows, (unsigned long long)cp->dev_pitch);
+	}
+	assert_int_equal(kvt_dma_submit(d, &plan, a.base, KVT_DMA_D2H, &t), 0);
+	assert_int_equal(kvt_dma_wait(d, t, -1), 0);
+	for (int i = 0; i < L; i++)
+		assert_memory_equal(a.base + (uint64_t)i * 2 * page, data[i] + 3 * page, 2 * page);
+	kvt_plan_fini(&plan);
+	arena_destroy(d, &a);
+	for (int i = 0; i < L; i++) {
+		assert_int_equal(kvt_dma_dev_free(d, bases[i]), 0);
+		free(data[i]);
+	}
+	kvt_dma_close(d);
+}
+
 /* Every error cuda.h calls sticky ("any further CUDA work will return the
  * same error"): the backend says the context is lost and makes no more
  * copies, naming the error -- the ones ILLEGAL_ADDRESS stands for in
@@ -1518,6 +1581,7 @@ int main(void)
 		cmocka_unit_test(test_completion_out_of_order),
 		cmocka_unit_test(test_error_on_ticket),
 		cmocka_unit_test(test_every_sticky_error_loses_the_context),
+		cmocka_unit_test(test_layers_in_separate_allocations),
 		cmocka_unit_test(test_save_after_compute),
 		cmocka_unit_test(test_kv_over_several_mappings),
 		cmocka_unit_test(test_lock_budget),

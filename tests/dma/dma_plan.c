@@ -296,6 +296,46 @@ static void test_merge_scattered(void **state)
 	sim_free(&s);
 }
 
+/* The scattered plan again, each layer its own allocation (caps.ranges):
+ * no 2-D copy runs from one into another, the rows stay inside a layer. */
+static void test_rows_stay_in_one_allocation(void **state)
+{
+	struct sim s = { .l.chunk_tokens = 64 };
+	const uint32_t ids[4] = { 9, 3, 7, 1 };
+	struct kvt_range r[5];
+	struct kvt_plan_caps c = caps2d;
+	struct kvt_plan p;
+
+	(void)state;
+	sim_group(&s, 0, 5, 16, 16, 16 * 16, 12, 0);
+	sim_alloc(&s);
+	memcpy(s.blocks[0], ids, sizeof(ids));
+	for (int i = 0; i < 5; i++)
+		r[i] = (struct kvt_range){ s.bases[0][i], s.bases[0][i] + 12 * 16 * 16 };
+	c.ranges = r;
+	c.n_ranges = 5;
+	assert_int_equal(kvt_plan_init(&p, kvt_kv_layout_max_copies(&s.l)), 0);
+	plan_ok(&s, &p, &c, 64);
+	/* per layer: block 9, blocks 3 and 7 as a 2-row copy, block 1 */
+	assert_int_equal(p.n, 15);
+	for (uint32_t i = 0; i < p.n; i++) {
+		const struct kvt_copy *cp = &p.copies[i];
+		uint64_t end = cp->dev + (uint64_t)(cp->rows - 1) * cp->dev_pitch + cp->len;
+		int in = 0;
+
+		for (int k = 0; k < 5; k++)
+			in |= cp->dev >= r[k].start && end <= r[k].end;
+		assert_true(in);
+	}
+	/* one allocation for all of them: the rows across the layers again */
+	r[0].end = r[4].end;
+	c.n_ranges = 1;
+	plan_ok(&s, &p, &c, 64);
+	assert_int_equal(p.n, 4);
+	kvt_plan_fini(&p);
+	sim_free(&s);
+}
+
 /* FlashInfer-style: K at base, V at base + page, stride 2 pages. */
 static void test_merge_strided(void **state)
 {
@@ -563,6 +603,7 @@ int main(void)
 		cmocka_unit_test(test_layout_glm5),
 		cmocka_unit_test(test_merge_adjacent),
 		cmocka_unit_test(test_merge_scattered),
+		cmocka_unit_test(test_rows_stay_in_one_allocation),
 		cmocka_unit_test(test_merge_strided),
 		cmocka_unit_test(test_partial_and_empty),
 		cmocka_unit_test(test_errors),
