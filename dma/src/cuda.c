@@ -624,13 +624,27 @@ static int grow(struct cu_slot *s, uint32_t n)
 	return 0;
 }
 
+/* The stream of a ticket: loads (H2D) and saves (D2H) on streams of their
+ * own, so that a load -- the engine waits on it -- never queues behind a
+ * save on one stream (a save of a long prompt's chunks can hold a stream
+ * for milliseconds); round-robin within each half.  One stream: shared. */
+static uint32_t stream_of_ticket(const struct cu_be *be, uint32_t slot, int d2h)
+{
+	uint32_t loads = be->n_streams / 2;
+
+	if (!loads)
+		return 0;
+	return d2h ? loads + slot % (be->n_streams - loads) : slot % loads;
+}
+
 static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
 {
 	struct cu_be *be = d->be;
 	struct cu_slot *s = &be->slots[slot];
 	const struct kvt_plan *p = j->plan;
-	CUstream st = be->streams[slot % be->n_streams];
 	int d2h = j->dir == KVT_DMA_D2H;
+	uint32_t si = stream_of_ticket(be, slot, d2h);
+	CUstream st = be->streams[si];
 	uint32_t n1 = 0;
 	CUresult r = CUDA_SUCCESS;
 	const char *what = "";
@@ -648,7 +662,7 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 	/* behind the engine's work, when a fence was recorded since this
 	 * stream last waited (cu_order_after); the lock only then: an engine
 	 * that never orders its saves pays two loads per submit */
-	uint32_t *sg = &be->stream_gen[slot % be->n_streams];
+	uint32_t *sg = &be->stream_gen[si];
 	uint32_t g = __atomic_load_n(&be->fence_gen, __ATOMIC_ACQUIRE);
 	if (g && __atomic_load_n(sg, __ATOMIC_RELAXED) != g) {
 		pthread_mutex_lock(&be->fence_mu);

@@ -765,6 +765,38 @@ static void test_layers_in_separate_allocations(void **state)
 	kvt_dma_close(d);
 }
 
+/* Loads run on streams of their own: a load submitted while every save's
+ * copies are held up (the fake holds device-to-host copies, and with them
+ * their stream) completes anyway -- on a stream shared with saves it would
+ * wait behind one.  The engine waits on loads; it does not on saves. */
+static void test_loads_not_behind_saves(void **state)
+{
+	struct kvt_dma_config c = base_cfg();
+	kvt_dma_ticket save[8], load;
+	struct fix f;
+
+	(void)state;
+	if (strcmp(backend, "cuda") || real_gpu || !fake_ctl)
+		skip();
+	c.max_inflight = 16;
+	fix_open(&f, &c);
+	ctl("hold_d2h", 1);
+	/* saves on every stream's slot: round robin would put the load on
+	 * a held stream */
+	for (int i = 0; i < 8; i++)
+		assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + (i % 2) * f.a.stride,
+						KVT_DMA_D2H, &save[i]), 0);
+	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + 2 * f.a.stride, KVT_DMA_H2D,
+					&load), 0);
+	int rc = kvt_dma_wait(f.d, load, 60ull * 1000 * 1000 * 1000);
+	ctl("hold_d2h", 0);
+	if (rc)
+		fail_msg("the load waited behind held saves: %d", rc);
+	for (int i = 0; i < 8; i++)
+		assert_int_equal(kvt_dma_wait(f.d, save[i], -1), 0);
+	fix_close(&f);
+}
+
 /* Every error cuda.h calls sticky ("any further CUDA work will return the
  * same error"): the backend says the context is lost and makes no more
  * copies, naming the error -- the ones ILLEGAL_ADDRESS stands for in
@@ -1582,6 +1614,7 @@ int main(void)
 		cmocka_unit_test(test_error_on_ticket),
 		cmocka_unit_test(test_every_sticky_error_loses_the_context),
 		cmocka_unit_test(test_layers_in_separate_allocations),
+		cmocka_unit_test(test_loads_not_behind_saves),
 		cmocka_unit_test(test_save_after_compute),
 		cmocka_unit_test(test_kv_over_several_mappings),
 		cmocka_unit_test(test_lock_budget),

@@ -65,6 +65,9 @@ static atomic_long fail_copy, async_error, fail_register;
 /* the code an injected copy fault returns, and then every call ("fault_code";
  * default CUDA_ERROR_ILLEGAL_ADDRESS): each of the driver's sticky errors */
 static atomic_int fault_code = CUDA_ERROR_ILLEGAL_ADDRESS;
+/* "hold_d2h": device-to-host copies wait before they copy, holding their
+ * stream (its later work waits behind them, as on a real stream) */
+static atomic_int hold_d2h;
 /* A copy fault is sticky, as on a real context (CUDA_ERROR_ILLEGAL_ADDRESS
  * and its kind): once one happened, every later copy, record, query and
  * synchronize returns it -- for events that completed before it too.
@@ -93,6 +96,8 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&async_error, v);
 	else if (!strcmp(key, "fault_code"))
 		atomic_store(&fault_code, (int)v);
+	else if (!strcmp(key, "hold_d2h"))
+		atomic_store(&hold_d2h, (int)v);
 	else if (!strcmp(key, "fail_register"))
 		atomic_store(&fail_register, v);
 	else if (!strcmp(key, "hold"))
@@ -105,6 +110,7 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&fail_copy, 0);
 		atomic_store(&async_error, 0);
 		atomic_store(&fault_code, CUDA_ERROR_ILLEGAL_ADDRESS);
+		atomic_store(&hold_d2h, 0);
 		atomic_store(&lost, 0);
 		fake_copy_resume();
 		atomic_store(&fail_register, 0);
@@ -862,6 +868,7 @@ struct ctask {
 	uint64_t rows;
 	struct fstream *s;
 	int error;
+	int d2h;  /* device to host */
 };
 
 static void run_copy(void *arg)
@@ -869,6 +876,8 @@ static void run_copy(void *arg)
 	struct ctask *t = arg;
 
 	stream_ready(t->s);
+	while (t->d2h && atomic_load(&hold_d2h))
+		usleep(500);
 	if (t->error) {
 		/* the context's channels stop (copies running elsewhere end
 		 * first), then the error is there for every call to see, and
@@ -899,8 +908,15 @@ static char *resolve(uint64_t addr, uint64_t len, const char *what)
 	return h;
 }
 
+static int is_dev(uint64_t addr)
+{
+	struct fake_region r;
+
+	return !fake_region_find(addr, 1, &r) && r.kind == FAKE_DEV;
+}
+
 static CUresult enqueue(char *d, const char *s, uint64_t len, uint64_t rows,
-			uint64_t dpitch, uint64_t spitch, CUstream stream)
+			uint64_t dpitch, uint64_t spitch, CUstream stream, int d2h)
 {
 	struct ctask *t;
 
@@ -912,7 +928,8 @@ static CUresult enqueue(char *d, const char *s, uint64_t len, uint64_t rows,
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	*t = (struct ctask){ .dst = d, .src = s, .len = len, .rows = rows,
 			     .dpitch = dpitch, .spitch = spitch,
-			     .s = stream_of(stream), .error = trip(&async_error) };
+			     .s = stream_of(stream), .error = trip(&async_error),
+			     .d2h = d2h };
 	atomic_fetch_add(&st_copies, 1);
 	fake_worker_push_lane(lane_of(t->s), run_copy, t);
 	return CUDA_SUCCESS;
@@ -931,7 +948,7 @@ static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUst
 	s = d ? resolve(src, n, "src") : NULL;
 	if (!d || !s)
 		return CUDA_ERROR_INVALID_VALUE;
-	return enqueue(d, s, n, 1, 0, 0, st);
+	return enqueue(d, s, n, 1, 0, 0, st, is_dev(src) && !is_dev(dst));
 }
 
 static CUresult side_2d(CUmemorytype type, const void *hostp, CUdeviceptr devp,
@@ -972,7 +989,9 @@ static CUresult f_cuMemcpy2DAsync(const CUDA_MEMCPY2D *m, CUstream st)
 	if (r)
 		return r;
 	atomic_fetch_add(&st_copy2d_calls, 1);
-	return enqueue(d, s, m->WidthInBytes, m->Height, m->dstPitch, m->srcPitch, st);
+	return enqueue(d, s, m->WidthInBytes, m->Height, m->dstPitch, m->srcPitch, st,
+		       m->srcMemoryType != CU_MEMORYTYPE_HOST && is_dev(m->srcDevice) &&
+		       (m->dstMemoryType == CU_MEMORYTYPE_HOST || !is_dev(m->dstDevice)));
 }
 
 static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
@@ -997,7 +1016,8 @@ static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_
 	for (size_t i = 0; i < count; i++) {
 		char *d = resolve(dsts[i], sizes[i], "batch dst");
 		char *s = d ? resolve(srcs[i], sizes[i], "batch src") : NULL;
-		CUresult r = d && s ? enqueue(d, s, sizes[i], 1, 0, 0, st)
+		CUresult r = d && s ? enqueue(d, s, sizes[i], 1, 0, 0, st,
+					      is_dev(srcs[i]) && !is_dev(dsts[i]))
 				    : CUDA_ERROR_INVALID_VALUE;
 
 		if (r) {
@@ -1065,7 +1085,7 @@ static CUresult f_cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, 
 	s = d ? resolve((uint64_t)(uintptr_t)src, n, "HtoDAsync src") : NULL;
 	if (!d || !s)
 		return CUDA_ERROR_INVALID_VALUE;
-	return enqueue(d, s, n, 1, 0, 0, st);
+	return enqueue(d, s, n, 1, 0, 0, st, 0);
 }
 
 static CUresult f_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstream st)
@@ -1077,7 +1097,7 @@ static CUresult f_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstre
 	s = d ? resolve(src, n, "DtoHAsync src") : NULL;
 	if (!d || !s)
 		return CUDA_ERROR_INVALID_VALUE;
-	return enqueue(d, s, n, 1, 0, 0, st);
+	return enqueue(d, s, n, 1, 0, 0, st, 1);
 }
 
 static CUresult f_cuGetErrorName(CUresult r, const char **s)
