@@ -1011,6 +1011,43 @@ static void test_save_after_compute(void **state)
 	fix_close(&f);
 }
 
+/* The mirror of test_save_after_compute, for loads: the blocks a load
+ * writes may still be read or written by work the engine queued (a
+ * request's freed blocks given to another while an asynchronous step still
+ * runs).  Ordered after the engine's stream, the load lands after that
+ * work: the blocks hold what was loaded.  KVTIER_TEST_NO_ORDER=1 leaves the
+ * order out and must fail (the fake's kernel lands after the load). */
+static void test_load_after_compute(void **state)
+{
+	struct kvt_dma_config c = base_cfg();
+	uint64_t used;
+	struct fix f;
+	kvt_dma_ticket t;
+
+	(void)state;
+	if (real_gpu || strcmp(backend, "cuda"))
+		skip();
+	fix_open(&f, &c);
+	used = kvt_kv_layout_shard_bytes(&f.kv.l);
+	for (uint64_t i = 0; i < used; i++)
+		f.a.base[i] = (char)(0x21 + i % 91);
+	assert_non_null(fake_kernel_write);
+	void *es = fake_engine_stream();
+	assert_non_null(es);
+	/* the engine's queued work: every block of the cache rewritten, late */
+	assert_int_equal(fake_kernel_write(es, f.kv.alloc[0], 0x5a, f.kv.alloc_len[0], 200000), 0);
+	if (!getenv("KVTIER_TEST_NO_ORDER"))
+		assert_int_equal(kvt_dma_order_after(f.d, (uint64_t)(uintptr_t)es), 0);
+	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_H2D, &t), 0);
+	assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
+	fake_kernels_wait();
+	/* read the blocks back into slot 1: what slot 0 held, not the kernel's */
+	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + f.a.stride, KVT_DMA_D2H, &t), 0);
+	assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
+	assert_memory_equal(f.a.base + f.a.stride, f.a.base, used);
+	fix_close(&f);
+}
+
 /* A KV tensor over several device mappings (cuMemMap pieces: PyTorch's
  * expandable segments, vLLM's sleep mode; back-to-back allocations on
  * ROCm), each piece its own range for cuPointerGetAttribute or
@@ -1616,6 +1653,7 @@ int main(void)
 		cmocka_unit_test(test_layers_in_separate_allocations),
 		cmocka_unit_test(test_loads_not_behind_saves),
 		cmocka_unit_test(test_save_after_compute),
+		cmocka_unit_test(test_load_after_compute),
 		cmocka_unit_test(test_kv_over_several_mappings),
 		cmocka_unit_test(test_lock_budget),
 		cmocka_unit_test(test_submit_failure),

@@ -67,18 +67,20 @@ class _WorkerSide:
         self._tier.register_kv(groups=per_group)
         first = next(iter(kv_caches.values()), None)
         dev = getattr(first, "device", None)
-        # a GPU cache: saves wait for the forward pass (_order_saves)
+        # a GPU cache: copies wait for the engine's queued work (_order_copies)
         self._save_order = "stream" if getattr(dev, "type", "cpu") == "cuda" else None
         self._kv_device = dev
 
-    def _order_saves(self):
+    def _order_copies(self):
         """vLLM asks for the saves once it has launched the forward pass that
         writes the blocks, not once the pass finished: the copies must start
         after the work on the engine's current stream (vLLM's own offloader
-        waits for it too).  CUDA: kvtier orders its copy streams after that
-        stream on the GPU; a backend that cannot (hsa) gets the stream
-        synchronized on the host instead.  A CPU cache: nothing runs behind
-        the caller's back."""
+        waits for it too).  Loads the same: the blocks a load writes may
+        have been another request's, freed while a step the engine queued
+        still reads them (asynchronous scheduling).  CUDA: kvtier orders
+        its copy streams after that stream on the GPU; a backend that
+        cannot (hsa) gets the stream synchronized on the host instead.  A
+        CPU cache: nothing runs behind the caller's back."""
         mode = getattr(self, "_save_order", None)
         if mode is None:
             return
@@ -107,6 +109,7 @@ class _WorkerSide:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierConnectorMetadata) or not meta.loads:
             return
+        self._order_copies()
         for ld in meta.loads:
             t0 = time.perf_counter()
             try:
@@ -171,7 +174,7 @@ class _WorkerSide:
         if not isinstance(meta, KvtierConnectorMetadata) or not meta.saves:
             return
         t0 = time.perf_counter()
-        self._order_saves()
+        self._order_copies()
         for sv in meta.saves:
             keys = np.frombuffer(sv.keys, dtype="<u8").reshape(-1, 2)
             if self._s.async_io:
