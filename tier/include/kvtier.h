@@ -238,9 +238,10 @@ int kvt_lookup_ex(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t flags,
 int kvt_save(kvt_tier *t, const kvt_key *keys, uint32_t n, uint32_t first_depth,
 	     const uint32_t *const *tables, kvt_op *op);
 
-/* Orders the copies of the saves that follow after the work the engine
- * has queued on `stream` so far: a save then copies what the engine's
- * kernels wrote, not what they are still writing.  Call it before
+/* Orders the copies of the saves (and loads) that follow after the work
+ * the engine has queued on `stream` so far: a save then copies what the
+ * engine's kernels wrote, not what they are still writing, and a load
+ * writes blocks no queued kernel still reads.  Call it before
  * kvt_save when the forward pass that writes the saved blocks may still
  * run (vLLM asks for its saves once it has launched the pass).  `stream`:
  * for the cuda backend a CUstream of the device's primary context, as
