@@ -554,6 +554,7 @@ static void test_random(void **state)
 		sim_alloc(&s);
 		assert_int_equal(kvt_kv_layout_check(&s.l, NULL, 0), 0);
 		assert_int_equal(kvt_plan_init(&p, kvt_kv_layout_max_copies(&s.l)), 0);
+		memset(&caps, 0, sizeof(caps));
 		caps.max_rows = 1 + rnd_below(6);
 		caps.pitch_align = 1u << rnd_below(4);
 		caps.max_pitch = rnd_below(2) ? 1ull << 40 : 64 + rnd_below(2048);
