@@ -964,6 +964,25 @@ static void real_cuda_save_after_compute(struct fix *f)
  * its own thread and finishes late; without the order the copy reads the
  * old bytes (KVTIER_TEST_NO_ORDER=1, shown failing once).  Host: nothing
  * to order (0); hsa: refused, naming the way out. */
+/* The fake engine's stream rewrites every block of the cache (0x5a), 200
+ * ms late; then slot 0 is copied in direction dir, ordered after that
+ * stream (unless KVTIER_TEST_NO_ORDER), and waited for. */
+static void copy_behind_engine_kernel(struct fix *f, enum kvt_dma_dir dir)
+{
+	kvt_dma_ticket t;
+	void *es;
+
+	assert_non_null(fake_kernel_write);
+	es = fake_engine_stream();
+	assert_non_null(es);
+	assert_int_equal(fake_kernel_write(es, f->kv.alloc[0], 0x5a, f->kv.alloc_len[0],
+					   200000), 0);
+	if (!getenv("KVTIER_TEST_NO_ORDER"))
+		assert_int_equal(kvt_dma_order_after(f->d, (uint64_t)(uintptr_t)es), 0);
+	assert_int_equal(kvt_dma_submit(f->d, &f->plan, f->a.base, dir, &t), 0);
+	assert_int_equal(kvt_dma_wait(f->d, t, -1), 0);
+}
+
 static void test_save_after_compute(void **state)
 {
 	struct kvt_dma_config c = base_cfg();
@@ -990,15 +1009,8 @@ static void test_save_after_compute(void **state)
 		fix_close(&f);
 		return;
 	}
-	assert_non_null(fake_kernel_write);
-	void *es = fake_engine_stream();
-	assert_non_null(es);
 	/* the forward pass: every block of the cache rewritten, 200 ms late */
-	assert_int_equal(fake_kernel_write(es, f.kv.alloc[0], 0x5a, f.kv.alloc_len[0], 200000), 0);
-	if (!getenv("KVTIER_TEST_NO_ORDER"))
-		assert_int_equal(kvt_dma_order_after(f.d, (uint64_t)(uintptr_t)es), 0);
-	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_D2H, &t), 0);
-	assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
+	copy_behind_engine_kernel(&f, KVT_DMA_D2H);
 	/* and that wait slept in the driver, on a BLOCKING_SYNC event */
 	assert_int_equal(stat_of("spin_syncs"), 0);
 	fake_kernels_wait();
@@ -1031,15 +1043,8 @@ static void test_load_after_compute(void **state)
 	used = kvt_kv_layout_shard_bytes(&f.kv.l);
 	for (uint64_t i = 0; i < used; i++)
 		f.a.base[i] = (char)(0x21 + i % 91);
-	assert_non_null(fake_kernel_write);
-	void *es = fake_engine_stream();
-	assert_non_null(es);
 	/* the engine's queued work: every block of the cache rewritten, late */
-	assert_int_equal(fake_kernel_write(es, f.kv.alloc[0], 0x5a, f.kv.alloc_len[0], 200000), 0);
-	if (!getenv("KVTIER_TEST_NO_ORDER"))
-		assert_int_equal(kvt_dma_order_after(f.d, (uint64_t)(uintptr_t)es), 0);
-	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_H2D, &t), 0);
-	assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
+	copy_behind_engine_kernel(&f, KVT_DMA_H2D);
 	fake_kernels_wait();
 	/* read the blocks back into slot 1: what slot 0 held, not the kernel's */
 	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + f.a.stride, KVT_DMA_D2H, &t), 0);
