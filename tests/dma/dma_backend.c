@@ -904,23 +904,29 @@ static void test_error_on_ticket(void **state)
 	fix_close(&f);
 }
 
-/* The same on the real driver (bench/gpu/run.sh runs this suite against
- * libcuda): the engine's stream busy with a long chain of memsets of a
- * scratch buffer, then the one that writes the KV cache; the save ordered
- * after that stream must hold the last memset's bytes.  Without the order
- * the copy engine starts at once (KVTIER_TEST_NO_ORDER=1 shows it on a
- * GPU).  No GPU here: not run by CI. */
+/* The same on the real driver (bench/gpu/check.sh runs this suite against
+ * libcuda), made deterministic: the engine's stream first waits on the
+ * device for a flag in pinned host memory (cuStreamWaitValue32), then
+ * writes the KV cache (0x5a).  The save, ordered after that stream, must
+ * not finish while the flag is down -- its wait times out -- and, once the
+ * flag is raised, must hold 0x5a.  Without the order
+ * (KVTIER_TEST_NO_ORDER=1, which check.sh runs and requires to fail) the
+ * copy engine reads the old bytes every time, however fast the GPU.  No GPU
+ * here: not run by CI. */
 static void real_cuda_save_after_compute(struct fix *f)
 {
 	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
 	int (*dev_get)(int *, int), (*retain)(void **, int), (*push)(void *),
 	    (*pop)(void **), (*screate)(void **, unsigned), (*sdestroy)(void *),
 	    (*memset8)(uint64_t, unsigned char, size_t, void *), (*ssync)(void *),
-	    (*release)(int);
+	    (*release)(int), (*halloc)(void **, size_t), (*hfree)(void *),
+	    (*hdev)(uint64_t *, void *, unsigned), (*wait32)(void *, uint64_t, uint32_t, unsigned);
 	int dev = 0;
 	void *ctx = NULL, *st = NULL, *old = NULL;
-	uint64_t scratch = 0, sbytes = 256ull << 20;
+	volatile uint32_t *flag = NULL;
+	uint64_t flag_dev = 0;
 	kvt_dma_ticket t;
+	int rc;
 
 	if (!lib)
 		skip();
@@ -933,27 +939,42 @@ static void real_cuda_save_after_compute(struct fix *f)
 	*(void **)&memset8 = dlsym(lib, "cuMemsetD8Async");
 	*(void **)&ssync = dlsym(lib, "cuStreamSynchronize");
 	*(void **)&release = dlsym(lib, "cuDevicePrimaryCtxRelease_v2");
+	*(void **)&halloc = dlsym(lib, "cuMemAllocHost_v2");
+	*(void **)&hfree = dlsym(lib, "cuMemFreeHost");
+	*(void **)&hdev = dlsym(lib, "cuMemHostGetDevicePointer_v2");
+	*(void **)&wait32 = dlsym(lib, "cuStreamWaitValue32_v2");
+	if (!wait32)
+		*(void **)&wait32 = dlsym(lib, "cuStreamWaitValue32");
 	if (!dev_get || !retain || !push || !pop || !screate || !sdestroy || !memset8 ||
-	    !ssync || !release)
+	    !ssync || !release || !halloc || !hfree || !hdev || !wait32)
 		skip();
 	assert_int_equal(dev_get(&dev, 0), 0); /* the suite runs on device 0 */
 	assert_int_equal(retain(&ctx, dev), 0);
 	assert_int_equal(push(ctx), 0);
 	assert_int_equal(screate(&st, 1 /* CU_STREAM_NON_BLOCKING */), 0);
-	assert_int_equal(kvt_dma_dev_alloc(f->d, sbytes, &scratch), 0);
-	for (int i = 0; i < 200; i++)  /* tens of milliseconds of work */
-		assert_int_equal(memset8(scratch, (unsigned char)i, (size_t)sbytes, st), 0);
+	assert_int_equal(halloc((void **)&flag, 4096), 0);
+	*flag = 0;
+	assert_int_equal(hdev(&flag_dev, (void *)flag, 0), 0);
+	/* the engine's stream: held until the flag is 1, then the forward
+	 * pass writes the blocks (CU_STREAM_WAIT_VALUE_GEQ) */
+	assert_int_equal(wait32(st, flag_dev, 1, 0x0), 0);
 	assert_int_equal(memset8(f->kv.alloc[0], 0x5a, (size_t)f->kv.alloc_len[0], st), 0);
 	if (!getenv("KVTIER_TEST_NO_ORDER"))
 		assert_int_equal(kvt_dma_order_after(f->d, (uint64_t)(uintptr_t)st), 0);
 	assert_int_equal(kvt_dma_submit(f->d, &f->plan, f->a.base, KVT_DMA_D2H, &t), 0);
+	/* the pass cannot have run: the save must still be waiting for it
+	 * (the flag is raised before the check, so that a failed check
+	 * leaves no stream held) */
+	rc = kvt_dma_wait(f->d, t, 200 * 1000000LL);
+	__atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+	assert_int_equal(rc, -ETIMEDOUT);
 	assert_int_equal(kvt_dma_wait(f->d, t, -1), 0);
 	assert_int_equal(ssync(st), 0);
 	memset(f->kv.mirror[0], 0x5a, f->kv.alloc_len[0]);
 	check_slot(f, 0, 1);
 	assert_int_equal(sdestroy(st), 0);
+	assert_int_equal(hfree((void *)flag), 0);
 	assert_int_equal(pop(&old), 0);
-	assert_int_equal(kvt_dma_dev_free(f->d, scratch), 0);
 	assert_int_equal(release(dev), 0);
 }
 
@@ -1672,5 +1693,10 @@ int main(void)
 		cmocka_unit_test(test_close_drains),
 	};
 
+	/* KVTIER_TEST_ONLY=PATTERN: the tests whose names match (cmocka's
+	 * filter, * and ?), as bench/gpu/check.sh runs the ordering tests
+	 * alone with KVTIER_TEST_NO_ORDER=1 */
+	if (getenv("KVTIER_TEST_ONLY") && *getenv("KVTIER_TEST_ONLY"))
+		cmocka_set_test_filter(getenv("KVTIER_TEST_ONLY"));
 	return cmocka_run_group_tests(tests, setup, NULL);
 }

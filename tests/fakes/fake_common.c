@@ -47,13 +47,18 @@ uint64_t fake_region_add(int kind, uint64_t len, char *host, int owner, uint32_t
 
 int fake_region_add_sys(char *host, uint64_t len, int owner)
 {
+	return fake_region_add_at(FAKE_SYS, host, len, owner);
+}
+
+int fake_region_add_at(int kind, char *host, uint64_t len, int owner)
+{
 	int rc = -1;
 
 	pthread_mutex_lock(&reg_lock);
 	if (n_regions < MAX_REGIONS) {
 		regions[n_regions++] = (struct fake_region){
 			.dev = (uint64_t)(uintptr_t)host, .len = len, .host = host,
-			.kind = FAKE_SYS, .owner = owner,
+			.kind = kind, .owner = owner,
 		};
 		rc = 0;
 	}

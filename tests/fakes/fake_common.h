@@ -30,6 +30,9 @@ struct fake_region {
 uint64_t fake_region_add(int kind, uint64_t len, char *host, int owner, uint32_t flags);
 /* Registers host memory whose device address equals its host address. */
 int fake_region_add_sys(char *host, uint64_t len, int owner);
+/* host memory of the caller's as a region of that kind at its own address
+ * (FAKE_SYS: system memory; FAKE_DEV: adopted as device memory) */
+int fake_region_add_at(int kind, char *host, uint64_t len, int owner);
 /* Removes the region starting at dev; 0 or -1. */
 int fake_region_del(uint64_t dev, struct fake_region *out);
 /* Region holding [addr, addr + len) entirely; 0 or -1 (absent, or the

@@ -704,6 +704,17 @@ EXPORT void kvt_fake_cuda_kernels_wait(void)
 	pthread_mutex_unlock(&kernel_mu);
 }
 
+/* Adopts [p, p + len) of the caller's memory as device memory of device 0
+ * at its own address: a dry run's engine (bench/gpu/engine_check.py with
+ * CPU torch tensors) hands the backend "device" tensors it writes itself.
+ * 0 or -errno. */
+EXPORT int kvt_fake_cuda_adopt(void *p, uint64_t len)
+{
+	if (!p || !len)
+		return -EINVAL;
+	return fake_region_add_at(FAKE_DEV, p, len, 0) ? -ENOSPC : 0;
+}
+
 /* ---- memory ------------------------------------------------------------------ */
 
 static CUresult f_cuMemHostRegister(void *p, size_t bytes, unsigned int flags)
