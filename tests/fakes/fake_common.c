@@ -52,9 +52,19 @@ int fake_region_add_sys(char *host, uint64_t len, int owner)
 
 int fake_region_add_at(int kind, char *host, uint64_t len, int owner)
 {
+	uint64_t lo = (uint64_t)(uintptr_t)host;
 	int rc = -1;
 
 	pthread_mutex_lock(&reg_lock);
+	/* memory the caller freed and reused: its earlier regions of this
+	 * kind at their own addresses go */
+	for (int i = 0; i < n_regions; i++) {
+		const struct fake_region *r = &regions[i];
+
+		if (r->kind == kind && r->dev == (uint64_t)(uintptr_t)r->host &&
+		    r->dev < lo + len && lo < r->dev + r->len)
+			regions[i--] = regions[--n_regions];
+	}
 	if (n_regions < MAX_REGIONS) {
 		regions[n_regions++] = (struct fake_region){
 			.dev = (uint64_t)(uintptr_t)host, .len = len, .host = host,
