@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/gpu/amd.sh - the DMA bandwidth run on a machine with an AMD GPU
-# (MI300X, MI325X, MI355X, ...), beside bench/gpu/run.sh for NVIDIA.
+# (MI300X, MI325X, MI355X, ...), beside bench/gpu/check.sh for NVIDIA.
 #
 #   bench/gpu/amd.sh [OUTDIR] [--quick]
 #

@@ -1,5 +1,5 @@
-# bench/gpu/common.sh - what the GPU run scripts share (sourced by run.sh,
-# the NVIDIA one, and amd.sh): the output directory and its SUMMARY.txt,
+# bench/gpu/common.sh - what the GPU run scripts share (sourced by amd.sh;
+# the NVIDIA check is check.sh, on its own): the output directory and its SUMMARY.txt,
 # the step/record helpers, and the check of a bandwidth table's ratios.
 #
 # A script sets $here and $root, sources it as
