@@ -193,7 +193,8 @@ def _tokens(seq, func):
         if str(getattr(t, "dtype", "")) in ("torch.int32", "torch.uint32") and \
                 t.is_contiguous():
             return t.data_ptr(), t.numel(), t
-        seq = t.numpy()
+        # (without numpy, torch's .numpy() raises: through a list)
+        seq = t.numpy() if _np is not None else t.tolist()
     if _np is not None and isinstance(seq, _np.ndarray):
         a = seq
         if a.ndim != 1:
@@ -244,7 +245,8 @@ def _is_torch(x):
 def _u32(seq, what, func):
     """A sequence of block ids -> (pointer to uint32, length, keepalive, max)."""
     if _is_torch(seq):
-        seq = seq.detach().cpu().numpy()
+        seq = seq.detach().cpu()
+        seq = seq.numpy() if _np is not None else seq.tolist()
     if _np is not None:
         a = _np.asarray(seq)
         if a.ndim != 1:

@@ -1,6 +1,8 @@
 """CPU torch tensors as the KV cache (through data_ptr()); skipped where
 torch is not installed (Debian's python3-torch is optional)."""
 
+import os
+
 import pytest
 
 import kvtier
@@ -83,3 +85,43 @@ def test_torch_tokens_and_key_buffers(segname):
                 == ref[:2]).all()
         with s.lookup(s.hash_keys(t32)) as lease:
             assert lease.hits == 0
+
+
+def test_torch_without_numpy(segname, tmp_path):
+    """A CUDA image's torch may come without numpy (bench/gpu/engine_check.py
+    runs there): token and block tensors then go through lists, giving the
+    same keys and the same copies (torch's .numpy() raised before)."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch
+sys.modules["numpy"] = None          # torch imported first: it may use it
+sys.path.insert(0, %r)
+import kvtier
+from kvtier import _tier
+assert _tier._np is None
+s = kvtier.Tier(segment=%r, role="scheduler", world=1, instance=0,
+                groups=[kvtier.Group(2, 64, 16)], chunk_tokens=16, create=True,
+                replace=True, n_slots=16, model="kvtier-pytest")
+toks = list(range(1000, 1064))
+ref = s.hash_tokens(toks)
+assert s.hash_tokens(torch.tensor(toks)) == ref
+assert s.hash_tokens(torch.tensor(toks, dtype=torch.int32)) == ref
+kv = [torch.arange(8 * 512, dtype=torch.int16).view(8, 16, 32) + i for i in range(2)]
+r = kvtier.Tier(segment=%r, role="rank", rank=0, world=1, instance=0,
+                groups=[kvtier.Group(2, 64, 16)], chunk_tokens=16, dma="host",
+                model="kvtier-pytest")
+r.register_kv(layers=kv)
+r.save(ref, torch.tensor([1, 2, 3, 4])).wait()
+with s.lookup(ref) as lease:
+    assert lease.hits == 4
+    r.load(lease, torch.tensor([5, 6, 7, 0], dtype=torch.int64)).wait()
+for t in kv:
+    assert torch.equal(t[[5, 6, 7, 0]], t[[1, 2, 3, 4]])
+r.close()
+s.close()
+print("ok")
+""" % (os.path.dirname(os.path.dirname(kvtier.__file__)), segname, segname)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
