@@ -95,6 +95,11 @@ mooncake=${KVTIER_MOONCAKE_VENV:-$PWD/build/mooncake-venv}
 scripts/mooncake.sh "$mooncake" | tail -1
 export KVTIER_MOONCAKE_PYTHON="$mooncake/bin/python"
 
+# NVRTC from PyPI, for the copy kernel's tests in every build
+# (test_dma_backend_cuda_kernel*: its source compiled by the real compiler,
+# run by the fake libcuda's CPU twin); where the CMake default looks for it
+scripts/nvrtc.sh build/nvrtc
+
 run_suite build model_spin
 setsid bash -c 'cd build && exec ctest --output-on-failure --timeout 1500 -R model_spin' \
   >"$logs/model.log" 2>&1 &

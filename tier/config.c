@@ -63,6 +63,33 @@ int kvt_parse_gib(const char *what, const char *s, uint64_t *bytes, char *err, s
 	return 0;
 }
 
+int kvt_parse_kernel(const char *what, const char *s, uint64_t *below, char *err, size_t len)
+{
+	uint64_t v = 0;
+	const char *p = s;
+
+	if (!strcmp(s, "auto")) {
+		*below = 0;
+		return 0;
+	}
+	if (!strcmp(s, "off")) {
+		*below = UINT64_MAX;
+		return 0;
+	}
+	for (; *p >= '0' && *p <= '9' && v <= (1u << 30); p++)
+		v = v * 10 + (uint64_t)(*p - '0');
+	if (p != s && (*p == 'K' || *p == 'k'))
+		v <<= 10, p++;
+	else if (p != s && (*p == 'M' || *p == 'm'))
+		v <<= 20, p++;
+	if (p == s || *p || !v || v > (1u << 30))
+		return EXPECT("%s='%.40s': expected auto, off, or a page size from 1 to 1G "
+			      "such as 28K (pages below it are copied by the GPU's copy kernel)",
+			      what, s);
+	*below = v;
+	return 0;
+}
+
 int kvt_parse_nodes(const char *what, const char *s, char *err, size_t len)
 {
 	const char *p = s;
@@ -202,6 +229,14 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 			  1, 4096, 32, &e->max_inflight, err, len)))
 		return r;
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_COPY_THREADS", 1, 64, 0, &e->copy_threads, err, len)))
+		return r;
+	/* cuda's copy kernel: auto (its default crossover), off, or a size */
+	e->copy_kernel = 0;
+	if ((v = var(cfg, "KVTIER_COPY_KERNEL")) &&
+	    (r = kvt_parse_kernel("KVTIER_COPY_KERNEL", v, &e->copy_kernel, err, len)))
+		return r;
+	if ((r = pick_u32(cfg, 0, 0, "KVTIER_COPY_KERNEL_CTAS", 1, 1024, 0, &e->copy_kernel_ctas,
+			  err, len)))
 		return r;
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_TEST_DMA_FAULT", 1, UINT32_MAX, 0, &e->test_dma_fault,
 			  err, len)))

@@ -18,6 +18,9 @@ struct kvt_tier_env {
 	uint32_t role, instance, rank, world;
 	uint32_t chunk_tokens, max_inflight, n_instances, log_level;
 	uint32_t copy_threads;   /* KVTIER_COPY_THREADS; 0: sized by the backend */
+	uint64_t copy_kernel;    /* KVTIER_COPY_KERNEL: 0 auto, UINT64_MAX off, else the
+				  * page size below which cuda's copy kernel copies */
+	uint32_t copy_kernel_ctas; /* KVTIER_COPY_KERNEL_CTAS; 0: the backend's default */
 	uint32_t test_dma_fault; /* KVTIER_TEST_DMA_FAULT: testing, host backend: the
 				  * nth copy ticket this rank submits fails (0: none) */
 	uint32_t numa_fallback;
@@ -39,6 +42,7 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *env,
 int kvt_parse_u32(const char *what, const char *s, uint32_t min, uint32_t max,
 		  uint32_t *out, char *err, size_t len);
 int kvt_parse_gib(const char *what, const char *s, uint64_t *bytes, char *err, size_t len);
+int kvt_parse_kernel(const char *what, const char *s, uint64_t *below, char *err, size_t len);
 int kvt_parse_nodes(const char *what, const char *s, char *err, size_t len);
 
 #endif

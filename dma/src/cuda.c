@@ -22,6 +22,23 @@
  * ordinary UVA systems, different where a visible device cannot use host
  * pointers, and valid in both cases.
  *
+ * The copy kernel.  Plans of small pages (below kernel_below, 28 KiB by
+ * default: where the copy engines' cost per descriptor dominates) go
+ * through kvt_copy_pages (copy_kernel.c) instead: compiled to PTX for the
+ * device by the NVRTC found at run time (nvrtc.c), loaded into the primary
+ * context with cuModuleLoadData, launched on the ticket's stream with the
+ * plan's copies as descriptors in the slot's pinned, device-mapped buffer
+ * (rewritten only once the slot's ticket has completed), on at most
+ * kernel_ctas thread blocks -- a bounded share of the SMs.  Its threads
+ * read and write the arena through its DEVICEMAP registration.  Every
+ * address a descriptor holds comes from the plan, checked against the
+ * KV cache's allocations at bind (struct kvt_range) and the registered
+ * pieces: a kernel fault, unlike a failed DMA, is sticky for the whole
+ * context -- the engine's too.  No NVRTC, a target it cannot make or a
+ * driver that rejects its PTX: DMA only, said in the log and the feature
+ * line.  (The HIP twin, through hiprtc, is not built yet: hsa copies by
+ * DMA only.)
+ *
  * Completion.  A ticket's copies go on one stream (slot modulo the number
  * of streams), followed by the slot's event; poll is cuEventQuery, wait
  * sleeps between queries (or cuEventSynchronize without a timeout).  If
@@ -70,6 +87,7 @@ struct cu_fns {
 	PFN_cuMemFree_v3020 mem_free;
 	PFN_cuMemAllocHost_v3020 alloc_host;
 	PFN_cuMemFreeHost_v2000 free_host;
+	PFN_cuMemHostAlloc_v2020 host_alloc;
 	PFN_cuMemcpyHtoD_v3020 htod;
 	PFN_cuMemcpyDtoH_v3020 dtoh;
 	PFN_cuMemcpyHtoDAsync_v3020 htod_async;
@@ -79,6 +97,10 @@ struct cu_fns {
 	/* optional */
 	PFN_cuMemcpyBatchAsync_v12080 batch_12080;
 	PFN_cuMemcpyBatchAsync_v13000 batch_13000;
+	PFN_cuModuleLoadData_v2000 module_load;      /* the copy kernel */
+	PFN_cuModuleGetFunction_v2000 module_fn;
+	PFN_cuModuleUnload_v2000 module_unload;
+	PFN_cuLaunchKernel_v4000 launch;
 };
 
 struct sym {
@@ -117,6 +139,7 @@ static const struct sym syms[] = {
 	SYM(mem_free, "cuMemFree", 3020),
 	SYM(alloc_host, "cuMemAllocHost", 3020),
 	SYM(free_host, "cuMemFreeHost", 2000),
+	SYM(host_alloc, "cuMemHostAlloc", 2020),
 	SYM(htod, "cuMemcpyHtoD", 3020),
 	SYM(dtoh, "cuMemcpyDtoH", 3020),
 	SYM(htod_async, "cuMemcpyHtoDAsync", 3020),
@@ -125,12 +148,16 @@ static const struct sym syms[] = {
 	SYM(err_name, "cuGetErrorName", 6000),
 };
 
-/* Per ticket slot: the event, and scratch for a batch call. */
+/* Per ticket slot: the event, scratch for a batch call, and the copy
+ * kernel's descriptors (pinned, device-mapped: kd_dev). */
 struct cu_slot {
 	CUevent ev;
 	CUdeviceptr *dsts, *srcs;
 	size_t *sizes;
 	uint32_t cap;
+	struct kvt__kcopy *kd;
+	CUdeviceptr kd_dev;
+	uint32_t kcap;
 };
 
 struct cu_be {
@@ -161,6 +188,12 @@ struct cu_be {
 				     * fence_mu, read __atomic by cu_submit) */
 	uint32_t stream_gen[MAX_STREAMS]; /* the record each stream waits behind
 					   * (likewise) */
+	/* the copy kernel: kfn NULL when copies are DMA only */
+	CUmodule kmod;
+	CUfunction kfn;
+	uint64_t k_below;
+	uint32_t k_ctas;
+	char kwhat[200];            /* which NVRTC and target, or why none */
 };
 
 static const char *err_str(const struct cu_be *be, CUresult r)
@@ -273,7 +306,11 @@ static void unbind(struct cu_be *be)
 			free(be->slots[i].dsts);
 			free(be->slots[i].srcs);
 			free(be->slots[i].sizes);
+			if (be->slots[i].kd)
+				be->f.free_host(be->slots[i].kd);
 		}
+		if (be->kmod)
+			be->f.module_unload(be->kmod);
 		for (uint32_t i = 0; i < be->n_streams; i++)
 			be->f.stream_destroy(be->streams[i]);
 		if (be->fence)
@@ -282,6 +319,8 @@ static void unbind(struct cu_be *be)
 	}
 	free(be->slots);
 	be->slots = NULL;
+	be->kmod = NULL;
+	be->kfn = NULL;
 	be->fence = NULL;
 	be->fence_gen = 0;
 	memset(be->stream_gen, 0, sizeof(be->stream_gen));
@@ -300,6 +339,61 @@ static void cu_fini(struct kvt_dma *d)
 	pthread_mutex_destroy(&be->fence_mu);
 	free(be);
 	d->be = NULL;
+}
+
+/* The copy kernel for the bound device, in the pushed context: kfn set, or
+ * kwhat saying why copies stay DMA only (logged, never an error). */
+static void kernel_load(struct kvt_dma *d)
+{
+	struct cu_be *be = d->be;
+	int major = 0, minor = 0, sms = 0;
+	char *ptx = NULL, what[160] = "";
+	CUresult r;
+
+	be->k_below = d->cfg.kernel_below ? d->cfg.kernel_below : KVT_DMA_KERNEL_BELOW_DEFAULT;
+	if (d->cfg.flags & KVT_DMA_F_NO_KERNEL) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: asked (KVT_DMA_F_NO_KERNEL)");
+		return;
+	}
+	if (!be->f.module_load || !be->f.module_fn || !be->f.module_unload || !be->f.launch) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: the driver lacks the module API");
+		goto dma_only;
+	}
+	if (be->f.device_attr(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, be->dev) ||
+	    be->f.device_attr(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, be->dev) ||
+	    be->f.device_attr(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, be->dev) ||
+	    major <= 0 || sms <= 0) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: no compute capability");
+		goto dma_only;
+	}
+	if (kvt__nvrtc_ptx(major * 10 + minor, &ptx, what, sizeof(what))) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: %s", what);
+		goto dma_only;
+	}
+	r = be->f.module_load(&be->kmod, ptx);
+	free(ptx);
+	if (r) {
+		be->kmod = NULL;
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: cuModuleLoadData of %s's PTX: %s (%d)",
+			 what, err_str(be, r), (int)r);
+		goto dma_only;
+	}
+	r = be->f.module_fn(&be->kfn, be->kmod, kvt__copy_kernel_name);
+	if (r) {
+		be->f.module_unload(be->kmod);
+		be->kmod = NULL;
+		be->kfn = NULL;
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: cuModuleGetFunction(%s): %s (%d)",
+			 kvt__copy_kernel_name, err_str(be, r), (int)r);
+		goto dma_only;
+	}
+	be->k_ctas = d->cfg.kernel_ctas ? d->cfg.kernel_ctas : (uint32_t)(sms / 8 ? sms / 8 : 1);
+	snprintf(be->kwhat, sizeof(be->kwhat), "pages below %llu KiB (%s, %u of %d SMs)",
+		 (unsigned long long)(be->k_below >> 10), what, be->k_ctas, sms);
+	return;
+dma_only:
+	kvt__dma_log(d, KVT_DMA_LOG_INFO, "cuda: copy kernel %s: every copy by DMA "
+		     "(small pages run slower)", be->kwhat);
 }
 
 static int set_device(struct kvt_dma *d, int ordinal)
@@ -353,6 +447,8 @@ static int set_device(struct kvt_dma *d, int ordinal)
 	}
 	if (!r)
 		r = be->f.event_create(&be->fence, CU_EVENT_DISABLE_TIMING);
+	if (!r)
+		kernel_load(d);
 	pop(be);
 	if (r) {
 		rc = CU_FAIL(be, r, "creating streams and events");
@@ -364,10 +460,10 @@ static int set_device(struct kvt_dma *d, int ordinal)
 			(be->f.batch_13000 || be->f.batch_12080);
 	snprintf(d->feature, sizeof(d->feature),
 		 "%s (device %d of %d), driver %d.%d, %d copy engines, %u streams, "
-		 "batch %s, 2-D %s", name, ordinal, be->n_devices, be->driver / 1000,
-		 be->driver % 1000 / 10, be->engines, be->n_streams,
+		 "batch %s, 2-D %s, copy kernel %s", name, ordinal, be->n_devices,
+		 be->driver / 1000, be->driver % 1000 / 10, be->engines, be->n_streams,
 		 be->use_batch ? (be->f.batch_13000 ? "yes (13.0)" : "yes (12.8)") : "no",
-		 be->max_pitch > 0 ? "yes" : "no");
+		 be->max_pitch > 0 ? "yes" : "no", be->kwhat);
 	return 0;
 }
 
@@ -441,6 +537,10 @@ static int cu_init(struct kvt_dma *d, char *why, size_t why_len)
 	}
 	if (be->f.driver_version(&be->driver))
 		be->driver = 0;
+	*(void **)&be->f.module_load = resolve(gpa, v2, "cuModuleLoadData", 2000);
+	*(void **)&be->f.module_fn = resolve(gpa, v2, "cuModuleGetFunction", 2000);
+	*(void **)&be->f.module_unload = resolve(gpa, v2, "cuModuleUnload", 2000);
+	*(void **)&be->f.launch = resolve(gpa, v2, "cuLaunchKernel", 4000);
 	if (be->driver >= 13000)
 		be->f.batch_13000 = (PFN_cuMemcpyBatchAsync_v13000)
 			resolve(gpa, v2, "cuMemcpyBatchAsync", 13000);
@@ -637,6 +737,71 @@ static uint32_t stream_of_ticket(const struct cu_be *be, uint32_t slot, int d2h)
 	return d2h ? loads + slot % (be->n_streams - loads) : slot % loads;
 }
 
+/* Whether a plan goes through the copy kernel: its pages, averaged over
+ * its rows, below k_below. */
+static int kernel_plan(const struct cu_be *be, const struct kvt_plan *p)
+{
+	uint64_t bytes = 0, rows = 0;
+
+	if (!be->kfn || !p->n)
+		return 0;
+	for (uint32_t i = 0; i < p->n; i++) {
+		bytes += p->copies[i].len * p->copies[i].rows;
+		rows += p->copies[i].rows;
+	}
+	return bytes < be->k_below * rows;
+}
+
+/* The plan's copies as the kernel's descriptors in the slot's buffer, and
+ * the launch on st (in the pushed context).  The buffer is the slot's:
+ * rewritten only when its ticket has completed. */
+static CUresult kernel_submit(struct cu_be *be, struct cu_slot *s, const struct kvt_dma_job *j,
+			      CUstream st, const char **what)
+{
+	const struct kvt_plan *p = j->plan;
+	int d2h = j->dir == KVT_DMA_D2H;
+	unsigned int n = p->n;
+	CUresult r;
+
+	if (n > s->kcap) {
+		void *h = NULL;
+		CUdeviceptr dp = 0;
+
+		*what = "cuMemHostAlloc (the copy kernel's descriptors)";
+		r = be->f.host_alloc(&h, (size_t)n * sizeof(*s->kd),
+				     CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+		if (r)
+			return r;
+		r = be->f.host_dev_ptr(&dp, h, 0);
+		if (r) {
+			*what = "cuMemHostGetDevicePointer (the copy kernel's descriptors)";
+			be->f.free_host(h);
+			return r;
+		}
+		if (s->kd)
+			be->f.free_host(s->kd);
+		s->kd = h;
+		s->kd_dev = dp;
+		s->kcap = n;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+		uint64_t host = j->host_dev + c->off;
+
+		s->kd[i] = (struct kvt__kcopy){
+			.src = d2h ? c->dev : host, .dst = d2h ? host : c->dev,
+			.len = c->len, .rows = c->rows,
+			.spitch = d2h ? c->dev_pitch : c->host_pitch,
+			.dpitch = d2h ? c->host_pitch : c->dev_pitch,
+		};
+	}
+	void *args[2] = { &s->kd_dev, &n };
+
+	*what = "cuLaunchKernel (the copy kernel)";
+	return be->f.launch(be->kfn, n < be->k_ctas ? n : be->k_ctas, 1, 1, 256, 1, 1, 0, st,
+			    args, NULL);
+}
+
 static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
 {
 	struct cu_be *be = d->be;
@@ -673,6 +838,10 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 				__atomic_store_n(sg, be->fence_gen, __ATOMIC_RELAXED);
 		}
 		pthread_mutex_unlock(&be->fence_mu);
+	}
+	if (r == CUDA_SUCCESS && kernel_plan(be, p)) {
+		r = kernel_submit(be, s, j, st, &what);
+		goto issued;
 	}
 	if (r == CUDA_SUCCESS && be->use_batch && n1 >= 2) {
 		CUmemcpyAttributes attr;
@@ -730,6 +899,7 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 			r = be->f.memcpy_2d_async(&m, st);
 		}
 	}
+issued:
 	if (r == CUDA_SUCCESS) {
 		what = "cuEventRecord";
 		r = be->f.event_record(s->ev, st);

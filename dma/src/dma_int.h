@@ -157,7 +157,7 @@ struct kvt_dma {
 
 	char describe[1024];
 	char skipped[512];           /* backends auto skipped, and why */
-	char feature[256];           /* the backend's part of describe */
+	char feature[448];           /* the backend's part of describe */
 };
 
 /* Notes that device bytes [start, end) are one allocation of the runtime
@@ -167,5 +167,23 @@ int kvt__dma_add_range(struct kvt_dma *d, uint64_t start, uint64_t end);
 /* Non-temporal copy for large blocks (x86-64: SSE2 streaming stores;
  * elsewhere memcpy). */
 void kvt__copy_nt(void *dst, const void *src, size_t n);
+
+/* ---- the copy kernel (copy_kernel.c, nvrtc.c) ----------------------------- */
+
+/* One descriptor of kvt_copy_pages: rows rows of len bytes, row r from
+ * src + r * spitch to dst + r * dpitch (device-visible addresses).  The
+ * kernel source's struct kvt_kcopy, field for field. */
+struct kvt__kcopy {
+	uint64_t src, dst, len, rows, spitch, dpitch;
+};
+
+extern const char kvt__copy_kernel_src[];
+extern const char kvt__copy_kernel_name[];
+
+/* The kernel compiled to PTX for a device of compute capability cc (major
+ * * 10 + minor) by the NVRTC found at run time: 0 and *ptx (malloc'ed,
+ * NUL-terminated), what saying which NVRTC and target; or -errno, what
+ * saying why not. */
+int kvt__nvrtc_ptx(int cc, char **ptx, char *what, size_t what_len);
 
 #endif /* KVT_DMA_INT_H */

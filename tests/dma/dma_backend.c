@@ -71,6 +71,13 @@ static struct kvt_dma_config base_cfg(void)
 	/* fakes: device 1 of 2, so that an ordinal mix-up shows */
 	c.device = real_gpu ? 0 : gpu ? 1 : -1;
 	c.log = capture;
+	/* cuda: the suite again with every plan through the copy kernel
+	 * (KVTIER_TEST_KERNEL=all), with the kernel required at its default
+	 * crossover (on), or with DMA only (off) */
+	if (getenv("KVTIER_TEST_KERNEL") && !strcmp(getenv("KVTIER_TEST_KERNEL"), "all"))
+		c.kernel_below = UINT64_MAX / 2;
+	else if (getenv("KVTIER_TEST_KERNEL") && !strcmp(getenv("KVTIER_TEST_KERNEL"), "off"))
+		c.flags |= KVT_DMA_F_NO_KERNEL;
 	return c;
 }
 
@@ -853,6 +860,9 @@ static void test_error_on_ticket(void **state)
 		skip();                          /* no way to inject */
 	if (!fake_ctl)
 		c.fault_nth = 2;                 /* host: the 2nd ticket fails */
+	/* the copies counted are DMA copies (test_copy_kernel: the kernel's
+	 * fault) */
+	c.flags |= KVT_DMA_F_NO_KERNEL;
 	fix_open(&f, &c);
 	/* 2 copies per ticket (one 2-D copy per layer): the 3rd copy is the
 	 * 2nd ticket's first; it completes with an error */
@@ -1177,7 +1187,7 @@ static void test_submit_failure(void **state)
 		skip();
 	/* linear copies on the runtime's engine choice (an engine that refuses
 	 * a copy is retried without one, which would hide the failure) */
-	c.flags = KVT_DMA_F_NO_2D | KVT_DMA_F_NO_ENGINE;
+	c.flags = KVT_DMA_F_NO_2D | KVT_DMA_F_NO_ENGINE | KVT_DMA_F_NO_KERNEL;
 	fix_open(&f, &c);
 	assert_int_equal(f.plan.n, 8);
 	ctl("fail_copy", 3);
@@ -1420,6 +1430,7 @@ static void test_features(void **state)
 	if (!fake_ctl)
 		skip();
 	ctl("reset", 0);
+	c.flags |= KVT_DMA_F_NO_KERNEL; /* the copy engines' features */
 	d = open_cfg(&c);
 	round_trip(d, &g, 1, 64, 64, 1);
 	if (!strcmp(backend, "hsa"))
@@ -1504,7 +1515,7 @@ static void test_features(void **state)
 					 .n_blocks = 64 };
 		const char *v = getenv("FAKE_CUDA_DRIVER_VERSION");
 
-		c.flags = KVT_DMA_F_NO_2D;
+		c.flags = KVT_DMA_F_NO_2D | KVT_DMA_F_NO_KERNEL;
 		d = open_cfg(&c);
 		round_trip(d, &s, 1, 64, 64, 0);
 		if (v && atoi(v) < 12080)
@@ -1571,6 +1582,80 @@ static void test_threads(void **state)
 }
 
 /* close with tickets never consumed: drains, releases everything */
+/* The copy kernel (cuda; dma/src/copy_kernel.c, compiled by the NVRTC
+ * named by KVTIER_NVRTC_LIBRARY -- scripts/nvrtc.sh -- the fake running its
+ * CPU twin): plans of pages below kernel_below go through it and come back
+ * byte-exact, 1-D and 2-D, both directions; pages above it go by DMA; a
+ * fault in it loses the context (sticky, like a failed copy's); without
+ * NVRTC the copies are DMA only, said in the feature line.  On the real
+ * driver (bench/gpu/check.sh) the same round trips run on the GPU. */
+static void test_copy_kernel(void **state)
+{
+	const struct gspec small = { .layers = 4, .bpt = 256, .tpb = 16, .stride_pages = 1,
+				     .n_blocks = 64 }; /* 4 KiB pages (70B at TP8) */
+	const struct gspec big = { .layers = 2, .bpt = 4096, .tpb = 16, .stride_pages = 1,
+				   .n_blocks = 24 };   /* 64 KiB pages */
+	struct kvt_dma_config c = base_cfg();
+	long k0, d0;
+	kvt_dma *d;
+
+	(void)state;
+	if (strcmp(backend, "cuda"))
+		skip();
+	c.kernel_below = 32u << 10;
+	d = open_cfg(&c);
+	if (!strstr(kvt_dma_describe(d), "copy kernel pages below 32 KiB")) {
+		/* no NVRTC: DMA only, and said so */
+		char why[512];
+
+		snprintf(why, sizeof(why), "%s", kvt_dma_describe(d));
+		assert_non_null(strstr(why, "copy kernel off: "));
+		kvt_dma_close(d);
+		if (getenv("KVTIER_TEST_KERNEL") && strcmp(getenv("KVTIER_TEST_KERNEL"), "off"))
+			fail_msg("KVTIER_TEST_KERNEL set, and no copy kernel: %s (scripts/nvrtc.sh)",
+				 why);
+		print_message("no copy kernel: %s\n", why);
+		skip();
+	}
+	k0 = fake_stat ? stat_of("kernel_launches") : 0;
+	d0 = fake_stat ? stat_of("copies") + stat_of("batch_copies") : 0;
+	for (int contiguous = 0; contiguous < 2; contiguous++) {
+		if (contiguous)
+			d = open_cfg(&c);
+		round_trip(d, &small, 1, 64, 64, contiguous); /* 2-D rows when contiguous */
+		kvt_dma_close(d);
+	}
+	if (fake_stat) {
+		assert_true(stat_of("kernel_launches") > k0);
+		assert_int_equal(stat_of("copies") + stat_of("batch_copies"), d0);
+		k0 = stat_of("kernel_launches");
+	}
+	/* 64 KiB pages: by DMA */
+	d = open_cfg(&c);
+	round_trip(d, &big, 1, 32, 32, 0);
+	if (fake_stat) {
+		assert_int_equal(stat_of("kernel_launches"), k0);
+		assert_true(stat_of("copies") + stat_of("batch_copies") > d0);
+	}
+	kvt_dma_close(d);
+	if (!fake_ctl)
+		return;
+	/* a fault in the kernel: the ticket fails, the context is lost */
+	{
+		struct fix f;
+		kvt_dma_ticket t;
+
+		fix_open(&f, &c);
+		ctl("kernel_fault", 1);
+		assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_D2H, &t), 0);
+		assert_int_equal(kvt_dma_wait(f.d, t, -1), -EIO);
+		assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base, KVT_DMA_D2H, &t), -EIO);
+		assert_non_null(strstr(kvt_dma_last_error(), "context was lost"));
+		fix_close(&f);
+		ctl("reset", 0);
+	}
+}
+
 static void test_close_drains(void **state)
 {
 	const struct gspec g = { .layers = 2, .bpt = 64, .tpb = 16, .stride_pages = 1,
@@ -1691,6 +1776,7 @@ int main(void)
 		cmocka_unit_test(test_features),
 		cmocka_unit_test(test_threads),
 		cmocka_unit_test(test_close_drains),
+		cmocka_unit_test(test_copy_kernel),
 	};
 
 	/* KVTIER_TEST_ONLY=PATTERN: the tests whose names match (cmocka's

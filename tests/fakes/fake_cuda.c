@@ -77,7 +77,8 @@ static atomic_long range_split; /* device ranges reported in pieces of this */
 #define NOT_LOST() do { int l_ = atomic_load(&lost); if (l_) return (CUresult)l_; } while (0)
 static atomic_long st_copies, st_batch_calls, st_batch_copies, st_copy2d_calls,
 	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total,
-	st_spin_syncs;
+	st_spin_syncs, st_kernel_launches, st_kernel_copies, st_modules_live;
+static atomic_long kernel_fault; /* the nth launch of the copy kernel faults */
 
 static bool trip(atomic_long *c)
 {
@@ -104,6 +105,8 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		fake_worker_hold((int)v);
 	else if (!strcmp(key, "range_split"))
 		atomic_store(&range_split, v);
+	else if (!strcmp(key, "kernel_fault"))
+		atomic_store(&kernel_fault, v);
 	else if (!strcmp(key, "jitter_us"))
 		fake_worker_jitter(v);
 	else if (!strcmp(key, "reset")) {
@@ -122,6 +125,9 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&st_bad_pointer, 0);
 		atomic_store(&st_regs_total, 0);
 		atomic_store(&st_spin_syncs, 0);
+		atomic_store(&st_kernel_launches, 0);
+		atomic_store(&st_kernel_copies, 0);
+		atomic_store(&kernel_fault, 0);
 		atomic_store(&range_split, 0);
 		fake_worker_hold(0);
 		fake_worker_out_of_order(1);
@@ -160,6 +166,12 @@ EXPORT long kvt_fake_cuda_stat(const char *key)
 		return atomic_load(&st_spin_syncs);
 	if (!strcmp(key, "bad_pointer"))
 		return atomic_load(&st_bad_pointer);
+	if (!strcmp(key, "kernel_launches"))
+		return atomic_load(&st_kernel_launches);
+	if (!strcmp(key, "kernel_copies")) /* descriptors the copy kernel ran */
+		return atomic_load(&st_kernel_copies);
+	if (!strcmp(key, "modules_live"))
+		return atomic_load(&st_modules_live);
 	if (!strcmp(key, "ctx_refs")) {
 		long n = 0;
 
@@ -258,6 +270,15 @@ static CUresult f_cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d)
 		return CUDA_SUCCESS;
 	case CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM:
 		*v = 0;
+		return CUDA_SUCCESS;
+	case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: /* an H200 */
+		*v = 9;
+		return CUDA_SUCCESS;
+	case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+		*v = 0;
+		return CUDA_SUCCESS;
+	case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+		*v = 132;
 		return CUDA_SUCCESS;
 	default:
 		return CUDA_ERROR_INVALID_VALUE;
@@ -820,11 +841,44 @@ static CUresult f_cuMemAllocHost(void **pp, size_t bytes)
 	return CUDA_SUCCESS;
 }
 
+/* cuMemHostAlloc: pinned host memory whose device view (DEVICEMAP) sits at
+ * an address of its own, as on a system where the device cannot use host
+ * pointers -- so a caller that skips cuMemHostGetDevicePointer fails here. */
+#define FAKE_HOSTALLOC 0x80000000u
+
+static CUresult f_cuMemHostAlloc(void **pp, size_t bytes, unsigned int flags)
+{
+	char *p;
+	uint64_t dev;
+
+	NEED_CTX();
+	if (!pp || !bytes || (flags & ~(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP |
+					 CU_MEMHOSTALLOC_WRITECOMBINED)))
+		return CUDA_ERROR_INVALID_VALUE;
+	p = aligned_alloc(4096, (bytes + 4095) & ~(size_t)4095);
+	if (!p)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	dev = fake_region_add(FAKE_ALIAS, bytes, p, current()->dev,
+			      (flags & CU_MEMHOSTALLOC_DEVICEMAP ? CU_MEMHOSTREGISTER_DEVICEMAP : 0) |
+			      FAKE_HOSTALLOC);
+	if (!dev) {
+		free(p);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	*pp = p;
+	return CUDA_SUCCESS;
+}
+
 static CUresult f_cuMemFreeHost(void *p)
 {
 	struct fake_region r;
 
 	NEED_INIT();
+	if (!fake_alias_of_host(p, 1, &r) && (r.flags & FAKE_HOSTALLOC) && r.host == p) {
+		fake_region_del(r.dev, NULL);
+		free(p);
+		return CUDA_SUCCESS;
+	}
 	if (fake_region_find((uint64_t)(uintptr_t)p, 1, &r) || r.kind != FAKE_SYS ||
 	    r.host != p)
 		return CUDA_ERROR_INVALID_VALUE;
@@ -1111,6 +1165,173 @@ static CUresult f_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstre
 	return enqueue(d, s, n, 1, 0, 0, st, 1);
 }
 
+/* ---- modules: the copy kernel ------------------------------------------------- */
+
+/* cuModuleLoadData takes PTX text only -- what kvtier loads -- and knows one
+ * kernel: kvt_copy_pages (dma/src/copy_kernel.c) as NVRTC compiles it, an
+ * entry of exactly two parameters, a .u64 (the descriptors) and a .u32
+ * (their count).  Other images: CUDA_ERROR_INVALID_IMAGE; other names:
+ * CUDA_ERROR_NOT_FOUND.  cuLaunchKernel runs the kernel's CPU twin on the
+ * stream's lane, as a copy: the descriptors are read when it runs (the GPU
+ * reads them then too), every row of each copied through the fake's
+ * address map; an address outside it faults as a GPU would:
+ * CUDA_ERROR_ILLEGAL_ADDRESS, sticky for the context. */
+#define MODULE_MAGIC 0x4d4f44554c455f5full
+#define FUNC_MAGIC 0x46554e435f5f5f5full
+
+struct fmodule;
+
+struct ffunc {
+	uint64_t magic;
+	struct fmodule *mod;
+};
+
+struct fmodule {
+	uint64_t magic;
+	struct ffunc copy; /* its one function, as long as it lives */
+};
+
+struct kcopy { /* copy_kernel.c's struct kvt_kcopy */
+	uint64_t src, dst, len, rows, spitch, dpitch;
+};
+
+static CUresult f_cuModuleLoadData(CUmodule *m, const void *image)
+{
+	const char *p = image;
+	struct fmodule *f;
+
+	NEED_CTX();
+	if (!m || !p)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (!strstr(p, ".version") || !strstr(p, ".target") ||
+	    !strstr(p, ".entry kvt_copy_pages(") ||
+	    !strstr(p, ".param .u64 kvt_copy_pages_param_0") ||
+	    !strstr(p, ".param .u32 kvt_copy_pages_param_1") ||
+	    strstr(p, "kvt_copy_pages_param_2"))
+		return CUDA_ERROR_INVALID_IMAGE;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	f->magic = MODULE_MAGIC;
+	atomic_fetch_add(&st_modules_live, 1);
+	*m = (CUmodule)f;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuModuleUnload(CUmodule m)
+{
+	struct fmodule *f = (struct fmodule *)m;
+
+	NEED_CTX();
+	if (!f || f->magic != MODULE_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	f->magic = 0;
+	f->copy.magic = 0;
+	free(f);
+	atomic_fetch_sub(&st_modules_live, 1);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuModuleGetFunction(CUfunction *fn, CUmodule m, const char *name)
+{
+	struct fmodule *f = (struct fmodule *)m;
+
+	NEED_CTX();
+	if (!f || f->magic != MODULE_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (!fn || !name)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (strcmp(name, "kvt_copy_pages"))
+		return CUDA_ERROR_NOT_FOUND;
+	f->copy = (struct ffunc){ .magic = FUNC_MAGIC, .mod = f };
+	*fn = (CUfunction)&f->copy;
+	return CUDA_SUCCESS;
+}
+
+struct ktask {
+	uint64_t desc;
+	unsigned int n;
+	struct fstream *s;
+	int fault;
+};
+
+/* The CPU twin of kvt_copy_pages. */
+static void run_copy_kernel(void *arg)
+{
+	struct ktask *t = arg;
+	const struct kcopy *kd;
+	const char *why = "";
+	int bad = t->fault, d2h = 0;
+
+	stream_ready(t->s);
+	kd = (const struct kcopy *)fake_translate(t->desc, (uint64_t)t->n * sizeof(*kd), &why);
+	bad |= !kd;
+	if (!bad)
+		d2h = !is_dev(kd[0].dst);
+	while (d2h && atomic_load(&hold_d2h))
+		usleep(500);
+	for (unsigned int i = 0; !bad && i < t->n; i++)
+		for (uint64_t r = 0; r < kd[i].rows; r++)
+			if (!fake_translate(kd[i].src + r * kd[i].spitch, kd[i].len, &why) ||
+			    !fake_translate(kd[i].dst + r * kd[i].dpitch, kd[i].len, &why)) {
+				fprintf(stderr, "fake cuda: copy kernel descriptor %u row %llu: %s\n",
+					i, (unsigned long long)r, why);
+				bad = 1;
+				break;
+			}
+	if (bad) {
+		/* a kernel's fault: the context is lost, as with a failed copy
+		 * (an injected one with the code fault_code sets) */
+		int code = t->fault ? atomic_load(&fault_code) : CUDA_ERROR_ILLEGAL_ADDRESS;
+
+		fake_copy_halt(0);
+		if (t->s)
+			t->s->err = (CUresult)code;
+		atomic_store(&lost, code);
+		fake_copy_report(0);
+	} else if (fake_copy_begin(0)) {
+		for (unsigned int i = 0; i < t->n; i++)
+			for (uint64_t r = 0; r < kd[i].rows; r++)
+				memcpy(fake_translate(kd[i].dst + r * kd[i].dpitch, kd[i].len, &why),
+				       fake_translate(kd[i].src + r * kd[i].spitch, kd[i].len, &why),
+				       kd[i].len);
+		atomic_fetch_add(&st_kernel_copies, t->n);
+		fake_copy_end(0);
+	}
+	free(t);
+}
+
+static CUresult f_cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy,
+				 unsigned int gz, unsigned int bx, unsigned int by,
+				 unsigned int bz, unsigned int shmem, CUstream st, void **params,
+				 void **extra)
+{
+	struct ffunc *k = (struct ffunc *)fn;
+	struct ktask *t;
+
+	NEED_CTX();
+	NOT_LOST();
+	if (!k || k->magic != FUNC_MAGIC || !k->mod || k->mod->magic != MODULE_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (st && !stream_of(st))
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (!gx || gy != 1 || gz != 1 || !bx || bx > 1024 || by != 1 || bz != 1 ||
+	    shmem > 48 * 1024 || !params || extra)
+		return CUDA_ERROR_INVALID_VALUE;
+	/* the copies' injections hold for the kernel that does their work */
+	if (trip(&fail_copy))
+		return CUDA_ERROR_INVALID_VALUE;
+	t = calloc(1, sizeof(*t));
+	if (!t)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*t = (struct ktask){ .desc = *(uint64_t *)params[0], .n = *(unsigned int *)params[1],
+			     .s = stream_of(st),
+			     .fault = trip(&kernel_fault) | trip(&async_error) };
+	atomic_fetch_add(&st_kernel_launches, 1);
+	fake_worker_push_lane(lane_of(t->s), run_copy_kernel, t);
+	return CUDA_SUCCESS;
+}
+
 static CUresult f_cuGetErrorName(CUresult r, const char **s)
 {
 	switch ((int)r) {
@@ -1123,6 +1344,7 @@ static CUresult f_cuGetErrorName(CUresult r, const char **s)
 	case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
 	case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
 	case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+	case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
 	case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
 	case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
 	case CUDA_ERROR_CONTAINED: *s = "CUDA_ERROR_CONTAINED"; break;
@@ -1178,6 +1400,7 @@ CHECK(f_cuMemAlloc, PFN_cuMemAlloc_v3020);
 CHECK(f_cuMemFree, PFN_cuMemFree_v3020);
 CHECK(f_cuMemAllocHost, PFN_cuMemAllocHost_v3020);
 CHECK(f_cuMemFreeHost, PFN_cuMemFreeHost_v2000);
+CHECK(f_cuMemHostAlloc, PFN_cuMemHostAlloc_v2020);
 CHECK(f_cuMemcpyHtoD, PFN_cuMemcpyHtoD_v3020);
 CHECK(f_cuMemcpyDtoH, PFN_cuMemcpyDtoH_v3020);
 CHECK(f_cuMemcpyHtoDAsync, PFN_cuMemcpyHtoDAsync_v3020);
@@ -1185,6 +1408,10 @@ CHECK(f_cuMemcpyDtoHAsync, PFN_cuMemcpyDtoHAsync_v3020);
 CHECK(f_cuStreamWaitEvent, PFN_cuStreamWaitEvent_v3020);
 CHECK(f_cuPointerGetAttribute, PFN_cuPointerGetAttribute_v4000);
 CHECK(f_cuGetErrorName, PFN_cuGetErrorName_v6000);
+CHECK(f_cuModuleLoadData, PFN_cuModuleLoadData_v2000);
+CHECK(f_cuModuleUnload, PFN_cuModuleUnload_v2000);
+CHECK(f_cuModuleGetFunction, PFN_cuModuleGetFunction_v2000);
+CHECK(f_cuLaunchKernel, PFN_cuLaunchKernel_v4000);
 CHECK(f_cuMemcpyBatchAsync_v1, PFN_cuMemcpyBatchAsync_v12080);
 CHECK(f_cuMemcpyBatchAsync_v2, PFN_cuMemcpyBatchAsync_v13000);
 
@@ -1217,12 +1444,17 @@ static const struct entry table[] = {
 	E("cuMemFree", 3020, f_cuMemFree),
 	E("cuMemAllocHost", 3020, f_cuMemAllocHost),
 	E("cuMemFreeHost", 2000, f_cuMemFreeHost),
+	E("cuMemHostAlloc", 2020, f_cuMemHostAlloc),
 	E("cuMemcpyHtoD", 3020, f_cuMemcpyHtoD),
 	E("cuMemcpyDtoH", 3020, f_cuMemcpyDtoH),
 	E("cuMemcpyHtoDAsync", 3020, f_cuMemcpyHtoDAsync),
 	E("cuMemcpyDtoHAsync", 3020, f_cuMemcpyDtoHAsync),
 	E("cuPointerGetAttribute", 4000, f_cuPointerGetAttribute),
 	E("cuGetErrorName", 6000, f_cuGetErrorName),
+	E("cuModuleLoadData", 2000, f_cuModuleLoadData),
+	E("cuModuleUnload", 2000, f_cuModuleUnload),
+	E("cuModuleGetFunction", 2000, f_cuModuleGetFunction),
+	E("cuLaunchKernel", 4000, f_cuLaunchKernel),
 	E("cuMemcpyBatchAsync", 12080, f_cuMemcpyBatchAsync_v1),
 	E("cuMemcpyBatchAsync", 13000, f_cuMemcpyBatchAsync_v2),
 };

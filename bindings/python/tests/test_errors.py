@@ -86,6 +86,23 @@ def test_bad_env_values_name_the_variable(segname, monkeypatch):
         with _open_rank(segname) as t:
             assert t.world == WORLD
         monkeypatch.delenv("KVTIER_COPY_THREADS")
+        # the copy kernel's crossover: auto, off, or a page size
+        for bad in ("", "on", "0", "28X", "2G", "-1", "K"):
+            monkeypatch.setenv("KVTIER_COPY_KERNEL", bad)
+            with pytest.raises(kvtier.KvtierError) as ei:
+                _open_rank(segname)
+            assert "KVTIER_COPY_KERNEL" in ei.value.message, bad
+        for good in ("auto", "off", "28K", "64k", "1M", "4096"):
+            monkeypatch.setenv("KVTIER_COPY_KERNEL", good)
+            with _open_rank(segname) as t:
+                assert t.world == WORLD
+        monkeypatch.delenv("KVTIER_COPY_KERNEL")
+        for bad in ("0", "1025", "x"):
+            monkeypatch.setenv("KVTIER_COPY_KERNEL_CTAS", bad)
+            with pytest.raises(kvtier.KvtierError) as ei:
+                _open_rank(segname)
+            assert "KVTIER_COPY_KERNEL_CTAS" in ei.value.message, bad
+        monkeypatch.delenv("KVTIER_COPY_KERNEL_CTAS")
         # no_env: the same variables are ignored
         monkeypatch.setenv("KVTIER_WORLD", "nonsense")
         with _open_rank(segname, no_env=True) as t:

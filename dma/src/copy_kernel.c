@@ -1,0 +1,56 @@
+/* copy_kernel.c - the copy kernel's source: a gather/scatter between the
+ * engine's KV pages and the arena's registered (device-mapped) pages, for
+ * pages too small for the copy engines to run well.
+ *
+ * Why a kernel.  A DMA copy costs the copy engine a fixed setup per
+ * descriptor: vLLM measured cuMemcpyBatchAsync host->GPU on an H100 at
+ * 5-7 GB/s for 4-24 KiB pieces and 40-52 GB/s only from 28-64 KiB (vLLM PR
+ * #42212), and its own offloading connector copies blocks under 28 KiB
+ * with a gather kernel.  A kernel's threads read and write the pinned
+ * arena directly over PCIe (the arena is registered with DEVICEMAP), many
+ * small pages at once, at the cost of a few SMs.
+ *
+ * The source is compiled at run time -- NVRTC from the engine's CUDA
+ * (cuda.c), so no toolkit is needed where kvtier is built, and the PTX is
+ * made for the device it runs on -- and is plain CUDA C that HIP's hiprtc
+ * also takes.  It is compiled in CI by the real NVRTC (tests/dma), so a
+ * syntax or parameter error fails there; the fake libcuda runs a CPU
+ * version of it with the same arguments (tests/fakes/fake_cuda.c), which
+ * must stay the kernel's exact meaning.
+ *
+ * Arguments: an array of n descriptors (struct below, 48 bytes, device-
+ * readable pinned host memory), each `rows` rows of `len` bytes, row r
+ * from src + r * spitch to dst + r * dpitch.  One thread block per
+ * descriptor at a time (blocks stride over the array: the launch bounds
+ * how many SMs it takes); 16-byte loads and stores when the addresses and
+ * length allow, bytes otherwise.
+ */
+#include "dma_int.h"
+
+const char kvt__copy_kernel_name[] = "kvt_copy_pages";
+
+const char kvt__copy_kernel_src[] =
+	"struct kvt_kcopy {\n"
+	"	unsigned long long src, dst, len, rows, spitch, dpitch;\n"
+	"};\n"
+	"\n"
+	"extern \"C\" __global__ void kvt_copy_pages(const struct kvt_kcopy *cp, unsigned int n)\n"
+	"{\n"
+	"	for (unsigned int i = blockIdx.x; i < n; i += gridDim.x) {\n"
+	"		const struct kvt_kcopy c = cp[i];\n"
+	"		for (unsigned long long r = 0; r < c.rows; r++) {\n"
+	"			const char *s = (const char *)(c.src + r * c.spitch);\n"
+	"			char *d = (char *)(c.dst + r * c.dpitch);\n"
+	"			if ((((unsigned long long)s | (unsigned long long)d | c.len) & 15) == 0) {\n"
+	"				const uint4 *s4 = (const uint4 *)s;\n"
+	"				uint4 *d4 = (uint4 *)d;\n"
+	"				for (unsigned long long j = threadIdx.x; j < c.len / 16;\n"
+	"				     j += blockDim.x)\n"
+	"					d4[j] = s4[j];\n"
+	"			} else {\n"
+	"				for (unsigned long long j = threadIdx.x; j < c.len; j += blockDim.x)\n"
+	"					d[j] = s[j];\n"
+	"			}\n"
+	"		}\n"
+	"	}\n"
+	"}\n";
