@@ -151,6 +151,25 @@ done
 	grep hugetlbfs /proc/mounts || echo "no hugetlbfs mount"
 } 2>&1 | tee "$work/machine.txt"
 [ -n "$cuda" ] || die "CUDA headers (cuda.h, cudaTypedefs.h) not found; set CUDA_HOME"
+# NVRTC for the copy kernel (dma/src/copy_kernel.c): the toolkit's, else the
+# one torch's wheel carries (nvidia-cuda-nvrtc); every step below gets it
+if [ -z "${KVTIER_NVRTC_LIBRARY:-}" ]; then
+	for f in "$cuda"/lib64/libnvrtc.so.[0-9]* "$cuda"/targets/*/lib/libnvrtc.so.[0-9]* \
+		$("$python" -c 'import glob, os, site
+ps = site.getsitepackages() + [site.getusersitepackages()]
+print(" ".join(f for p in ps for f in sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib", "libnvrtc.so.[0-9]*")) + glob.glob(os.path.join(p, "torch", "lib", "libnvrtc*.so*")))))' 2>/dev/null); do
+		case $f in *alt*|*builtins*) continue ;; esac
+		if [ -f "$f" ]; then
+			export KVTIER_NVRTC_LIBRARY=$f
+			break
+		fi
+	done
+fi
+if [ -n "${KVTIER_NVRTC_LIBRARY:-}" ]; then
+	echo "NVRTC: $KVTIER_NVRTC_LIBRARY" | tee -a "$work/machine.txt"
+else
+	rec NOTE "no NVRTC (toolkit or torch's wheel): copies are DMA only, the copy kernel is not checked"
+fi
 
 # ---- 2. build: KVTIER_MINIMAL, against the carried packages -------------------------
 step build
@@ -181,6 +200,15 @@ if KVTIER_DMA=cuda lim 240 "$t" >"$work/dma_suite.log" 2>&1; then
 else
 	tail -40 "$work/dma_suite.log"
 	fail "test_dma_backend (dma_suite.log)"
+fi
+if [ -n "${KVTIER_NVRTC_LIBRARY:-}" ]; then
+	# the copy kernel on the device: every plan of the suite through it
+	if KVTIER_DMA=cuda KVTIER_TEST_KERNEL=all lim 240 "$t" >"$work/dma_kernel.log" 2>&1; then
+		rec PASS "test_dma_backend with every plan through the copy kernel: $(grep -c '\[       OK \]' "$work/dma_kernel.log") ok, $(grep -c '\[  SKIPPED \]' "$work/dma_kernel.log") skipped"
+	else
+		tail -40 "$work/dma_kernel.log"
+		fail "test_dma_backend through the copy kernel (dma_kernel.log)"
+	fi
 fi
 lim 120 "$b/tests/dma/test_dma_plan" >"$work/dma_plan.log" 2>&1 &&
 	rec PASS "test_dma_plan" || fail "test_dma_plan (dma_plan.log)"

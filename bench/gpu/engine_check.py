@@ -14,7 +14,8 @@ bandwidth of the engine's page shapes (bench/gpu/check.sh runs it).
    70B at TP8, GLM-5's indexer, Llama 8B at TP2 and TP1), MLA pages
    (72 KiB, DeepSeek V3 / GLM-5, bf16) and whole blocks of 0.64 and 2 MiB
    (block-outermost) -- saves alone, loads alone, both at once, through the
-   binding as an engine calls it -- against the driver's pinned copy of the
+   binding as an engine calls it, with the copy kernel for the pages below
+   its crossover and with DMA only (KVTIER_COPY_KERNEL=off) -- against the driver's pinned copy of the
    same pages (torch copy_ from/to pinned memory, page by page: Python's
    cost per call included, so it is a floor of what a per-page engine
    loop gets), a gather kernel then one copy (index_select into a device
@@ -170,14 +171,14 @@ class Cache:
                                v.index_select(0, ib).view(torch.int16)) for v in self.views)
 
 
-def open_tier(segname, segdir, cache, chunk_tokens, n_chunks):
+def open_tier(segname, segdir, cache, chunk_tokens, n_chunks, log=None):
     g = [cache.group()]
     s = kvtier.Tier(segment=segname, role="scheduler", world=1, instance=0, groups=g,
                     chunk_tokens=chunk_tokens, create=True, replace=True,
                     n_slots=n_chunks + 8, model="kvtier-gpu-check", segment_dir=segdir)
     r = kvtier.Tier(segment=segname, role="rank", rank=0, world=1, instance=0, groups=g,
                     chunk_tokens=chunk_tokens, dma="cuda", model="kvtier-gpu-check",
-                    segment_dir=segdir)
+                    segment_dir=segdir, log=log)
     r.register_kv(groups=[cache.views])
     return s, r
 
@@ -260,15 +261,19 @@ def timed(fn, dev, repeat):
     return statistics.median(out)
 
 
-def bench_shape(dev, args, shape):
-    name, layout, layers, heads, dim, block, halves = shape
-    bb = layers * halves * block * heads * dim * 2
-    n = max(4, min(args.run_bytes // bb, 4096))  # chunks (one block each) per run
-    cache = Cache(dev, layout, layers, heads, dim, block, 3 * n, halves)
+def kvtier_rates(dev, args, cache, n, block, mode):
+    """save, load and both-at-once GB/s through the binding with the CUDA
+    backend's copy kernel as KVTIER_COPY_KERNEL=mode says (auto: pages
+    below its crossover through the kernel; off: DMA only), and whether a
+    loaded block came back exact."""
+    os.environ["KVTIER_COPY_KERNEL"] = mode
     segname = "gpucheck-bw-%d" % os.getpid()
     # room for every run's chunks: nothing the loads want is evicted
-    s, r = open_tier(segname, args.segment_dir, cache, block, n * (2 + 2 * args.repeat))
-    res = {"shape": name, "layout": layout, "page": cache.page, "block": bb, "chunks": n}
+    lines = []
+    s, r = open_tier(segname, args.segment_dir, cache, block, n * (2 + 2 * args.repeat),
+                     log=lambda level, msg: lines.append(msg))
+    bb = cache.block_bytes()
+    out = {}
     try:
         ka = prompt_keys(s, n, block, 10)
         # every timed save is of keys not saved before
@@ -294,61 +299,91 @@ def bench_shape(dev, args, shape):
                 op_l.wait()
                 op_s.wait()
 
-        res["save"] = total / timed(save_b, dev, args.repeat) / 1e9
-        res["load"] = total / timed(load_a, dev, args.repeat) / 1e9
-        res["both"] = 2 * total / timed(both, dev, args.repeat) / 1e9
-        # the driver's pinned copy of the same pages, one call each
-        host = dev.pinned(total)
-        src = cache.pages(range(n))
-        dst = [host[i * cache.page:(i + 1) * cache.page] for i in range(len(src))]
-
-        def pages_d2h():
-            for x, y in zip(src, dst):
-                y.copy_(x, non_blocking=True)
-
-        def pages_h2d():
-            for x, y in zip(src, dst):
-                x.copy_(y, non_blocking=True)
-
-        res["pages_d2h"] = total / timed(pages_d2h, dev, args.repeat) / 1e9
-        res["pages_h2d"] = total / timed(pages_h2d, dev, args.repeat) / 1e9
-        # a gather kernel, then one copy (what a copy kernel buys)
-        ia = torch.arange(0, n, device=cache.tensors[0].device)
-        staging = torch.empty(total, dtype=torch.uint8, device=cache.tensors[0].device)
-        per = n * cache.page
-
-        def gather_d2h():
-            for i, v in enumerate(cache.views):
-                staging[i * per:(i + 1) * per].view(v.dtype).view(
-                    (n,) + tuple(v.shape[1:])).copy_(v.index_select(0, ia))
-            host.copy_(staging, non_blocking=True)
-
-        res["gather_d2h"] = total / timed(gather_d2h, dev, args.repeat) / 1e9
-        # the peak: 4 MiB copies
-        peak = min(total, 4 << 20)
-        npk = max(1, total // peak)
-
-        def peak_d2h():
-            for i in range(npk):
-                host[i * peak:(i + 1) * peak].copy_(staging[i * peak:(i + 1) * peak],
-                                                    non_blocking=True)
-
-        def peak_h2d():
-            for i in range(npk):
-                staging[i * peak:(i + 1) * peak].copy_(host[i * peak:(i + 1) * peak],
-                                                       non_blocking=True)
-
-        res["peak_d2h"] = npk * peak / timed(peak_d2h, dev, args.repeat) / 1e9
-        res["peak_h2d"] = npk * peak / timed(peak_h2d, dev, args.repeat) / 1e9
-        # the same bytes: a saved chunk loaded back is the device's block
+        out["save"] = total / timed(save_b, dev, args.repeat) / 1e9
+        out["load"] = total / timed(load_a, dev, args.repeat) / 1e9
+        out["both"] = 2 * total / timed(both, dev, args.repeat) / 1e9
+        cache.fill(0)
+        dev.sync()
         with s.lookup(ka) as lease:
             r.load(lease, c).wait()
         dev.sync()
-        res["exact"] = cache.equal(list(range(n)), list(range(2 * n, 3 * n)))
+        # the backend's line: whether the kernel was there to take the pages
+        out["kernel"] = any("copy kernel pages below" in x for x in lines)
     finally:
         r.close()
         s.close()
         kvtier.unlink(segname, args.segment_dir)
+        os.environ.pop("KVTIER_COPY_KERNEL", None)
+    return out
+
+
+def bench_shape(dev, args, shape):
+    name, layout, layers, heads, dim, block, halves = shape
+    bb = layers * halves * block * heads * dim * 2
+    n = max(4, min(args.run_bytes // bb, 4096))  # chunks (one block each) per run
+    cache = Cache(dev, layout, layers, heads, dim, block, 3 * n, halves)
+    res = {"shape": name, "layout": layout, "page": cache.page, "block": bb, "chunks": n}
+    total = n * bb
+    # blocks 0..n-1 hold the saved chunks' bytes: what every load must bring
+    g = torch.Generator(device=cache.tensors[0].device).manual_seed(5)
+    for t in cache.tensors:
+        t.view(torch.int16).copy_(torch.randint(-32768, 32768, t.shape, dtype=torch.int32,
+                                                device=t.device, generator=g).to(torch.int16))
+    ref = [v[:n].clone() for v in cache.views]
+    for mode, key in (("auto", ""), ("off", "dma_")):
+        x = kvtier_rates(dev, args, cache, n, block, mode)
+        res[key + "save"], res[key + "load"], res[key + "both"] = x["save"], x["load"], x["both"]
+        if "kernel" not in res:
+            res["kernel"] = x["kernel"]
+        res[key + "exact"] = all(torch.equal(v[2 * n:3 * n].view(torch.int16),
+                                             w.view(torch.int16))
+                                 for v, w in zip(cache.views, ref))
+        for v, w in zip(cache.views, ref):  # the source blocks as they were
+            v[:n].copy_(w)
+    res["exact"] = res["exact"] and res["dma_exact"]
+    # the driver's pinned copy of the same pages, one call each
+    host = dev.pinned(total)
+    src = cache.pages(range(n))
+    dst = [host[i * cache.page:(i + 1) * cache.page] for i in range(len(src))]
+
+    def pages_d2h():
+        for x, y in zip(src, dst):
+            y.copy_(x, non_blocking=True)
+
+    def pages_h2d():
+        for x, y in zip(src, dst):
+            x.copy_(y, non_blocking=True)
+
+    res["pages_d2h"] = total / timed(pages_d2h, dev, args.repeat) / 1e9
+    res["pages_h2d"] = total / timed(pages_h2d, dev, args.repeat) / 1e9
+    # a gather kernel, then one copy (what a copy kernel buys)
+    ia = torch.arange(0, n, device=cache.tensors[0].device)
+    staging = torch.empty(total, dtype=torch.uint8, device=cache.tensors[0].device)
+    per = n * cache.page
+
+    def gather_d2h():
+        for i, v in enumerate(cache.views):
+            staging[i * per:(i + 1) * per].view(v.dtype).view(
+                (n,) + tuple(v.shape[1:])).copy_(v.index_select(0, ia))
+        host.copy_(staging, non_blocking=True)
+
+    res["gather_d2h"] = total / timed(gather_d2h, dev, args.repeat) / 1e9
+    # the peak: 4 MiB copies
+    peak = min(total, 4 << 20)
+    npk = max(1, total // peak)
+
+    def peak_d2h():
+        for i in range(npk):
+            host[i * peak:(i + 1) * peak].copy_(staging[i * peak:(i + 1) * peak],
+                                                non_blocking=True)
+
+    def peak_h2d():
+        for i in range(npk):
+            staging[i * peak:(i + 1) * peak].copy_(host[i * peak:(i + 1) * peak],
+                                                   non_blocking=True)
+
+    res["peak_d2h"] = npk * peak / timed(peak_d2h, dev, args.repeat) / 1e9
+    res["peak_h2d"] = npk * peak / timed(peak_h2d, dev, args.repeat) / 1e9
     return res
 
 
@@ -370,9 +405,9 @@ def main():
             rec("FAIL", "%s: %s: %s" % (layout, type(e).__name__, e))
     rows = []
     if not args.skip_bandwidth:
-        print("\n%-26s %7s %7s | %6s %6s %6s | %6s %6s %6s %6s %6s | %s" % (
-            "shape", "page", "block", "save", "load", "both", "pgD2H", "pgH2D", "gathr",
-            "pkD2H", "pkH2D", "save/pk load/pk"), flush=True)
+        print("\n%-26s %7s %7s %3s | %6s %6s %6s | %6s %6s %6s | %6s %6s %6s %6s %6s | %s" % (
+            "shape", "page", "block", "krn", "save", "load", "both", "dSave", "dLoad", "dBoth",
+            "pgD2H", "pgH2D", "gathr", "pkD2H", "pkH2D", "save/pk load/pk"), flush=True)
         for sh in SHAPES:
             try:
                 x = bench_shape(dev, args, sh)
@@ -380,16 +415,21 @@ def main():
                 rec("FAIL", "bandwidth %s: %s: %s" % (sh[0], type(e).__name__, e))
                 continue
             rows.append(x)
-            print("%-26s %6.1fK %6.0fK | %6.2f %6.2f %6.2f | %6.2f %6.2f %6.2f %6.2f %6.2f | "
-                  "%.2f %.2f" % (x["shape"], x["page"] / 1024, x["block"] / 1024, x["save"],
-                                 x["load"], x["both"], x["pages_d2h"], x["pages_h2d"],
-                                 x["gather_d2h"], x["peak_d2h"], x["peak_h2d"],
-                                 x["save"] / x["peak_d2h"], x["load"] / x["peak_h2d"]),
-                  flush=True)
+            print("%-26s %6.1fK %6.0fK %3s | %6.2f %6.2f %6.2f | %6.2f %6.2f %6.2f | "
+                  "%6.2f %6.2f %6.2f %6.2f %6.2f | %.2f %.2f" % (
+                      x["shape"], x["page"] / 1024, x["block"] / 1024,
+                      "yes" if x["kernel"] else "no", x["save"], x["load"], x["both"],
+                      x["dma_save"], x["dma_load"], x["dma_both"], x["pages_d2h"],
+                      x["pages_h2d"], x["gather_d2h"], x["peak_d2h"], x["peak_h2d"],
+                      x["save"] / x["peak_d2h"], x["load"] / x["peak_h2d"]), flush=True)
             if not x["exact"]:
                 rec("FAIL", "bandwidth %s: a loaded block differs from the saved one" % x["shape"])
-        print("(GB/s, medians of %d; pg: the driver's pinned copy page by page from Python; "
-              "gathr: index_select then one copy; pk: 4 MiB pinned copies)" % args.repeat)
+        print("(GB/s, medians of %d; save/load/both: kvtier with its copy kernel for pages "
+              "below its crossover (krn: the kernel was there), dSave..: DMA only; pg: the "
+              "driver's pinned copy page by page from Python; gathr: index_select then one "
+              "copy; pk: 4 MiB pinned copies)" % args.repeat)
+        if rows and not any(x["kernel"] for x in rows):
+            rec("NOTE", "no copy kernel (no NVRTC found): kvtier's columns are DMA only too")
         if rows:
             rec("PASS", "bandwidth at %d engine shapes measured, every loaded block exact"
                 % len(rows) if all(x["exact"] for x in rows) else
