@@ -238,6 +238,10 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_COPY_KERNEL_CTAS", 1, 1024, 0, &e->copy_kernel_ctas,
 			  err, len)))
 		return r;
+	/* kvt_close's wait for copies in flight, in seconds (see kvt_close) */
+	if ((r = pick_u32(cfg, 0, 0, "KVTIER_CLOSE_TIMEOUT", 1, 86400, 60, &e->close_timeout_s,
+			  err, len)))
+		return r;
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_TEST_DMA_FAULT", 1, UINT32_MAX, 0, &e->test_dma_fault,
 			  err, len)))
 		return r;

@@ -21,6 +21,7 @@ struct kvt_tier_env {
 	uint64_t copy_kernel;    /* KVTIER_COPY_KERNEL: 0 auto, UINT64_MAX off, else the
 				  * page size below which cuda's copy kernel copies */
 	uint32_t copy_kernel_ctas; /* KVTIER_COPY_KERNEL_CTAS; 0: the backend's default */
+	uint32_t close_timeout_s;  /* KVTIER_CLOSE_TIMEOUT: kvt_close's wait for copies */
 	uint32_t test_dma_fault; /* KVTIER_TEST_DMA_FAULT: testing, host backend: the
 				  * nth copy ticket this rank submits fails (0: none) */
 	uint32_t numa_fallback;

@@ -17,6 +17,7 @@
  */
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -204,6 +205,22 @@ static void dma_log(void *arg, int level, const char *msg)
 		e->log(e->log_arg, lv, line);
 	else
 		fprintf(stderr, "kvtier %s\n", line);
+}
+
+/* An error line of the tier's own, through the same logger. */
+__attribute__((format(printf, 2, 3)))
+static void tier_error(const struct kvt_tier_env *e, const char *fmt, ...)
+{
+	char line[600];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof(line), fmt, ap);
+	va_end(ap);
+	if (e->log)
+		e->log(e->log_arg, KVT_LOG_LEVEL_ERROR, line);
+	else
+		fprintf(stderr, "kvtier: %s\n", line);
 }
 
 /* A segment directory the creator was given (KVTIER_SEGMENT_DIR or
@@ -1339,29 +1356,85 @@ void kvt_fingerprint(const kvt_tier *t, kvt_key *out)
 		*out = t->fingerprint;
 }
 
+/* Handles closed with copies the device never finished (kvt_close): kept
+ * whole until the process exits -- reachable from here. */
+static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
+static kvt_tier *kept[16];
+static unsigned n_kept;
+
+static int64_t left_ns(uint64_t deadline)
+{
+	uint64_t now = kvt__now_ns();
+
+	return now >= deadline ? 0 : (int64_t)(deadline - now);
+}
+
+/* Closing waits for the copies in flight to land before their claims end
+ * (a save's slot, a load's pinned chunk), up to KVTIER_CLOSE_TIMEOUT
+ * seconds in all (60).  A copy still running then -- a hung or lost
+ * device -- is abandoned, and with it the whole handle: its save claims
+ * stay (no other writer gets those slots), the segment stays mapped, the
+ * DMA handle keeps the arena registered, and the rank stays attached, so
+ * nothing the device may still write is reused while this process lives;
+ * when it exits, the reaper (and the exit witness) repair what it held, as
+ * for any rank that died mid-copy.  Logged as an error: the process should
+ * exit. */
 void kvt_close(kvt_tier *t)
 {
+	uint64_t deadline;
+	uint32_t abandoned = 0, saves = 0;
+
 	if (!t)
 		return;
+	deadline = kvt__now_ns() + (uint64_t)t->env.close_timeout_s * 1000000000ull;
 	for (uint32_t i = 0; i < KVT_MAX_OPS; i++) {
 		struct op *o = &t->ops[i];
+		uint32_t mine = 0;
+
 		if (o->kind == OP_FREE)
 			continue;
 		/* Let in-flight copies land before their claims end. */
 		for (uint32_t k = 0; k < o->next; k++)
-			if (o->ch[k].state == CH_INFLIGHT)
-				chunk_finish(t, o, k, kvt_dma_wait(t->dma, o->ch[k].ticket, -1));
+			if (o->ch[k].state == CH_INFLIGHT) {
+				int r = kvt_dma_wait(t->dma, o->ch[k].ticket, left_ns(deadline));
+
+				if (r == -ETIMEDOUT) {
+					mine++;
+					saves += o->kind == OP_SAVE;
+					continue; /* its claim stays */
+				}
+				chunk_finish(t, o, k, r);
+			}
 		if (o->kind == OP_SAVE)
 			for (uint32_t k = o->next; k < o->n; k++)
 				if (o->ch[k].state == CH_QUEUED)
 					kvt_write_end(t->seg, &o->ch[k].w, 0);
-		op_free(o);
+		abandoned += mine;
+		if (!mine)
+			op_free(o);
+	}
+	if (abandoned) {
+		tier_error(&t->env, "close: %u copies (%u saves) still running after %u s "
+		     "(KVTIER_CLOSE_TIMEOUT): the device is not finishing them. Abandoned, with "
+		     "this handle: their slots stay claimed, the arena mapped and registered and "
+		     "the rank attached until this process exits, so that nothing the device "
+		     "may still write is reused; exit the process", abandoned, saves,
+		     t->env.close_timeout_s);
+		kvt_dma_close_within(t->dma, 0);
+		pthread_mutex_lock(&kept_mu);
+		if (n_kept < sizeof(kept) / sizeof(kept[0]))
+			kept[n_kept++] = t;
+		pthread_mutex_unlock(&kept_mu);
+		return;
 	}
 	if (t->dma) {
 		kvt_plan_fini(&t->plan);
 		if (t->mr)
 			kvt_dma_mem_unregister(t->dma, t->mr);
-		kvt_dma_close(t->dma);
+		if (kvt_dma_close_within(t->dma, left_ns(deadline))) {
+			/* (no ticket of ours was left: nothing should remain) */
+			tier_error(&t->env, "close: the DMA handle had copies left; kept");
+		}
 	}
 	kvt__l3c_free(t->l3c);
 	kvt_seg_detach(t->seg);

@@ -266,6 +266,14 @@ int kvt_dma_open(const struct kvt_dma_config *c, kvt_dma **out);
  * runtime.  NULL is ignored. */
 void kvt_dma_close(kvt_dma *d);
 
+/* kvt_dma_close with a deadline for the drain (timeout_ns < 0: none): 0
+ * when closed; else the number of copies still running then, which are
+ * abandoned -- logged, and the handle kept whole (registrations, streams)
+ * until the process exits, because the device may still touch that
+ * memory.  The caller must keep the memory too (the arena mapped, its
+ * slots claimed). */
+int kvt_dma_close_within(kvt_dma *d, int64_t timeout_ns);
+
 /* "host", "hsa" or "cuda". */
 const char *kvt_dma_backend(const kvt_dma *d);
 /* One line: backend, device, optional features in use, backends skipped

@@ -299,19 +299,44 @@ int kvt_dma_open(const struct kvt_dma_config *cin, kvt_dma **out)
 	return 0;
 }
 
-void kvt_dma_close(kvt_dma *d)
+/* Handles whose copies outlived their close's deadline: kept, never freed
+ * or unregistered, so that a copy the device still runs finds its memory
+ * registered and its streams alive; reachable from here until the process
+ * exits (and not reported as leaks). */
+static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
+static kvt_dma *kept[64];
+static unsigned n_kept;
+
+int kvt_dma_close_within(kvt_dma *d, int64_t timeout_ns)
 {
+	uint64_t deadline = kvt__deadline(timeout_ns), t0 = kvt__now_ns();
+	uint32_t left = 0;
+
 	if (!d)
-		return;
+		return 0;
 	/* Drain: the arena may be unmapped right after close. */
 	for (uint32_t s = 0; s < d->cfg.max_inflight; s++) {
 		if (d->slots[s].state != KVT__JOB_BUSY)
 			continue;
-		d->ops->wait(d, s, UINT64_MAX);
+		if (d->ops->wait(d, s, deadline) == -ETIMEDOUT) {
+			left++;
+			continue;
+		}
 		d->slots[s].state = KVT__JOB_FREE;
 		if (d->slots[s].mr)
 			d->slots[s].mr->inflight--;
 		d->inflight--;
+	}
+	if (left) {
+		kvt__dma_log(d, KVT_DMA_LOG_ERR, "close: %u copies still running after %.1f s: "
+			     "abandoned -- the handle, its registrations and streams are kept "
+			     "until the process exits (the device may still read or write them)",
+			     left, (kvt__now_ns() - t0) * 1e-9);
+		pthread_mutex_lock(&kept_mu);
+		if (n_kept < sizeof(kept) / sizeof(kept[0]))
+			kept[n_kept++] = d;
+		pthread_mutex_unlock(&kept_mu);
+		return (int)left;
 	}
 	while (d->mrs) {
 		kvt_dma_mr *mr = d->mrs;
@@ -323,6 +348,12 @@ void kvt_dma_close(kvt_dma *d)
 	}
 	d->ops->fini(d);
 	dma_free(d);
+	return 0;
+}
+
+void kvt_dma_close(kvt_dma *d)
+{
+	kvt_dma_close_within(d, -1);
 }
 
 const char *kvt_dma_backend(const kvt_dma *d)

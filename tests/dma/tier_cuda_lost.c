@@ -303,6 +303,75 @@ static void test_witness_through_the_tier(void **state)
 	fake_ctl("reset", 0);
 }
 
+static char close_log[4096];
+
+static void log_to(void *arg, int level, const char *msg)
+{
+	(void)arg;
+	if (level == KVT_LOG_LEVEL_ERROR)
+		snprintf(close_log + strlen(close_log), sizeof(close_log) - strlen(close_log),
+			 "%s\n", msg);
+}
+
+/* A device that never finishes a save (the fake's copies held): kvt_close
+ * waits KVTIER_CLOSE_TIMEOUT seconds at most, then abandons the handle --
+ * it returns (before: it waited forever), says so as an error, and keeps
+ * what the device may still write: the save's slot stays claimed (FILLING,
+ * seen from another handle), the rank attached and the arena mapped; when
+ * the copy lands, late, it lands in memory nothing else was given. */
+static void test_close_is_bounded(void **state)
+{
+	char name[64];
+	uint64_t base[LAYERS];
+	uint32_t table[2 * (CHUNK / BLOCK)];
+	const uint32_t *tabs[1] = { table };
+	kvt_key keys[2] = { { 3000, 77 }, { 3001, 77 } };
+	kvt_tier *t = NULL, *obs = NULL;
+	struct kvt_stats st = { .size = sizeof(st) };
+	kvt_op op;
+
+	(void)state;
+	dev_setup(base);
+	snprintf(name, sizeof(name), "t-cudaclose-%d", (int)getpid());
+	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
+				    .tokens_per_block = BLOCK };
+	struct kvt_config c = { .size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE,
+				.role = KVT_TIER_CLIENT, .instance = 0, .rank = 0, .world = 1,
+				.chunk_tokens = CHUNK, .segment = name, .model = "cuda-close",
+				.groups = &g, .n_groups = 1, .n_slots = 16, .dma = "cuda",
+				.log = log_to };
+	setenv("KVTIER_CLOSE_TIMEOUT", "1", 1);
+	assert_int_equal(kvt_open(&c, &t), 0);
+	unsetenv("KVTIER_CLOSE_TIMEOUT");
+	struct kvt_group_buffers gb = { .layer_base = base, .block_stride = PAGE,
+					.n_blocks = NBLOCKS };
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
+	for (uint32_t i = 0; i < 2 * (CHUNK / BLOCK); i++)
+		table[i] = 2 + i;
+	struct kvt_config oc = { .size = sizeof(oc), .role = KVT_TIER_CLIENT, .instance = 0,
+				 .world = 1, .chunk_tokens = CHUNK, .segment = name,
+				 .model = "cuda-close", .groups = &g, .n_groups = 1 };
+	assert_int_equal(kvt_open(&oc, &obs), 0);
+
+	assert_int_equal(fake_ctl("hold", 1), 0);   /* the device never finishes */
+	assert_int_equal(kvt_save(t, keys, 2, 0, tabs, &op), 2);
+	close_log[0] = 0;
+	kvt_close(t);                                /* returns */
+	assert_non_null(strstr(close_log, "close: 2 copies (2 saves) still running after 1 s"));
+	assert_non_null(strstr(close_log, "Abandoned"));
+	/* what the device may still write is nobody else's */
+	assert_int_equal(kvt_stats(obs, &st), 0);
+	assert_int_equal(st.slots_filling, 2);
+	assert_int_equal(st.slots_ready, 0);
+	/* the device finishes late: into the kept slots, nothing published */
+	assert_int_equal(fake_ctl("hold", 0), 0);
+	assert_int_equal(kvt_stats(obs, &st), 0);
+	assert_int_equal(st.slots_ready, 0);
+	kvt_close(obs);
+	kvt_unlink(name, NULL);
+	fake_ctl("reset", 0);
+}
+
 int main(void)
 {
 	const char *path = getenv("KVTIER_CUDA_LIBRARY");
@@ -319,6 +388,7 @@ int main(void)
 		cmocka_unit_test(test_sticky_error_through_the_tier),
 		cmocka_unit_test(test_out_of_order_through_the_tier),
 		cmocka_unit_test(test_witness_through_the_tier),
+		cmocka_unit_test(test_close_is_bounded),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
