@@ -1321,12 +1321,14 @@ static CUresult f_cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy
 	/* the copies' injections hold for the kernel that does their work */
 	if (trip(&fail_copy))
 		return CUDA_ERROR_INVALID_VALUE;
+	/* (both counters count this launch) */
+	bool kf = trip(&kernel_fault), ae = trip(&async_error);
+
 	t = calloc(1, sizeof(*t));
 	if (!t)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	*t = (struct ktask){ .desc = *(uint64_t *)params[0], .n = *(unsigned int *)params[1],
-			     .s = stream_of(st),
-			     .fault = trip(&kernel_fault) | trip(&async_error) };
+			     .s = stream_of(st), .fault = kf || ae };
 	atomic_fetch_add(&st_kernel_launches, 1);
 	fake_worker_push_lane(lane_of(t->s), run_copy_kernel, t);
 	return CUDA_SUCCESS;
