@@ -306,7 +306,18 @@ int kvt_dma_plan_build(const kvt_dma *d, struct kvt_plan *p,
  * (kvt_dma_kv_register or cfg->device).  Each rank registers its own
  * mapping.  0, -EINVAL (bad arguments, overlaps a registered range, align
  * > piece_max), -ENOMEM / -EPERM / -EIO (runtime refused; nothing stays
- * registered).  Blocks: about 1-2 GB/s with 4 KiB pages. */
+ * registered).  Blocks: about 1-2 GB/s with 4 KiB pages.
+ *
+ * kvt_dma_mem_register_bg registers the first piece the same way and the
+ * others on a thread of its own, in address order, each usable as soon as
+ * it is registered: a submit into a piece not reached yet waits for it
+ * (-EIO if the registration failed there, logged).  A rank holding a
+ * large arena starts after one piece instead of all of them.
+ * Unregistering or closing stops the thread after its current piece. */
+int kvt_dma_mem_register_bg(kvt_dma *d, void *base, uint64_t len, uint64_t align,
+			    kvt_dma_mr **out);
+/* Bytes of a registration registered so far (all of it, once done). */
+uint64_t kvt_dma_mem_ready(const kvt_dma_mr *mr);
 int kvt_dma_mem_register(kvt_dma *d, void *base, uint64_t len, uint64_t align,
 			 kvt_dma_mr **out);
 
@@ -319,6 +330,7 @@ struct kvt_dma_mr_info {
 	uint64_t len;
 	uint64_t piece_bytes;  /* every piece but the last */
 	uint32_t n_pieces;
+	uint32_t ready_pieces; /* registered so far (kvt_dma_mem_register_bg) */
 	uint32_t inflight;     /* tickets using it now */
 	uint64_t register_ns;  /* time the registration took */
 };

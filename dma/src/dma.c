@@ -195,6 +195,7 @@ static void dma_free(kvt_dma *d)
 	if (!d)
 		return;
 	pthread_mutex_destroy(&d->lock);
+	pthread_cond_destroy(&d->reg_cv);
 	free(d->slots);
 	free(d->bases);
 	free(d->ranges);
@@ -245,6 +246,7 @@ int kvt_dma_open(const struct kvt_dma_config *cin, kvt_dma **out)
 	}
 	d->device = d->cfg.device;
 	pthread_mutex_init(&d->lock, NULL);
+	pthread_cond_init(&d->reg_cv, NULL);
 	d->slots = calloc(d->cfg.max_inflight, sizeof(*d->slots));
 	if (!d->slots) {
 		dma_free(d);
@@ -303,6 +305,8 @@ int kvt_dma_open(const struct kvt_dma_config *cin, kvt_dma **out)
  * or unregistered, so that a copy the device still runs finds its memory
  * registered and its streams alive; reachable from here until the process
  * exits (and not reported as leaks). */
+static void mr_release(kvt_dma *d, kvt_dma_mr *mr);
+
 static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
 static kvt_dma *kept[64];
 static unsigned n_kept;
@@ -342,9 +346,7 @@ int kvt_dma_close_within(kvt_dma *d, int64_t timeout_ns)
 		kvt_dma_mr *mr = d->mrs;
 
 		d->mrs = mr->next;
-		for (uint32_t i = 0; i < mr->n_pieces; i++)
-			d->ops->mem_unreg(d, &mr->pieces[i]);
-		free(mr);
+		mr_release(d, mr);
 	}
 	d->ops->fini(d);
 	dma_free(d);
@@ -456,8 +458,70 @@ int kvt_dma_plan_build(const kvt_dma *d, struct kvt_plan *p,
 
 /* ---- host ranges -------------------------------------------------------- */
 
-int kvt_dma_mem_register(kvt_dma *d, void *base, uint64_t len, uint64_t align,
-			 kvt_dma_mr **out)
+/* The rest of a registration, in address order, on its own thread: each
+ * piece published (ready, release under the lock) as soon as it is locked,
+ * so that submits into it go ahead while the later ones are still being
+ * registered. */
+static void *reg_thread(void *arg)
+{
+	kvt_dma_mr *mr = arg;
+	kvt_dma *d = mr->d;
+	uint64_t t0 = kvt__now_ns();
+	uint32_t first;
+	int rc = 0;
+
+	pthread_mutex_lock(&d->lock);
+	first = mr->ready;
+	pthread_mutex_unlock(&d->lock);
+	for (uint32_t i = first; i < mr->n_pieces; i++) {
+		pthread_mutex_lock(&d->lock);
+		int stop = mr->bg_stop;
+		pthread_mutex_unlock(&d->lock);
+		if (stop)
+			break;
+		rc = d->ops->mem_reg(d, &mr->pieces[i]);
+		pthread_mutex_lock(&d->lock);
+		if (rc) {
+			mr->bg_err = rc;
+			snprintf(mr->bg_why, sizeof(mr->bg_why), "piece %u of %u: %s", i,
+				 mr->n_pieces, kvt_dma_last_error());
+		} else {
+			mr->ready = i + 1;
+		}
+		pthread_cond_broadcast(&d->reg_cv);
+		pthread_mutex_unlock(&d->lock);
+		if (rc)
+			break;
+	}
+	if (rc)
+		kvt__dma_log(d, KVT_DMA_LOG_ERR, "background registration failed at %s: copies "
+			     "into the rest of the arena fail", mr->bg_why);
+	else if (mr->ready == mr->n_pieces)
+		kvt__dma_log(d, KVT_DMA_LOG_INFO, "registered %.2f GiB in %u pieces in the "
+			     "background in %.3f s (%.2f GB/s)", (double)mr->len / (1u << 30),
+			     mr->n_pieces, (kvt__now_ns() - t0) * 1e-9,
+			     (double)mr->len / (double)(kvt__now_ns() - t0 + 1));
+	return NULL;
+}
+
+/* Stops a registration's thread (after the piece it is on) and
+ * unregisters what it registered; then frees it.  Not in d->mrs any more. */
+static void mr_release(kvt_dma *d, kvt_dma_mr *mr)
+{
+	if (mr->bg_live) {
+		pthread_mutex_lock(&d->lock);
+		mr->bg_stop = 1;
+		pthread_mutex_unlock(&d->lock);
+		pthread_join(mr->bg, NULL);
+		mr->bg_live = 0;
+	}
+	for (uint32_t i = 0; i < mr->ready; i++)
+		d->ops->mem_unreg(d, &mr->pieces[i]);
+	free(mr);
+}
+
+static int mem_register(kvt_dma *d, void *base, uint64_t len, uint64_t align,
+			kvt_dma_mr **out, int background)
 {
 	uint64_t piece, n, end, t0;
 	kvt_dma_mr *mr;
@@ -494,35 +558,79 @@ int kvt_dma_mem_register(kvt_dma *d, void *base, uint64_t len, uint64_t align,
 	mr = calloc(1, sizeof(*mr) + n * sizeof(mr->pieces[0]));
 	if (!mr)
 		return kvt__dma_err(-ENOMEM, "out of memory");
+	mr->d = d;
 	mr->base = base;
 	mr->len = len;
 	mr->piece_bytes = piece;
-	t0 = kvt__now_ns();
+	mr->n_pieces = (uint32_t)n;
 	for (uint64_t i = 0; i < n; i++) {
-		struct kvt_dma_piece *p = &mr->pieces[i];
-
-		p->host = (char *)base + i * piece;
-		p->len = i + 1 < n ? piece : len - i * piece;
-		rc = d->ops->mem_reg(d, p);
+		mr->pieces[i].host = (char *)base + i * piece;
+		mr->pieces[i].len = i + 1 < n ? piece : len - i * piece;
+	}
+	t0 = kvt__now_ns();
+	/* the first piece at once (a memory the runtime refuses is said
+	 * here), the rest now or in the background */
+	for (uint64_t i = 0; i < (background ? 1 : n); i++) {
+		rc = d->ops->mem_reg(d, &mr->pieces[i]);
 		if (rc) {
 			while (i--)
 				d->ops->mem_unreg(d, &mr->pieces[i]);
 			free(mr);
 			return rc; /* the backend set the message */
 		}
-		mr->n_pieces++;
+		mr->ready++;
 	}
 	mr->register_ns = kvt__now_ns() - t0;
-	kvt__dma_log(d, KVT_DMA_LOG_INFO, "registered %.2f GiB in %u piece%s in %.3f s "
-		     "(%.2f GB/s)", (double)len / (1u << 30), mr->n_pieces,
-		     mr->n_pieces == 1 ? "" : "s", mr->register_ns * 1e-9,
-		     mr->register_ns ? (double)len / mr->register_ns : 0.0);
+	if (mr->ready == n)
+		kvt__dma_log(d, KVT_DMA_LOG_INFO, "registered %.2f GiB in %u piece%s in %.3f s "
+			     "(%.2f GB/s)", (double)len / (1u << 30), mr->n_pieces,
+			     mr->n_pieces == 1 ? "" : "s", mr->register_ns * 1e-9,
+			     mr->register_ns ? (double)len / mr->register_ns : 0.0);
+	else
+		kvt__dma_log(d, KVT_DMA_LOG_INFO, "registered the first %.2f of %.2f GiB in "
+			     "%.3f s; the other %u pieces in the background",
+			     (double)piece / (1u << 30), (double)len / (1u << 30),
+			     mr->register_ns * 1e-9, mr->n_pieces - 1);
 	pthread_mutex_lock(&d->lock);
 	mr->next = d->mrs;
 	d->mrs = mr;
+	if (mr->ready < n) {
+		rc = pthread_create(&mr->bg, NULL, reg_thread, mr);
+		if (rc) {
+			mr->bg_err = -rc;
+			snprintf(mr->bg_why, sizeof(mr->bg_why), "no thread for it (%s)",
+				 strerror(rc));
+		} else {
+			mr->bg_live = 1;
+		}
+	}
 	pthread_mutex_unlock(&d->lock);
 	*out = mr;
 	return 0;
+}
+
+int kvt_dma_mem_register(kvt_dma *d, void *base, uint64_t len, uint64_t align,
+			 kvt_dma_mr **out)
+{
+	return mem_register(d, base, len, align, out, 0);
+}
+
+int kvt_dma_mem_register_bg(kvt_dma *d, void *base, uint64_t len, uint64_t align,
+			    kvt_dma_mr **out)
+{
+	return mem_register(d, base, len, align, out, 1);
+}
+
+uint64_t kvt_dma_mem_ready(const kvt_dma_mr *mr)
+{
+	uint64_t bytes;
+
+	if (!mr)
+		return 0;
+	pthread_mutex_lock(&mr->d->lock);
+	bytes = mr->ready == mr->n_pieces ? mr->len : (uint64_t)mr->ready * mr->piece_bytes;
+	pthread_mutex_unlock(&mr->d->lock);
+	return bytes;
 }
 
 int kvt_dma_mem_unregister(kvt_dma *d, kvt_dma_mr *mr)
@@ -545,9 +653,7 @@ int kvt_dma_mem_unregister(kvt_dma *d, kvt_dma_mr *mr)
 	}
 	*pp = mr->next;
 	pthread_mutex_unlock(&d->lock);
-	for (uint32_t i = 0; i < mr->n_pieces; i++)
-		d->ops->mem_unreg(d, &mr->pieces[i]);
-	free(mr);
+	mr_release(d, mr);
 	return 0;
 }
 
@@ -560,6 +666,9 @@ void kvt_dma_mr_info(const kvt_dma_mr *mr, struct kvt_dma_mr_info *info)
 	info->len = mr->len;
 	info->piece_bytes = mr->piece_bytes;
 	info->n_pieces = mr->n_pieces;
+	pthread_mutex_lock(&mr->d->lock);
+	info->ready_pieces = mr->ready;
+	pthread_mutex_unlock(&mr->d->lock);
 	info->inflight = __atomic_load_n(&mr->inflight, __ATOMIC_RELAXED);
 	info->register_ns = mr->register_ns;
 }
@@ -625,6 +734,18 @@ int kvt_dma_submit(kvt_dma *d, const struct kvt_plan *p, void *subslot,
 		pthread_mutex_unlock(&d->lock);
 		return kvt__dma_err(-EFAULT, "submit: sub-slot %p + %llu bytes is not inside "
 				    "one registered piece", subslot, (unsigned long long)p->span);
+	}
+	/* a piece the background registration has not reached: wait for it
+	 * (it moves at GB/s; only a rank's first seconds see this) */
+	while ((uint32_t)(pc - mr->pieces) >= mr->ready && !mr->bg_err && !mr->bg_stop)
+		pthread_cond_wait(&d->reg_cv, &d->lock);
+	if ((uint32_t)(pc - mr->pieces) >= mr->ready) {
+		char why[200];
+
+		snprintf(why, sizeof(why), "%s", mr->bg_err ? mr->bg_why : "registration stopped");
+		pthread_mutex_unlock(&d->lock);
+		return kvt__dma_err(-EIO, "submit: the sub-slot's piece of the arena is not "
+				    "registered: the background registration failed at %s", why);
 	}
 	if (d->inflight >= d->cfg.max_inflight) {
 		pthread_mutex_unlock(&d->lock);

@@ -61,12 +61,21 @@ struct kvt_dma_piece {
 
 struct kvt_dma_mr {
 	struct kvt_dma_mr *next;
+	struct kvt_dma *d;
 	char *base;
 	uint64_t len;
 	uint64_t piece_bytes;
 	uint32_t n_pieces;
 	uint32_t inflight;          /* tickets using it; under kvt_dma.lock */
 	uint64_t register_ns;
+	/* Pieces [0, ready) are registered (under kvt_dma.lock; waiters on
+	 * kvt_dma.reg_cv).  In the background (kvt_dma_mem_register_bg) the
+	 * thread bg registers the rest in address order until bg_stop or a
+	 * failure (bg_err, bg_why); a submit into a later piece waits. */
+	uint32_t ready;
+	int bg_live, bg_stop, bg_err;
+	pthread_t bg;
+	char bg_why[200];
 	struct kvt_dma_piece pieces[]; /* n_pieces */
 };
 
@@ -139,7 +148,8 @@ struct kvt_dma {
 	struct kvt_dma_config cfg;   /* defaults filled in */
 	int32_t device;              /* bound GPU ordinal, -1 while unbound */
 
-	pthread_mutex_t lock;        /* slots, mrs, inflight */
+	pthread_mutex_t lock;        /* slots, mrs, inflight, mr->ready */
+	pthread_cond_t reg_cv;       /* a background registration moved */
 	struct kvt_dma_slot *slots;  /* cfg.max_inflight */
 	uint32_t inflight;
 	uint32_t next_slot;          /* round-robin start of the free search */

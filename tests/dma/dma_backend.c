@@ -1661,6 +1661,110 @@ static void test_copy_kernel(void **state)
 	}
 }
 
+/* Registration in the background (kvt_dma_mem_register_bg): the first
+ * piece is registered before it returns, the others on a thread of its
+ * own; a save into a piece not reached yet waits for it (the fake CUDA's
+ * registrations held after the first: deterministic), then lands exact;
+ * a registration failing part way fails the saves into the pieces it did
+ * not reach (-EIO, saying so) and no other; unregistering while it runs
+ * stops it and unregisters what it did. */
+struct bg_submit {
+	struct fix *f;
+	char *subslot;
+	int rc, done;
+};
+
+static void *bg_submit_thread(void *arg)
+{
+	struct bg_submit *b = arg;
+	kvt_dma_ticket t;
+
+	b->rc = kvt_dma_submit(b->f->d, &b->f->plan, b->subslot, KVT_DMA_D2H, &t);
+	if (!b->rc)
+		b->rc = kvt_dma_wait(b->f->d, t, -1);
+	__atomic_store_n(&b->done, 1, __ATOMIC_SEQ_CST);
+	return NULL;
+}
+
+static void save_to(struct fix *f, char *subslot)
+{
+	kvt_dma_ticket t;
+
+	assert_int_equal(kvt_dma_submit(f->d, &f->plan, subslot, KVT_DMA_D2H, &t), 0);
+	assert_int_equal(kvt_dma_wait(f->d, t, -1), 0);
+}
+
+static void test_register_background(void **state)
+{
+	struct kvt_dma_config c = base_cfg();
+	struct kvt_dma_mr_info info;
+	struct bg_submit b;
+	struct fix f;
+	kvt_dma_mr *mr;
+	uint64_t len;
+	pthread_t th;
+	char *base;
+	int hold;
+
+	(void)state;
+	c.piece_max = 16u << 10; /* 2 sub-slots a piece */
+	fix_open(&f, &c);
+	assert_int_equal(f.a.stride, 8u << 10);
+	len = 8 * f.a.stride;
+	base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	assert_true(base != MAP_FAILED);
+	memset(base, 0xee, len);
+	save_to(&f, f.a.base);                      /* the reference bytes */
+	hold = fake_ctl && !strcmp(backend, "cuda");
+	if (hold)
+		ctl("hold_register_after", 1);
+	assert_int_equal(kvt_dma_mem_register_bg(f.d, base, len, f.a.stride, &mr), 0);
+	save_to(&f, base);                          /* piece 0: at once */
+	assert_memory_equal(base, f.a.base, f.a.stride);
+	if (hold) {
+		kvt_dma_mr_info(mr, &info);
+		assert_int_equal(info.n_pieces, 4);
+		assert_int_equal(info.ready_pieces, 1);
+		assert_int_equal(kvt_dma_mem_ready(mr), 2 * f.a.stride);
+		/* piece 3: the save waits while the registration is held */
+		b = (struct bg_submit){ .f = &f, .subslot = base + 7 * f.a.stride };
+		assert_int_equal(pthread_create(&th, NULL, bg_submit_thread, &b), 0);
+		usleep(100 * 1000);
+		assert_int_equal(__atomic_load_n(&b.done, __ATOMIC_SEQ_CST), 0);
+		ctl("hold_register_after", 0);
+		assert_int_equal(pthread_join(th, NULL), 0);
+		assert_int_equal(b.rc, 0);
+	} else {
+		save_to(&f, base + 7 * f.a.stride);
+	}
+	assert_memory_equal(base + 7 * f.a.stride, f.a.base, f.a.stride);
+	while (kvt_dma_mem_ready(mr) < len)
+		usleep(1000);
+	assert_int_equal(kvt_dma_mem_unregister(f.d, mr), 0);
+	if (hold) {
+		long regs = stat_of("regs_live");
+
+		/* a failure part way: piece 2 refused */
+		ctl("fail_register", 3);
+		assert_int_equal(kvt_dma_mem_register_bg(f.d, base, len, f.a.stride, &mr), 0);
+		save_to(&f, base + 2 * f.a.stride);  /* piece 1 */
+		b = (struct bg_submit){ .f = &f, .subslot = base + 7 * f.a.stride };
+		bg_submit_thread(&b);
+		assert_int_equal(b.rc, -EIO);
+		assert_non_null(strstr(kvt_dma_last_error(), "background registration failed"));
+		assert_int_equal(kvt_dma_mem_unregister(f.d, mr), 0);
+		assert_int_equal(stat_of("regs_live"), regs);
+		/* unregistered while it runs: stopped, nothing left registered */
+		ctl("hold_register_after", 1);
+		assert_int_equal(kvt_dma_mem_register_bg(f.d, base, len, f.a.stride, &mr), 0);
+		ctl("hold_register_after", 0);
+		assert_int_equal(kvt_dma_mem_unregister(f.d, mr), 0);
+		assert_int_equal(stat_of("regs_live"), regs);
+	}
+	munmap(base, len);
+	fix_close(&f);
+}
+
 /* A close whose copies never finish (the fake's copy engine held): the
  * drain ends at its deadline, reports how many it abandoned, and keeps the
  * handle (registrations, streams), so that the late copies still find
@@ -1812,6 +1916,7 @@ int main(void)
 		cmocka_unit_test(test_threads),
 		cmocka_unit_test(test_close_drains),
 		cmocka_unit_test(test_close_bounded),
+		cmocka_unit_test(test_register_background),
 		cmocka_unit_test(test_copy_kernel),
 	};
 

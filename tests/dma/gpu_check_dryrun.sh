@@ -35,9 +35,11 @@ for want in "KVTIER_MINIMAL build" "test_dma_backend on the fake" "test_dma_plan
 done
 n=$(find "$out" -type f | wc -l)
 [ "$n" = 3 ] || { echo "gpu_check_dryrun: $n files in OUT (the device brings back 8 at most; check.sh leaves 3)"; bad=1; }
+# (listed once: grep -q ending a pipe early fails tar's side under pipefail)
+listing=$(tar -tzf "$out/gpu-check.tar.gz")
 for f in run.log build.log dma_suite.log dma_no_order.log span_probe.txt engine_check.log \
 	engine_check.json bw-sweep.txt; do
-	tar -tzf "$out/gpu-check.tar.gz" | grep -q "^\./$f$" ||
+	grep -qx "\./$f" <<<"$listing" ||
 		{ echo "gpu_check_dryrun: $f not in gpu-check.tar.gz"; bad=1; }
 done
 [ "$bad" = 0 ] && echo "gpu_check_dryrun: check.sh ran whole against the fake: $(grep -c '^PASS' "$s") PASS"

@@ -79,6 +79,10 @@ static atomic_long st_copies, st_batch_calls, st_batch_copies, st_copy2d_calls,
 	st_max_reg_bytes, st_streams_live, st_events_live, st_bad_pointer, st_regs_total,
 	st_spin_syncs, st_kernel_launches, st_kernel_copies, st_modules_live;
 static atomic_long kernel_fault; /* the nth launch of the copy kernel faults */
+/* cuMemHostRegister calls after the first hold_register_after wait while
+ * it stays set (0: none): a registration that is still running */
+static atomic_long hold_register_after, st_register_calls;
+static atomic_long st_hostallocs_live; /* cuMemHostAlloc'ed: aliases, not registrations */
 
 static bool trip(atomic_long *c)
 {
@@ -105,7 +109,10 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		fake_worker_hold((int)v);
 	else if (!strcmp(key, "range_split"))
 		atomic_store(&range_split, v);
-	else if (!strcmp(key, "kernel_fault"))
+	else if (!strcmp(key, "hold_register_after")) {
+		atomic_store(&st_register_calls, 0);
+		atomic_store(&hold_register_after, v);
+	} else if (!strcmp(key, "kernel_fault"))
 		atomic_store(&kernel_fault, v);
 	else if (!strcmp(key, "jitter_us"))
 		fake_worker_jitter(v);
@@ -128,6 +135,7 @@ EXPORT int kvt_fake_cuda_ctl(const char *key, long v)
 		atomic_store(&st_kernel_launches, 0);
 		atomic_store(&st_kernel_copies, 0);
 		atomic_store(&kernel_fault, 0);
+		atomic_store(&hold_register_after, 0);
 		atomic_store(&range_split, 0);
 		fake_worker_hold(0);
 		fake_worker_out_of_order(1);
@@ -150,7 +158,7 @@ EXPORT long kvt_fake_cuda_stat(const char *key)
 	if (!strcmp(key, "copy2d_calls"))
 		return atomic_load(&st_copy2d_calls);
 	if (!strcmp(key, "regs_live"))
-		return fake_region_count(FAKE_ALIAS);
+		return fake_region_count(FAKE_ALIAS) - atomic_load(&st_hostallocs_live);
 	if (!strcmp(key, "regs_total"))
 		return atomic_load(&st_regs_total);
 	if (!strcmp(key, "max_reg_bytes"))
@@ -748,6 +756,12 @@ static CUresult f_cuMemHostRegister(void *p, size_t bytes, unsigned int flags)
 	if (!p || !bytes || (flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE |
 						  CU_MEMHOSTREGISTER_DEVICEMAP)))
 		return CUDA_ERROR_INVALID_VALUE;
+	{
+		long n = atomic_fetch_add(&st_register_calls, 1) + 1;
+
+		while (atomic_load(&hold_register_after) && n > atomic_load(&hold_register_after))
+			usleep(500);
+	}
 	if (bytes > max_register)
 		return CUDA_ERROR_INVALID_VALUE; /* what R580 does for huge ranges */
 	for (uint64_t o = 0; o < bytes; o += 4096) /* any overlap */
@@ -865,6 +879,7 @@ static CUresult f_cuMemHostAlloc(void **pp, size_t bytes, unsigned int flags)
 		free(p);
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
+	atomic_fetch_add(&st_hostallocs_live, 1);
 	*pp = p;
 	return CUDA_SUCCESS;
 }
@@ -876,6 +891,7 @@ static CUresult f_cuMemFreeHost(void *p)
 	NEED_INIT();
 	if (!fake_alias_of_host(p, 1, &r) && (r.flags & FAKE_HOSTALLOC) && r.host == p) {
 		fake_region_del(r.dev, NULL);
+		atomic_fetch_sub(&st_hostallocs_live, 1);
 		free(p);
 		return CUDA_SUCCESS;
 	}
