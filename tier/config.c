@@ -63,11 +63,29 @@ int kvt_parse_gib(const char *what, const char *s, uint64_t *bytes, char *err, s
 	return 0;
 }
 
-int kvt_parse_kernel(const char *what, const char *s, uint64_t *below, char *err, size_t len)
+/* A size in bytes with an optional K, M or G (binary) suffix, in
+ * [1, max]: 0, or -ENOENT (not a size) */
+static int parse_size(const char *s, uint64_t max, uint64_t *out)
 {
 	uint64_t v = 0;
 	const char *p = s;
 
+	for (; *p >= '0' && *p <= '9' && v <= max; p++)
+		v = v * 10 + (uint64_t)(*p - '0');
+	if (p != s && (*p == 'K' || *p == 'k'))
+		v <<= 10, p++;
+	else if (p != s && (*p == 'M' || *p == 'm'))
+		v <<= 20, p++;
+	else if (p != s && (*p == 'G' || *p == 'g'))
+		v <<= 30, p++;
+	if (p == s || *p || !v || v > max)
+		return -ENOENT;
+	*out = v;
+	return 0;
+}
+
+int kvt_parse_kernel(const char *what, const char *s, uint64_t *below, char *err, size_t len)
+{
 	if (!strcmp(s, "auto")) {
 		*below = 0;
 		return 0;
@@ -76,17 +94,10 @@ int kvt_parse_kernel(const char *what, const char *s, uint64_t *below, char *err
 		*below = UINT64_MAX;
 		return 0;
 	}
-	for (; *p >= '0' && *p <= '9' && v <= (1u << 30); p++)
-		v = v * 10 + (uint64_t)(*p - '0');
-	if (p != s && (*p == 'K' || *p == 'k'))
-		v <<= 10, p++;
-	else if (p != s && (*p == 'M' || *p == 'm'))
-		v <<= 20, p++;
-	if (p == s || *p || !v || v > (1u << 30))
+	if (parse_size(s, 1u << 30, below))
 		return EXPECT("%s='%.40s': expected auto, off, or a page size from 1 to 1G "
 			      "such as 28K (pages below it are copied by the GPU's copy kernel)",
 			      what, s);
-	*below = v;
 	return 0;
 }
 
@@ -238,6 +249,24 @@ int kvt_tier_env_resolve(const struct kvt_config *cfg, struct kvt_tier_env *e,
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_COPY_KERNEL_CTAS", 1, 1024, 0, &e->copy_kernel_ctas,
 			  err, len)))
 		return r;
+	/* the arena's registration (register_kv): in the background after its
+	 * first piece, or all of it before register_kv returns; its pieces */
+	e->register_bg = 1;
+	if ((v = var(cfg, "KVTIER_REGISTER"))) {
+		if (!strcmp(v, "background"))
+			e->register_bg = 1;
+		else if (!strcmp(v, "foreground"))
+			e->register_bg = 0;
+		else
+			return EXPECT("KVTIER_REGISTER='%.40s': expected background or foreground",
+				      v);
+	}
+	e->register_piece = 1ull << 30;
+	if ((v = var(cfg, "KVTIER_REGISTER_PIECE")) &&
+	    parse_size(v, 64ull << 30, &e->register_piece))
+		return EXPECT("KVTIER_REGISTER_PIECE='%.40s': expected a size from 1 to 64G "
+			      "such as 1G or 256M (rounded down to whole sub-slots, at least one)",
+			      v);
 	/* kvt_close's wait for copies in flight, in seconds (see kvt_close) */
 	if ((r = pick_u32(cfg, 0, 0, "KVTIER_CLOSE_TIMEOUT", 1, 86400, 60, &e->close_timeout_s,
 			  err, len)))

@@ -22,6 +22,8 @@ struct kvt_tier_env {
 				  * page size below which cuda's copy kernel copies */
 	uint32_t copy_kernel_ctas; /* KVTIER_COPY_KERNEL_CTAS; 0: the backend's default */
 	uint32_t close_timeout_s;  /* KVTIER_CLOSE_TIMEOUT: kvt_close's wait for copies */
+	uint32_t register_bg;      /* KVTIER_REGISTER: 1 background (default), 0 foreground */
+	uint64_t register_piece;   /* KVTIER_REGISTER_PIECE: bytes a piece (1 GiB) */
 	uint32_t test_dma_fault; /* KVTIER_TEST_DMA_FAULT: testing, host backend: the
 				  * nth copy ticket this rank submits fails (0: none) */
 	uint32_t numa_fallback;

@@ -1007,6 +1007,9 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	else
 		dc.kernel_below = t->env.copy_kernel;
 	dc.kernel_ctas = t->env.copy_kernel_ctas;
+	/* registration pieces: at least one sub-slot each */
+	dc.piece_max = t->env.register_piece > kvt_seg_shard_bytes(t->seg) ?
+		       t->env.register_piece : kvt_seg_shard_bytes(t->seg);
 	dc.log = dma_log;
 	dc.log_arg = &t->env;
 	r = kvt_dma_open(&dc, &t->dma);
@@ -1053,7 +1056,11 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 		terr_core(r, "register_kv");
 		goto out_close;
 	}
-	r = kvt_dma_mem_register(t->dma, arena, len, kvt_seg_shard_bytes(t->seg), &t->mr);
+	/* a large arena's registration must not hold the engine's start: the
+	 * first piece now, the rest in the background (KVTIER_REGISTER), each
+	 * usable as it is registered */
+	r = (t->env.register_bg ? kvt_dma_mem_register_bg : kvt_dma_mem_register)(
+		t->dma, arena, len, kvt_seg_shard_bytes(t->seg), &t->mr);
 	if (r) {
 		terr_dma(r, "register_kv: arena registration");
 		goto out_close;

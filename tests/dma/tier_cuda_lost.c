@@ -303,6 +303,81 @@ static void test_witness_through_the_tier(void **state)
 	fake_ctl("reset", 0);
 }
 
+/* The arena registered in the background (KVTIER_REGISTER, the default):
+ * kvt_register_kv returns once the first piece is registered -- here with
+ * the fake's registrations after the first held, which a registration of
+ * the whole arena before returning waits on forever -- and chunks saved
+ * and loaded while the other pieces are registered come back exact. */
+static void test_register_in_background(void **state)
+{
+	enum { N = 4, BPC = CHUNK / BLOCK };
+	char name[64];
+	uint64_t base[LAYERS];
+	uint32_t save_tab[N * BPC], load_tab[N * BPC];
+	const uint32_t *stabs[1] = { save_tab }, *ltabs[1] = { load_tab };
+	kvt_key keys[N];
+	kvt_tier *t = NULL;
+	kvt_op op;
+	kvt_lease_id lease;
+	CUresult (*htod)(CUdeviceptr, const void *, size_t), (*dtoh)(void *, CUdeviceptr, size_t);
+	uint8_t *stamp = malloc(PAGE), *got = malloc(PAGE);
+
+	(void)state;
+	assert_non_null(stamp);
+	assert_non_null(got);
+	dev_setup(base);
+	*(void **)&htod = cu("cuMemcpyHtoD");
+	*(void **)&dtoh = cu("cuMemcpyDtoH");
+	snprintf(name, sizeof(name), "t-cudabgreg-%d", (int)getpid());
+	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
+				    .tokens_per_block = BLOCK };
+	struct kvt_config c = { .size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE,
+				.role = KVT_TIER_CLIENT, .instance = 0, .rank = 0, .world = 1,
+				.chunk_tokens = CHUNK, .segment = name, .model = "cuda-bgreg",
+				.groups = &g, .n_groups = 1, .n_slots = 32, .dma = "cuda" };
+	setenv("KVTIER_REGISTER_PIECE", "8K", 1); /* a sub-slot a piece: 32 pieces */
+	assert_int_equal(kvt_open(&c, &t), 0);
+	unsetenv("KVTIER_REGISTER_PIECE");
+	struct kvt_group_buffers gb = { .layer_base = base, .block_stride = PAGE,
+					.n_blocks = NBLOCKS };
+	/* (a handle an earlier test abandoned keeps its registration) */
+	long regs0 = stat_fn("regs_live");
+
+	assert_int_equal(fake_ctl("hold_register_after", 1), 0);
+	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);   /* returns */
+	assert_int_equal(stat_fn("regs_live"), regs0 + 1);  /* the first piece */
+	assert_int_equal(fake_ctl("hold_register_after", 0), 0);
+	for (uint32_t i = 0; i < N * BPC; i++) {
+		save_tab[i] = i;
+		load_tab[i] = NBLOCKS - 1 - i;
+		for (int l = 0; l < LAYERS; l++) {
+			for (uint64_t b = 0; b < PAGE; b++)
+				stamp[b] = (uint8_t)(i * 7 + (uint32_t)l * 131 + b % 251);
+			assert_int_equal(htod(base[l] + i * PAGE, stamp, PAGE), CUDA_SUCCESS);
+		}
+	}
+	for (int i = 0; i < N; i++)
+		keys[i] = (kvt_key){ 7000 + (uint64_t)i, 5 };
+	assert_int_equal(kvt_save(t, keys, N, 0, stabs, &op), N);
+	assert_int_equal(kvt_wait(t, op, -1), 0);
+	assert_int_equal(kvt_lookup(t, keys, N, &lease), N);
+	assert_int_equal(kvt_load(t, lease, N, ltabs, &op), 0);
+	assert_int_equal(kvt_wait(t, op, -1), 0);
+	for (uint32_t i = 0; i < N * BPC; i++)
+		for (int l = 0; l < LAYERS; l++) {
+			for (uint64_t b = 0; b < PAGE; b++)
+				stamp[b] = (uint8_t)(i * 7 + (uint32_t)l * 131 + b % 251);
+			assert_int_equal(dtoh(got, base[l] + load_tab[i] * PAGE, PAGE), CUDA_SUCCESS);
+			assert_memory_equal(got, stamp, PAGE);
+		}
+	kvt_close(t);
+	assert_int_equal(stat_fn("regs_live"), regs0);
+	kvt_unlink(name, NULL);
+	fake_ctl("reset", 0);
+	free(stamp);
+	free(got);
+}
+
 static char close_log[4096];
 
 static void log_to(void *arg, int level, const char *msg)
@@ -389,6 +464,7 @@ int main(void)
 		cmocka_unit_test(test_out_of_order_through_the_tier),
 		cmocka_unit_test(test_witness_through_the_tier),
 		cmocka_unit_test(test_close_is_bounded),
+		cmocka_unit_test(test_register_in_background),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

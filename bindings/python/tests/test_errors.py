@@ -103,6 +103,21 @@ def test_bad_env_values_name_the_variable(segname, monkeypatch):
                 _open_rank(segname)
             assert "KVTIER_COPY_KERNEL_CTAS" in ei.value.message, bad
         monkeypatch.delenv("KVTIER_COPY_KERNEL_CTAS")
+        # registration and close settings
+        for var, bads, goods in (
+                ("KVTIER_REGISTER", ("", "bg", "Background"), ("background", "foreground")),
+                ("KVTIER_REGISTER_PIECE", ("", "0", "65G", "1T", "x"), ("1G", "256M", "64G")),
+                ("KVTIER_CLOSE_TIMEOUT", ("0", "86401", "soon"), ("1", "600"))):
+            for bad in bads:
+                monkeypatch.setenv(var, bad)
+                with pytest.raises(kvtier.KvtierError) as ei:
+                    _open_rank(segname)
+                assert var in ei.value.message, (var, bad)
+            for good in goods:
+                monkeypatch.setenv(var, good)
+                with _open_rank(segname) as t:
+                    assert t.world == WORLD
+            monkeypatch.delenv(var)
         # no_env: the same variables are ignored
         monkeypatch.setenv("KVTIER_WORLD", "nonsense")
         with _open_rank(segname, no_env=True) as t:
