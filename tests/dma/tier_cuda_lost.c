@@ -164,82 +164,103 @@ static void test_sticky_error_through_the_tier(void **state)
  * byte for byte.  Waiting on the newest ticket and taking the older ones
  * as done -- right on one in-order stream -- publishes chunks whose
  * copies are still running; this round trip catches it. */
-static void test_out_of_order_through_the_tier(void **state)
-{
-	enum { N = 4, BPC = CHUNK / BLOCK }; /* 2 * N * BPC <= NBLOCKS: loads never land on saved blocks */
-	char name[64];
-	uint64_t base[LAYERS];
-	uint32_t save_tab[N * BPC], load_tab[N * BPC];
-	const uint32_t *stabs[1] = { save_tab }, *ltabs[1] = { load_tab };
-	kvt_key keys[N];
-	kvt_tier *t = NULL;
-	kvt_op op;
-	kvt_lease_id lease;
-	CUresult (*htod)(CUdeviceptr, const void *, size_t), (*dtoh)(void *, CUdeviceptr, size_t);
-	uint8_t *stamp = malloc(PAGE), *got = malloc(PAGE);
+enum { RT_N = 4, RT_BPC = CHUNK / BLOCK }; /* 2 * N * BPC <= NBLOCKS: loads never land on saved blocks */
 
-	(void)state;
-	assert_non_null(stamp);
-	assert_non_null(got);
+/* A one-rank tier on the fake device's KV allocation (base), created
+ * (KVT_F_CREATE): the segment's name into name; registered by the caller. */
+static kvt_tier *fake_tier(char *name, size_t name_len, const char *model, uint64_t *base)
+{
+	static struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
+					   .tokens_per_block = BLOCK };
+	kvt_tier *t = NULL;
+
 	dev_setup(base);
-	*(void **)&htod = cu("cuMemcpyHtoD");
-	*(void **)&dtoh = cu("cuMemcpyDtoH");
-	snprintf(name, sizeof(name), "t-cudaooo-%d", (int)getpid());
-	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
-				    .tokens_per_block = BLOCK };
+	snprintf(name, name_len, "t-%s-%d", model, (int)getpid());
 	struct kvt_config c = { .size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE,
 				.role = KVT_TIER_CLIENT, .instance = 0, .rank = 0, .world = 1,
-				.chunk_tokens = CHUNK, .segment = name, .model = "cuda-ooo",
+				.chunk_tokens = CHUNK, .segment = name, .model = model,
 				.groups = &g, .n_groups = 1, .n_slots = 32, .dma = "cuda" };
 	assert_int_equal(kvt_open(&c, &t), 0);
+	return t;
+}
+
+static void fake_register(kvt_tier *t, uint64_t *base)
+{
 	struct kvt_group_buffers gb = { .layer_base = base, .block_stride = PAGE,
 					.n_blocks = NBLOCKS };
+
 	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);
-	for (uint32_t i = 0; i < N * BPC; i++) {
+}
+
+/* One round: RT_N chunks of blocks 0.. stamped (round, block, layer),
+ * saved, the blocks overwritten as an engine reuses them, the chunks
+ * looked up and loaded into the last blocks, and compared byte for byte. */
+static void stamped_round_trip(kvt_tier *t, const uint64_t *base, int round, uint64_t key_lo)
+{
+	uint32_t save_tab[RT_N * RT_BPC], load_tab[RT_N * RT_BPC];
+	const uint32_t *stabs[1] = { save_tab }, *ltabs[1] = { load_tab };
+	CUresult (*htod)(CUdeviceptr, const void *, size_t), (*dtoh)(void *, CUdeviceptr, size_t);
+	uint8_t *stamp = malloc(PAGE), *got = malloc(PAGE);
+	kvt_key keys[RT_N];
+	kvt_lease_id lease;
+	kvt_op op;
+
+	assert_non_null(stamp);
+	assert_non_null(got);
+	*(void **)&htod = cu("cuMemcpyHtoD");
+	*(void **)&dtoh = cu("cuMemcpyDtoH");
+	for (uint32_t i = 0; i < RT_N * RT_BPC; i++) {
 		save_tab[i] = i;
 		load_tab[i] = NBLOCKS - 1 - i;
 	}
-	for (int i = 0; i < N; i++)
-		keys[i] = (kvt_key){ 5000 + (uint64_t)i, 99 };
+	for (int i = 0; i < RT_N; i++)
+		keys[i] = (kvt_key){ key_lo + (uint64_t)i, 99 + (uint64_t)round };
+	/* the engine's blocks, stamped (round, block, layer) */
+	for (uint32_t i = 0; i < RT_N * RT_BPC; i++)
+		for (int l = 0; l < LAYERS; l++) {
+			for (uint64_t b = 0; b < PAGE; b++)
+				stamp[b] = (uint8_t)(round * 29 + i * 7 + (uint32_t)l * 131 + b % 251);
+			assert_int_equal(htod(base[l] + i * PAGE, stamp, PAGE), CUDA_SUCCESS);
+		}
+	assert_int_equal(kvt_save(t, keys, RT_N, 0, stabs, &op), RT_N);
+	assert_int_equal(kvt_wait(t, op, -1), 0);
+	/* saved: the engine reuses its blocks at once */
+	memset(stamp, 0xdd, PAGE);
+	for (uint32_t i = 0; i < RT_N * RT_BPC; i++)
+		for (int l = 0; l < LAYERS; l++)
+			assert_int_equal(htod(base[l] + i * PAGE, stamp, PAGE), CUDA_SUCCESS);
+	assert_int_equal(kvt_lookup(t, keys, RT_N, &lease), RT_N);
+	assert_int_equal(kvt_load(t, lease, RT_N, ltabs, &op), 0);
+	assert_int_equal(kvt_wait(t, op, -1), 0); /* the lease went with it */
+	for (uint32_t i = 0; i < RT_N * RT_BPC; i++)
+		for (int l = 0; l < LAYERS; l++) {
+			for (uint64_t b = 0; b < PAGE; b++)
+				stamp[b] = (uint8_t)(round * 29 + i * 7 + (uint32_t)l * 131 + b % 251);
+			assert_int_equal(dtoh(got, base[l] + load_tab[i] * PAGE, PAGE), CUDA_SUCCESS);
+			if (memcmp(got, stamp, PAGE))
+				fail_msg("round %d: block %u layer %d loaded wrong bytes", round, i, l);
+		}
+	free(stamp);
+	free(got);
+}
+
+static void test_out_of_order_through_the_tier(void **state)
+{
+	char name[64];
+	uint64_t base[LAYERS];
+	kvt_tier *t;
+
+	(void)state;
+	t = fake_tier(name, sizeof(name), "cudaooo", base);
+	fake_register(t, base);
 	assert_int_equal(fake_ctl("jitter_us", 500), 0);
 	long ooo0 = stat_fn("out_of_order");
-	for (int round = 0; round < 8; round++) {
-		/* the engine's blocks, stamped (round, block, layer) */
-		for (uint32_t i = 0; i < N * BPC; i++)
-			for (int l = 0; l < LAYERS; l++) {
-				for (uint64_t b = 0; b < PAGE; b++)
-					stamp[b] = (uint8_t)(round * 29 + i * 7 + (uint32_t)l * 131 + b % 251);
-				assert_int_equal(htod(base[l] + i * PAGE, stamp, PAGE), CUDA_SUCCESS);
-			}
-		for (int i = 0; i < N; i++)
-			keys[i].hi = 99 + (uint64_t)round;
-		assert_int_equal(kvt_save(t, keys, N, 0, stabs, &op), N);
-		assert_int_equal(kvt_wait(t, op, -1), 0);
-		/* saved: the engine reuses its blocks at once */
-		memset(stamp, 0xdd, PAGE);
-		for (uint32_t i = 0; i < N * BPC; i++)
-			for (int l = 0; l < LAYERS; l++)
-				assert_int_equal(htod(base[l] + i * PAGE, stamp, PAGE), CUDA_SUCCESS);
-		assert_int_equal(kvt_lookup(t, keys, N, &lease), N);
-		assert_int_equal(kvt_load(t, lease, N, ltabs, &op), 0);
-		assert_int_equal(kvt_wait(t, op, -1), 0); /* the lease went with it */
-		for (uint32_t i = 0; i < N * BPC; i++)
-			for (int l = 0; l < LAYERS; l++) {
-				for (uint64_t b = 0; b < PAGE; b++)
-					stamp[b] = (uint8_t)(round * 29 + i * 7 + (uint32_t)l * 131 + b % 251);
-				assert_int_equal(dtoh(got, base[l] + load_tab[i] * PAGE, PAGE),
-						 CUDA_SUCCESS);
-				if (memcmp(got, stamp, PAGE))
-					fail_msg("round %d: block %u layer %d loaded wrong bytes",
-						 round, i, l);
-			}
-	}
+	for (int round = 0; round < 8; round++)
+		stamped_round_trip(t, base, round, 5000);
 	assert_true(stat_fn("out_of_order") > ooo0); /* the window was hit */
 	kvt_close(t);
 	kvt_unlink(name, NULL);
 	fake_ctl("reset", 0);
-	free(stamp);
-	free(got);
 }
 
 /* A GPU backend starts the exit witness (core/witness.c) at registration,
@@ -310,72 +331,26 @@ static void test_witness_through_the_tier(void **state)
  * and loaded while the other pieces are registered come back exact. */
 static void test_register_in_background(void **state)
 {
-	enum { N = 4, BPC = CHUNK / BLOCK };
 	char name[64];
 	uint64_t base[LAYERS];
-	uint32_t save_tab[N * BPC], load_tab[N * BPC];
-	const uint32_t *stabs[1] = { save_tab }, *ltabs[1] = { load_tab };
-	kvt_key keys[N];
-	kvt_tier *t = NULL;
-	kvt_op op;
-	kvt_lease_id lease;
-	CUresult (*htod)(CUdeviceptr, const void *, size_t), (*dtoh)(void *, CUdeviceptr, size_t);
-	uint8_t *stamp = malloc(PAGE), *got = malloc(PAGE);
+	kvt_tier *t;
 
 	(void)state;
-	assert_non_null(stamp);
-	assert_non_null(got);
-	dev_setup(base);
-	*(void **)&htod = cu("cuMemcpyHtoD");
-	*(void **)&dtoh = cu("cuMemcpyDtoH");
-	snprintf(name, sizeof(name), "t-cudabgreg-%d", (int)getpid());
-	struct kvt_group_desc g = { .n_layers = LAYERS, .bytes_per_token = BPT,
-				    .tokens_per_block = BLOCK };
-	struct kvt_config c = { .size = sizeof(c), .flags = KVT_F_CREATE | KVT_F_REPLACE,
-				.role = KVT_TIER_CLIENT, .instance = 0, .rank = 0, .world = 1,
-				.chunk_tokens = CHUNK, .segment = name, .model = "cuda-bgreg",
-				.groups = &g, .n_groups = 1, .n_slots = 32, .dma = "cuda" };
 	setenv("KVTIER_REGISTER_PIECE", "8K", 1); /* a sub-slot a piece: 32 pieces */
-	assert_int_equal(kvt_open(&c, &t), 0);
+	t = fake_tier(name, sizeof(name), "cudabgreg", base);
 	unsetenv("KVTIER_REGISTER_PIECE");
-	struct kvt_group_buffers gb = { .layer_base = base, .block_stride = PAGE,
-					.n_blocks = NBLOCKS };
 	/* (a handle an earlier test abandoned keeps its registration) */
 	long regs0 = stat_fn("regs_live");
 
 	assert_int_equal(fake_ctl("hold_register_after", 1), 0);
-	assert_int_equal(kvt_register_kv(t, 1, &gb), 0);   /* returns */
+	fake_register(t, base);                              /* returns */
 	assert_int_equal(stat_fn("regs_live"), regs0 + 1);  /* the first piece */
 	assert_int_equal(fake_ctl("hold_register_after", 0), 0);
-	for (uint32_t i = 0; i < N * BPC; i++) {
-		save_tab[i] = i;
-		load_tab[i] = NBLOCKS - 1 - i;
-		for (int l = 0; l < LAYERS; l++) {
-			for (uint64_t b = 0; b < PAGE; b++)
-				stamp[b] = (uint8_t)(i * 7 + (uint32_t)l * 131 + b % 251);
-			assert_int_equal(htod(base[l] + i * PAGE, stamp, PAGE), CUDA_SUCCESS);
-		}
-	}
-	for (int i = 0; i < N; i++)
-		keys[i] = (kvt_key){ 7000 + (uint64_t)i, 5 };
-	assert_int_equal(kvt_save(t, keys, N, 0, stabs, &op), N);
-	assert_int_equal(kvt_wait(t, op, -1), 0);
-	assert_int_equal(kvt_lookup(t, keys, N, &lease), N);
-	assert_int_equal(kvt_load(t, lease, N, ltabs, &op), 0);
-	assert_int_equal(kvt_wait(t, op, -1), 0);
-	for (uint32_t i = 0; i < N * BPC; i++)
-		for (int l = 0; l < LAYERS; l++) {
-			for (uint64_t b = 0; b < PAGE; b++)
-				stamp[b] = (uint8_t)(i * 7 + (uint32_t)l * 131 + b % 251);
-			assert_int_equal(dtoh(got, base[l] + load_tab[i] * PAGE, PAGE), CUDA_SUCCESS);
-			assert_memory_equal(got, stamp, PAGE);
-		}
+	stamped_round_trip(t, base, 0, 7000);
 	kvt_close(t);
 	assert_int_equal(stat_fn("regs_live"), regs0);
 	kvt_unlink(name, NULL);
 	fake_ctl("reset", 0);
-	free(stamp);
-	free(got);
 }
 
 static char close_log[4096];
