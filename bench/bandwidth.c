@@ -96,6 +96,8 @@ struct opts {
 	uint64_t dev_bytes;            /* device KV per rank */
 	uint32_t repeat;
 	int json, no_2d, quiet;
+	int no_kernel;                 /* --copy-kernel off */
+	uint64_t kernel_below;         /* --copy-kernel SIZE (0: the backend's default) */
 	int best;                      /* --stat best: maxima instead of medians */
 	int warm;                      /* --warm: rewrite what a phase writes first */
 	const char *plot;
@@ -211,6 +213,9 @@ static void usage(FILE *f)
 "                       mount with enough free huge pages, as kvt_open does,\n"
 "                       else /dev/shm (4 KiB pages); none: /dev/shm\n"
 "  --no-2d              plans without 2-D copies\n"
+"  --copy-kernel auto|off|SIZE\n"
+"                       cuda: chunks whose pages average below SIZE go through\n"
+"                       the copy kernel (auto: the backend's 28K; off: DMA only)\n"
 "  --workers N          host: copy threads per rank (default: from the CPUs\n"
 "                       this process may use, shared by the run's ranks);\n"
 "                       cuda: streams per rank (default 4)\n"
@@ -234,6 +239,7 @@ static int parse(int argc, char **argv, struct opts *o)
 		{ "blocks", 1, 0, 'B' }, { "depths", 1, 0, 'D' }, { "ranks", 1, 0, 'r' },
 		{ "run-bytes", 1, 0, 'R' }, { "dev-bytes", 1, 0, 'V' }, { "repeat", 1, 0, 'n' },
 		{ "reg-bytes", 1, 0, 'G' }, { "hugetlbfs", 1, 0, 'H' }, { "no-2d", 0, 0, '2' },
+		{ "copy-kernel", 1, 0, 'K' },
 		{ "workers", 1, 0, 'w' }, { "device-memory", 1, 0, 'M' }, { "hip-pinned", 1, 0, 'P' },
 		{ "stat", 1, 0, 's' }, { "json", 0, 0, 'j' }, { "warm", 0, 0, 'W' }, { "plot", 1, 0, 'p' }, { "help", 0, 0, 'h' },
 		{ 0, 0, 0, 0 },
@@ -290,6 +296,12 @@ static int parse(int argc, char **argv, struct opts *o)
 			break;
 		case 'H': o->hugetlbfs = optarg; bad = !*optarg; break;
 		case '2': o->no_2d = 1; break;
+		case 'K':
+			o->no_kernel = !strcmp(optarg, "off");
+			o->kernel_below = 0;
+			if (!o->no_kernel && strcmp(optarg, "auto"))
+				bad = parse_size(optarg, &o->kernel_below) || !o->kernel_below;
+			break;
 		case 'w':
 			o->workers = (uint32_t)atoi(optarg);
 			bad = !o->workers || o->workers > 64;
@@ -701,6 +713,9 @@ static int rank_setup(struct rank *k)
 	dc.node_ranks = cf->ranks; /* the rank processes of this run share the CPUs */
 	if (k->o->no_2d)
 		dc.flags |= KVT_DMA_F_NO_2D;
+	if (k->o->no_kernel)
+		dc.flags |= KVT_DMA_F_NO_KERNEL;
+	dc.kernel_below = k->o->kernel_below;
 	if ((rc = kvt_dma_open(&dc, &k->d)))
 		return fail(k, "kvt_dma_open", rc, kvt_dma_last_error());
 	snprintf(k->res->describe, sizeof(k->res->describe), "%s", kvt_dma_describe(k->d));

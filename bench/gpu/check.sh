@@ -276,6 +276,10 @@ bw() {
 	fi
 }
 bw bw-llama70b-tp8 --layout llama70b-tp8 --depths 1,32 --ranks 1 --reg-bytes "$reg" --hugetlbfs none
+# the same 4 KiB pages by DMA only: the copy kernel's gain at the engine's
+# smallest pages (the run above has it when NVRTC was found)
+bw bw-llama70b-tp8-dma --layout llama70b-tp8 --depths 1,32 --ranks 1 --reg-bytes 0 \
+	--hugetlbfs none --copy-kernel off
 bw bw-glm5 --layout glm5 --depths 1,32 --ranks 1 --reg-bytes 0 --hugetlbfs none
 bw bw-sweep "${sweep[@]}" --reg-bytes 0 --hugetlbfs none
 # registration on huge pages: a mount with free pages, or pages this
@@ -299,7 +303,7 @@ grep -h -A3 -E '^(arena registration|registration probe)' "$work"/bw-*.txt 2>/de
 
 # ---- 7. the ratios -------------------------------------------------------------------
 step checks
-for f in bw-llama70b-tp8 bw-glm5 bw-sweep bw-reg-hugetlbfs; do
+for f in bw-llama70b-tp8 bw-llama70b-tp8-dma bw-glm5 bw-sweep bw-reg-hugetlbfs; do
 	[ -f "$work/$f.txt" ] || continue
 	awk -v f="$f" '
 	function bytes(s,   n) { n = s + 0; if (s ~ /K$/) n *= 1024; else if (s ~ /M$/) n *= 1048576;

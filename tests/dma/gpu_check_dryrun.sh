@@ -29,7 +29,8 @@ for want in "KVTIER_MINIMAL build" "test_dma_backend on the fake" "test_dma_plan
 	"without the order the save-after-compute test fails" "span probe" \
 	"per-layer: .* ordered after it.*byte-exact" "per-layer: .* WITHOUT the order.*old bytes" \
 	"block-outer: .* ordered after it.*byte-exact" "block-outer: .* WITHOUT the order.*old bytes" \
-	"bandwidth at 7 engine shapes" "bandwidth bw-llama70b-tp8" "bandwidth bw-glm5" \
+	"bandwidth at 7 engine shapes" "bandwidth bw-llama70b-tp8 " "bandwidth bw-llama70b-tp8-dma" \
+	"bandwidth bw-glm5" \
 	"bandwidth bw-sweep"; do
 	grep -q -- "$want" "$s" || { echo "gpu_check_dryrun: no line '$want' in SUMMARY.txt"; bad=1; }
 done
