@@ -69,6 +69,21 @@
  * Waits with no deadline wait in slices (FAULT_SLICE_NS) so that a fault
  * noted meanwhile ends them.
  *
+ * Ordering after the engine's stream (hsa_order_after), on the device: the
+ * engine's HIP stream ends in a hipStreamWriteValue64 of 0 into the value
+ * of an HSA signal armed at 1 (amd_signal_t.value, the word SDMA's poll
+ * packets and AQL barriers read), and every copy submitted afterwards has
+ * that signal as its dependency (dep_signals): it starts once the stream
+ * got there.  No host stall.  A ring of FENCES signals, one per order: a
+ * single re-armed signal would let an earlier, still queued write of 0
+ * release copies that must wait for the later point.  A ring entry is
+ * re-armed only once the stream wrote its 0; a copy that had it as its
+ * dependency and has not started yet then waits for the newer point --
+ * later, never earlier.  HIP's hipStreamWriteValue64 is looked up in the
+ * HIP runtime already in the process (RTLD_NOLOAD; $KVTIER_HIP_LIBRARY
+ * first): none there, and the engine's stream is not a HIP one, so
+ * order_after refuses (-ENOTSUP) and the caller synchronizes on the host.
+ *
  * Known limit: a negative signal ends the ticket with -EIO at once; other
  * copies of the same ticket may still be running (HSA gives no per-copy
  * status on a shared signal).  In ROCr a copy error is a queue error that
@@ -84,6 +99,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <hsa/amd_hsa_signal.h>
 #include <hsa/hsa.h>
 #include <hsa/hsa_ext_amd.h>
 
@@ -94,6 +110,7 @@
 #define RECT_MAX_ROWS  (1u << 14)
 #define FAULT_SLICE_NS 10000000ull         /* a deadline-less wait rechecks faults */
 #define FAULT_MAGIC    0x6b7674686661756cull
+#define FENCES         16                  /* order_after's signals (see "Ordering") */
 
 /* ROCm 5.6+ prototypes (engine_id is one bit of hsa_amd_sdma_engine_id_t). */
 typedef hsa_status_t (*copy_on_engine_fn)(void *dst, hsa_agent_t dst_agent,
@@ -218,6 +235,14 @@ struct hsa_be {
 	hsa_signal_t aux;
 	int have_aux;
 	struct hsa_fault *fault;    /* registered with the runtime, or NULL */
+	/* ordering after the engine's stream (see "Ordering"): fence[0,
+	 * n_fence) created under fence_mu; fence_cur the current one + 1
+	 * (0: none yet), release in order_after, acquire in submit */
+	pthread_mutex_t fence_mu;
+	hsa_signal_t fence[FENCES];
+	uint32_t n_fence;
+	uint32_t fence_cur;
+	int (*write_value64)(void *stream, void *ptr, uint64_t value, unsigned int flags);
 };
 
 static const char *st_str(const struct hsa_be *be, hsa_status_t st)
@@ -433,6 +458,9 @@ static void be_free(struct kvt_dma *d)
 		__atomic_store_n(&be->fault->closed, 1, __ATOMIC_RELEASE);
 	for (uint32_t i = 0; i < be->n_sig; i++)
 		be->f.signal_destroy(be->sig[i]);
+	for (uint32_t i = 0; i < be->n_fence; i++)
+		be->f.signal_destroy(be->fence[i]);
+	pthread_mutex_destroy(&be->fence_mu);
 	if (be->have_aux)
 		be->f.signal_destroy(be->aux);
 	free(be->sig);
@@ -534,6 +562,7 @@ static int hsa_init_be(struct kvt_dma *d, char *why, size_t why_len)
 	if (!be)
 		return kvt__fmt(-ENOMEM, why, why_len, "out of memory");
 	pthread_mutex_init(&be->aux_lock, NULL);
+	pthread_mutex_init(&be->fence_mu, NULL);
 	be->g = -1;
 	d->be = be;
 	be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
@@ -776,13 +805,13 @@ static void hsa_mem_unreg(struct kvt_dma *d, struct kvt_dma_piece *p)
 /* One linear copy; drops the engine choice for good if it is refused. */
 static hsa_status_t copy1(struct kvt_dma *d, int dir, uint32_t engine, void *dst,
 			  hsa_agent_t dst_agent, const void *src, hsa_agent_t src_agent,
-			  size_t len, hsa_signal_t sig)
+			  size_t len, uint32_t n_dep, const hsa_signal_t *dep, hsa_signal_t sig)
 {
 	struct hsa_be *be = d->be;
 	hsa_status_t st;
 
 	if (engine) {
-		st = be->f.copy_on_engine(dst, dst_agent, src, src_agent, len, 0, NULL, sig,
+		st = be->f.copy_on_engine(dst, dst_agent, src, src_agent, len, n_dep, dep, sig,
 					  engine, false);
 		if (st == HSA_STATUS_SUCCESS)
 			return st;
@@ -791,7 +820,7 @@ static hsa_status_t copy1(struct kvt_dma *d, int dir, uint32_t engine, void *dst
 				     "(%s); using the runtime's engine choice", engine,
 				     st_str(be, st));
 	}
-	return be->f.async_copy(dst, dst_agent, src, src_agent, len, 0, NULL, sig);
+	return be->f.async_copy(dst, dst_agent, src, src_agent, len, n_dep, dep, sig);
 }
 
 static int sig_wait(struct hsa_be *be, hsa_signal_t sig, uint64_t deadline);
@@ -808,6 +837,9 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 	uint32_t engine = 0;
 	int64_t count = 0, issued = 0;
 	hsa_status_t st = HSA_STATUS_SUCCESS;
+	/* behind the engine's stream as of the last order_after */
+	uint32_t fc = __atomic_load_n(&be->fence_cur, __ATOMIC_ACQUIRE), n_dep = fc ? 1 : 0;
+	const hsa_signal_t *dep = fc ? &be->fence[fc - 1] : NULL;
 
 	if (hsa_dead(be))
 		return fault_err(be);
@@ -832,7 +864,7 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 
 			st = be->f.copy_rect(d2h ? &hp : &dp, &zero, d2h ? &dp : &hp, &zero,
 					     &range, gpu, d2h ? hsaDeviceToHost : hsaHostToDevice,
-					     0, NULL, sig);
+					     n_dep, dep, sig);
 			if (st == HSA_STATUS_SUCCESS) {
 				issued++;
 				continue;
@@ -850,8 +882,8 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 			void *dv = (void *)(uintptr_t)(c->dev + (uint64_t)r * c->dev_pitch);
 			void *hv = (void *)(uintptr_t)(host + (uint64_t)r * c->host_pitch);
 
-			st = d2h ? copy1(d, j->dir, engine, hv, cpu, dv, gpu, c->len, sig)
-				 : copy1(d, j->dir, engine, dv, gpu, hv, cpu, c->len, sig);
+			st = d2h ? copy1(d, j->dir, engine, hv, cpu, dv, gpu, c->len, n_dep, dep, sig)
+				 : copy1(d, j->dir, engine, dv, gpu, hv, cpu, c->len, n_dep, dep, sig);
 			if (st != HSA_STATUS_SUCCESS)
 				goto fail;
 			issued++;
@@ -867,6 +899,81 @@ fail:
 		return fault_err(be);
 	return kvt__dma_err(-EIO, "hsa: async copy refused after %lld of %lld: status 0x%x (%s)",
 			    (long long)issued, (long long)count, (unsigned)st, st_str(be, st));
+}
+
+/* hipStreamWriteValue64 of the HIP runtime already in the process. */
+static int hip_lookup(struct hsa_be *be)
+{
+	static const char *const names[] = { "libamdhip64.so.7", "libamdhip64.so.6",
+					     "libamdhip64.so.5", "libamdhip64.so" };
+	const char *path = getenv("KVTIER_HIP_LIBRARY");
+	void *h = NULL;
+
+	if (be->write_value64)
+		return 0;
+	if (path && *path)
+		h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+	for (size_t i = 0; !h && i < sizeof(names) / sizeof(names[0]); i++)
+		h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+	if (h)
+		*(void **)&be->write_value64 = dlsym(h, "hipStreamWriteValue64");
+	return be->write_value64 ? 0 : -ENOENT;
+}
+
+/* Copies submitted from now on start after the work queued so far on the
+ * engine's HIP stream (see "Ordering"). */
+static int hsa_order_after(struct kvt_dma *d, uint64_t stream)
+{
+	struct hsa_be *be = d->be;
+	hsa_signal_t sig;
+	uint32_t next;
+	int e;
+
+	if (hsa_dead(be))
+		return fault_err(be);
+	if (hip_lookup(be))
+		return kvt__dma_err(-ENOTSUP, "hsa: no ordering after the engine's stream "
+				    "without a HIP runtime in the process (hipStreamWriteValue64); "
+				    "synchronize it on the host before saving");
+	pthread_mutex_lock(&be->fence_mu);
+	next = be->fence_cur % FENCES;
+	if (next >= be->n_fence) {
+		hsa_status_t st = be->f.signal_create(0, 0, NULL, &be->fence[next]);
+
+		if (st) {
+			pthread_mutex_unlock(&be->fence_mu);
+			return kvt__dma_err(st_errno(st), "hsa: order_after: signal_create: %s",
+					    st_str(be, st));
+		}
+		be->n_fence = next + 1;
+	}
+	sig = be->fence[next];
+	/* its last order must have been reached (its 0 written): only then
+	 * can it stand for a new point; FENCES orders still queued on the
+	 * stream wait here for the oldest */
+	for (uint64_t nap = 20000; be->f.signal_load(sig) != 0;) {
+		struct timespec ts = { 0, (long)nap };
+
+		if (hsa_dead(be)) {
+			pthread_mutex_unlock(&be->fence_mu);
+			return fault_err(be);
+		}
+		nanosleep(&ts, NULL);
+		if (nap < 1000000)
+			nap *= 2;
+	}
+	be->f.signal_store(sig, 1);
+	e = be->write_value64((void *)(uintptr_t)stream,
+			      (void *)&((amd_signal_t *)(uintptr_t)sig.handle)->value, 0, 0);
+	if (e) {
+		be->f.signal_store(sig, 0);
+		pthread_mutex_unlock(&be->fence_mu);
+		return kvt__dma_err(-EINVAL, "hsa: hipStreamWriteValue64 on the engine's stream "
+				    "%#llx failed (hipError %d)", (unsigned long long)stream, e);
+	}
+	__atomic_store_n(&be->fence_cur, next + 1, __ATOMIC_RELEASE);
+	pthread_mutex_unlock(&be->fence_mu);
+	return 0;
 }
 
 static int sig_status(hsa_signal_value_t v)
@@ -1050,6 +1157,7 @@ static int hsa_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
 }
 
 const struct kvt_dma_ops kvt__dma_hsa_ops = {
+	.order_after = hsa_order_after,
 	.name = "hsa",
 	.init = hsa_init_be,
 	.fini = hsa_fini,

@@ -32,6 +32,13 @@ static void *(*fake_engine_stream)(void);
 static int (*fake_kernel_write)(void *, uint64_t, int, uint64_t, unsigned);
 static void (*fake_kernels_wait)(void);
 static int real_gpu;          /* ... the real runtime, not a fake with 2 devices */
+/* hsa: the fake HIP on the fake HSA ($KVTIER_HIP_LIBRARY), loaded as an
+ * engine's HIP is: its streams, and fills that land late on them
+ * (FAKE_HIP_FILL_US) -- the engine's work the hsa backend orders after */
+static int (*hip_stream_create)(void **);
+static int (*hip_stream_sync)(void *);
+static int (*hip_stream_destroy)(void *);
+static int (*hip_memset_async)(void *, int, size_t, void *);
 
 static void ctl(const char *k, long v)
 {
@@ -1003,15 +1010,37 @@ static void copy_behind_engine_kernel(struct fix *f, enum kvt_dma_dir dir)
 	kvt_dma_ticket t;
 	void *es;
 
-	assert_non_null(fake_kernel_write);
-	es = fake_engine_stream();
-	assert_non_null(es);
-	assert_int_equal(fake_kernel_write(es, f->kv.alloc[0], 0x5a, f->kv.alloc_len[0],
-					   200000), 0);
+	if (!strcmp(backend, "hsa")) {
+		/* the engine's HIP stream: a fill of the blocks, 200 ms late */
+		assert_non_null(hip_memset_async);
+		assert_int_equal(hip_stream_create(&es), 0);
+		setenv("FAKE_HIP_FILL_US", "200000", 1);
+		assert_int_equal(hip_memset_async((void *)(uintptr_t)f->kv.alloc[0], 0x5a,
+						  (size_t)f->kv.alloc_len[0], es), 0);
+		unsetenv("FAKE_HIP_FILL_US");
+	} else {
+		assert_non_null(fake_kernel_write);
+		es = fake_engine_stream();
+		assert_non_null(es);
+		assert_int_equal(fake_kernel_write(es, f->kv.alloc[0], 0x5a, f->kv.alloc_len[0],
+						   200000), 0);
+	}
 	if (!getenv("KVTIER_TEST_NO_ORDER"))
 		assert_int_equal(kvt_dma_order_after(f->d, (uint64_t)(uintptr_t)es), 0);
 	assert_int_equal(kvt_dma_submit(f->d, &f->plan, f->a.base, dir, &t), 0);
 	assert_int_equal(kvt_dma_wait(f->d, t, -1), 0);
+	if (!strcmp(backend, "hsa")) {
+		assert_int_equal(hip_stream_sync(es), 0);
+		assert_int_equal(hip_stream_destroy(es), 0);
+	}
+}
+
+/* The engine's late work has landed (cuda: the fake's kernels; hsa: the
+ * HIP stream was synchronized). */
+static void engine_work_wait(void)
+{
+	if (!strcmp(backend, "cuda"))
+		fake_kernels_wait();
 }
 
 static void test_save_after_compute(void **state)
@@ -1034,7 +1063,9 @@ static void test_save_after_compute(void **state)
 		fix_close(&f);
 		return;
 	}
-	if (!strcmp(backend, "hsa")) {
+	if (!strcmp(backend, "hsa") && !hip_memset_async) {
+		/* no HIP runtime in the process: no engine stream to order
+		 * after, and the caller is told to synchronize */
 		assert_int_equal(kvt_dma_order_after(f.d, 0), -ENOTSUP);
 		assert_non_null(strstr(kvt_dma_last_error(), "synchronize"));
 		fix_close(&f);
@@ -1043,8 +1074,9 @@ static void test_save_after_compute(void **state)
 	/* the forward pass: every block of the cache rewritten, 200 ms late */
 	copy_behind_engine_kernel(&f, KVT_DMA_D2H);
 	/* and that wait slept in the driver, on a BLOCKING_SYNC event */
-	assert_int_equal(stat_of("spin_syncs"), 0);
-	fake_kernels_wait();
+	if (!strcmp(backend, "cuda"))
+		assert_int_equal(stat_of("spin_syncs"), 0);
+	engine_work_wait();
 	memset(f.kv.mirror[0], 0x5a, f.kv.alloc_len[0]);
 	check_slot(&f, 0, 1);
 	/* a later save needs no new order for what it has waited for */
@@ -1068,7 +1100,7 @@ static void test_load_after_compute(void **state)
 	kvt_dma_ticket t;
 
 	(void)state;
-	if (real_gpu || strcmp(backend, "cuda"))
+	if (real_gpu || !strcmp(backend, "host") || (!strcmp(backend, "hsa") && !hip_memset_async))
 		skip();
 	fix_open(&f, &c);
 	used = kvt_kv_layout_shard_bytes(&f.kv.l);
@@ -1076,7 +1108,7 @@ static void test_load_after_compute(void **state)
 		f.a.base[i] = (char)(0x21 + i % 91);
 	/* the engine's queued work: every block of the cache rewritten, late */
 	copy_behind_engine_kernel(&f, KVT_DMA_H2D);
-	fake_kernels_wait();
+	engine_work_wait();
 	/* read the blocks back into slot 1: what slot 0 held, not the kernel's */
 	assert_int_equal(kvt_dma_submit(f.d, &f.plan, f.a.base + f.a.stride, KVT_DMA_D2H, &t), 0);
 	assert_int_equal(kvt_dma_wait(f.d, t, -1), 0);
@@ -1872,6 +1904,24 @@ static int setup(void **state)
 		*(void **)&fake_stat = dlsym(h, !strcmp(backend, "hsa") ? "kvt_fake_hsa_stat"
 								      : "kvt_fake_cuda_stat");
 		gpu = fake_ctl && fake_stat;
+		if (!strcmp(backend, "hsa") && getenv("KVTIER_HIP_LIBRARY")) {
+			/* the engine's HIP, in the process before the backend
+			 * looks for it (as a ROCm engine's is) */
+			void *hip = dlopen(getenv("KVTIER_HIP_LIBRARY"), RTLD_NOW | RTLD_LOCAL);
+
+			if (!hip) {
+				fprintf(stderr, "cannot load %s: %s\n", getenv("KVTIER_HIP_LIBRARY"),
+					dlerror());
+				return -1;
+			}
+			*(void **)&hip_stream_create = dlsym(hip, "hipStreamCreate");
+			*(void **)&hip_stream_sync = dlsym(hip, "hipStreamSynchronize");
+			*(void **)&hip_stream_destroy = dlsym(hip, "hipStreamDestroy");
+			*(void **)&hip_memset_async = dlsym(hip, "hipMemsetAsync");
+			if (!hip_stream_create || !hip_stream_sync || !hip_stream_destroy ||
+			    !hip_memset_async)
+				return -1;
+		}
 		if (!strcmp(backend, "cuda")) {
 			*(void **)&fake_engine_stream = dlsym(h, "kvt_fake_cuda_engine_stream");
 			*(void **)&fake_kernel_write = dlsym(h, "kvt_fake_cuda_kernel_write");

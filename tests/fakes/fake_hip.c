@@ -55,6 +55,9 @@ static struct {
 	__typeof__(&hsa_signal_add_screlease) signal_add;
 	__typeof__(&hsa_signal_subtract_screlease) signal_subtract;
 	__typeof__(&hsa_signal_wait_scacquire) signal_wait;
+	/* the fake HSA's compute lane, for fills (optional) */
+	hsa_status_t (*kernel_copy)(void *, hsa_agent_t, const void *, hsa_agent_t, size_t,
+				    hsa_signal_t);
 } F;
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -134,6 +137,7 @@ static void init_once(void)
 	L(signal_add, "hsa_signal_add_screlease") L(signal_subtract, "hsa_signal_subtract_screlease")
 	L(signal_wait, "hsa_signal_wait_scacquire")
 #undef L
+	*(void **)&F.kernel_copy = dlsym(h, "kvt_fake_hsa_kernel_copy");
 	if (F.init() || F.iterate_agents(agent_cb, NULL) || !have_cpu_pool) {
 		init_err = hipErrorInitializationError;
 		return;
@@ -428,7 +432,10 @@ static void *run_fill(void *arg)
 	struct fill *fl = arg;
 
 	usleep(fl->delay_us);
-	if (F.async_copy(fl->dst, fl->agent, fl->stage, cpu, fl->n, 0, NULL, fl->st->sig))
+	/* a kernel: on the GPU's compute lane where the fake HSA has one */
+	if (F.kernel_copy ? F.kernel_copy(fl->dst, fl->agent, fl->stage, cpu, fl->n, fl->st->sig)
+			  : F.async_copy(fl->dst, fl->agent, fl->stage, cpu, fl->n, 0, NULL,
+					 fl->st->sig))
 		F.signal_subtract(fl->st->sig, 1);
 	free(fl);
 	return NULL;
@@ -466,6 +473,53 @@ EXPORT hipError_t hipMemsetAsync(void *dst, int value, size_t n, hipStream_t s)
 		return hipErrorOutOfMemory;
 	}
 	st->fills[st->n_fills] = stage;
+	st->fill_th[st->n_fills++] = th;
+	return hipSuccess;
+}
+
+/* hipStreamWriteValue64: the value lands in ptr once the work queued on the
+ * stream before it has run -- as the GPU's write packet does -- from a
+ * thread that waits for the stream's signal to fall to 0, then stores it;
+ * joined at the synchronize, with the fills. */
+struct write_value {
+	struct ihipStream_t *st;
+	int64_t *ptr;
+	int64_t value;
+};
+
+static void *run_write_value(void *arg)
+{
+	struct write_value *w = arg;
+
+	F.signal_wait(w->st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX, HSA_WAIT_STATE_BLOCKED);
+	__atomic_store_n(w->ptr, w->value, __ATOMIC_RELEASE);
+	free(w);
+	return NULL;
+}
+
+EXPORT hipError_t hipStreamWriteValue64(hipStream_t s, void *ptr, uint64_t value,
+					unsigned int flags)
+{
+	struct ihipStream_t *st = s ? s : &null_stream;
+	hipError_t e = ready();
+	struct write_value *w;
+	pthread_t th;
+
+	if (e)
+		return e;
+	if (!ptr || (uintptr_t)ptr % 8 || flags)
+		return hipErrorInvalidValue;
+	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(s)))
+		return e;
+	w = malloc(sizeof(*w));
+	if (!w)
+		return hipErrorOutOfMemory;
+	*w = (struct write_value){ .st = st, .ptr = ptr, .value = (int64_t)value };
+	if (pthread_create(&th, NULL, run_write_value, w)) {
+		free(w);
+		return hipErrorOutOfMemory;
+	}
+	st->fills[st->n_fills] = NULL;
 	st->fill_th[st->n_fills++] = th;
 	return hipSuccess;
 }

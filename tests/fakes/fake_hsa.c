@@ -560,12 +560,18 @@ EXPORT hsa_status_t hsa_amd_pointer_info(const void *ptr, hsa_amd_pointer_info_t
 
 /* ---- signals -------------------------------------------------------------- */
 
+/* Laid out as ROCr's amd_signal_t begins (kind, then the 64-bit value at
+ * offset 8: the word SDMA polls and a GPU may write directly, as
+ * hipStreamWriteValue64 does): v is read and written with atomics, under
+ * m for the waiters' sake. */
 struct fsig {
+	int64_t kind;
+	int64_t v;
 	uint64_t magic;
 	pthread_mutex_t m;
 	pthread_cond_t c;
-	int64_t v; /* under m */
 };
+_Static_assert(offsetof(struct fsig, v) == 8, "amd_signal_t.value is at offset 8");
 
 static struct fsig *sig_of(hsa_signal_t s)
 {
@@ -589,7 +595,8 @@ EXPORT hsa_status_t hsa_signal_create(hsa_signal_value_t initial_value, uint32_t
 	if (!f)
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
 	f->magic = SIG_MAGIC;
-	f->v = initial_value;
+	f->kind = 1; /* AMD_SIGNAL_KIND_USER */
+	__atomic_store_n(&f->v, initial_value, __ATOMIC_RELEASE);
 	pthread_mutex_init(&f->m, NULL);
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -618,9 +625,9 @@ static void sig_update(struct fsig *f, int set, int64_t v)
 {
 	pthread_mutex_lock(&f->m);
 	if (set)
-		f->v = v;
+		__atomic_store_n(&f->v, v, __ATOMIC_RELEASE);
 	else
-		f->v += v;
+		__atomic_add_fetch(&f->v, v, __ATOMIC_ACQ_REL);
 	pthread_cond_broadcast(&f->c);
 	pthread_mutex_unlock(&f->m);
 }
@@ -661,7 +668,7 @@ EXPORT hsa_signal_value_t hsa_signal_load_scacquire(hsa_signal_t signal)
 	if (!f)
 		abort();
 	pthread_mutex_lock(&f->m);
-	v = f->v;
+	v = __atomic_load_n(&f->v, __ATOMIC_ACQUIRE);
 	pthread_mutex_unlock(&f->m);
 	return v;
 }
@@ -702,13 +709,13 @@ EXPORT hsa_signal_value_t hsa_signal_wait_scacquire(hsa_signal_t signal,
 		ts.tv_nsec = (long)(ns % 1000000000u);
 	}
 	pthread_mutex_lock(&f->m);
-	while (!cond_met(f->v, condition, compare_value)) {
+	while (!cond_met(__atomic_load_n(&f->v, __ATOMIC_ACQUIRE), condition, compare_value)) {
 		if (timeout_hint == UINT64_MAX)
 			pthread_cond_wait(&f->c, &f->m);
 		else if (pthread_cond_timedwait(&f->c, &f->m, &ts))
 			break; /* the hint expired: return the current value */
 	}
-	v = f->v;
+	v = __atomic_load_n(&f->v, __ATOMIC_ACQUIRE);
 	pthread_mutex_unlock(&f->m);
 	return v;
 }
@@ -722,6 +729,8 @@ struct ctask {
 	uint32_t rows, slices;
 	uint64_t dslice, sslice;
 	struct fsig *sig;
+	struct fsig *dep[4];   /* dependencies: the copy starts once each is 0 */
+	uint32_t n_dep;
 	int negative;
 	int fault;
 	uint64_t va;      /* the device address faulted on */
@@ -754,9 +763,27 @@ static void gpu_fault(struct ctask *t)
 	}
 }
 
+/* Validates dep_signals into t (at most 4, as the tests use): 0 or a status. */
+static hsa_status_t take_deps(struct ctask *t, uint32_t n, const hsa_signal_t *deps)
+{
+	if (n > 4)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	for (uint32_t i = 0; i < n; i++)
+		if (!(t->dep[i] = sig_of(deps[i])))
+			return HSA_STATUS_ERROR_INVALID_SIGNAL;
+	t->n_dep = n;
+	return HSA_STATUS_SUCCESS;
+}
+
 static void run_copy(void *arg)
 {
 	struct ctask *t = arg;
+
+	/* as an SDMA queue's poll packet: the queue waits here, reading the
+	 * value word, until every dependency is 0 */
+	for (uint32_t i = 0; i < t->n_dep; i++)
+		while (__atomic_load_n(&t->dep[i]->v, __ATOMIC_ACQUIRE) != 0)
+			usleep(200);
 
 	if (t->fault) {
 		if (fake_copy_begin(t->gpu)) {
@@ -807,8 +834,8 @@ static char *side(const void *p, uint64_t len, hsa_agent_t agent, const char *wh
 }
 
 static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *src,
-				hsa_agent_t src_agent, size_t size, hsa_signal_t completion,
-				int lane)
+				hsa_agent_t src_agent, size_t size, uint32_t n_dep,
+				const hsa_signal_t *deps, hsa_signal_t completion, int lane)
 {
 	struct fsig *f = sig_of(completion);
 	struct ctask *t;
@@ -841,11 +868,27 @@ static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *sr
 			     .gpu = gpu_of(dst_agent) >= 0 ? gpu_of(dst_agent) : gpu_of(src_agent),
 			     .va = (uint64_t)(uintptr_t)(gpu_of(dst_agent) >= 0 ? dst : src) +
 				   size / 2 };
+	if (take_deps(t, n_dep, deps)) {
+		free(t);
+		return HSA_STATUS_ERROR_INVALID_SIGNAL;
+	}
 	atomic_fetch_add(&st_copies, 1);
 	if (lane < 0) /* ROCr's own choice: one blit queue per direction */
 		lane = gpu_of(dst_agent) >= 0 ? N_SDMA + 1 : N_SDMA;
 	fake_worker_push_lane(lane, run_copy, t);
 	return HSA_STATUS_SUCCESS;
+}
+
+/* A kernel's writes (the fake HIP's fills): the copy on the GPU's compute
+ * lane, not an SDMA or blit one -- a kernel does not queue behind copies,
+ * nor they behind it. */
+#define COMPUTE_LANE (N_SDMA + 2)
+EXPORT hsa_status_t kvt_fake_hsa_kernel_copy(void *dst, hsa_agent_t dst_agent, const void *src,
+					     hsa_agent_t src_agent, size_t size,
+					     hsa_signal_t completion_signal)
+{
+	return submit_copy(dst, dst_agent, src, src_agent, size, 0, NULL, completion_signal,
+			   COMPUTE_LANE);
 }
 
 EXPORT hsa_status_t hsa_amd_memory_async_copy(void *dst, hsa_agent_t dst_agent, const void *src,
@@ -856,7 +899,8 @@ EXPORT hsa_status_t hsa_amd_memory_async_copy(void *dst, hsa_agent_t dst_agent, 
 {
 	if (num_dep_signals && !dep_signals)
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
-	return submit_copy(dst, dst_agent, src, src_agent, size, completion_signal, -1);
+	return submit_copy(dst, dst_agent, src, src_agent, size, num_dep_signals, dep_signals,
+			   completion_signal, -1);
 }
 
 #ifndef FAKE_HSA_52
@@ -878,7 +922,8 @@ EXPORT hsa_status_t hsa_amd_memory_async_copy_on_engine(void *dst, hsa_agent_t d
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
 	if (trip(&fail_engine))
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
-	st = submit_copy(dst, dst_agent, src, src_agent, size, completion_signal, e);
+	st = submit_copy(dst, dst_agent, src, src_agent, size, num_dep_signals, dep_signals,
+			 completion_signal, e);
 	if (st == HSA_STATUS_SUCCESS) {
 		atomic_fetch_add(&st_engine_copies, 1);
 		atomic_fetch_add(&st_engine_used[e], 1);
@@ -967,6 +1012,10 @@ EXPORT hsa_status_t hsa_amd_memory_async_copy_rect(
 		.gpu = gpu_of(copy_agent),
 		.va = (uint64_t)(uintptr_t)(dir == hsaHostToDevice ? dst->base : src->base),
 	};
+	if (take_deps(t, num_dep_signals, dep_signals)) {
+		free(t);
+		return HSA_STATUS_ERROR_INVALID_SIGNAL;
+	}
 	atomic_fetch_add(&st_copies, 1);
 	atomic_fetch_add(&st_rect_copies, 1);
 	fake_worker_push_lane(dir == hsaHostToDevice ? N_SDMA + 1 : N_SDMA, run_copy, t);

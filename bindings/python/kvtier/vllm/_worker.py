@@ -78,8 +78,10 @@ class _WorkerSide:
         waits for it too).  Loads the same: the blocks a load writes may
         have been another request's, freed while a step the engine queued
         still reads them (asynchronous scheduling).  CUDA: kvtier orders
-        its copy streams after that stream on the GPU; a backend that
-        cannot (hsa) gets the stream synchronized on the host instead.  A
+        its copy streams after that stream on the GPU, and hsa its SDMA
+        copies (the HIP stream releases an HSA signal they depend on); a
+        backend that cannot (hsa without HIP in the process) gets the stream
+        synchronized on the host instead.  A
         CPU cache: nothing runs behind the caller's back."""
         mode = getattr(self, "_save_order", None)
         if mode is None:
