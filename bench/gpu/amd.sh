@@ -9,7 +9,7 @@
 # /opt/rocm/include), runs the DMA test suite against the real ROCm runtime
 # (test_dma_backend with KVTIER_DMA=hsa, test_dma_plan, test_dma_hip: a
 # hipMalloc'ed KV cache through the hsa backend, byte exact; a save after a
-# HIP fill on the engine's stream, with and without the host synchronize),
+# HIP fill on the engine's stream, with and without the order on the device),
 # `kvtier-bench pin` (N processes locking one arena against the amdgpu
 # pinning budget kvtier-size assumes; not with --quick), then
 # `kvtier-bench bandwidth --backend hsa --device-memory hip`: the KV cache
@@ -163,7 +163,7 @@ fi
 grep -q 'differs from its host address' "$out/bandwidth-hipregister.txt" 2>/dev/null &&
 	rec NOTE "hipHostGetDevicePointer gave another address than the host's for a registered buffer (expected on some ROCm systems; the copies use the host address)"
 # ordering: a HIP fill on the engine's stream, then a save with and without
-# the host synchronize the connector does on AMD (test_dma_hip)
+# the order after that stream on the device (test_dma_hip)
 race=$(grep -h '^save after a HIP fill' "$out/test_dma_hip.log" 2>/dev/null)
 [ -n "$race" ] && rec NOTE "$race"
 for f in bandwidth bandwidth-hipregister bandwidth-adjacent bandwidth-glm5 bandwidth-llama70b-tp8; do

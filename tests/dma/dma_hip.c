@@ -181,14 +181,14 @@ static void test_round_trip(void **st)
 	teardown_fixture(&f);
 }
 
-/* Ordering on AMD: the hsa backend refuses kvt_dma_order_after (-ENOTSUP:
- * ROCr's SDMA copies take HSA signals, not a HIP stream), and the caller
- * (the vLLM connector) then synchronizes the engine's stream on the host
- * before it saves.  A HIP fill of the whole KV cache queued on the
- * engine's stream, that path, then a save: the sub-slot holds the fill,
- * every round.  The same save without the synchronize is tried first and
+/* Ordering on AMD: with HIP in the process, kvt_dma_order_after on the
+ * engine's HIP stream has the stream release an HSA signal
+ * (hipStreamWriteValue64) that the save's SDMA copies depend on -- no
+ * synchronize on the host.  A HIP fill of the whole KV cache queued on the
+ * engine's stream, the order, then a save at once: the sub-slot holds the
+ * fill, every round.  The same save without the order is tried first and
  * what it copied is printed, not judged: on a GPU it shows the race the
- * refusal is for (the fill still running); the fakes rarely do. */
+ * order is for (the fill still running); the fakes rarely do. */
 static void test_save_after_hip_write(void **st)
 {
 	(void)st;
@@ -212,22 +212,22 @@ static void test_save_after_hip_write(void **st)
 			stale += (uint8_t)sub[i] != 0x40 + round;
 		stale_rounds += stale != 0;
 		assert_int_equal(kvt_hip_sync(f.hip), 0);
-		/* the AMD path: order_after refused, so the stream is synchronized */
+		/* the AMD path: the save ordered after the stream on the device */
 		memset(sub, 0xa5, f.shard);
 		for (int g = 0; g < 2; g++)
 			assert_int_equal(kvt_hip_fill_async(f.hip, f.dev[g], 0x60 + round,
 							    f.dev_len[g]), 0);
-		assert_int_equal(kvt_dma_order_after(f.d, kvt_hip_stream(f.hip)), -ENOTSUP);
-		assert_int_equal(kvt_hip_sync(f.hip), 0);
+		assert_int_equal(kvt_dma_order_after(f.d, kvt_hip_stream(f.hip)), 0);
 		copy(&f, tabs, sub, KVT_DMA_D2H);
+		assert_int_equal(kvt_hip_sync(f.hip), 0);
 		for (uint64_t i = 0; i < f.shard; i++)
 			if ((uint8_t)sub[i] != 0x60 + round)
 				fail_msg("round %d: byte %llu of the sub-slot is %#x, the fill "
 					 "was %#x", round, (unsigned long long)i,
 					 (uint8_t)sub[i], 0x60 + round);
 	}
-	printf("save after a HIP fill: without a synchronize, %d of 8 saves copied bytes the "
-	       "fill had not written yet; with it, 0 of 8\n", stale_rounds);
+	printf("save after a HIP fill: without the order, %d of 8 saves copied bytes the "
+	       "fill had not written yet; ordered after the HIP stream, 0 of 8\n", stale_rounds);
 	teardown_fixture(&f);
 }
 

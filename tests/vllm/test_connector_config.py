@@ -465,7 +465,7 @@ def _saving_connector(monkeypatch, log, fail=None, device="cuda"):
 def test_saves_wait_for_the_forward_pass(monkeypatch):
     """vLLM asks for the saves once it launched the forward pass: on a GPU
     cache the tier is ordered after the engine's stream before any save;
-    a backend that cannot (hsa: ENOTSUP) gets the stream synchronized on
+    a backend that cannot (hsa without HIP: ENOTSUP) gets the stream synchronized on
     the host, from then on without asking again; a CPU cache: nothing."""
     import errno
     log = []
