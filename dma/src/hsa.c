@@ -951,12 +951,18 @@ static int hsa_order_after(struct kvt_dma *d, uint64_t stream)
 	/* its last order must have been reached (its 0 written): only then
 	 * can it stand for a new point; FENCES orders still queued on the
 	 * stream wait here for the oldest */
-	for (uint64_t nap = 20000; be->f.signal_load(sig) != 0;) {
+	for (uint64_t nap = 20000, t0 = kvt__now_ns(); be->f.signal_load(sig) != 0;) {
 		struct timespec ts = { 0, (long)nap };
 
 		if (hsa_dead(be)) {
 			pthread_mutex_unlock(&be->fence_mu);
 			return fault_err(be);
+		}
+		if (kvt__now_ns() - t0 > 60ull * 1000000000u) {
+			pthread_mutex_unlock(&be->fence_mu);
+			return kvt__dma_err(-EIO, "hsa: order_after: the engine's stream has not "
+					    "reached the order given %u orders ago in 60 s (a hung "
+					    "device?)", FENCES);
 		}
 		nanosleep(&ts, NULL);
 		if (nap < 1000000)
