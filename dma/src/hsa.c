@@ -94,6 +94,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -969,8 +970,9 @@ static int hsa_order_after(struct kvt_dma *d, uint64_t stream)
 			nap *= 2;
 	}
 	be->f.signal_store(sig, 1);
+	/* (by offset: no access through the handle as an amd_signal_t) */
 	e = be->write_value64((void *)(uintptr_t)stream,
-			      (void *)&((amd_signal_t *)(uintptr_t)sig.handle)->value, 0, 0);
+			      (char *)(uintptr_t)sig.handle + offsetof(amd_signal_t, value), 0, 0);
 	if (e) {
 		be->f.signal_store(sig, 0);
 		pthread_mutex_unlock(&be->fence_mu);

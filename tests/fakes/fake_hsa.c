@@ -591,9 +591,11 @@ EXPORT hsa_status_t hsa_signal_create(hsa_signal_value_t initial_value, uint32_t
 		return HSA_STATUS_ERROR_NOT_INITIALIZED;
 	if (!signal || (num_consumers && !consumers))
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
-	f = calloc(1, sizeof(*f));
+	/* 64-byte aligned, as ROCr's amd_signal_t (AMD_SIGNAL_ALIGN) */
+	f = aligned_alloc(64, (sizeof(*f) + 63) & ~(size_t)63);
 	if (!f)
 		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	memset(f, 0, sizeof(*f));
 	f->magic = SIG_MAGIC;
 	f->kind = 1; /* AMD_SIGNAL_KIND_USER */
 	__atomic_store_n(&f->v, initial_value, __ATOMIC_RELEASE);
