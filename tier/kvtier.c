@@ -1427,7 +1427,7 @@ void kvt_close(kvt_tier *t)
 		     "the rank attached until this process exits, so that nothing the device "
 		     "may still write is reused; exit the process", abandoned, saves,
 		     t->env.close_timeout_s);
-		kvt_dma_close_within(t->dma, 0);
+		/* (t keeps its DMA handle whole: registrations, streams) */
 		pthread_mutex_lock(&kept_mu);
 		if (n_kept < sizeof(kept) / sizeof(kept[0]))
 			kept[n_kept++] = t;
