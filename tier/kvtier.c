@@ -1363,6 +1363,14 @@ void kvt_fingerprint(const kvt_tier *t, kvt_key *out)
 		*out = t->fingerprint;
 }
 
+int kvt_segment_model(const kvt_tier *t, char *buf, size_t len)
+{
+	if (!t || !buf || !len)
+		return terr(-EINVAL, "segment_model: needs a handle and a buffer");
+	kvt_seg_model(t->seg, buf, len);
+	return (int)strlen(buf);
+}
+
 /* Handles closed with copies the device never finished (kvt_close): kept
  * whole until the process exits -- reachable from here. */
 static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;

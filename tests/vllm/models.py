@@ -89,3 +89,36 @@ def write_tokenizer(path, vocab_size):
 def text(ids):
     """Token ids as the word-level tokenizer's text."""
     return " ".join("t%d" % i for i in ids)
+
+
+# DeepSeek V4 (vLLM 0.32's vllm/models/deepseek_v4): the public
+# DeepSeek-V4-Flash config.json's fields, with a model small enough for a
+# CPU: two layers -- layer 0 compressed-sparse (a state per 4 tokens, the
+# indexer), layer 1 heavily compressed (a state per 128 tokens); the
+# trailing 0 is the MTP layer's place, as in Flash's compress_ratios.  The
+# attention's shapes (head_dim 512, rope 64, window 128, the indexer's 128
+# x n heads) are Flash's: they are what the KV caches are made of.
+DEEPSEEK_V4_FLASH = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", attention_bias=False,
+    hc_eps=1e-06, hc_mult=4, hc_sinkhorn_iters=20, head_dim=512, hidden_act="silu",
+    index_head_dim=128, index_topk=512, initializer_range=0.02, n_shared_experts=1,
+    norm_topk_prob=True, num_key_value_heads=1, qk_rope_head_dim=64, rms_norm_eps=1e-06,
+    rope_theta=10000, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+    sliding_window=128, swiglu_limit=10.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+    compress_rope_theta=160000, topk_method="noaux_tc")
+
+
+def write_deepseek_v4(path, compress_ratios=(4, 128, 0)):
+    """config.json of a small DeepSeek V4 (see DEEPSEEK_V4_FLASH); vLLM
+    makes its weights (load_format dummy)."""
+    import json
+    c = dict(DEEPSEEK_V4_FLASH, hidden_size=256, num_attention_heads=8, q_lora_rank=64,
+             o_groups=2, o_lora_rank=64, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=128, num_hash_layers=0, num_nextn_predict_layers=0,
+             index_n_heads=4, index_topk=64, vocab_size=1024, max_position_embeddings=4096,
+             bos_token_id=1, eos_token_id=2, num_hidden_layers=len(compress_ratios) - 1,
+             compress_ratios=list(compress_ratios))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    return path

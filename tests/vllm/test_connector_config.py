@@ -334,13 +334,30 @@ def test_sliding_window_saves_only_its_own_blocks():
     assert [d for d, _ in saved_chunks(m, 4)] == [0, 1, 2]
     # 256-token chunks (8 blocks) in 100-token steps: chunk 0 fills in step
     # 3, when vLLM has already freed blocks 0-1 (skipped(200) = 73) and may
-    # have given them to another request: a hole, not a save
+    # have given them to another request.  A hit ending at a chunk's end
+    # needs only the window's tail, ceil(127 / 32) = 4 blocks (_caches.py):
+    # kvtier keeps blocks 4-7 of each chunk, still the request's, and saves
+    # them -- never the freed 0-1
     c = sched_connector(spec, chunk_tokens=256)
+    assert [v.tail for v in c._s.plan.vgroups] == [4]
     c._reqs["e"] = request("e", 500)
     c.build_connector_meta(step_output(new=[("e", tabs[:4], 0)], scheduled={"e": 100}))
     c.build_connector_meta(step_output(cached=[("e", tabs[4:7], 100)], scheduled={"e": 100}))
     m = c.build_connector_meta(step_output(cached=[("e", tabs[7:10], 200)], scheduled={"e": 100}))
-    assert saved_chunks(m, 8) == [] and c._stats.data["save_holes"] == 1
+    assert saved_chunks(m, 4) == [(0, tabs[4:8])] and c._stats.data["save_holes"] == 0
+    # a window longer than the part of the chunk vLLM kept: 512-token
+    # chunks of a 300-token window keep all 16 blocks, and the old rule
+    # (a hole where vLLM freed a block) holds
+    spec = SlidingWindowSpec(sliding_window=300, block_size=32, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    c = sched_connector(spec, chunk_tokens=512)
+    assert [v.tail for v in c._s.plan.vgroups] == [16]
+    c._reqs["f"] = request("f", 900)
+    tabs = list(range(40, 70))
+    c.build_connector_meta(step_output(new=[("f", tabs[:13], 0)], scheduled={"f": 400}))
+    m = c.build_connector_meta(step_output(cached=[("f", tabs[13:20], 400)],
+                                           scheduled={"f": 200}))
+    assert saved_chunks(m, 16) == [] and c._stats.data["save_holes"] == 1
 
 
 def test_full_attention_saves_every_chunk():

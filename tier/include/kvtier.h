@@ -42,10 +42,11 @@ extern "C" {
 
 /* 2: kvt_lookup_ex (the disk tier's "ask again"), kvt_config.disk_chunks,
  * the disk fields of kvt_stats.  3: kvt_order_after.  4: the L3 tier in
- * kvt_lookup_ex (KVT_LOOKUP_DEPTH, kvt_lookup_res.first_depth).  A caller
+ * kvt_lookup_ex (KVT_LOOKUP_DEPTH, kvt_lookup_res.first_depth).  5:
+ * kvt_segment_model.  A caller
  * built against an earlier version keeps working unchanged: the library
  * speaks every one. */
-#define KVT_API_VERSION 4
+#define KVT_API_VERSION 5
 
 typedef struct kvt_tier kvt_tier;
 
@@ -339,6 +340,15 @@ int kvt_model_files_id(const char *config_path, char *out, size_t len);
 
 /* The layout fingerprint (seed of the key chain). */
 void kvt_fingerprint(const kvt_tier *t, kvt_key *out);
+
+/* The model text the segment's creator gave (its identity: the text whose
+ * hash is in the fingerprint), into buf, NUL-terminated, bounded (at most
+ * 1023 bytes) and with every byte outside printable ASCII as '?'; "" when
+ * the segment did not record one.  For a process that attached without
+ * describing the layout (n_groups 0) and must check whose segment it
+ * joined.  The length written (without the NUL), or -EINVAL.  API
+ * version 5. */
+int kvt_segment_model(const kvt_tier *t, char *buf, size_t len);
 
 /* A sentence for a negative errno code. */
 const char *kvt_strerror(int err);

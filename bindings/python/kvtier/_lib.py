@@ -12,7 +12,7 @@ import threading
 
 #: The version of kvtier.h this binding was written against; passed to
 #: kvt_open_v, which refuses a version the library does not speak.
-API_VERSION = 4
+API_VERSION = 5
 
 # Roles (kvtier.h KVT_TIER_*).
 TIER_RANK = 1
@@ -154,6 +154,7 @@ _PROTOTYPES = {
     "kvt_stats": (ctypes.c_int, [_tier_p, _P(kvt_stats)]),
     "kvt_fingerprint": (None, [_tier_p, _P(kvt_key)]),
     "kvt_model_files_id": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
+    "kvt_segment_model": (ctypes.c_int, [_tier_p, ctypes.c_char_p, ctypes.c_size_t]),
     "kvt_unlink": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p]),
     "kvt_strerror": (ctypes.c_char_p, [ctypes.c_int]),
     "kvt_last_error": (ctypes.c_char_p, []),

@@ -806,6 +806,16 @@ class Tier:
         L.lib().kvt_fingerprint(self._handle("kvt_fingerprint"), ctypes.byref(k))
         return Key(k.lo, k.hi)
 
+    @property
+    def segment_model(self):
+        """kvt_segment_model: the model text the segment's creator gave
+        (its identity), for a process that attached without describing
+        the layout and checks whose segment it joined."""
+        buf = ctypes.create_string_buffer(1024)
+        func = "kvt_segment_model"
+        _check(L.lib().kvt_segment_model(self._handle(func), buf, len(buf)), func)
+        return buf.value.decode("ascii", "replace")
+
     # -- scheduler --
 
     def lookup(self, keys):

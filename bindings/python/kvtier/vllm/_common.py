@@ -14,6 +14,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402,F4
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
 from vllm.logger import init_logger  # noqa: E402
 
+try:  # the hybrid KV cache manager's connector interface (vLLM 0.31 and later)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # noqa: E402
+except ImportError:  # pragma: no cover
+    class SupportsHMA:  # noqa: D101
+        pass
+
 # Under vLLM's own logger ("vllm"), so that the lines reach vLLM's handlers
 # and level (VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH); a logger named
 # after this module ("kvtier.vllm") would be outside vLLM's configuration

@@ -5,14 +5,19 @@ import shlex
 
 import kvtier
 
-from ._common import KVConnectorBase_V1, KVConnectorRole, logger
+from ._common import KVConnectorBase_V1, KVConnectorRole, SupportsHMA, logger
 from ._metadata import KvtierConnectorStats, KvtierPromMetrics
 from ._scheduler import _SchedulerSide
 from ._settings import _Settings
 from ._worker import _WorkerSide
 
 
-class KvtierConnector(_SchedulerSide, _WorkerSide, KVConnectorBase_V1):
+class KvtierConnector(_SchedulerSide, _WorkerSide, KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid KV cache manager on with kvtier
+    (per-group block tables, sliding windows freed as they move;
+    request_finished_all_groups), see _caches.py and the package's design
+    comment."""
+
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -32,6 +32,31 @@ def _chunk_keys_from_hashes(block_hashes, bpc, first_chunk, n_chunks):
     return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
 
 
+def _load_tables(vgroups, blocks, first, n, off):
+    """The block tables of a load of chunks first .. first + n - 1 (one
+    per vgroup: the blocks of each chunk kvtier keeps), and why it cannot
+    be exact ("" when it can).  The blocks of the first chunk that vLLM
+    computed itself (off tokens) and vLLM's null block are skipped.  A
+    block kvtier does not keep (before a window's tail) must be one vLLM
+    does not need -- its null block; were it a real block, vLLM would read
+    it, so the load is refused and vLLM recomputes the request."""
+    tables, error = [], ""
+    for v, b in zip(vgroups, blocks):
+        have = first * v.bpc + off // v.block_size
+        t = []
+        for c in range(first, first + n):
+            kept = (c + 1) * v.bpc - v.tail
+            for i in range(c * v.bpc, kept):
+                if b[i] != 0 and i >= have and not error:
+                    error = ("vLLM gave block %d of chunk %d real block %d in KV cache group %d, "
+                             "outside the %d-block window tail kvtier keeps"
+                             % (i - c * v.bpc, c, b[i], v.index, v.tail))
+            t.extend(kvtier.BLOCK_SKIP if b[i] == 0 or i < have else b[i]
+                     for i in range(kept, (c + 1) * v.bpc))
+        tables.append(t)
+    return tables, error
+
+
 class _SchedulerSide:
     """KvtierConnector's scheduler-side methods."""
 
@@ -70,8 +95,8 @@ class _SchedulerSide:
 
     def _keys(self, request, first_chunk, n):
         s = self._s
-        if s.prefix_caching and len(request.block_hashes) >= (first_chunk + n) * s.blocks_per_chunk:
-            return _chunk_keys_from_hashes(request.block_hashes, s.blocks_per_chunk,
+        if s.prefix_caching and len(request.block_hashes) >= (first_chunk + n) * s.hashes_per_chunk:
+            return _chunk_keys_from_hashes(request.block_hashes, s.hashes_per_chunk,
                                            first_chunk, n)
         toks = np.asarray(request.all_token_ids[:(first_chunk + n) * s.chunk_tokens],
                           dtype=np.uint32)
@@ -101,7 +126,7 @@ class _SchedulerSide:
         # that chunk's blocks after the hit are loaded, the ones vLLM has
         # are skipped (KVT_BLOCK_SKIP).  vLLM's hits are whole blocks.
         off = num_computed_tokens % s.chunk_tokens
-        if off % s.block_size:
+        if any(off % v.block_size for v in s.plan.vgroups):
             return 0, False
         first = num_computed_tokens // s.chunk_tokens
         if usable <= first:
@@ -153,7 +178,7 @@ class _SchedulerSide:
     def build_connector_meta(self, scheduler_output):
         s = self._s
         meta = KvtierConnectorMetadata()
-        bpc = s.blocks_per_chunk
+        vgroups = s.plan.vgroups
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._release_pending(rid)
             tl = self._to_load.pop(rid, None)
@@ -185,14 +210,12 @@ class _SchedulerSide:
         # block (outside a window: never attended) is skipped
         live = []
         for rid, (lid, first, n, off, blocks) in self._to_load.items():
-            if any(len(b) < (first + n) * bpc for b in blocks):
+            blocks = [blocks[v.index] for v in vgroups]
+            if any(len(b) < (first + n) * v.bpc for b, v in zip(blocks, vgroups)):
                 self._tier.release(lid)
                 continue
-            have = off // s.block_size  # blocks of the first chunk vLLM computed itself
-            tables = [[kvtier.BLOCK_SKIP if x == 0 or i < have else x
-                       for i, x in enumerate(b[first * bpc:(first + n) * bpc])]
-                      for b in blocks]
-            meta.loads.append(_Load(rid, lid, n, tables, s.async_io))
+            tables, error = _load_tables(vgroups, blocks, first, n, off)
+            meta.loads.append(_Load(rid, lid, n, tables, s.async_io, error))
             live.append(lid)
             if s.async_io:
                 self._loading[rid] = lid
@@ -212,7 +235,7 @@ class _SchedulerSide:
                 continue
             done = done0 + scheduler_output.num_scheduled_tokens.get(rid, 0)
             full = min(done, req.num_tokens) // s.chunk_tokens
-            full = min([full] + [len(b) // bpc for b in blocks])
+            full = min([full] + [len(blocks[v.index]) // v.bpc for v in vgroups])
             start = self._saved.get(rid, 0)
             if full <= start:
                 continue
@@ -229,7 +252,9 @@ class _SchedulerSide:
                     e += 1
                 keys = self._keys(req, c, e - c)
                 meta.saves.append(_Save(rid, keys.tobytes(), c,
-                                        [b[c * bpc:e * bpc] for b in blocks]))
+                                        [[x for k in range(c, e)
+                                          for x in v.chunk_table(blocks[v.index], k)]
+                                         for v in vgroups]))
                 if s.async_io:
                     self._saving.add(rid)
                 c = e
@@ -264,18 +289,24 @@ class _SchedulerSide:
                             if r in self._reqs)
 
     def _chunk_saveable(self, blocks, c, done0):
-        """Chunk c's blocks, in every group, hold this request's KV during
-        this step: none is the null block, and none is below what vLLM may
-        have freed at the start of the step (done0 tokens computed then)."""
-        s = self._s
-        bpc = s.blocks_per_chunk
-        for g, b in enumerate(blocks):
+        """Chunk c's blocks that kvtier keeps, in every group, hold this
+        request's KV during this step: none is the null block, and none is
+        below what vLLM may have freed at the start of the step (done0
+        tokens computed then)."""
+        for v in self._s.plan.vgroups:
+            first = (c + 1) * v.bpc - v.tail
             # remove_skipped_blocks frees blocks [0, skipped // block_size)
-            if c * bpc < _skipped_tokens(s.windows[g], done0) // s.block_size:
+            if first < _skipped_tokens(v.window, done0) // v.block_size:
                 return False
-            if 0 in b[c * bpc:(c + 1) * bpc]:
+            if 0 in v.chunk_table(blocks[v.index], c):
                 return False
         return True
+
+    def request_finished_all_groups(self, request, block_ids):
+        """SupportsHMA's finish (block ids per group): the same as
+        request_finished -- the connector keeps its own copy of every
+        group's blocks."""
+        return self.request_finished(request, block_ids)
 
     def request_finished(self, request, block_ids):
         rid = request.request_id

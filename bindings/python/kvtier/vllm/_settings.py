@@ -1,12 +1,14 @@
 """kvtier.vllm._settings: the engine's identity and the connector's
 settings, from vLLM's configuration and kv_connector_extra_config."""
+import errno
 import os
+import re
 
 import kvtier
 from kvtier._connect import as_bool, open_segment, opt
 
 from ._common import _NON_DETERMINISTIC_ALGOS, logger
-from ._layout import pieces_per_block
+from ._caches import Plan, default_chunk_tokens, group_kind
 
 
 # ---- configuration ----
@@ -99,6 +101,11 @@ def _engine_identity(mc, cache, kv_cache_config):
     return out
 
 
+def _strip_caches(model):
+    """A model identity without its caches field."""
+    return re.sub(r";caches=[0-9a-f]+", "", model or "")
+
+
 def _opt(extra, key, env, default, conv=str):
     return opt(extra, key, env, default, conv, where="kv_connector_extra_config")
 
@@ -132,13 +139,24 @@ class _Settings:
         self.instances = _opt(extra, "kvtier_instances", "KVTIER_INSTANCES",
                               max(getattr(par, "data_parallel_size", 1) or 1,
                                   self.instance + 1), int)
+        # vLLM's block size (the prefix cache's hash block); a model whose
+        # KV cache groups have other block sizes (DeepSeek V4) has chunks
+        # that cover a whole block of each (_caches.py)
         self.block_size = cache.block_size
         self.chunk_tokens = _opt(extra, "kvtier_chunk_tokens", "KVTIER_CHUNK_TOKENS",
-                                 self.block_size, int)
+                                 default_chunk_tokens(kv_cache_config, self.block_size), int)
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
             raise ValueError("kvtier: chunk_tokens=%d must be a positive multiple of vLLM's "
                              "block size (%d)" % (self.chunk_tokens, self.block_size))
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        # vLLM's block hashes, of which a chunk's key is its last one's: one
+        # per hash block (the engine core's, with HMA the groups' common
+        # divisor)
+        self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        if self.chunk_tokens % self.hash_block:
+            raise ValueError("kvtier: chunk_tokens=%d must be a multiple of vLLM's prefix-cache "
+                             "hash block (%d tokens)" % (self.chunk_tokens, self.hash_block))
+        self.hashes_per_chunk = self.chunk_tokens // self.hash_block
         self.tier_gib = _opt(extra, "kvtier_tier_gib", "KVTIER_TIER_GIB", 1.0, float)
         self.create = _opt(extra, "kvtier_create", "KVTIER_CREATE", True, _bool)
         self.dma = _opt(extra, "kvtier_dma", "KVTIER_DMA", None)
@@ -171,8 +189,17 @@ class _Settings:
         # module's design comment, "What a chunk's bytes mean".
         self.model_name = name
         self.config_file = _model_config_file(mc)
-        self.model_engine = name + _engine_identity(mc, cache, kv_cache_config) + \
-            _key_identity(self.prefix_caching, self.hash_algo)
+        layout = getattr(kv_cache_config, "kv_cache_layout", None) or \
+            getattr(cache, "kv_cache_layout", None)
+        self.layout = str(getattr(layout, "name", layout))
+        engine = _engine_identity(mc, cache, kv_cache_config)
+        self.plan = Plan(kv_cache_config, self.layout, self.chunk_tokens)
+        self.groups, self.replicated = self.plan.groups, self.plan.replicated
+        self.windows = self.plan.windows
+        # every cache's shape and dtype, where the plain fields do not say
+        if self.plan.caches:
+            engine += ";caches=%s" % self.plan.caches
+        self.model_engine = name + engine + _key_identity(self.prefix_caching, self.hash_algo)
         files = ""
         if self.config_file is not None:
             files = ";" + kvtier.model_files_id(self.config_file)
@@ -190,51 +217,6 @@ class _Settings:
                 "key and nothing saved would ever be found; kvtier shares chunks across "
                 "processes.  Use --prefix-caching-hash-algo sha256 (or sha256_cbor), or set "
                 "PYTHONHASHSEED to the same value for every vLLM process" % self.hash_algo)
-        layout = getattr(kv_cache_config, "kv_cache_layout", None) or \
-            getattr(cache, "kv_cache_layout", None)
-        self.layout = str(getattr(layout, "name", layout))
-        self.groups, self.replicated = self._groups(kv_cache_config)
-
-    def _groups(self, kv_cache_config):
-        """One kvtier group per vLLM KV cache group: each attention layer's
-        block (one rank's) is as many kvtier "layers" as the resolved
-        layout makes it runs -- its two halves where the block is one run
-        (or K and V apart), one per KV head in the head-outer layouts
-        (_layout.py).
-        self.windows[g]: the group's skipped-token rule (see the module's
-        design comment), None for full attention."""
-        groups, repl = [], set()
-        self.windows = []
-        for g in kv_cache_config.kv_cache_groups:
-            spec = g.kv_cache_spec
-            kind, param = _group_kind(spec)
-            if kind is None:
-                raise ValueError(
-                    "kvtier: the KV cache group of layers %s... is %s, which kvtier cannot "
-                    "store exactly (it stores full, MLA, sliding-window and chunked local "
-                    "attention KV); run this model without the kvtier connector"
-                    % (", ".join(g.layer_names[:2]), type(spec).__name__))
-            if spec.block_size != self.block_size:
-                raise ValueError("kvtier: KV cache groups with different block sizes (%d, "
-                                 "%d) are not supported" % (spec.block_size, self.block_size))
-            page = spec.page_size_bytes
-            pieces = pieces_per_block(spec, self.layout, len(g.layer_names))
-            if page % (pieces * spec.block_size):
-                raise ValueError("kvtier: a block of %d bytes does not split into %d runs of "
-                                 "whole tokens (layout %s)" % (page, pieces, self.layout))
-            is_mla = kind in ("mla", "sliding-mla")
-            repl.add(is_mla)
-            groups.append(kvtier.Group(pieces * len(g.layer_names),
-                                       page // (pieces * spec.block_size),
-                                       spec.block_size, is_mla))
-            self.windows.append(None if kind in ("full", "mla") else
-                                ("chunked" if kind == "chunked" else "sliding", param))
-        if len(repl) > 1:
-            raise ValueError("kvtier: MLA and non-MLA KV cache groups in one model are not "
-                             "supported")
-        if len(groups) > 8:
-            raise ValueError("kvtier: %d KV cache groups; kvtier holds at most 8" % len(groups))
-        return groups, bool(repl and repl.pop())
 
     def open(self, role, rank=None):
         """Opens the segment as role.  With create (the default) whoever
@@ -254,22 +236,37 @@ class _Settings:
             kw["dma"] = self.dma
         if self.max_inflight and role == "rank":
             kw["max_inflight"] = self.max_inflight
-        return open_segment(kw, self.create, self.instances, self.tier_gib)
+        try:
+            return open_segment(kw, self.create, self.instances, self.tier_gib)
+        except kvtier.KvtierError as e:
+            if role != "scheduler" or e.errno != errno.ESTALE or not self.plan.special:
+                raise
+            return self._adopt(kw, e)
+
+    def _adopt(self, kw, refused):
+        """The scheduler of a model whose caches it sees only in part:
+        vLLM gives the scheduler one spec per KV cache group, the first
+        layer's, so its geometry and caches field can differ from the
+        ranks' (which describe every cache, and create the segment: vLLM
+        starts the workers' connectors first).  It attaches without a
+        layout, and the segment must be this engine's in everything but
+        those: the same identity without its caches field, the same world
+        and chunk size.  Otherwise the refusal stands."""
+        kw = dict(kw, groups=None)
+        t = kvtier.Tier(**kw)
+        try:
+            theirs = t.segment_model
+            st = t.stats()
+            mine = _strip_caches(self.model)
+            if _strip_caches(theirs) != mine or st.get("world") != self.world or \
+                    st.get("chunk_tokens") != self.chunk_tokens:
+                raise refused
+        except BaseException:
+            t.close()
+            raise
+        logger.info("kvtier: the scheduler joined segment '%s' of its ranks (its KV caches: "
+                    "%s)", self.segment, theirs)
+        return t
 
 
-def _group_kind(spec):
-    """(kind, parameter) of a KV cache spec: ("full"|"mla", None),
-    ("sliding"|"sliding-mla", window), ("chunked", chunk size), or
-    (None, None) for a spec kvtier cannot store exactly.  By exact class:
-    a subclass (sink, reversed-window, hidden-state caches) has its own
-    block rules."""
-    name = type(spec).__name__
-    if name == "FullAttentionSpec":
-        return "full", None
-    if name == "MLAAttentionSpec":
-        return "mla", None
-    if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
-        return ("sliding-mla" if "MLA" in name else "sliding"), int(spec.sliding_window)
-    if name == "ChunkedLocalAttentionSpec":
-        return "chunked", int(spec.attention_chunk_size)
-    return None, None
+_group_kind = group_kind

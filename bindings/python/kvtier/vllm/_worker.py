@@ -47,22 +47,25 @@ class _WorkerSide:
         """Each layer's tensor must hold its blocks at a fixed stride on some
         dimension of size num_blocks, each block the runs the resolved
         layout gives it (_layout.py): one contiguous run (described as its
-        halves), K and V apart, or one run per KV head."""
+        halves, or rounded up into its page's padding), K and V apart, or
+        one run per KV head.  Every kvtier group (_caches.py) is
+        registered: all the caches of each vLLM group, whatever their
+        page."""
         s = self._s
         cfg = self._kv_cache_config
         per_group = []
-        for g, grp in zip(s.groups, cfg.kv_cache_groups):
-            page = grp.kv_cache_spec.page_size_bytes
-            pieces = g.n_layers // len(grp.layer_names)
+        for kg in s.plan.kgroups:
             spans = []
-            for name in grp.layer_names:
-                spans.extend(block_runs(kv_caches[name], cfg.num_blocks, page, pieces, name,
-                                        s.layout))
+            for name in kg.layers:
+                spans.extend(block_runs(kv_caches[name], cfg.num_blocks, kg.data * kg.pieces,
+                                        kg.pieces, name, s.layout))
             strides = {st for _, st in spans}
             if len(strides) != 1:
-                raise ValueError("kvtier: the layers of a KV cache group have different block "
-                                 "strides %s" % sorted(strides))
+                raise ValueError("kvtier: the layers %s of a KV cache group have different "
+                                 "block strides %s" % (", ".join(kg.layers[:3]),
+                                                       sorted(strides)))
             per_group.append(([b for b, _ in spans], strides.pop(), cfg.num_blocks))
+        _check_rounded_runs(s.plan, per_group)
         self._kv_caches = kv_caches  # kvtier holds their addresses
         self._tier.register_kv(groups=per_group)
         first = next(iter(kv_caches.values()), None)
@@ -114,8 +117,12 @@ class _WorkerSide:
         self._order_copies()
         for ld in meta.loads:
             t0 = time.perf_counter()
+            if ld.error:
+                self._tier.release(ld.lease)
+                self._load_failed(ld, ld.error)
+                continue
             try:
-                op = self._tier.load(ld.lease, _tables(ld.block_ids), n=ld.n_chunks)
+                op = self._tier.load(ld.lease, self._ktables(ld.block_ids), n=ld.n_chunks)
             except kvtier.KvtierError as e:
                 self._load_failed(ld, e)
                 continue
@@ -182,7 +189,7 @@ class _WorkerSide:
             if self._s.async_io:
                 self._save_rids.add(sv.req_id)
             try:
-                op = self._tier.save(np.ascontiguousarray(keys), _tables(sv.block_ids),
+                op = self._tier.save(np.ascontiguousarray(keys), self._ktables(sv.block_ids),
                                      first_depth=sv.first_depth)
             except kvtier.KvtierError as e:
                 logger.warning("kvtier: save for %s: %s", sv.req_id, e)
@@ -240,9 +247,44 @@ class _WorkerSide:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
+    def _ktables(self, block_ids):
+        """Per-vgroup block lists (the metadata's) -> the kvtier groups'
+        tables: each kgroup takes its vgroup's."""
+        plan = getattr(self._s, "plan", None)
+        if plan is None:    # a stand-in's settings: the tables as given
+            return _tables(block_ids)
+        return _tables([block_ids[kg.vg] for kg in plan.kgroups])
+
     def get_block_ids_with_load_errors(self):
         bad, self._bad_blocks = self._bad_blocks, set()
         return bad
+
+
+def _check_rounded_runs(plan, per_group):
+    """A run copied rounded up past its layer's data (_caches.py) must
+    overlap no other layer's data of its vLLM group: block b of every layer
+    is compared with blocks b - 1, b, b + 1 of every other (one stride for
+    all).  Raises ValueError naming both layers."""
+    by_vg = {}
+    for kg, (bases, stride, _) in zip(plan.kgroups, per_group):
+        for i, base in enumerate(bases):
+            by_vg.setdefault(kg.vg, []).append((base, kg.run, kg.data, stride,
+                                                kg.layers[i // kg.pieces]))
+    for runs in by_vg.values():
+        for i, (a, run, _, stride, na) in enumerate(runs):
+            if run > stride:
+                raise ValueError("kvtier: layer %s: %d bytes copied a block, over its "
+                                 "%d-byte block stride" % (na, run, stride))
+            for j, (b, _, data, _, nb) in enumerate(runs):
+                if i == j:
+                    continue
+                for k in (-1, 0, 1):
+                    lo = b + k * stride
+                    if a < lo + data and lo < a + run:
+                        raise ValueError(
+                            "kvtier: layer %s: the %d bytes kvtier copies of a block overlap "
+                            "layer %s's data; this layout has no room to round its blocks "
+                            "into" % (na, run, nb))
 
 
 def _tables(block_ids):
