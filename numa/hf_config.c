@@ -109,6 +109,73 @@ static int count_indexer_types(json_object *a, const char *what, uint32_t layers
 	return 0;
 }
 
+/* DeepSeek V4 (vLLM's vllm/models/deepseek_v4): which layers compress, from
+ * compress_ratios (DeepSeek's config.json: one entry per layer, then the
+ * MTP layer's) or transformers' layer_types. */
+static int parse_dsv4(json_object *o, const char *what, struct kvt_model *m)
+{
+	json_object *v;
+	uint32_t rope = 64;
+	int r;
+
+	m->attn = KVT_ATTN_MLA;
+	m->dsv4 = 1;
+	if ((r = need_u32(o, what, "head_dim", 65536, &m->head_dim)) ||
+	    (r = need_u32(o, what, "sliding_window", 1u << 20, &m->window)) ||
+	    (r = need_u32(o, what, "index_head_dim", 65536, &m->index_head_dim)))
+		return r;
+	r = get_u32(o, what, "qk_rope_head_dim", 65536, &rope);
+	if (r && r != -ENOENT)
+		return r;
+	if (rope >= m->head_dim || !m->window)
+		return kvt__numa_err(-EINVAL, "%s: head_dim %u, qk_rope_head_dim %u, "
+				     "sliding_window %u", what, m->head_dim, rope, m->window);
+	m->kv_lora_rank = m->head_dim - rope;
+	m->qk_rope_head_dim = rope;
+	if (json_object_object_get_ex(o, "compress_ratios", &v) &&
+	    json_object_is_type(v, json_type_array)) {
+		if (json_object_array_length(v) < m->layers)
+			return kvt__numa_err(-EINVAL, "%s: compress_ratios has %zu entries for %u "
+					     "layers", what, json_object_array_length(v), m->layers);
+		for (uint32_t i = 0; i < m->layers; i++) {
+			json_object *e = json_object_array_get_idx(v, i);
+			int64_t x = json_object_is_type(e, json_type_int) ?
+				    json_object_get_int64(e) : -1;
+
+			if (x == 4)
+				m->c4_layers++;
+			else if (x == 128)
+				m->c128_layers++;
+			else if (x != 0 && x != 1)
+				return kvt__numa_err(-ENOTSUP, "%s: compress_ratios[%u] is %lld: "
+						     "vLLM's DeepSeek V4 compresses by 4 or 128",
+						     what, i, (long long)x);
+		}
+	} else if (json_object_object_get_ex(o, "layer_types", &v) &&
+		   json_object_is_type(v, json_type_array) &&
+		   json_object_array_length(v) >= m->layers) {
+		for (uint32_t i = 0; i < m->layers; i++) {
+			const char *t = json_object_get_string(json_object_array_get_idx(v, i));
+
+			if (t && !strcmp(t, "compressed_sparse_attention"))
+				m->c4_layers++;
+			else if (t && !strcmp(t, "heavily_compressed_attention"))
+				m->c128_layers++;
+			else if (!t || strcmp(t, "sliding_attention"))
+				return kvt__numa_err(-ENOTSUP, "%s: layer_types[%u] is %s", what,
+						     i, t ? t : "not a string");
+		}
+	} else {
+		return kvt__numa_err(-EINVAL, "%s: DeepSeek V4 without compress_ratios or "
+				     "layer_types: which layers compress is not in the config",
+				     what);
+	}
+	m->indexer_layers = m->c4_layers; /* the indexer is the 4-token layers' */
+	if (!m->indexer_layers)
+		m->index_head_dim = 0;
+	return kvt_model_check(m);
+}
+
 static int parse_obj(json_object *root, const char *what, struct kvt_model *m)
 {
 	json_object *o = root, *v;
@@ -143,6 +210,12 @@ static int parse_obj(json_object *root, const char *what, struct kvt_model *m)
 				     "knows (model_type %s)", what, m->model_type);
 	if ((r = need_u32(o, what, "num_hidden_layers", 4096, &m->layers)))
 		return r;
+	if (!strcmp(m->model_type, "deepseek_v4")) {
+		s = get_str(o, "torch_dtype");
+		if (s && kvt_dtype_parse(s, &m->dtype))
+			m->dtype = KVT_DTYPE_AUTO;
+		return parse_dsv4(o, what, m);
+	}
 
 	/* Hybrid models whose other layers keep a recurrent state, not KV. */
 	if (json_object_object_get_ex(o, "layer_types", &v) &&

@@ -418,7 +418,13 @@ static double gib(uint64_t b)
 
 static void print_model(const struct kvt_model *m, const struct kvt_size_plan *p)
 {
-	if (m->attn == KVT_ATTN_MLA)
+	if (m->dsv4)
+		printf("model       %s (model_type %s): DeepSeek V4, %u layers (%u compress by "
+		       "4 with the indexer, %u by 128), head_dim %u, window %u; the caches as "
+		       "kvtier.vllm keeps them (a window's tail per chunk)\n", m->arch,
+		       m->model_type, m->layers, m->c4_layers, m->c128_layers, m->head_dim,
+		       m->window);
+	else if (m->attn == KVT_ATTN_MLA)
 		printf("model       %s (model_type %s): MLA, %u layers, kv_lora_rank %u + "
 		       "qk_rope_head_dim %u = %u values per token per layer\n", m->arch,
 		       m->model_type, m->layers, m->kv_lora_rank, m->qk_rope_head_dim,
@@ -428,7 +434,7 @@ static void print_model(const struct kvt_model *m, const struct kvt_size_plan *p
 		       "%u\n", m->arch, m->model_type,
 		       m->n_kv_heads == m->n_heads ? "MHA" : m->n_kv_heads == 1 ? "MQA" : "GQA",
 		       m->layers, m->n_kv_heads, m->head_dim);
-	if (m->indexer_layers)
+	if (m->indexer_layers && !m->dsv4)
 		printf("indexer     %u of %u layers own an indexer cache, index_head_dim %u, "
 		       "%s: %u bytes per token per layer\n", m->indexer_layers, m->layers,
 		       m->index_head_dim, kvt_dtype_name(p->indexer_dtype),
@@ -515,13 +521,11 @@ static void print_text(const struct opts *o, const struct kvt_model *m,
 	       "segment (1 shard)");
 	printf("%-14s %16s %20s   ", "bytes/token", commas(p->token_bytes_rank, a, sizeof(a)),
 	       commas(p->token_bytes_all, b, sizeof(b)));
-	if (p->n_groups == 1)
-		printf("%u layers x %s B\n", p->groups[0].layers,
-		       commas(p->groups[0].bytes_per_token, c, sizeof(c)));
-	else
-		printf("%u layers x %s B + %u indexer layers x %u B\n", p->groups[0].layers,
-		       commas(p->groups[0].bytes_per_token, c, sizeof(c)), p->groups[1].layers,
-		       p->groups[1].bytes_per_token);
+	for (uint32_t g = 0; g < p->n_groups; g++)
+		printf("%s%u %s%slayers x %s B", g ? " + " : "", p->groups[g].layers,
+		       g || m->dsv4 ? p->groups[g].name : "", g || m->dsv4 ? " " : "",
+		       commas(p->groups[g].bytes_per_token, c, sizeof(c)));
+	printf("\n");
 	printf("%-14s %16s %20s   %u tokens\n", "bytes/chunk",
 	       commas(p->chunk_bytes_rank, a, sizeof(a)), commas(p->chunk_bytes_all, b, sizeof(b)),
 	       p->chunk_tokens);
@@ -603,6 +607,7 @@ static void print_json(const struct opts *o, const struct kvt_model *m,
 	for (uint32_t g = 0; g < p->n_groups; g++) {
 		json_object *go = json_object_new_object();
 
+		STR(go, "cache", p->groups[g].name ? p->groups[g].name : "kv");
 		I64(go, "layers", p->groups[g].layers);
 		I64(go, "bytes_per_token", p->groups[g].bytes_per_token);
 		json_object_array_add(groups, go);

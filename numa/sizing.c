@@ -205,6 +205,100 @@ static int check(const struct kvt_size_req *r, struct kvt_size_plan *p)
 	return p->fits;
 }
 
+/* Blocks of a chunk kvtier.vllm keeps of a sliding window (its
+ * _caches._tail_blocks): the window's tail before the chunk's end, rounded
+ * up to divide the chunk's bpc blocks; every block when the window reaches
+ * past it. */
+static uint32_t tail_blocks(uint32_t window, uint32_t block, uint32_t bpc)
+{
+	uint32_t need = window > 1 ? (window - 1 + block - 1) / block : 1;
+
+	if (need >= bpc)
+		return bpc;
+	while (bpc % need)
+		need++;
+	return need;
+}
+
+/* DeepSeek V4's caches as kvtier.vllm keeps them (vLLM 0.32, block size
+ * 256: the sparse-SWA cache in 64-token blocks, the compressors' state in
+ * blocks of 4 (ratio 4) and 8 (ratio 128) tokens).  Per cache kind, the
+ * bytes of one chunk for one layer: the blocks it keeps times a block's
+ * data, rounded up to whole bytes per kvtier token (the chunk's tokens
+ * over its kept blocks) as the connector copies it.  state: one stored
+ * state (fp8_ds_mla: 448 fp8 + 64 bf16 + 8 scale bytes = 584; bf16:
+ * head_dim x 2). */
+static uint64_t dsv4_chunk(uint32_t chunk, uint32_t block, uint64_t block_data,
+			   uint32_t window)
+{
+	uint32_t bpc = chunk / block;
+	uint32_t kept = window ? tail_blocks(window, block, bpc) : bpc;
+	uint64_t tpb = chunk / kept;
+
+	return kept * ((block_data + tpb - 1) / tpb * tpb);
+}
+
+static int dsv4_groups(const struct kvt_size_req *r, const struct kvt_model *m,
+		       struct kvt_size_plan *p)
+{
+	const uint32_t C = p->chunk_tokens, L = m->layers, n4 = m->c4_layers,
+		       n128 = m->c128_layers;
+	uint64_t state, ib = 0;
+	struct { const char *name; uint32_t layers; uint64_t chunk; } g[7];
+	uint32_t n = 0;
+
+	if (C % 256)
+		return kvt__numa_err(-EINVAL, "DeepSeek V4: a chunk of %u tokens is not a "
+				     "multiple of vLLM's 256-token blocks", C);
+	if (p->pp > 1)
+		return kvt__numa_err(-EINVAL, "DeepSeek V4: PP %u not sized (its replicated "
+				     "caches are one shard)", p->pp);
+	switch (r->kv_dtype) {
+	case KVT_DTYPE_AUTO:
+	case KVT_DTYPE_FP8:
+		state = 584; /* fp8_ds_mla, vLLM's V4 default on GPUs */
+		p->kv_dtype = KVT_DTYPE_FP8;
+		break;
+	case KVT_DTYPE_BF16:
+	case KVT_DTYPE_FP16:
+		state = (uint64_t)m->head_dim * 2;
+		p->kv_dtype = r->kv_dtype;
+		break;
+	default:
+		return kvt__numa_err(-EINVAL, "DeepSeek V4: kv dtype %s: use fp8 (fp8_ds_mla) "
+				     "or bf16", kvt_dtype_name(r->kv_dtype));
+	}
+	if (n4) {
+		p->indexer_dtype = r->indexer_dtype ? r->indexer_dtype : KVT_DTYPE_FP8;
+		ib = kvt_indexer_token_bytes(m->index_head_dim, p->indexer_dtype);
+		if (!ib)
+			return kvt__numa_err(-EINVAL, "indexer dtype %s: use fp8 or bf16",
+					     kvt_dtype_name(p->indexer_dtype));
+	}
+#define G(nm, ly, ck) do { if (ly) { g[n].name = nm; g[n].layers = ly; \
+			       g[n].chunk = ck; n++; } } while (0)
+	G("swa", L, dsv4_chunk(C, 64, 64 * state, m->window));
+	G("c4", n4, dsv4_chunk(C, 256, 64 * state, 0));
+	G("c128", n128, dsv4_chunk(C, 256, 2 * state, 0));
+	G("indexer", n4, dsv4_chunk(C, 256, 64 * ib, 0));
+	/* the compressors' running state, fp32: 2 x overlap x width a token,
+	 * over a window of overlap x ratio tokens (overlap 2 at ratio 4) */
+	G("indexer-state", n4, dsv4_chunk(C, 4, 4ull * 2 * 2 * m->index_head_dim * 4, 8));
+	G("c4-state", n4, dsv4_chunk(C, 4, 4ull * 2 * 2 * m->head_dim * 4, 8));
+	G("c128-state", n128, dsv4_chunk(C, 8, 8ull * 2 * 1 * m->head_dim * 4, 128));
+#undef G
+	p->n_groups = n;
+	p->chunk_bytes_rank = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		p->groups[i].name = g[i].name;
+		p->groups[i].layers = g[i].layers;
+		p->groups[i].bytes_per_token = (uint32_t)((g[i].chunk + C - 1) / C);
+		p->chunk_bytes_rank += g[i].layers * g[i].chunk;
+	}
+	p->token_bytes_rank = (p->chunk_bytes_rank + C - 1) / C;
+	return 0;
+}
+
 /* Resolves dtypes, layout and the per-token and per-chunk figures. */
 static int base(const struct kvt_size_req *r, struct kvt_size_plan *p)
 {
@@ -266,6 +360,12 @@ static int base(const struct kvt_size_req *r, struct kvt_size_plan *p)
 			return kvt__numa_err(-EINVAL, "TP %u does not divide the %u KV heads "
 					     "(nor do they divide TP)", p->tp, kvh);
 		per_layer = ((uint64_t)2 * p->kv_heads_rank * m->head_dim * bits + 7) / 8;
+	} else if (m->indexer_layers && p->kv_dtype == KVT_DTYPE_FP8 &&
+		   m->kv_lora_rank == 512 && m->qk_rope_head_dim == 64) {
+		/* DeepSeek V3.2 / GLM-5.x in fp8: the engines' fp8_ds_mla, 512
+		 * fp8 values, 4 fp32 scales and 64 bf16 rope values (vLLM's
+		 * state_content_bytes 656, as kvtier.vllm copies it) */
+		per_layer = 656;
 	} else {
 		per_layer = ((uint64_t)(m->kv_lora_rank + m->qk_rope_head_dim) * bits + 7) / 8;
 	}
@@ -278,7 +378,18 @@ static int base(const struct kvt_size_req *r, struct kvt_size_plan *p)
 	if (stage_layers > MAX_LAYERS)
 		return kvt__numa_err(-EINVAL, "%u layers per stage: kvtier holds at most %u",
 				     stage_layers, MAX_LAYERS);
+	if (m->dsv4) {
+		if ((rc = dsv4_groups(r, m, p)))
+			return rc;
+		p->token_bytes_all = p->token_bytes_rank * p->n_shards;
+		p->chunk_bytes_rank = p->chunk_bytes_rank < 4096 ?
+				      round_up(p->chunk_bytes_rank, 64) :
+				      round_up(p->chunk_bytes_rank, 4096);
+		p->chunk_bytes_all = p->chunk_bytes_rank * p->n_shards;
+		return 0;
+	}
 	p->n_groups = 1;
+	p->groups[0].name = "kv";
 	p->groups[0].layers = stage_layers;
 	p->groups[0].bytes_per_token = (uint32_t)per_layer;
 	if (m->indexer_layers) {
@@ -290,6 +401,7 @@ static int base(const struct kvt_size_req *r, struct kvt_size_plan *p)
 			return kvt__numa_err(-EINVAL, "indexer dtype %s: use fp8 or bf16",
 					     kvt_dtype_name(p->indexer_dtype));
 		p->n_groups = 2;
+		p->groups[1].name = "indexer";
 		p->groups[1].layers = (m->indexer_layers + p->pp - 1) / p->pp;
 		p->groups[1].bytes_per_token = ib;
 	}

@@ -62,6 +62,14 @@ struct kvt_model {
 	uint32_t indexer_layers;  /* layers that own an indexer cache: all, or
 				   * the "full" entries of indexer_types */
 	uint32_t dtype;           /* torch_dtype / dtype; AUTO when absent */
+	/* DeepSeek V4 (model_type deepseek_v4): every layer keeps a sliding-
+	 * window cache; the compressed ones also a cache of one state per 4
+	 * (with the indexer) or 128 tokens and a compressor's running state.
+	 * head_dim is the state's width (512); attn is MLA (replicated). */
+	uint32_t dsv4;            /* 1 for DeepSeek V4 */
+	uint32_t c4_layers;       /* compress_ratios 4 */
+	uint32_t c128_layers;     /* compress_ratios 128 */
+	uint32_t window;          /* sliding_window */
 };
 
 /* Checks that a model struct is complete and consistent.  0 or -EINVAL. */
@@ -133,8 +141,10 @@ struct kvt_size_plan {
 	uint32_t n_groups;        /* layer groups, as in struct kvt_geometry */
 	struct {
 		uint32_t layers;          /* one pipeline stage's layers */
-		uint32_t bytes_per_token; /* per layer, one rank */
-	} groups[2];
+		uint32_t bytes_per_token; /* per layer, one rank (DeepSeek V4: a
+					   * chunk's bytes / chunk_tokens) */
+		const char *name;         /* "kv", "indexer", DeepSeek V4's caches */
+	} groups[8];
 	uint64_t token_bytes_rank;  /* one token, one rank */
 	uint64_t token_bytes_all;   /* one token, every shard */
 	uint64_t chunk_bytes_rank;  /* one shard of one chunk, as stored */

@@ -203,14 +203,15 @@ static void t_glm5_like_indexer(void **state)
 	assert_int_equal(kvt_indexer_token_bytes(128, KVT_DTYPE_FP8), 132);
 	r = req(&m, KVT_DTYPE_FP8, 8);
 	p = plan(&r);
-	/* 78 x 576 (MLA fp8) + 21 x 132 (indexer fp8 + fp32 scale) = 47,700:
-	 * the two layer groups of DESIGN.md. */
+	/* 78 x 656 (fp8_ds_mla: 512 fp8 + 4 fp32 scales + 64 bf16 rope, what
+	 * vLLM stores and kvtier.vllm copies) + 21 x 132 (indexer fp8 + fp32
+	 * scale) = 51,168 + 2,772 = 53,940: the two layer groups of DESIGN.md. */
 	assert_int_equal(p.n_groups, 2);
 	assert_int_equal(p.groups[0].layers, 78);
-	assert_int_equal(p.groups[0].bytes_per_token, 576);
+	assert_int_equal(p.groups[0].bytes_per_token, 656);
 	assert_int_equal(p.groups[1].layers, 21);
 	assert_int_equal(p.groups[1].bytes_per_token, 132);
-	assert_int_equal(p.token_bytes_rank, 47700);
+	assert_int_equal(p.token_bytes_rank, 53940);
 	assert_int_equal(p.n_shards, 1);
 	/* bf16 MLA, indexer still fp8 (as engines keep it). */
 	r.kv_dtype = KVT_DTYPE_BF16;
@@ -223,6 +224,67 @@ static void t_glm5_like_indexer(void **state)
 	assert_int_equal(m.indexer_layers, 61);
 	r = req(&m, KVT_DTYPE_BF16, 8);
 	assert_int_equal(plan(&r).token_bytes_rank, 70272 + 61 * 132);
+}
+
+/* DeepSeek-V4-Flash's published config.json (deepseek-v4-flash.json):
+ * 43 layers, compress_ratios 0, 0, then 4 / 128 alternating, ending in 4
+ * (21 layers by 4 with the indexer, 20 by 128), head_dim 512, window 128,
+ * index_head_dim 128.  Per 256-token chunk and layer, as kvtier.vllm keeps
+ * it (fp8_ds_mla: 584 bytes a state):
+ *   swa         every layer: the window's tail, 2 of 4 64-token blocks:
+ *               128 x 584                               =     74,752
+ *   c4          64 states x 584                         =     37,376
+ *   c128        2 x 584 = 1,168, rounded up to 5 B x 256 =      1,280
+ *   indexer     64 states x 132 (fp8 + a scale per 128)  =      8,448
+ *   indexer-state  2 of 64 4-token blocks (window 8) of 4 x 2 x 2 x 128
+ *               fp32 = 8,192 each                        =     16,384
+ *   c4-state    2 blocks of 4 x 2 x 2 x 512 fp32 = 32,768 =     65,536
+ *   c128-state  16 of 32 8-token blocks (window 128) of 8 x 2 x 512 fp32
+ *               = 32,768 each                            =    524,288
+ * A chunk: 43 x 74,752 + 21 x (37,376 + 8,448 + 16,384 + 65,536)
+ *   + 20 x (1,280 + 524,288) = 3,214,336 + 2,682,624 + 10,511,360
+ *   = 16,408,320 bytes (64,095 a token), one copy for all 8 ranks.  The
+ * same formula gave the 802,816 bytes a chunk that the library logged for
+ * test_hybrid_caches.py's two-layer model (one layer of each kind). */
+static void t_deepseek_v4_flash(void **state)
+{
+	struct kvt_model m;
+	struct kvt_size_req r;
+	struct kvt_size_plan p;
+
+	(void)state;
+	load("deepseek-v4-flash.json", &m);
+	assert_int_equal(m.dsv4, 1);
+	assert_int_equal(m.attn, KVT_ATTN_MLA);
+	assert_int_equal(m.layers, 43);
+	assert_int_equal(m.c4_layers, 21);
+	assert_int_equal(m.c128_layers, 20);
+	assert_int_equal(m.window, 128);
+	r = req(&m, KVT_DTYPE_AUTO, 8);
+	p = plan(&r);
+	assert_int_equal(p.n_shards, 1);            /* replicated: one copy */
+	assert_int_equal(p.n_groups, 7);
+	assert_string_equal(p.groups[0].name, "swa");
+	assert_int_equal(p.groups[0].layers, 43);
+	assert_int_equal(p.groups[0].bytes_per_token, 74752 / 256);
+	assert_string_equal(p.groups[6].name, "c128-state");
+	assert_int_equal(p.groups[6].bytes_per_token, 524288 / 256);
+	/* stored as core stores a shard: in whole 4 KiB pages */
+	assert_int_equal(p.chunk_bytes_rank, (16408320 + 4095) / 4096 * 4096);
+	assert_int_equal(p.token_bytes_rank, 64095);
+	/* bf16 KV: a state is 512 x 2 = 1,024 bytes; c128's 2,048 divide */
+	r.kv_dtype = KVT_DTYPE_BF16;
+	p = plan(&r);
+	assert_int_equal(p.chunk_bytes_rank,
+			 (43ull * 128 * 1024 + 21ull * (64 * 1024 + 8448 + 16384 + 65536) +
+			  20ull * (2048 + 524288) + 4095) / 4096 * 4096);
+	/* the two-layer model of test_hybrid_caches.py, by the same rules */
+	m.layers = 2;
+	m.c4_layers = 1;
+	m.c128_layers = 1;
+	m.indexer_layers = 1;
+	r = req(&m, KVT_DTYPE_AUTO, 1);
+	assert_int_equal(plan(&r).chunk_bytes_rank, 802816);
 }
 
 /* One node with free memory; F on it. */
@@ -560,6 +622,7 @@ int main(void)
 		cmocka_unit_test(t_llama_8b),
 		cmocka_unit_test(t_other_gqa),
 		cmocka_unit_test(t_deepseek_v3),
+		cmocka_unit_test(t_deepseek_v4_flash),
 		cmocka_unit_test(t_glm5_like_indexer),
 		cmocka_unit_test(t_fit_and_largest),
 		cmocka_unit_test(t_fit_replicated_and_nodes),

@@ -181,9 +181,98 @@ def engine(o):
     return llm, core.scheduler, wc, kv, core.vllm_config
 
 
+def _free_port():
+    import socket
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def glm_specs(o, vc):
+    """The KV cache specs vLLM 0.32's GLM-5.x / DeepSeek V3.2 layers give
+    (vllm/model_executor/layers/attention/mla_attention.py's
+    get_kv_cache_spec for the MLA cache, deepseek_v2.py's
+    DeepseekV32IndexerCache for the indexer's keys), per layer of the
+    config: an indexer cache on the layers indexer_types calls "full"."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
+    hf = vc.model_config.hf_config
+    bs = vc.cache_config.block_size
+    cd = o.get("kv_cache_dtype", "fp8_ds_mla")
+    types = getattr(hf, "indexer_types", None) or ["full"] * hf.num_hidden_layers
+    specs = {}
+    for i in range(hf.num_hidden_layers):
+        specs["model.layers.%d.self_attn.attn" % i] = MLAAttentionSpec(
+            block_size=bs, num_kv_heads=1, max_tp_shards=1,
+            head_size=hf.kv_lora_rank + hf.qk_rope_head_dim,
+            dtype=torch.uint8 if cd == "fp8_ds_mla" else torch.bfloat16,
+            cache_dtype_str=cd, kv_quant_mode=get_kv_quant_mode(cd),
+            state_content_bytes=656 if cd == "fp8_ds_mla" else None,
+            is_index_group_leader=types[i] == "full")
+        if types[i] == "full":
+            specs["model.layers.%d.self_attn.indexer.k_cache" % i] = MLAAttentionSpec(
+                block_size=bs, num_kv_heads=1, max_tp_shards=1,
+                head_size=hf.index_head_dim + hf.index_head_dim // 128 * 4, dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER)
+    return specs
+
+
+def from_config(o):
+    """No engine (vLLM's CPU build refuses sparse attention): the KV cache
+    config vLLM's own get_kv_cache_configs builds from the model's specs,
+    the tensors its allocate_kv_cache makes, its Scheduler, the connector's
+    worker side as vLLM initialises it -- workers first, as in an engine."""
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                             SchedulerConfig, VllmConfig, set_current_vllm_config)
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.kv_transfer import (ensure_kv_transfer_initialized,
+                                              get_kv_transfer_group)
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
+                                             get_kv_cache_configs)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.utils import allocate_kv_cache
+    bs = o.get("block_size", 64)
+    vc = VllmConfig(
+        model_config=ModelConfig(model=o["model"], dtype="bfloat16", max_model_len=2048,
+                                 skip_tokenizer_init=True, seed=0),
+        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both", kv_connector_extra_config=dict(
+                kvtier_segment=o["segment"], kvtier_tier_gib=o.get("tier_gib", 0.25))),
+        device_config=DeviceConfig("cpu"))
+    vc.cache_config.block_size = bs
+    vc.cache_config.num_gpu_blocks_override = o.get("blocks", 400)
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+    ctx = set_current_vllm_config(vc)
+    ctx.__enter__()
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method="tcp://127.0.0.1:%d" % _free_port())
+    ensure_model_parallel_initialized(1, 1)
+    layout = o.get("layout", "LBNHC")
+    vc.cache_config.kv_cache_layout = layout
+    specs = glm_specs(o, vc)
+    worker_cfg = get_kv_cache_configs(vc, [specs], [1 << 30])[0]
+    worker_cfg.kv_cache_layout = layout
+    sched_cfg = generate_scheduler_kv_cache_config([worker_cfg])
+    vc.cache_config.num_gpu_blocks = worker_cfg.num_blocks
+    ensure_kv_transfer_initialized(vc, worker_cfg)
+    wc = get_kv_transfer_group()
+    kv = allocate_kv_cache(worker_cfg, torch.device("cpu"), KVCacheLayout[layout])
+    wc.register_kv_caches(kv)
+    sched = Scheduler(vllm_config=vc, kv_cache_config=sched_cfg,
+                      structured_output_manager=StructuredOutputManager(vc),
+                      block_size=bs, log_stats=True)
+    return None, sched, wc, kv, vc
+
+
 def main():
     o = json.loads(sys.argv[1])
-    llm, sched, wc, kv, vc = engine(o)
+    llm, sched, wc, kv, vc = engine(o) if o.get("kind", "engine") == "engine" else from_config(o)
     d = Driver(sched, wc, kv, vc)
     hits = {"hit_tokens": 0}
     stat = sched.connector._stat

@@ -122,3 +122,21 @@ def write_deepseek_v4(path, compress_ratios=(4, 128, 0)):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(c, f, indent=1)
     return path
+
+
+def write_glm5(path):
+    """config.json of a small GLM-5.x (glm_moe_dsa, the DeepSeek V3.2
+    architecture): GLM-5's attention shapes (kv_lora_rank 512, rope 64,
+    the indexer's 128-wide keys) on four layers, two of which own an
+    indexer cache (indexer_types, as GLM-5.2's 21 of 78)."""
+    from transformers import AutoConfig
+    c = AutoConfig.for_model(
+        "glm_moe_dsa", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=4, kv_lora_rank=512,
+        q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        index_head_dim=128, index_n_heads=4, index_topk=64, vocab_size=1024,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        indexer_types=["full", "shared", "full", "shared"])
+    c.save_pretrained(path)
+    return path

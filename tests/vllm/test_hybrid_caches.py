@@ -95,11 +95,11 @@ def test_deepseek_v4_caches_saved_and_loaded_exact(v4, segment):
     assert r["vgroups"] == [[0, "mla", 256, 1, 1], [1, "sliding-mla", 4, 64, 2],
                             [2, "sliding-mla", 64, 4, 2], [3, "sliding-mla", 64, 4, 2],
                             [4, "sliding-mla", 8, 32, 16]], r["vgroups"]
-    # every cache of the MLA group, each its own shape: the indexer's keys
-    # (64 states x 132 bytes), the 4-token-state cache (64 x 584, as
-    # halves), the 128-token-state one (2 x 584 = 1,168 bytes, copied as
-    # 1,280 into its 1,728-byte page's padding)
-    assert r["kgroups"][:3] == [[0, 1, 1, 8448, 8448, 256], [0, 1, 2, 18688, 18688, 256],
+    # every cache of the MLA group, each its own shape, largest first: the
+    # 4-token-state cache (64 x 584 bytes, as halves), the indexer's keys
+    # (64 states x 132 bytes), the 128-token-state one (2 x 584 = 1,168
+    # bytes, copied as 1,280 into its 1,728-byte page's padding)
+    assert r["kgroups"][:3] == [[0, 1, 2, 18688, 18688, 256], [0, 1, 1, 8448, 8448, 256],
                                 [0, 1, 1, 1168, 1280, 256]], r["kgroups"]
     assert len(r["kgroups"]) == 8
     assert ";caches=" in r["model"] and "kv=fp8_ds_mla" in r["model"]
@@ -119,3 +119,32 @@ def test_deepseek_v4_a_cache_left_out_is_caught(v4, segment):
     r = drive(v4, segment, **{"break": "skip-cache"})
     assert r["n_wrong"] > 0
     assert all("group 4" in w for w in r["wrong"]), r["wrong"]
+
+
+def test_glm5_caches_saved_and_loaded_exact(tmp_path, segment):
+    """GLM-5.x / DeepSeek V3.2: vLLM's CPU build refuses the model
+    ("NotImplementedError: Sparse Attention is not supported on CPU.", at
+    its attention backend's selection), so no engine runs.  The next
+    thing that does: its layers' KV cache specs as vLLM's code makes them
+    (fp8_ds_mla MLA caches of 656 bytes a token, the indexer's 132-byte
+    keys on the "full" layers), the KV cache config vLLM's
+    get_kv_cache_configs builds from them with the hybrid allocator on
+    (one group, its layers of two page sizes), the tensors vLLM's
+    allocate_kv_cache makes, vLLM's Scheduler with the connector, and the
+    connector's worker side -- every cache of every block saved and loaded
+    through kvtier, checked byte for byte."""
+    glm = models.write_glm5(str(tmp_path / "glm5"))
+    rc, out, err = run([os.path.join(HERE, "hybrid_driver.py"),
+                        json.dumps(dict(model=glm, segment=segment, kind="config"))])
+    lines = [x for x in out.splitlines() if x.startswith("{")]
+    assert rc == 0 and lines, err[-4000:]
+    r = json.loads(lines[-1])
+    assert r["groups"] == [6], r["groups"]          # 4 MLA caches + 2 indexer caches
+    # the MLA caches (656 bytes a token, as halves), then the indexer's
+    assert r["kgroups"] == [[0, 4, 2, 64 * 328, 64 * 328, 64],
+                            [0, 2, 2, 64 * 66, 64 * 66, 64]], r["kgroups"]
+    assert r["n_wrong"] == 0, r["wrong"]
+    assert r["hit_tokens"] == r["external"] == 192, r
+    assert r["loaded_blocks"] == 3 * 6, r              # 3 chunks x 6 caches
+    # the scheduler saw one spec per group and joined its ranks' segment
+    assert r["model"] != r["sched_model"] and ";caches=" in r["model"]

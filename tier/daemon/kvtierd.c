@@ -268,6 +268,17 @@ static int layout_from_model(struct opts *o)
 		fprintf(stderr, "kvtierd: --kv-dtype: %s\n", kvt_numa_last_error());
 		return -EINVAL;
 	}
+	if (m.dsv4) {
+		/* kvtier.vllm's groups follow the KV cache groups vLLM's
+		 * allocator forms (their split and order are vLLM's): the
+		 * connector logs the flags that make its segment */
+		fprintf(stderr, "kvtierd: --model-config %s: DeepSeek V4's layout is the KV "
+			"cache groups vLLM forms; start kvtierd with the --group flags the "
+			"connector logs (\"the same segment from kvtierd\", rank 0), with "
+			"--model-config for the identity; kvtier-size sizes it\n",
+			o->model_config);
+		return -ENOTSUP;
+	}
 	memset(&rq, 0, sizeof(rq));
 	rq.size = sizeof(rq);
 	rq.model = &m;

@@ -231,11 +231,12 @@ class Plan:
                 self.special |= is_special(spec)
                 desc.append("%s:%s" % (name, describe(spec)))
                 kg = self._kgroup(vi, spec, layout, len(g.layer_names), tpb, repl, name)
-                key = (kg.pieces, kg.data, kg.bpt)
-                if key not in shapes:
-                    shapes[key] = kg
-                    self.kgroups.append(kg)
-                shapes[key].layers.append(name)
+                shapes.setdefault((kg.pieces, kg.data, kg.bpt), kg).layers.append(name)
+            # largest block first, whatever order vLLM lists the layers in:
+            # the MLA cache before the indexer's, as kvtierd --model-config
+            # (its sizing) lays out DeepSeek V3.2 / GLM-5.x
+            self.kgroups.extend(sorted(shapes.values(), key=lambda k: (-k.run * k.pieces,
+                                                                       -k.pieces)))
         if not self.vgroups:
             raise ValueError("kvtier: the model has no KV cache group kvtier could keep")
         if len({v.replicated for v in self.vgroups}) > 1:

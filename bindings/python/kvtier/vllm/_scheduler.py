@@ -78,7 +78,13 @@ class _SchedulerSide:
                     "chunks, keys from %s)", s.instance, s.segment, s.world, s.chunk_tokens,
                     "vLLM's %s block hashes" % s.hash_algo if s.prefix_caching
                     else "kvtier's token hash")
-        logger.info("kvtier: the same segment from kvtierd: %s", self._kvtierd_line())
+        if s.plan.special:
+            # one spec per group here (vLLM's scheduler config): the ranks
+            # know every cache's shape, rank 0 logs the line
+            logger.info("kvtier: the same segment from kvtierd: see rank 0's line (the "
+                        "scheduler sees one KV cache spec per group)")
+        else:
+            logger.info("kvtier: the same segment from kvtierd: %s", self._kvtierd_line())
 
     def _sched_state(self):
         """The scheduler side's per-request state (empty)."""

@@ -32,6 +32,8 @@ class _WorkerSide:
         self._worker_state()
         logger.info("kvtier: rank %d of %d (instance %d) on segment '%s'", self._rank,
                     s.world, s.instance, s.segment)
+        if s.plan.special and self._rank == 0:
+            logger.info("kvtier: the same segment from kvtierd: %s", self._kvtierd_line())
 
     def _worker_state(self):
         """The worker side's transfer state (empty)."""
