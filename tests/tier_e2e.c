@@ -471,6 +471,24 @@ static void test_misconfigured(void **st)
 	c = base_cfg(KVT_TIER_RANK, 0, 0);
 	c.model = "another-model";
 	expect_open_error(&c, -ESTALE, "fingerprint");
+	{
+		/* a scheduler that does not describe the layout attaches and
+		 * reads whose segment it joined (kvt_segment_model) */
+		kvt_tier *s = NULL;
+		char buf[64];
+
+		c = base_cfg(KVT_TIER_SCHEDULER, -1, 0);
+		c.n_groups = 0;
+		c.groups = NULL;
+		c.model = "another-model";
+		assert_int_equal(kvt_open(&c, &s), 0);
+		assert_int_equal(kvt_segment_model(s, buf, sizeof(buf)),
+				 (int)strlen("test-model-bf16"));
+		assert_string_equal(buf, "test-model-bf16");
+		assert_int_equal(kvt_segment_model(s, buf, 5), 4); /* bounded */
+		assert_int_equal(kvt_segment_model(NULL, buf, sizeof(buf)), -EINVAL);
+		kvt_close(s);
+	}
 	c = base_cfg(KVT_TIER_RANK, 0, 0);
 	c.chunk_tokens = 32;
 	expect_open_error(&c, -ESTALE, "fingerprint");
