@@ -375,12 +375,12 @@ def test_restarted_engine_is_served_from_the_tier(engines, model, segment):
 # Left to the platform, a CPU with AMX tiles gets AMX_MLA instead, which
 # takes multiples of 32 only, so a fixed block size fails on one kind of CI
 # machine or the other ('No common block size for 16 (AMX_MLA:
-# [MultipleOf(32)])' on a Sapphire Rapids host). gemma2's baseline runs
-# vLLM's hybrid allocator (the kvtier engine does not: the connector is not
-# SupportsHMA), which splits its blocks between the full and the
-# sliding-window group
+# [MultipleOf(32)])' on a Sapphire Rapids host). gemma2 runs vLLM's hybrid
+# allocator in both engines (the connector is SupportsHMA), which splits
+# its blocks between the full and the sliding-window group: two KV cache
+# groups for kvtier, each of its caches saved and loaded
 KIND_CACHE = {"mistral": (64, 64, 32, None), "deepseek": (128, 128, 16, "CPU_MLA"),
-              "gemma2": (128, 64, 32, None)}
+              "gemma2": (128, 128, 32, None)}
 
 
 @pytest.mark.parametrize("kind", sorted(KIND_CACHE))
