@@ -1601,3 +1601,16 @@ def test_l3_two_nodes_and_kill_with_gets_in_flight(name, procs, tmp_path):
         for f in side_files(name_b) + side_files(name):
             if os.path.exists(f):
                 os.unlink(f)
+
+
+def test_model_config_of_deepseek_v4(name, tmp_path):
+    """DeepSeek V4's layout is the KV cache groups vLLM's allocator forms:
+    kvtierd --model-config does not guess it (it names the connector's
+    logged --group line), and with the --group flags it takes the config
+    for the identity only."""
+    cfg = os.path.join(HERE, "..", "numa", "data", "deepseek-v4-flash.json")
+    p = subprocess.run([KVTIERD, "--segment", name, "--model-config", cfg, "--tp", "8"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "--group flags the connector logs" in p.stderr, p.stderr
+    assert not any(os.path.exists(p) for p in segment_paths(name))

@@ -34,6 +34,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 import kvtier  # noqa: E402
+from standin import request, runner_output, sampled_token, tokens  # noqa: E402
 
 
 def pattern(tokens, name, like):
@@ -88,13 +89,12 @@ class Driver:
                         elif hi > start:
                             blk.copy_(pattern(toks[:min(hi, start + n)], name, blk))
             if start + n >= r.num_prompt_tokens:
-                h = hashlib.blake2b(bytes(str(toks[:start + n]), "ascii"), digest_size=2).digest()
-                sampled[rid] = [3 + int.from_bytes(h, "little") % 1000]
+                sampled[rid] = [sampled_token(toks[:start + n])]
         return sampled
 
     def step(self):
         from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
         out = self.sched.schedule()
         st = getattr(self.sched, "connector_prefix_cache_stats", None)
         if st is not None:
@@ -105,14 +105,12 @@ class Driver:
         meta = out.kv_connector_metadata
         self.wc.handle_preemptions(meta)
         self.wc.bind_connector_metadata(meta)
+        sync = getattr(out, "has_sync_kv_loads", True)
         with set_forward_context(None, self.vllm_config):
-            if out.has_sync_kv_loads if hasattr(out, "has_sync_kv_loads") else True:
+            if sync:                    # before the forward pass
                 self.wc.start_load_kv(None)
-                loaded = True
-            else:
-                loaded = False
             sampled = self._forward(out)
-            if not loaded:
+            if not sync:                # after it, off its critical path
                 self.wc.start_load_kv(None)
         self.wc.wait_for_save()
         tr = self.wc.get_transfer_results(out.finished_req_ids)
@@ -122,14 +120,8 @@ class Driver:
                                 invalid_block_ids=self.wc.get_block_ids_with_load_errors(),
                                 kv_connector_stats=self.wc.get_kv_connector_stats())
         self.wc.clear_connector_metadata()
-        ids = list(out.num_scheduled_tokens)
-        fields = ModelRunnerOutput.__dataclass_fields__
-        kw = dict(req_ids=ids, sampled_token_ids=[sampled.get(i, []) for i in ids],
-                  logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
-                  kv_connector_output=kvo)
-        if "req_id_to_index" in fields:
-            kw["req_id_to_index"] = {i: k for k, i in enumerate(ids)}
-        eco = self.sched.update_from_output(out, ModelRunnerOutput(**kw))
+        eco = self.sched.update_from_output(
+            out, runner_output(list(out.num_scheduled_tokens), sampled, kvo))
         for o in eco.values():
             for ro in o.outputs:
                 if ro.finish_reason is not None:
@@ -143,19 +135,23 @@ class Driver:
         raise AssertionError("requests still running after %d steps" % steps)
 
     def add(self, rid, prompt, max_tokens):
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        kw = dict(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp,
-                  pooling_params=None)
-        hasher = getattr(self, "hasher", None)
-        if hasher is not None:
-            kw["block_hasher"] = hasher
-        self.sched.add_request(Request(**kw))
+        self.sched.add_request(request(rid, prompt, max_tokens, self.hasher))
 
-
-def tokens(n, seed):
-    return [3 + (seed * 7919 + i * 104729) % 1000 for i in range(n)]
+    @property
+    def hasher(self):
+        """vLLM's block hasher where prefix caching is on (a CPU with AMX
+        runs DeepSeek V4 so); elsewhere vLLM's CPU build turns it off for
+        these MLA models, and the connector keys chunks by kvtier's own
+        token hash."""
+        cc = self.vllm_config.cache_config
+        if not cc.enable_prefix_caching:
+            return None
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        return get_request_block_hasher(
+            self.sched.kv_cache_config.hash_block_size or cc.block_size, fn)
 
 
 def engine(o):

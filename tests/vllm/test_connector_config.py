@@ -2,6 +2,7 @@
 (no engine): a process-seeded block hash, a worker whose process groups
 disagree with the parallel config, bad settings."""
 
+import errno
 import os
 import sys
 from types import SimpleNamespace
@@ -42,6 +43,8 @@ def vllm_config(tp=1, pp=1, algo="sha256", caching=True, extra=None, model="tiny
 
 
 ENGINE = ";dtype=bfloat16;kv=bfloat16;layout=LBHNC"   # the defaults' engine fields
+# a stand-in settings' plan: one kvtier group on vLLM group 0
+ONE_GROUP = SimpleNamespace(kgroups=[SimpleNamespace(vg=0)])
 
 
 @pytest.fixture(autouse=True)
@@ -469,7 +472,7 @@ class _Tier:
 def _saving_connector(monkeypatch, log, fail=None, device="cuda"):
     c = kv.KvtierConnector.__new__(kv.KvtierConnector)
     c._tier = _Tier(log, fail)
-    c._s = SimpleNamespace(async_io=False)
+    c._s = SimpleNamespace(async_io=False, plan=ONE_GROUP)
     c._save_order = "stream" if device == "cuda" else None
     c._kv_device = SimpleNamespace(type=device)
     c._stat = lambda *a: None
@@ -552,7 +555,7 @@ class _AsyncTier:
 
 def worker_connector(log):
     c = kv.KvtierConnector.__new__(kv.KvtierConnector)
-    c._s = SimpleNamespace(async_io=True)
+    c._s = SimpleNamespace(async_io=True, plan=ONE_GROUP)
     c._tier = _AsyncTier(log)
     c._stats = kv.KvtierConnectorStats()
     c._save_order = None
@@ -965,3 +968,102 @@ def test_sleep_mode_is_refused(tmp_path):
                    kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
                                                        kv_connector_module_path="kvtier.vllm",
                                                        kv_role="kv_both"))
+
+
+# ---- caches of several shapes (DeepSeek V3.2 / V4, GLM-5.x; _caches.py) ----
+
+def test_a_rounded_run_never_reaches_another_layers_data():
+    """A block copied rounded up into its page's padding (1,168 bytes of
+    data copied as 1,280) is refused when those bytes would reach another
+    layer's data, or past the block stride; where the padding holds them,
+    it is registered."""
+    from kvtier.vllm._worker import _check_rounded_runs
+    plan = SimpleNamespace(kgroups=[
+        SimpleNamespace(vg=0, run=1280, data=1168, pieces=1, layers=["c128"]),
+        SimpleNamespace(vg=0, run=8448, data=8448, pieces=1, layers=["indexer"]),
+        SimpleNamespace(vg=1, run=4096, data=4096, pieces=1, layers=["other-group"])])
+    stride = 1728 + 8448
+    # c128's page is 1,728 bytes: the indexer's data starts after it
+    _check_rounded_runs(plan, [([0], stride, 8), ([1728], stride, 8), ([0], 4096, 8)])
+    with pytest.raises(ValueError) as e:      # no padding: the next layer's data
+        _check_rounded_runs(plan, [([0], stride, 8), ([1168], stride, 8), ([0], 4096, 8)])
+    assert "c128" in str(e.value) and "indexer" in str(e.value)
+    with pytest.raises(ValueError) as e:      # the run passes the block stride
+        _check_rounded_runs(plan, [([0], 1200, 8), ([600], 1200, 8), ([0], 4096, 8)])
+    assert "block stride" in str(e.value)
+
+
+class ReleasingTier(FakeTier):
+    def __init__(self):
+        super().__init__()
+        self.released = []
+
+    def release(self, lid):
+        self.released.append(lid)
+        return True
+
+
+def test_a_load_vllm_would_read_unkept_blocks_of_is_failed():
+    """Of a 128-token window in 32-token blocks a 256-token chunk keeps the
+    last 4 blocks.  A load into a table whose other blocks are vLLM's null
+    block writes those 4; a table with a real block where kvtier keeps none
+    (vLLM would read it) is not loaded: its lease is released by the
+    scheduler and the ranks report the load failed (vLLM recomputes)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    spec = SlidingWindowSpec(sliding_window=128, block_size=32, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    c = sched_connector(spec, chunk_tokens=256)
+    c._tier = ReleasingTier()
+    c._to_load["ok"] = (7, 0, 1, 0, [[0, 0, 0, 0, 5, 6, 7, 8]])
+    c._to_load["bad"] = (9, 0, 1, 0, [[1, 2, 3, 4, 5, 6, 7, 8]])
+    meta = c.build_connector_meta(step_output())
+    ok, bad = sorted(meta.loads, key=lambda ld: ld.req_id != "ok")
+    assert (ok.lease, ok.block_ids, ok.error) == (7, [[5, 6, 7, 8]], "")
+    assert bad.lease == 0 and "real block 1" in bad.error and c._tier.released == [9]
+
+
+def _two_shape_config(layers_spec, name):
+    """A KV cache config of one group holding two caches of other pages (a
+    UniformTypeKVCacheSpecs, as vLLM's workers get it), and the scheduler's
+    form of it (vLLM's generate_scheduler_kv_cache_config: the first
+    layer's spec for the group)."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+    group = KVCacheGroupSpec([n for n, _ in layers_spec], UniformTypeKVCacheSpecs(
+        block_size=32, kv_cache_specs=dict(layers_spec)))
+    worker = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[group])
+    worker.kv_cache_layout = "LBHNC"
+    sched = generate_scheduler_kv_cache_config([worker])
+    return worker, sched
+
+
+def test_the_scheduler_joins_its_ranks_segment_only_when_it_is_this_engines():
+    """vLLM gives the scheduler one spec per group: its geometry and caches
+    field differ from the ranks' (who describe every cache and make the
+    segment).  It joins their segment when the identity is the same but
+    for the caches field, and is refused, the ranks' refusal standing, for
+    another model's."""
+    from vllm.v1.kv_cache_interface import SparseCacheRole
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+                           cache_dtype_str="fp8_ds_mla", state_content_bytes=656)
+    idx = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=132, dtype=torch.uint8,
+                           cache_role=SparseCacheRole.INDEXER)
+    name = "cfg-adopt-%d" % os.getpid()
+    worker, sched = _two_shape_config([("l0.attn", mla), ("l0.indexer", idx)], name)
+    extra = {"kvtier_segment": name, "kvtier_tier_gib": 0.0625}
+    rank = kv._Settings(vllm_config(extra=extra), worker)
+    assert rank.plan.caches and [k.data for k in rank.plan.kgroups] == [32 * 328, 32 * 66]
+    r = rank.open("rank", rank=0)
+    try:
+        s = kv._Settings(vllm_config(extra=extra), sched)
+        assert s.model != rank.model                   # its caches field: one spec's
+        t = s.open("scheduler")
+        assert t.segment_model == rank.model
+        t.close()
+        other = kv._Settings(vllm_config(extra=extra, dtype=torch.float16), sched)
+        with pytest.raises(kvtier.KvtierError) as e:
+            other.open("scheduler")
+        assert e.value.errno == errno.ESTALE
+    finally:
+        r.close()
+        kvtier.unlink(name)

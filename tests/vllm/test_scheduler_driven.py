@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 import kvtier  # noqa: E402
 import models  # noqa: E402
+from standin import request, runner_output, sampled_token, tokens  # noqa: E402
 
 BLOCK = 16          # vLLM's block, tokens
 CHUNK = 32          # kvtier's chunk: two blocks
@@ -150,11 +151,7 @@ class Harness:
         os.environ.update(self._environ)
 
     def add(self, req_id, prompt, max_tokens):
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        r = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                    pooling_params=None, block_hasher=self.hasher)
+        r = request(req_id, prompt, max_tokens, self.hasher)
         self.sched.add_request(r)
         return r
 
@@ -193,26 +190,18 @@ class Harness:
                 if p < start:
                     self.checked += 1
             if start + n >= r.num_prompt_tokens:
-                h = hashlib.blake2b(bytes(str(toks[:start + n]), "ascii"),
-                                    digest_size=2).digest()
-                sampled[rid] = [3 + int.from_bytes(h, "little") % 1000]
+                sampled[rid] = [sampled_token(toks[:start + n])]
         return sampled
 
     def step(self):
-        from vllm.v1.outputs import ModelRunnerOutput
         out = self.sched.schedule()
         self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
         self.driver.pre_forward(out)
         sampled = self._forward(out)
         self.driver.finish_forward()
         kvo = self.driver.post_forward(out.finished_req_ids)
-        ids = list(out.num_scheduled_tokens)
-        fields = ModelRunnerOutput.__dataclass_fields__
-        kw = dict(req_ids=ids, sampled_token_ids=[sampled.get(i, []) for i in ids], logprobs=None,
-                  prompt_logprobs_dict={}, pooler_output=[], kv_connector_output=kvo)
-        if "req_id_to_index" in fields:
-            kw["req_id_to_index"] = {i: k for k, i in enumerate(ids)}
-        eco = self.sched.update_from_output(out, ModelRunnerOutput(**kw))
+        eco = self.sched.update_from_output(
+            out, runner_output(list(out.num_scheduled_tokens), sampled, kvo))
         for o in eco.values():
             for ro in o.outputs:
                 if ro.finish_reason is not None:
@@ -226,10 +215,6 @@ class Harness:
             self.step()
         raise AssertionError("vLLM %s: requests still running after %d steps" % (self.version,
                                                                                    steps))
-
-
-def tokens(n, seed):
-    return [3 + (seed * 7919 + i * 104729) % 1000 for i in range(n)]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ class _Load:
     n_chunks: int
     block_ids: list      # one list per KV cache group; BLOCK_SKIP: leave it
     is_async: bool = False  # the request waits in WAITING_FOR_REMOTE_KVS
-    error: str = ""      # why it cannot be exact: reported failed, not loaded
+    error: str = ""      # why it cannot be exact: lease released, reported failed
 
 
 @dataclass

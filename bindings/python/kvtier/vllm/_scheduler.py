@@ -221,7 +221,13 @@ class _SchedulerSide:
                 self._tier.release(lid)
                 continue
             tables, error = _load_tables(vgroups, blocks, first, n, off)
-            meta.loads.append(_Load(rid, lid, n, tables, s.async_io, error))
+            if error:
+                # the scheduler holds the lease: released here, once; the
+                # ranks only report the load failed (vLLM recomputes it)
+                self._tier.release(lid)
+                meta.loads.append(_Load(rid, 0, n, tables, s.async_io, error))
+                continue
+            meta.loads.append(_Load(rid, lid, n, tables, s.async_io))
             live.append(lid)
             if s.async_io:
                 self._loading[rid] = lid

@@ -119,8 +119,7 @@ class _WorkerSide:
         self._order_copies()
         for ld in meta.loads:
             t0 = time.perf_counter()
-            if ld.error:
-                self._tier.release(ld.lease)
+            if ld.error:    # the scheduler released its lease
                 self._load_failed(ld, ld.error)
                 continue
             try:
@@ -252,10 +251,7 @@ class _WorkerSide:
     def _ktables(self, block_ids):
         """Per-vgroup block lists (the metadata's) -> the kvtier groups'
         tables: each kgroup takes its vgroup's."""
-        plan = getattr(self._s, "plan", None)
-        if plan is None:    # a stand-in's settings: the tables as given
-            return _tables(block_ids)
-        return _tables([block_ids[kg.vg] for kg in plan.kgroups])
+        return _tables([block_ids[kg.vg] for kg in self._s.plan.kgroups])
 
     def get_block_ids_with_load_errors(self):
         bad, self._bad_blocks = self._bad_blocks, set()
@@ -263,30 +259,30 @@ class _WorkerSide:
 
 
 def _check_rounded_runs(plan, per_group):
-    """A run copied rounded up past its layer's data (_caches.py) must
-    overlap no other layer's data of its vLLM group: block b of every layer
-    is compared with blocks b - 1, b, b + 1 of every other (one stride for
-    all).  Raises ValueError naming both layers."""
-    by_vg = {}
+    """A run copied rounded up past its layer's data (_caches.py) must stay
+    inside its block stride and overlap no other layer's data of its vLLM
+    group: each rounded run of block b is compared with blocks b - 1, b,
+    b + 1 of every other run (one stride for all).  Raises ValueError
+    naming both layers.  Runs copied as they are need no check."""
+    runs = {}
     for kg, (bases, stride, _) in zip(plan.kgroups, per_group):
         for i, base in enumerate(bases):
-            by_vg.setdefault(kg.vg, []).append((base, kg.run, kg.data, stride,
-                                                kg.layers[i // kg.pieces]))
-    for runs in by_vg.values():
-        for i, (a, run, _, stride, na) in enumerate(runs):
+            runs.setdefault(kg.vg, []).append((base, kg.run, kg.data, stride,
+                                               kg.layers[i // kg.pieces]))
+    for vg in runs.values():
+        for i, (a, run, data, stride, na) in enumerate(vg):
+            if run == data:
+                continue
             if run > stride:
                 raise ValueError("kvtier: layer %s: %d bytes copied a block, over its "
                                  "%d-byte block stride" % (na, run, stride))
-            for j, (b, _, data, _, nb) in enumerate(runs):
-                if i == j:
-                    continue
-                for k in (-1, 0, 1):
-                    lo = b + k * stride
-                    if a < lo + data and lo < a + run:
-                        raise ValueError(
-                            "kvtier: layer %s: the %d bytes kvtier copies of a block overlap "
-                            "layer %s's data; this layout has no room to round its blocks "
-                            "into" % (na, run, nb))
+            for j, (b, _, other, _, nb) in enumerate(vg):
+                if i != j and any(a < b + k * stride + other and b + k * stride < a + run
+                                  for k in (-1, 0, 1)):
+                    raise ValueError(
+                        "kvtier: layer %s: the %d bytes kvtier copies of a block overlap "
+                        "layer %s's data; this layout has no room to round its blocks "
+                        "into" % (na, run, nb))
 
 
 def _tables(block_ids):
