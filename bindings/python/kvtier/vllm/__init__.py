@@ -76,20 +76,24 @@ GPUs the driver's DMA engines.  Neither holds up the batch:
 kvtier_async false waits for loads in start_load_kv and for saves in
 wait_for_save, inside the step.
 
-Only whole chunks are saved; a chunk is chunk_tokens (a multiple of vLLM's
-block size, default: one block). vLLM's own prefix-cache hits are whole
+Only whole chunks are saved; a chunk is chunk_tokens (a multiple of every
+KV cache group's block size, default: the largest -- one vLLM block for
+models of one block size). vLLM's own prefix-cache hits are whole
 blocks, so with larger chunks a local hit may end inside one: the lookup
 then starts at that chunk, vLLM is told the tokens after its own hit, and
 the load skips the chunk's blocks vLLM already has (KVT_BLOCK_SKIP).
 
 Which KV a chunk holds, per KV cache group type.  kvtier stores a chunk
-only when every block of it, in every group, holds KV that vLLM computed
-for this prefix, and loads a chunk only into blocks vLLM gave the request
-to be written.  vLLM's block tables say which: block id 0 is its null
-block, the stand-in for a block a group does not keep.  Per group type
-(kv_cache_interface.py; this connector is not SupportsHMA, so vLLM turns
-its hybrid allocator off and promotes a mix of full and local attention
-layers to full attention: a model has one group type here):
+only when every block of it that kvtier keeps, in every group, holds KV
+that vLLM computed for this prefix, and loads a chunk only into blocks vLLM
+gave the request to be written.  vLLM's block tables say which: block id 0
+is its null block, the stand-in for a block a group does not keep.  The
+connector is SupportsHMA: vLLM keeps its hybrid KV cache manager on, with
+a block table per group (full and sliding-window layers of one model in
+groups of their own, DeepSeek V4's five groups of four block sizes), and
+every cache of every group goes in the chunk (_caches.py: how groups of
+several page and block sizes become kvtier groups).  Per group type
+(kv_cache_interface.py):
 
   * full attention, MLA: every block of the prompt is real and kept while
     the request runs.  Saved and loaded whole.
@@ -105,19 +109,23 @@ layers to full attention: a model has one group type here):
     tokens computed, the blocks vLLM may have freed are those below
     skipped(n) tokens (sliding: n - w + 1; chunked: n // a * a; the
     retained tail of speculative decoding only keeps more).  A chunk is
-    saved only in the step it becomes full, and only when all its blocks
-    are at or past skipped(n) and none is the null block: its KV is in its
-    blocks until the step ends, and no save runs past the next step's
-    start (see above).  Chunks that fell out of the window before they
-    were full, or were a local hit's null blocks, are never saved; the tier then holds a prefix with a
-    hole, and lookups stop at the hole (a shorter hit, never a wrong one).
-    A load writes every block vLLM gave the request and skips the null
-    ones (KVT_BLOCK_SKIP): those tokens are never attended.
+    saved only in the step it becomes full, and only when the blocks kvtier
+    keeps of it are at or past skipped(n) and none is the null block: its
+    KV is in its blocks until the step ends, and no save runs past the next
+    step's start (see above).  Of a sliding window kvtier keeps the tail a
+    hit ending at the chunk's end needs (_caches.py), always the request's
+    in the step the chunk fills; where the window is longer than a chunk
+    it keeps every block, and chunks that fell out of the window before
+    they were full, or were a local hit's null blocks, are never saved: the
+    tier then holds a prefix with a hole, and lookups stop at the hole (a
+    shorter hit, never a wrong one).  A load writes the kept blocks vLLM
+    gave the request and skips the null ones (KVT_BLOCK_SKIP): those tokens
+    are never attended; a real block where kvtier keeps none fails the load
+    (vLLM recomputes).
   * anything else (Mamba/SSM state, cross-attention, encoder-only, sink
     and reversed-window attention, circular buffers, HiSparse): no chunk of
     it could be exact, so the connector refuses the model at start with
-    the group named.  (Hybrid SSM models also need vLLM's hybrid allocator,
-    which vLLM keeps off for connectors that are not SupportsHMA.)
+    the group named.
 
 Keys.  A chunk's key is the first 128 bits of vLLM's own block hash of the
 chunk's last block: vLLM chains block hashes over the whole prefix (and its
