@@ -28,7 +28,10 @@ def test_library_exports_the_api():
     assert os.path.exists(kvtier.library_path())
     for name in L.SYMBOLS:
         assert hasattr(lib, name), name
-    assert kvtier.API_VERSION == 4
+    # the binding speaks the header's version (5: kvt_segment_model)
+    with open(os.path.join(HEADER_DIR, "kvtier.h")) as f:
+        header = [int(x.split()[2]) for x in f if x.startswith("#define KVT_API_VERSION ")]
+    assert header == [kvtier.API_VERSION] == [5]
 
 
 def test_open_refuses_another_api_version():
