@@ -34,7 +34,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 import kvtier  # noqa: E402
-from standin import request, runner_output, sampled_token, tokens  # noqa: E402
+from standin import request, runner_output, sampled_token, settle, tokens  # noqa: E402
 
 
 def pattern(tokens, name, like):
@@ -122,6 +122,7 @@ class Driver:
         self.wc.clear_connector_metadata()
         eco = self.sched.update_from_output(
             out, runner_output(list(out.num_scheduled_tokens), sampled, kvo))
+        settle(out, self.wc)
         for o in eco.values():
             for ro in o.outputs:
                 if ro.finish_reason is not None:

@@ -33,3 +33,15 @@ def runner_output(ids, sampled, kv_connector_output):
     if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:
         kw["req_id_to_index"] = {i: k for k, i in enumerate(ids)}
     return ModelRunnerOutput(**kw)
+
+
+def settle(scheduler_output, worker_connector):
+    """After a step that scheduled nothing (every request waits for its
+    load), wait for the connector's loads in flight instead of spinning
+    more steps: copies on a loaded machine take longer, and a step budget
+    must not become a time limit.  A failed copy raises here (these tests
+    expect none)."""
+    if getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+        return
+    for op, _, _ in list(getattr(worker_connector, "_loads", {}).values()):
+        op.wait()

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import kvtier  # noqa: E402
 import models  # noqa: E402
-from standin import request, runner_output, sampled_token, tokens  # noqa: E402
+from standin import request, runner_output, sampled_token, settle, tokens  # noqa: E402
 
 BLOCK = 16          # vLLM's block, tokens
 CHUNK = 32          # kvtier's chunk: two blocks
@@ -202,6 +202,7 @@ class Harness:
         kvo = self.driver.post_forward(out.finished_req_ids)
         eco = self.sched.update_from_output(
             out, runner_output(list(out.num_scheduled_tokens), sampled, kvo))
+        settle(out, self.worker_connector)
         for o in eco.values():
             for ro in o.outputs:
                 if ro.finish_reason is not None:
