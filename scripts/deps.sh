@@ -16,6 +16,7 @@ pkgs=(
   libinih-dev                           # kvtierd's config file (key = value lines)
   libssl-dev                            # the disk tier's chunk MAC (ChaCha20-Poly1305, libcrypto)
   libhiredis-dev                        # the L3 tier's Redis (Cluster) client
+  libzmq3-dev libmsgpack-dev            # kvtierd's LMCache front end (ZeroMQ, msgpack)
   libhsa-runtime-dev                    # hsa backend headers + real runtime
   libamdhip64-dev                       # HIP headers + runtime: kvtier-bench's hipMalloc'ed KV
                                         # and HIP ceiling on AMD, the fake HIP of the tests

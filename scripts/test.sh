@@ -33,6 +33,8 @@ venv=${KVTIER_VLLM_VENV:-$PWD/build/vllm-venv}
 venv2=${KVTIER_VLLM_VENV2:-$PWD/build/vllm031-venv}
 # SGLang's, for kvtier.sglang (tests/sglang/setup-venv.sh)
 sglvenv=${KVTIER_SGLANG_VENV:-$PWD/build/sglang-venv}
+# LMCache's client, for kvtierd --lmcache-port (tests/lmcache/setup-venv.sh)
+lmcvenv=${KVTIER_LMCACHE_VENV:-$PWD/build/lmcache-venv}
 mkdir -p build
 pids=()
 # The background jobs run in sessions of their own, so that an early exit
@@ -48,6 +50,10 @@ if [ "${1:-}" != quick ]; then
   # unpacked, at a lower priority than the builds)
   setsid nice -n 10 tests/sglang/setup-venv.sh "$sglvenv" >"$logs/sglang-venv.log" 2>&1 &
   sglang_pid=$!; pids+=("$sglang_pid")
+  # LMCache's own client, for kvtierd's LMCache front end (PyTorch 2.13.0's
+  # CPU build from the disk)
+  setsid nice -n 10 tests/lmcache/setup-venv.sh "$lmcvenv" >"$logs/lmcache-venv.log" 2>&1 &
+  lmcache_pid=$!; pids+=("$lmcache_pid")
 fi
 
 # The main command's build (scripts/main.sh), with GCC and with clang,
@@ -119,6 +125,13 @@ else
   exit 1
 fi
 if [ "${1:-}" != quick ]; then
+  stage "kvtierd's LMCache front end (tests/lmcache: LMCache 0.5.6's own client)"
+  if ! wait "$lmcache_pid"; then
+    cat "$logs/lmcache-venv.log"; echo "kvtier test: the LMCache environment could not be made" >&2
+    exit 1
+  fi
+  grep "^lmcache " "$logs/lmcache-venv.log" || true
+  KVTIER_BUILD="$PWD/build" "$lmcvenv/bin/python" -m pytest -q -p no:cacheprovider tests/lmcache
   stage "vLLM engines on kvtier (tests/vllm: 0.32)"
   if ! wait "$venv_pid"; then
     cat "$logs/venv.log"; echo "kvtier test: the vLLM environment could not be made" >&2; exit 1

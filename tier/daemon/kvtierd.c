@@ -72,6 +72,9 @@
 #include "kvt_l3_srv.h"
 #endif
 #include "http.h"
+#ifdef KVTIERD_LMC
+#include "lmc.h"
+#endif
 #include "options.h"
 #include "snap.h"
 
@@ -93,6 +96,9 @@ static struct {
 	kvt_l3srv *l3srv;        /* lookups' asks for L3 chunks; main thread */
 #endif
 	kvt_wsrv *wsrv;          /* the exit witness's holds; main thread */
+#ifdef KVTIERD_LMC
+	lmc_front *lmc;          /* the LMCache front end; its own thread */
+#endif
 	kvtd_http *http;
 	struct kvtd_pages pages; /* what the HTTP side reads */
 	struct kvtd_ctx ctx;
@@ -902,6 +908,15 @@ static void http_ctx(void *arg, struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCE
 	x->write_only_window = wo;
 }
 
+#ifdef KVTIERD_LMC
+static void lmc_log(int level, const char *msg, void *arg)
+{
+	(void)arg;
+	logf_(level <= KVT_LOG_LEVEL_ERROR ? "error" : level == KVT_LOG_LEVEL_WARN ? "warning" :
+	      "info", "lmcache: %s", msg);
+}
+#endif
+
 static void http_log(int level, const char *msg, void *arg)
 {
 	(void)arg;
@@ -974,6 +989,10 @@ static void watch_write_only(const struct opts *o)
 		if (old && n->in[i].saved > old->in[i].saved &&
 		    n->in[i].lookups == old->in[i].lookups)
 			wo[i] = 1;
+		/* The LMCache front end's ranks load what its own client handle
+		 * looked up: no instance's scheduler does, by design */
+		if (D.ctx.lmcache_form)
+			wo[i] = us[i] = 0;
 		if (us[i] && !warned_us[i])
 			LOG_WARN("instance %u is unshared: it looked up %llu chunks while the other "
 				 "instances saved, and found none of theirs (%llu hits in all): do "
@@ -1322,6 +1341,25 @@ int main(int argc, char **argv)
 		LOG_INFO("exit witness: holding ranks' locks until they exit, at %s",
 			 kvt_wsrv_path(D.wsrv));
 	D.ctx.witness_up = D.wsrv != NULL;
+#ifdef KVTIERD_LMC
+	if (o.lmcache_port) {
+		struct lmc_cfg lc = {
+			.addr = o.lmcache_host[0] ? o.lmcache_host : "127.0.0.1",
+			.port = o.lmcache_port, .segment = D.name, .segment_dir = D.dir,
+			.model = D.model, .group = o.group, .log = lmc_log };
+		r = lmc_start(&lc, &D.lmc, err, sizeof(err));
+		if (r) {
+			LOG_ERR("--lmcache-port %u: %s", o.lmcache_port, err);
+			kvt_seg_detach(D.obs);
+			kvt_close(D.tier);
+			return 1;
+		}
+		D.ctx.lmcache_form = 1;
+		D.ctx.lmcache_up = 1;
+		LOG_INFO("LMCache front end: tcp://%s:%u (%s, lmcache_driven transfers)", lc.addr,
+			 lc.port, "LMCache 0.5.6 multiprocess protocol");
+	}
+#endif
 	if (!o.no_http && http_start(&o)) {
 		kvt_seg_detach(D.obs);
 		kvt_close(D.tier);
@@ -1374,6 +1412,15 @@ int main(int argc, char **argv)
 			if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) {
 				LOG_INFO("%s: stopping", si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
 				sd_notify_("STOPPING=1");
+#ifdef KVTIERD_LMC
+				/* its copies finish, its leases go: before the drain waits
+				 * for leases */
+				pthread_mutex_lock(&D.mu);
+				D.ctx.lmcache_up = 0;
+				pthread_mutex_unlock(&D.mu);
+				lmc_stop(D.lmc);
+				D.lmc = NULL;
+#endif
 				drain(&o, sfd); /* a drain timeout is logged; the exit stays 0 */
 				break;
 			}
@@ -1389,6 +1436,10 @@ int main(int argc, char **argv)
 			next_watch = kvt__now_ns() + 1000000000ULL;
 		}
 	}
+#ifdef KVTIERD_LMC
+	lmc_stop(D.lmc);
+	D.lmc = NULL;
+#endif
 	kvtd_http_stop(D.http);
 	/* A rank killed but not yet exited loses this hold here (its own
 	 * witness may still hold); the drain above let live ranks detach. */

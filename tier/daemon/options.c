@@ -31,7 +31,7 @@ enum {
 	O_REAP_INTERVAL, O_WRITE_ONLY_WINDOW, O_LOG, O_CONFIG, O_NO_LOCK, O_GROUP_ACCESS,
 	O_VERSION, O_VLLM_BLOCK, O_DISK, O_DISK_GIB, O_DISK_DIRECT, O_DISK_ADMIT,
 	O_DISK_DEPTH, O_DISK_RESET, O_DISK_KEY, O_L3, O_L3_ADMIT, O_L3_AUTH_FILE, O_L3_KEY,
-	O_L3_TIMEOUT, O_L3_NEGATIVE, O_L3_PYTHON, O_L3_ENCRYPT,
+	O_L3_TIMEOUT, O_L3_NEGATIVE, O_L3_PYTHON, O_L3_ENCRYPT, O_LMCACHE_PORT, O_LMCACHE_HOST,
 };
 
 static const struct option LONGOPTS[] = {
@@ -81,6 +81,8 @@ static const struct option LONGOPTS[] = {
 	{ "l3-negative-ms", required_argument, NULL, O_L3_NEGATIVE },
 	{ "l3-python", required_argument, NULL, O_L3_PYTHON },
 	{ "l3-encrypt", no_argument, NULL, O_L3_ENCRYPT },
+	{ "lmcache-port", required_argument, NULL, O_LMCACHE_PORT },
+	{ "lmcache-host", required_argument, NULL, O_LMCACHE_HOST },
 	{ "version", no_argument, NULL, O_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -167,7 +169,13 @@ static void usage(FILE *f)
 "                          again (default 2000)\n"
 "  --l3-python PATH        mooncake: the Python that has Mooncake's wheel\n"
 "                          (scripts/mooncake.sh; default $KVTIER_MOONCAKE_PYTHON,\n"
-"                          else python3)\n",
+"                          else python3)\n"
+"LMCache front end (engines whose LMCache client speaks `lmcache server`'s\n"
+"multiprocess protocol, 0.5.6, use this segment unchanged)\n"
+"  --lmcache-port PORT     serve it on this TCP port (LMCache's default 5555);\n"
+"                          off by default\n"
+"  --lmcache-host ADDR     its IPv4 address (default 127.0.0.1: the node's own\n"
+"                          engines; the protocol has no authentication)\n",
 		DEFAULT_PORT);
 }
 
@@ -380,6 +388,20 @@ static int apply(struct opts *o, int c, const char *arg)
 	case O_L3_NEGATIVE:
 		return parse_u32("l3-negative-ms", arg, 1, 3600000, &o->l3_negative_ms);
 	case O_L3_ENCRYPT: o->l3_encrypt = 1; return 0;
+	case O_LMCACHE_PORT: {
+		uint32_t port;
+		if (parse_u32("lmcache-port", arg, 1, 65535, &port))
+			return -EINVAL;
+		o->lmcache_port = (uint16_t)port;
+		return 0;
+	}
+	case O_LMCACHE_HOST: {
+		struct in_addr a;
+		if (strlen(arg) >= sizeof(o->lmcache_host) || inet_pton(AF_INET, arg, &a) != 1)
+			return bad("lmcache-host", arg, "not an IPv4 address");
+		snprintf(o->lmcache_host, sizeof(o->lmcache_host), "%s", arg);
+		return 0;
+	}
 	default: return -EINVAL;
 	}
 }
@@ -664,6 +686,17 @@ int kvtd_opts_parse(struct opts *o, int argc, char **argv)
 			"--l3-negative-ms, --l3-python and --l3-encrypt go with --l3 URL\n");
 		return -EINVAL;
 	}
+	if (o->lmcache_host[0] && !o->lmcache_port) {
+		fprintf(stderr, "kvtierd: --lmcache-host goes with --lmcache-port PORT\n");
+		return -EINVAL;
+	}
+#ifndef KVTIERD_LMC
+	if (o->lmcache_port) {
+		fprintf(stderr, "kvtierd: --lmcache-port: this kvtierd was built without the LMCache "
+			"front end (libzmq3-dev and libmsgpack-dev were missing)\n");
+		return -EINVAL;
+	}
+#endif
 	if (!o->model_config && !o->n_groups) {
 		fprintf(stderr, "kvtierd: the KV layout is needed: --model-config PATH (with --tp), "
 			"or --group LAYERS:BYTES_PER_TOKEN with --world\n");

@@ -46,6 +46,9 @@ struct opts {
 	const char *l3_url, *l3_auth, *l3_key, *l3_python;
 	uint32_t l3_admit, l3_timeout_ms, l3_negative_ms;
 	int l3_encrypt;           /* --l3-encrypt */
+	/* the LMCache front end */
+	uint16_t lmcache_port;    /* --lmcache-port; 0: off */
+	char lmcache_host[64];    /* --lmcache-host; "": 127.0.0.1 */
 	struct kvtd_str *strings; /* the config file's values, owned */
 };
 

@@ -355,6 +355,18 @@ int kvtd_health(const struct kvtd_snap *s, const struct kvtd_ctx *c, char **json
 								   : s->geo.n_instances;
 	int ok = !c->draining && !s->draining, first = 1;
 
+	if (c->lmcache_form) {
+		/* `lmcache server`'s own answer (http_apis/info_api.py): engines'
+		 * launchers wait for it before they start the workers */
+		ok = ok && c->lmcache_up;
+		if (ok)
+			kvtd_printf(&b, "{\"status\":\"healthy\"}");
+		else
+			kvtd_printf(&b, "{\"status\":\"unhealthy\",\"reason\":\"%s\"}",
+				    c->lmcache_up ? "draining" : "the LMCache endpoint is not served");
+		*json = buf_done(&b);
+		return ok;
+	}
 	kvtd_printf(&b, "{\"segment\":");
 	json_str(&b, s->name);
 	kvtd_printf(&b, ",\"draining\":%s,\"expected_instances\":%u,\"world\":%u,\"problems\":[",

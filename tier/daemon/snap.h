@@ -71,6 +71,10 @@ struct kvtd_ctx {
 	 * asked of it (kvtier-stat) */
 	int l3_on;
 	struct kvt_l3c_status l3;
+	/* the LMCache front end (--lmcache-port): /healthcheck then answers in
+	 * LMCache's form, {"status":"healthy"} */
+	int lmcache_form;
+	int lmcache_up;                /* its endpoint is bound and served */
 };
 
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);

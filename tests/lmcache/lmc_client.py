@@ -1,0 +1,131 @@
+"""LMCache's own client (the pinned lmcache wheel) driven the way its vLLM
+adapters drive it, for tests/lmcache: a rank that registers a CPU KV cache
+(cpu_shm, vLLM's per-layer [2, blocks, heads, block, head_size]), stores and
+retrieves, and a scheduler that looks up.  Run as a script it is one
+process of a test: it reads JSON commands on stdin and answers one JSON
+line each."""
+import json
+import os
+import sys
+
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
+from lmcache.utils import EngineType  # noqa: E402
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: E402
+from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: E402
+from lmcache.v1.multiprocess.transport.zmq_impl import create_request_client  # noqa: E402
+from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend  # noqa: E402
+from lmcache.v1.platform.kv_wrap import wrap_kv_caches  # noqa: E402
+
+T = 30.0
+
+
+class Client:
+    def __init__(self, url):
+        self.c = create_request_client(url, context=zmq.Context.instance())
+        ev = get_event_ipc_backend(torch.device("cpu"))
+        self.handle = ev.export_event(ev.create_event("cpu"), "cpu")
+        self.kv = None
+
+    def close(self):
+        self.c.close()
+
+    def key(self, model, world, worker, tokens, start, end, rid, readers=1, salt=""):
+        return IPCCacheServerKey(model_name=model, world_size=world, worker_id=worker,
+                                 token_ids=tuple(tokens), start=start, end=end,
+                                 request_id=rid, num_kv_readers=readers, cache_salt=salt)
+
+    def make_kv(self, layers, blocks, heads, block, head, dtype=torch.float16, seed=None,
+                layout="HND"):
+        """vLLM CPU's per-layer caches, filled from seed (zeros without)."""
+        kv = {}
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for i in range(layers):
+            shape = (2, blocks, heads, block, head) if layout == "HND" else \
+                (2, blocks, block, heads, head)
+            if g is None:
+                t = torch.zeros(shape, dtype=dtype)
+            else:
+                t = torch.randn(shape, generator=g).to(dtype)
+            kv["layer.%d" % i] = t.contiguous()
+        self.kv = kv
+        self.block = block
+        self.layout = layout
+        self.wrappers = wrap_kv_caches(kv)
+        return self.wrappers
+
+    def register(self, iid, model, world, groups_tpb=None, layout="HND"):
+        groups = [] if groups_tpb is None else [EngineGroupInfo(
+            engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
+            tokens_per_block=groups_tpb, sw_size_tokens=-1)]
+        hints = {"kv_layout": layout} if layout else {}
+        return self.c.register_kv_cache(iid, self.wrappers, model, world, EngineType.VLLM,
+                                        hints, groups).result(timeout=T)
+
+    def block_bytes(self, block_ids):
+        """Every layer's K and V bytes of these blocks, in order."""
+        out = []
+        for t in self.kv.values():
+            for kv in range(2):
+                for b in block_ids:
+                    out.append(t[kv, b].contiguous().view(torch.uint8).numpy().tobytes())
+        return b"".join(out)
+
+
+def main():
+    c = Client(sys.argv[1])
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "kv":
+                c.make_kv(**cmd)
+                res = [w.shm_name for w in c.wrappers]
+            elif op == "register":
+                res = c.register(**cmd)
+            elif op == "rpc":
+                args = list(cmd.get("args", []))
+                if "key" in cmd:
+                    k = cmd["key"]
+                    args = [c.key(k["model"], k["world"], None, k["tokens"], k["start"],
+                                  k["end"], k["rid"]), 1]
+                res = getattr(c.c, cmd["name"])(*args).result(timeout=T)
+            elif op == "query":
+                res = c.c.query_prefetch_status(cmd["rid"]).result(timeout=T)
+            elif op == "store":
+                k = c.key(cmd["model"], cmd["world"], cmd["worker"], cmd["tokens"],
+                          cmd["start"], cmd["end"], cmd.get("rid", "r"))
+                res = list(c.c.store(k, cmd["iid"], [cmd["blocks"]], c.handle)
+                           .result(timeout=T))
+                res[0] = res[0].decode("latin-1")
+            elif op == "retrieve":
+                k = c.key(cmd["model"], cmd["world"], cmd["worker"], cmd["tokens"],
+                          cmd["start"], cmd["end"], cmd.get("rid", "r"))
+                res = list(c.c.retrieve(k, cmd["iid"], [cmd["blocks"]], c.handle,
+                                        cmd.get("skip", 0)).result(timeout=T))
+                res[0] = res[0].decode("latin-1")
+            elif op == "bytes":
+                import hashlib
+                res = hashlib.sha256(c.block_bytes(cmd["blocks"])).hexdigest()
+            elif op == "lookup":
+                k = c.key(cmd["model"], cmd["world"], None, cmd["tokens"], 0, cmd["end"],
+                          cmd["rid"], readers=cmd.get("readers", 1))
+                c.c.lookup(k, cmd.get("tp", 1)).result(timeout=T)
+                res = c.c.wait_prefetch_status(cmd["rid"], 10.0).result(timeout=T)
+            elif op == "chunk":
+                res = c.c.get_chunk_size().result(timeout=T)
+            elif op == "exit":
+                print(json.dumps({"ok": None}), flush=True)
+                os._exit(0)
+            else:
+                raise ValueError(op)
+            print(json.dumps({"ok": res}), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps({"err": "%s: %s" % (type(e).__name__, e)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

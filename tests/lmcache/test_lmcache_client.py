@@ -1,0 +1,304 @@
+"""kvtierd's LMCache front end (--lmcache-port) against LMCache's own
+client: the pinned lmcache wheel (tests/lmcache/setup-venv.sh), its
+ZeroMQ client and IPC descriptors, with CPU KV caches in POSIX shared
+memory (cpu_shm) laid out as vLLM's CPU backend lays them out.  Every
+client is a process of its own (tests/lmcache/lmc_client.py); the daemon
+is the real kvtierd.  Run by scripts/test.sh with the venv's python;
+KVTIER_BUILD names the build directory (default: build/)."""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+BUILD = os.environ.get("KVTIER_BUILD", os.path.join(REPO, "build"))
+KVTIERD = os.path.join(BUILD, "tier", "daemon", "kvtierd")
+T = 30.0
+
+# vLLM CPU's per-layer cache [2, blocks, heads, block, head_size], fp16:
+# a plane (K or V of a layer) holds HEADS * HEAD * 2 bytes a token
+LAYERS, HEADS, HEAD, BLOCK, CHUNK = 4, 2, 8, 4, 16
+BPT = HEADS * HEAD * 2
+MODEL = "org/model-a"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(pred, what, timeout=T):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            pytest.fail("timed out (%.0f s) waiting for %s" % (timeout, what))
+        time.sleep(0.05)
+
+
+class Daemon:
+    def __init__(self, name, layers=2 * LAYERS, bpt=BPT, world=1, instances=2, slots=64,
+                 extra=()):
+        self.name = name
+        self.port, self.http = free_port(), free_port()
+        self.url = "tcp://127.0.0.1:%d" % self.port
+        self.logf = tempfile.NamedTemporaryFile(prefix="kvtierd-lmc-", suffix=".log",
+                                                delete=False)
+        self.p = subprocess.Popen(
+            [KVTIERD, "--segment", name, "--group", "%d:%d" % (layers, bpt), "--world",
+             str(world), "--instances", str(instances), "--chunk-tokens", str(CHUNK),
+             "--slots", str(slots), "--model", "lmc-test", "--http",
+             "127.0.0.1:%d" % self.http, "--log", self.logf.name, "--lmcache-port",
+             str(self.port), "--unlink", "--recreate", "--reap-interval", "0.1"] + list(extra),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        until(lambda: self.p.poll() is not None or self.get("/healthcheck")[0] == 200,
+              "kvtierd up")
+        assert self.p.poll() is None, self.log()
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.http, path),
+                                        timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""
+
+    def metric(self, name):
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise AssertionError("no %s in /metrics" % name)
+
+    def log(self):
+        with open(self.logf.name) as f:
+            return f.read()
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout=T)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+                pytest.fail("kvtierd did not stop on SIGTERM")
+        os.unlink(self.logf.name)
+
+
+class Proc:
+    """An LMCache client process (lmc_client.py)."""
+
+    def __init__(self, url):
+        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "lmc_client.py"), url],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+
+    def __call__(self, **cmd):
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, "the client process died (%s)" % cmd["op"]
+        return json.loads(line)
+
+    def ok(self, **cmd):
+        r = self(**cmd)
+        assert "err" not in r, r
+        return r["ok"]
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self(op="exit")
+            except (AssertionError, BrokenPipeError):
+                pass
+            self.p.wait(timeout=T)
+
+
+def kv(p, seed=None, blocks=64, layout="HND"):
+    return p.ok(op="kv", layers=LAYERS, blocks=blocks, heads=HEADS, block=BLOCK, head=HEAD,
+                seed=seed, layout=layout)
+
+
+@pytest.fixture
+def daemon(request):
+    d = Daemon("lmt%d" % os.getpid())
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def procs():
+    made = []
+
+    def make(url):
+        p = Proc(url)
+        made.append(p)
+        return p
+    yield make
+    for p in made:
+        p.close()
+
+
+def prompt(n_chunks, base=1000):
+    return list(range(base, base + n_chunks * CHUNK))
+
+
+def test_every_rpc_and_bytes_across_processes(daemon, procs):
+    """A writer stores three chunks; a reader in another process looks them
+    up and retrieves them into other blocks of its own KV cache: byte-exact.
+    Every other RPC the engines' clients call answers as LMCache's server
+    does."""
+    a, b = procs(daemon.url), procs(daemon.url)
+    assert a.ok(op="chunk") == CHUNK
+    assert a.ok(op="rpc", name="noop") == "OK"
+    assert a.ok(op="rpc", name="get_experimental") == []
+    assert a.ok(op="rpc", name="ping", args=[None]) is True
+    kv(a, seed=1)
+    assert a.ok(op="register", iid=11, model=MODEL, world=1, groups_tpb=BLOCK) is None
+    assert a.ok(op="rpc", name="ping", args=[11]) is True
+    toks = prompt(3)
+    blocks = list(range(1, 13))
+    assert a.ok(op="store", model=MODEL, world=1, worker=0, tokens=toks, start=0, end=48,
+                iid=11, blocks=blocks) == ["stub_ipc_handle", True]
+    want = a.ok(op="bytes", blocks=blocks)
+
+    kv(b)
+    b.ok(op="register", iid=22, model=MODEL, world=1, groups_tpb=BLOCK)
+    # a lookup, its result once, then 0 (LMCache's query semantics)
+    assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks + [7, 8, 9], end=51,
+                rid="s1") == 3
+    assert b.ok(op="query", rid="s1") == 0
+    dst = list(range(20, 32))
+    assert b.ok(op="bytes", blocks=dst) != want
+    assert b.ok(op="retrieve", model=MODEL, world=1, worker=0, tokens=toks, start=0, end=48,
+                rid="s1", iid=22, blocks=dst) == ["stub_ipc_handle", True]
+    assert b.ok(op="bytes", blocks=dst) == want
+    # a prefix that differs in chunk 1: one hit; another model name: none
+    other = toks[:20] + [5] * 28
+    assert b.ok(op="lookup", model=MODEL, world=1, tokens=other, end=48, rid="s2") == 1
+    assert b.ok(op="lookup", model="org/model-b", world=1, tokens=toks, end=48,
+                rid="s3") == 0
+    # skip_first_n_tokens: the first block of the range is not written
+    dst2 = list(range(40, 52))
+    zero = b.ok(op="bytes", blocks=dst2[:1])
+    assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=48, rid="s4") == 3
+    assert b.ok(op="retrieve", model=MODEL, world=1, worker=0, tokens=toks, start=0, end=48,
+                rid="s4", iid=22, blocks=dst2, skip=BLOCK)[1] is True
+    assert b.ok(op="bytes", blocks=dst2[:1]) == zero
+    assert b.ok(op="bytes", blocks=dst2[1:]) == a.ok(op="bytes", blocks=blocks[1:])
+    # a retrieve of chunks nobody stored: a miss (ok false), the engine recomputes
+    assert b.ok(op="retrieve", model=MODEL, world=1, worker=0, tokens=prompt(2, 9000),
+                start=0, end=32, rid="s5", iid=22, blocks=dst[:8])[1] is False
+    # the rest of the engines' calls
+    assert b.ok(op="rpc", name="free_lookup_locks",
+                key=dict(model=MODEL, world=1, tokens=toks, start=0, end=48, rid="s2")) is None
+    assert b.ok(op="rpc", name="end_session", args=["s3"]) is None
+    assert b.ok(op="rpc", name="report_block_allocation", args=[1, MODEL, []]) is None
+    until(lambda: daemon.metric("kvtier_leases_live") == 0, "every lease released")
+    # clear(): what was stored before is no longer served
+    assert b.ok(op="rpc", name="clear", args=[False]) is None
+    assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=48, rid="s6") == 0
+    assert b.ok(op="rpc", name="unregister_kv_cache", args=[22]) is None
+    # an unregistered instance: LMCache's (b"", False)
+    assert b.ok(op="retrieve", model=MODEL, world=1, worker=0, tokens=toks, start=0, end=48,
+                rid="s6", iid=22, blocks=dst) == ["", False]
+
+
+def test_killed_client_frees_its_lookup_locks(daemon, procs):
+    """A scheduler killed while its lookups hold chunks: kvtierd sees the
+    connection go and releases their leases."""
+    a = procs(daemon.url)
+    kv(a, seed=2)
+    a.ok(op="register", iid=11, model=MODEL, world=1, groups_tpb=BLOCK)
+    toks = prompt(2)
+    a.ok(op="store", model=MODEL, world=1, worker=0, tokens=toks, start=0, end=32, iid=11,
+         blocks=list(range(1, 9)))
+    s = procs(daemon.url)
+    for i in range(3):
+        assert s.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=32, rid="r%d" % i) == 2
+    assert daemon.metric("kvtier_leases_live") == 3
+    s.kill()
+    until(lambda: daemon.metric("kvtier_leases_live") == 0, "the killed client's leases")
+    assert "a client went away: 3 lookup lease(s) released" in daemon.log()
+
+
+def test_long_prompt_208_chunks_exact(procs):
+    """LMCache's #5151 shape: prompts of more than 114-128 chunks restored
+    wrong.  208 chunks stored by one process, retrieved by another: every
+    block byte-exact, and a retrieve of a later window of it too."""
+    n = 208
+    d = Daemon("lml%d" % os.getpid(), slots=512)
+    try:
+        blocks_n = n * (CHUNK // BLOCK)
+        a, b = procs(d.url), procs(d.url)
+        kv(a, seed=3, blocks=blocks_n + 8)
+        a.ok(op="register", iid=1, model=MODEL, world=1, groups_tpb=BLOCK)
+        toks = prompt(n, 50000)
+        src = list(range(1, blocks_n + 1))
+        assert a.ok(op="store", model=MODEL, world=1, worker=0, tokens=toks, start=0,
+                    end=n * CHUNK, iid=1, blocks=src)[1] is True
+        kv(b, blocks=blocks_n + 8)
+        b.ok(op="register", iid=2, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=n * CHUNK,
+                    rid="long") == n
+        dst = list(range(blocks_n + 7, 6, -1))[:blocks_n]  # other blocks, reversed order
+        assert b.ok(op="retrieve", model=MODEL, world=1, worker=0, tokens=toks, start=0,
+                    end=n * CHUNK, rid="long", iid=2, blocks=dst)[1] is True
+        for lo in range(0, blocks_n, 128):
+            hi = min(lo + 128, blocks_n)
+            assert b.ok(op="bytes", blocks=dst[lo:hi]) == a.ok(op="bytes", blocks=src[lo:hi]), \
+                "blocks %d..%d" % (lo, hi)
+    finally:
+        d.close()
+
+
+def test_refusals_name_the_reason(daemon, procs):
+    """What kvtierd does not serve is refused at once, the reason in the
+    client's exception, never left to LMCache's 300 s timeout."""
+    a = procs(daemon.url)
+    # another layout than the segment's: the kvtierd line that would fit
+    a.ok(op="kv", layers=LAYERS, blocks=16, heads=4, block=BLOCK, head=HEAD)
+    r = a(op="register", iid=1, model=MODEL, world=1, groups_tpb=BLOCK)
+    assert "kvtierd --group %d:%d --world 1 --chunk-tokens %d" % (2 * LAYERS, 2 * BPT, CHUNK) \
+        in r["err"].replace("start kvtierd with", "kvtierd"), r
+    # another world size
+    kv(a)
+    r = a(op="register", iid=1, model=MODEL, world=2, groups_tpb=BLOCK)
+    assert "world_size 2: the segment is laid out for 1 ranks" in r["err"], r
+    # NHD after HND under one model name
+    a.ok(op="register", iid=1, model=MODEL, world=1, groups_tpb=BLOCK)
+    b = procs(daemon.url)
+    kv(b, layout="NHD")
+    r = b(op="register", iid=2, model=MODEL, world=1, groups_tpb=BLOCK, layout="NHD")
+    assert "was registered with another KV layout" in r["err"], r
+    # engine-driven transfers: the setting that selects lmcache_driven
+    r = a(op="rpc", name="unregister_kv_cache_engine_driven_context", args=[1])
+    assert "lmcache.mp.mp_transfer_mode=lmcache_driven" in r["err"], r
+    # an older client's key (no num_kv_readers)
+    r = a(op="lookup", model=MODEL, world=1, tokens=prompt(1), end=16, rid="x", readers=0)
+    assert "older than 0.5.6" in r["err"], r
+    # the daemon still serves
+    assert a.ok(op="chunk") == CHUNK
+
+
+def test_healthcheck_in_lmcache_form(daemon):
+    assert daemon.get("/healthcheck") == (200, '{"status":"healthy"}')

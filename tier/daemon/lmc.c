@@ -1,0 +1,1560 @@
+/* lmc.c - kvtierd's LMCache front end (lmc.h).
+ *
+ * What it is.  `lmcache server`'s multiprocess protocol (LMCache 0.5.6:
+ * a ZeroMQ ROUTER, msgpack frames, lmc_wire.h) answered from the node's
+ * kvtier segment, in LMCache's "lmcache_driven" mode: the server does the
+ * copies between the engine's KV blocks and its own memory.  An engine
+ * whose LMCache client speaks that protocol (vLLM's LMCacheMPConnector,
+ * SGLang's and ATOM's lmcache_mp) then uses the segment -- its chunks,
+ * the disk tier and the L3 below -- with no change but the server it
+ * points at.
+ *
+ * Mapping onto kvtier.
+ *  * Chunks: LMCache's chunk is the segment's chunk (get_chunk_size
+ *    answers chunk_tokens).  A chunk's key is kvt_hash_tokens' chain of the
+ *    request's token ids under a parent of our own: XXH3-128 of the model
+ *    name, the world size, the cache salt, the clear() epoch and the
+ *    layout tag (below).  So engines with another model name, salt or
+ *    layout never share a chunk, and a kvtier connector's engine on the
+ *    same segment (whose parent is the fingerprint's) never meets these.
+ *  * The layout tag: what a chunk's bytes mean -- the tensors' kind (HND,
+ *    NHD: vLLM's 5-D [2, blocks, ., ., head_size]; MLA: [blocks, block,
+ *    head_size]), dtype, block size, planes and bytes per token.  The first
+ *    registration of a (model, world) fixes it for this run; another
+ *    layout under the same name is refused, named.  The tag enters the
+ *    keys, so a kvtierd restarted with another engine behind it never
+ *    serves the old engine's bytes as the new one's.
+ *  * The KV cache: each tensor is a cpu_shm descriptor (a POSIX shm name
+ *    and a view).  The front end maps it (the same physical pages as the
+ *    engine's), and describes it to kvtier as one group of planes: per
+ *    layer the K and the V plane (5-D) or the one latent plane (MLA), each
+ *    a run of blocks of `block_stride` bytes.  The segment's --group line
+ *    must be that group (LAYERS = planes, BYTES = one plane's bytes per
+ *    token); a registration that does not fit is refused with the line
+ *    that would.  Only names under /lmcache_ are mapped (a client can name
+ *    no other process's memory, nor a segment), and only when the object
+ *    is as large as the view claims (a view past its end would be SIGBUS).
+ *  * Ranks: a registration is one engine rank's KV.  At its first store
+ *    or retrieve (register_kv_cache carries no rank; the keys' worker_id
+ *    does) the front end opens a kvtier RANK handle for it, rank worker_id,
+ *    in the first instance whose rank entry is free, with the host DMA
+ *    backend over the mapped tensors, and registers them.  Copies are
+ *    kvtier's: kvt_save / kvt_load and their ops, polled by this thread.
+ *  * Lookups and locks: a lookup is kvt_lookup_ex with PROMOTE (the disk
+ *    tier and the L3 answer it too): its hits are pinned under a lease,
+ *    which is LMCache's "lookup locks".  While chunks after the hits are on
+ *    their way up (pending), query_prefetch_status answers nil (LMCache's
+ *    "still running") and the lookup is asked again each ~20 ms, for at
+ *    most 2 s.  A retrieve loads from its request's lease; when every rank
+ *    has loaded, kvtier releases it.  free_lookup_locks covering the whole
+ *    hit, end_session, the client's disconnect and a TTL (300 s, LMCache's
+ *    read TTL) release it too.  A retrieve whose request has no lease
+ *    (another server's lookup, a late rank) looks up itself and releases
+ *    after its load.  A miss answers ok=false: the engine recomputes.
+ *  * A client that goes away: ZeroMQ's ROUTER does not say which identity
+ *    a disconnect was; the socket monitor says which fd, and each message's
+ *    ZMQ_SRCFD says which fd an identity speaks on.  The monitor is drained
+ *    after a message is read and before its fd is recorded: with one I/O
+ *    thread, a disconnect of an fd is queued before any message of a new
+ *    connection that reuses the fd, so a new client is never taken for
+ *    the old one.  Its sessions' leases are released and its registrations
+ *    closed (after their copies).
+ *  * Refusals: the protocol has no error reply (LMCache's own server stays
+ *    silent and the client waits out its timeout, 300 s).  kvtierd answers
+ *    what it refuses with an operation frame that is the reason
+ *    ("kvtierd: ..."): LMCache's client raises at once, ValueError
+ *    "Response operation 'kvtierd: ...' does not match request 'lookup'".
+ *    A frame count other than 0.5.6's for the operation, an operation this
+ *    version does not have, an older client's key (no num_kv_readers) are
+ *    refused so, naming the protocol spoken: a client of another version
+ *    is refused at its first message, never half-served.
+ *  * Engine-driven transfers (vLLM's default for CPU tensors) are refused
+ *    naming the setting that selects lmcache_driven.
+ *
+ * Threads.  One thread owns the socket, every kvtier handle (one at a
+ * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
+ *
+ * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
+ * IPC events; hybrid models (several engine groups); the engine-driven
+ * SHM pool.  Each is refused by name.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <xxhash.h>
+#include <zmq.h>
+
+#include "kvtier.h"
+#include "kvt_core.h"
+#include "kvt_tier_int.h"
+#include "lmc.h"
+#include "lmc_wire.h"
+
+#define MAX_PEERS   256
+#define MAX_REGS    128
+#define MAX_SESS    4096
+#define MAX_PEND    1024
+#define MAX_WAIT    256
+#define MAX_NS      64
+#define MAX_FRAMES  16
+#define LEASE_TTL_NS   (300ull * 1000000000ull)
+#define SESS_TTL_NS    (600ull * 1000000000ull)
+#define PENDING_NS     (2ull * 1000000000ull)
+#define RELOOK_NS      (20ull * 1000000ull)
+#define SHM_PREFIX     "/lmcache_"
+
+static const char stub_handle[] = "stub_ipc_handle";
+
+struct ident {
+	uint32_t n;
+	unsigned char b[256];
+};
+
+struct small {
+	uint32_t n;
+	unsigned char b[80];
+};
+
+/* Where a reply goes: the peer and the request's uid and op frames. */
+struct route {
+	struct ident id;
+	struct small uid, op;
+};
+
+struct peer {
+	int used, fd;
+	struct ident id;
+};
+
+struct layout {
+	char tag[160];
+	uint32_t planes_per_tensor, bpt, bs;
+	int replicated;
+};
+
+/* A (model, world)'s layout, kept after its registrations go. */
+struct ns {
+	int used;
+	char model[LMC_MAX_NAME];
+	uint32_t world, epoch;
+	struct layout lay;
+};
+
+struct map {
+	char name[LMC_MAX_NAME];
+	void *addr;
+	size_t len;
+};
+
+struct reg {
+	int used, peer, dying;
+	uint64_t iid;
+	int ns;
+	uint32_t n_maps, n_planes, busy;
+	struct map *maps;
+	uint64_t *bases;
+	uint64_t block_stride, n_blocks;
+	struct layout lay;
+	kvt_tier *t;
+	int rank;
+};
+
+enum { S_FREE, S_RUNNING, S_READY, S_TAKEN };
+
+struct sess {
+	int state, peer;
+	char rid[LMC_MAX_NAME];
+	kvt_lease_id lease;
+	uint32_t hits, n_keys;
+	kvt_key *keys;
+	uint64_t t0, deadline, next_look, t_lease;
+};
+
+struct pend {
+	int used, reg, retrieve;
+	struct route rt;
+	kvt_op *ops;
+	uint32_t n_ops, chunks;
+	int ok;
+	kvt_lease_id release;
+};
+
+struct waiter {
+	int used;
+	struct route rt;
+	char rid[LMC_MAX_NAME];
+	uint64_t deadline;
+};
+
+struct lmc_front {
+	struct lmc_cfg cfg;
+	char segment[80], segment_dir[4096], model[1024];
+	void *ctx, *sock, *mon;
+	pthread_t thread;
+	atomic_int stop;
+	kvt_tier *look;              /* lookups and releases (a client handle) */
+	uint32_t world, chunk, n_instances, lease_cap, n_groups;
+	struct kvt_layer_group seg_groups[KVT_MAX_GROUPS];
+	int mode_replicated;
+	struct peer peers[MAX_PEERS];
+	struct reg regs[MAX_REGS];
+	struct sess sess[MAX_SESS];
+	struct pend pend[MAX_PEND];
+	struct waiter wait[MAX_WAIT];
+	struct ns ns[MAX_NS];
+	int cur_peer;                /* the request's peer */
+	char why[512];
+	_Atomic uint64_t n_requests, n_refused, n_regs, n_lookups, n_hit_chunks;
+	_Atomic uint64_t n_stored, n_retrieved, n_retrieve_misses, n_disconnects;
+	_Atomic uint32_t n_clients, n_sessions, n_leases;
+};
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void flog(lmc_front *f, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void flog(lmc_front *f, int level, const char *fmt, ...)
+{
+	char msg[1024];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (f->cfg.log)
+		f->cfg.log(level, msg, f->cfg.log_arg);
+	else
+		fprintf(stderr, "kvtierd lmcache: %s\n", msg);
+}
+
+static int refuse_why(lmc_front *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int refuse_why(lmc_front *f, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(f->why, sizeof(f->why), fmt, ap);
+	va_end(ap);
+	return -1;
+}
+
+/* ---- replies ---- */
+
+static int send_frame(lmc_front *f, const void *p, size_t n, int more)
+{
+	return zmq_send(f->sock, p, n, (more ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0 ? -1 : 0;
+}
+
+/* [identity, uid, op] + the payload when given (n >= 0). */
+static void reply(lmc_front *f, const struct route *rt, const void *payload, int n)
+{
+	if (send_frame(f, rt->id.b, rt->id.n, 1) ||
+	    send_frame(f, rt->uid.b, rt->uid.n, 1) ||
+	    send_frame(f, rt->op.b, rt->op.n, n >= 0)) {
+		if (zmq_errno() != EHOSTUNREACH)
+			flog(f, KVT_LOG_LEVEL_WARN, "a reply could not be sent: %s",
+			     zmq_strerror(zmq_errno()));
+		return;
+	}
+	if (n >= 0 && send_frame(f, payload, (size_t)n, 0))
+		flog(f, KVT_LOG_LEVEL_WARN, "a reply's payload could not be sent: %s",
+		     zmq_strerror(zmq_errno()));
+}
+
+static void reply_none(lmc_front *f, const struct route *rt)
+{
+	reply(f, rt, NULL, -1);
+}
+
+static void reply_uint(lmc_front *f, const struct route *rt, uint64_t v)
+{
+	unsigned char b[16];
+	reply(f, rt, b, lmc_enc_uint(b, sizeof(b), v));
+}
+
+static void reply_nil(lmc_front *f, const struct route *rt)
+{
+	unsigned char b[4];
+	reply(f, rt, b, lmc_enc_nil(b, sizeof(b)));
+}
+
+static void reply_handle(lmc_front *f, const struct route *rt, int ok)
+{
+	unsigned char b[64];
+	reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), stub_handle, sizeof(stub_handle) - 1, ok));
+}
+
+/* The refusal: the operation frame is the reason (see the design comment). */
+static void refuse(lmc_front *f, const struct route *rt, const char *op)
+{
+	char msg[768];
+	unsigned char b[800];
+	struct route r = *rt;
+	int n;
+
+	snprintf(msg, sizeof(msg), "kvtierd: %s [kvtierd speaks %s]", f->why, LMC_PROTOCOL);
+	n = lmc_enc_str(b, sizeof(b), msg);
+	if (n < 0 || (size_t)n > sizeof(r.op.b)) {
+		/* longer than an op frame we keep: send it as it is */
+		if (send_frame(f, rt->id.b, rt->id.n, 1) || send_frame(f, rt->uid.b, rt->uid.n, 1) ||
+		    send_frame(f, b, n < 0 ? 0 : (size_t)n, 0))
+			flog(f, KVT_LOG_LEVEL_WARN, "a refusal could not be sent");
+	} else {
+		memcpy(r.op.b, b, (size_t)n);
+		r.op.n = (uint32_t)n;
+		reply_none(f, &r);
+	}
+	atomic_fetch_add(&f->n_refused, 1);
+	flog(f, KVT_LOG_LEVEL_WARN, "refused %s: %s", op, f->why);
+}
+
+/* ---- tables ---- */
+
+static int find_reg(lmc_front *f, uint64_t iid)
+{
+	for (int i = 0; i < MAX_REGS; i++)
+		if (f->regs[i].used && !f->regs[i].dying && f->regs[i].iid == iid)
+			return i;
+	return -1;
+}
+
+static struct sess *find_sess(lmc_front *f, const char *rid)
+{
+	for (int i = 0; i < MAX_SESS; i++)
+		if (f->sess[i].state != S_FREE && !strcmp(f->sess[i].rid, rid))
+			return &f->sess[i];
+	return NULL;
+}
+
+static int find_ns(lmc_front *f, const char *model, uint32_t world)
+{
+	for (int i = 0; i < MAX_NS; i++)
+		if (f->ns[i].used && f->ns[i].world == world && !strcmp(f->ns[i].model, model))
+			return i;
+	return -1;
+}
+
+static void lease_release(lmc_front *f, kvt_lease_id *l)
+{
+	if (*l) {
+		int r = kvt_release(f->look, *l);
+		if (r && r != -EALREADY && r != -ESTALE)
+			flog(f, KVT_LOG_LEVEL_WARN, "releasing a lease: %s", kvt_last_error());
+		atomic_fetch_sub(&f->n_leases, 1);
+	}
+	*l = 0;
+}
+
+static void sess_drop(lmc_front *f, struct sess *s)
+{
+	lease_release(f, &s->lease);
+	free(s->keys);
+	memset(s, 0, sizeof(*s));
+	atomic_fetch_sub(&f->n_sessions, 1);
+}
+
+static struct sess *sess_new(lmc_front *f, const char *rid)
+{
+	struct sess *s = find_sess(f, rid), *old = NULL;
+
+	if (s) {
+		lease_release(f, &s->lease);
+		free(s->keys);
+		s->keys = NULL;
+		return s;
+	}
+	for (int i = 0; i < MAX_SESS; i++) {
+		if (f->sess[i].state == S_FREE) {
+			s = &f->sess[i];
+			break;
+		}
+		if (!old || f->sess[i].t0 < old->t0)
+			old = &f->sess[i];
+	}
+	if (!s) { /* full: the oldest goes (its lease too) */
+		sess_drop(f, old);
+		s = old;
+	}
+	atomic_fetch_add(&f->n_sessions, 1);
+	snprintf(s->rid, sizeof(s->rid), "%s", rid);
+	return s;
+}
+
+static void reg_close(lmc_front *f, struct reg *g)
+{
+	if (g->t)
+		kvt_close(g->t);
+	for (uint32_t i = 0; i < g->n_maps; i++)
+		munmap(g->maps[i].addr, g->maps[i].len);
+	free(g->maps);
+	free(g->bases);
+	memset(g, 0, sizeof(*g));
+	atomic_fetch_sub(&f->n_clients, 1);
+}
+
+/* ---- keys ---- */
+
+static void parent_key(lmc_front *f, int ns, const char *salt, kvt_key *out)
+{
+	char buf[LMC_MAX_NAME * 2 + 256];
+	const struct ns *n = &f->ns[ns];
+	int len = snprintf(buf, sizeof(buf), "lmcache-mp%c%s%c%u%c%s%c%u%c%s", 0, n->model, 0,
+			   n->world, 0, salt, 0, n->epoch, 0, n->lay.tag);
+	XXH128_hash_t h = XXH3_128bits(buf, (size_t)len);
+	out->lo = h.low64;
+	out->hi = h.high64;
+}
+
+/* Keys of the first n chunks of the key's tokens; NULL (why set) when
+ * out of memory. */
+static kvt_key *chunk_keys(lmc_front *f, int ns, const struct lmc_key *k, uint32_t n)
+{
+	kvt_key parent, *keys = malloc((n ? n : 1) * sizeof(*keys));
+	if (!keys) {
+		refuse_why(f, "out of memory");
+		return NULL;
+	}
+	parent_key(f, ns, k->salt, &parent);
+	if (n && kvt_hash_tokens(f->look, k->tokens, (size_t)n * f->chunk, &parent, keys, n) !=
+		     (int)n) {
+		refuse_why(f, "hashing the token ids: %s", kvt_last_error());
+		free(keys);
+		return NULL;
+	}
+	return keys;
+}
+
+/* ---- register_kv_cache ---- */
+
+static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struct lmc_tensor *t,
+			 uint32_t i, struct layout *lay, uint64_t *block_stride,
+			 uint64_t *n_blocks, uint64_t *plane_stride)
+{
+	uint32_t isz = lmc_dtype_size(t->dtype);
+	const char *kind;
+	uint64_t inner, bs;
+
+	if (strcmp(t->type, "cpu_shm"))
+		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor: this kvtierd serves "
+				  "engines' cpu_shm KV caches (GPU IPC descriptors are not built "
+				  "yet)", i, t->type);
+	if (!isz)
+		return refuse_why(f, "kv_cache[%u]: dtype '%s' is not one kvtierd knows", i, t->dtype);
+	/* contiguous: stride[d] = prod(shape[d+1:]) */
+	inner = 1;
+	for (int d = (int)t->ndim - 1; d >= 0; d--) {
+		if (t->stride[d] != inner && t->shape[d] > 1)
+			return refuse_why(f, "kv_cache[%u]: not a contiguous tensor (stride[%d] is "
+					  "%llu, %llu expected)", i, d,
+					  (unsigned long long)t->stride[d],
+					  (unsigned long long)inner);
+		inner *= t->shape[d];
+		if (inner > (1ull << 40))
+			return refuse_why(f, "kv_cache[%u]: %llu elements", i,
+					  (unsigned long long)inner);
+	}
+	if (t->ndim == 5 && t->shape[0] == 2) {
+		const char *hint = g->kv_layout[0] ? g->kv_layout : "HND";
+		if (strcmp(hint, "HND") && strcmp(hint, "NHD"))
+			return refuse_why(f, "layout_hints.kv_layout '%s': kvtierd copies vLLM's "
+					  "per-layer HND or NHD caches", hint);
+		kind = hint;
+		bs = !strcmp(hint, "HND") ? t->shape[3] : t->shape[2];
+		lay->planes_per_tensor = 2;
+		*n_blocks = t->shape[1];
+		*block_stride = t->shape[2] * t->shape[3] * t->shape[4] * isz;
+		*plane_stride = t->shape[1] * *block_stride;
+		lay->replicated = 0;
+	} else if (t->ndim == 3) {
+		kind = "MLA";
+		bs = t->shape[1];
+		lay->planes_per_tensor = 1;
+		*n_blocks = t->shape[0];
+		*block_stride = t->shape[1] * t->shape[2] * isz;
+		*plane_stride = 0;
+		lay->replicated = 1;
+	} else {
+		return refuse_why(f, "kv_cache[%u]: a %u-D tensor: kvtierd copies vLLM's per-layer "
+				  "[2, blocks, ., ., head_size] and MLA [blocks, block, head_size] "
+				  "caches", i, t->ndim);
+	}
+	if (!bs || !*n_blocks || *block_stride % bs)
+		return refuse_why(f, "kv_cache[%u]: an empty shape", i);
+	lay->bs = (uint32_t)bs;
+	if (*block_stride / bs > (1u << 20))
+		return refuse_why(f, "kv_cache[%u]: %llu bytes per token in a plane", i,
+				  (unsigned long long)(*block_stride / bs));
+	lay->bpt = (uint32_t)(*block_stride / bs);
+	snprintf(lay->tag, sizeof(lay->tag), "%s/%s/%u/%u/%u", kind, t->dtype, lay->bs,
+		 lay->bpt, (unsigned)(t->ndim == 5 ? t->shape[2] : 0));
+	return 0;
+}
+
+static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, uint32_t i,
+		      void **addr)
+{
+	uint32_t isz = lmc_dtype_size(t->dtype);
+	unsigned __int128 span = 0;
+	struct stat st;
+	const char *name = t->shm_name;
+	int fd;
+
+	for (uint32_t m = 0; m < r->n_maps; m++)
+		if (!strcmp(r->maps[m].name, name)) {
+			if (r->maps[m].len != t->nbytes)
+				return refuse_why(f, "kv_cache[%u]: shm '%s' given with two sizes",
+						  i, name);
+			*addr = r->maps[m].addr;
+			goto view;
+		}
+	if (strncmp(name, SHM_PREFIX, strlen(SHM_PREFIX)) || strchr(name + 1, '/') ||
+	    strlen(name) > 255)
+		return refuse_why(f, "kv_cache[%u]: shm name '%s': kvtierd maps only LMCache's "
+				  "(%s..., no other '/')", i, name, SHM_PREFIX);
+	fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+	if (fd < 0)
+		return refuse_why(f, "kv_cache[%u]: shm '%s': %s (kvtierd must run as the "
+				  "engine's user, or root)", i, name, strerror(errno));
+	if (fstat(fd, &st) || !S_ISREG(st.st_mode) || (uint64_t)st.st_size < t->nbytes ||
+	    !t->nbytes) {
+		close(fd);
+		return refuse_why(f, "kv_cache[%u]: shm '%s' holds %lld bytes, the descriptor "
+				  "claims %llu", i, name, (long long)st.st_size,
+				  (unsigned long long)t->nbytes);
+	}
+	*addr = mmap(NULL, t->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (*addr == MAP_FAILED)
+		return refuse_why(f, "kv_cache[%u]: mapping shm '%s': %s", i, name, strerror(errno));
+	snprintf(r->maps[r->n_maps].name, sizeof(r->maps[0].name), "%s", name);
+	r->maps[r->n_maps].addr = *addr;
+	r->maps[r->n_maps].len = t->nbytes;
+	r->n_maps++;
+view:
+	/* the view's last byte inside the object */
+	span = t->storage_offset + 1;
+	for (uint32_t d = 0; d < t->ndim; d++)
+		span += (unsigned __int128)(t->shape[d] - 1) * t->stride[d];
+	if (span * isz > t->nbytes)
+		return refuse_why(f, "kv_cache[%u]: the view ends past shm '%s' (%llu bytes)", i,
+				  name, (unsigned long long)t->nbytes);
+	return 0;
+}
+
+static int do_register(lmc_front *f, const struct lmc_register *g)
+{
+	struct layout lay, l;
+	uint64_t bstride = 0, nblocks = 0, pstride = 0, bs = 0, np = 0, nb = 0;
+	struct reg *r = NULL;
+	int slot = -1, ns;
+
+	if (find_reg(f, g->instance_id) >= 0)
+		return 0; /* a re-registration after a failed heartbeat */
+	if (g->world != f->world)
+		return refuse_why(f, "world_size %u: the segment is laid out for %u ranks "
+				  "(kvtierd --world)", g->world, f->world);
+	if (g->n_groups > 1)
+		return refuse_why(f, "%u engine groups (a hybrid model): kvtierd's LMCache front "
+				  "end keeps one group of layers", g->n_groups);
+	if (g->n_groups == 1 && (g->groups[0].sw_size_tokens >= 0 || g->groups[0].recurrent))
+		return refuse_why(f, "a sliding-window or recurrent group: not kept by kvtierd's "
+				  "LMCache front end");
+	memset(&lay, 0, sizeof(lay));
+	for (uint32_t i = 0; i < g->n_tensors; i++) {
+		memset(&l, 0, sizeof(l));
+		if (tensor_layout(f, g, &g->tensors[i], i, &l, &bs, &nb, &np))
+			return -1;
+		if (!i) {
+			lay = l;
+			bstride = bs;
+			nblocks = nb;
+			pstride = np;
+		} else if (strcmp(l.tag, lay.tag) || nb != nblocks) {
+			return refuse_why(f, "kv_cache[%u] differs from kv_cache[0] (%s, %llu blocks "
+					  "vs %s, %llu)", i, l.tag, (unsigned long long)nb, lay.tag,
+					  (unsigned long long)nblocks);
+		}
+	}
+	if (g->n_groups == 1 && g->groups[0].tokens_per_block &&
+	    g->groups[0].tokens_per_block != lay.bs)
+		return refuse_why(f, "engine_group_infos[0].tokens_per_block %u, the tensors' "
+				  "block %u", g->groups[0].tokens_per_block, lay.bs);
+	if (f->chunk % lay.bs)
+		return refuse_why(f, "block size %u does not divide the segment's chunk of %u "
+				  "tokens", lay.bs, f->chunk);
+	np = (uint64_t)g->n_tensors * lay.planes_per_tensor;
+	{
+		int fits = f->n_groups == 1 && f->seg_groups[0].layers == np &&
+			   f->seg_groups[0].bytes_per_token == lay.bpt &&
+			   f->mode_replicated == lay.replicated;
+		if (!fits)
+			return refuse_why(f, "this engine's KV (%llu planes of %u bytes per token, %s) "
+					  "is not the segment's layout; start kvtierd with --group "
+					  "%llu:%u%s --world %u --chunk-tokens %u",
+					  (unsigned long long)np, lay.bpt, lay.tag,
+					  (unsigned long long)np, lay.bpt,
+					  lay.replicated ? " --replicated" : "", f->world, f->chunk);
+	}
+	ns = find_ns(f, g->model, g->world);
+	if (ns >= 0 && strcmp(f->ns[ns].lay.tag, lay.tag))
+		return refuse_why(f, "model '%s' was registered with another KV layout (%s, now "
+				  "%s): one layout per model name and world", g->model,
+				  f->ns[ns].lay.tag, lay.tag);
+	for (int i = 0; i < MAX_REGS && slot < 0; i++)
+		if (!f->regs[i].used)
+			slot = i;
+	if (slot < 0)
+		return refuse_why(f, "%d KV caches are registered already", MAX_REGS);
+	if (ns < 0) {
+		for (int i = 0; i < MAX_NS && ns < 0; i++)
+			if (!f->ns[i].used)
+				ns = i;
+		if (ns < 0)
+			return refuse_why(f, "%d model names are in use", MAX_NS);
+		f->ns[ns].used = 1;
+		snprintf(f->ns[ns].model, sizeof(f->ns[ns].model), "%s", g->model);
+		f->ns[ns].world = g->world;
+		f->ns[ns].lay = lay;
+	}
+	r = &f->regs[slot];
+	memset(r, 0, sizeof(*r));
+	r->maps = calloc(g->n_tensors, sizeof(*r->maps));
+	r->bases = calloc(np, sizeof(*r->bases));
+	if (!r->maps || !r->bases) {
+		free(r->maps);
+		free(r->bases);
+		return refuse_why(f, "out of memory");
+	}
+	r->used = 1;
+	atomic_fetch_add(&f->n_clients, 1);
+	for (uint32_t i = 0; i < g->n_tensors; i++) {
+		const struct lmc_tensor *t = &g->tensors[i];
+		void *a = NULL;
+		if (map_tensor(f, r, t, i, &a)) {
+			reg_close(f, r);
+			return -1;
+		}
+		uint64_t base = (uint64_t)(uintptr_t)a + t->storage_offset * lmc_dtype_size(t->dtype);
+		for (uint32_t p = 0; p < lay.planes_per_tensor; p++)
+			r->bases[(uint64_t)i * lay.planes_per_tensor + p] = base + p * pstride;
+	}
+	r->iid = g->instance_id;
+	r->peer = f->cur_peer;
+	r->ns = ns;
+	r->lay = lay;
+	r->n_planes = (uint32_t)np;
+	r->block_stride = bstride;
+	r->n_blocks = nblocks;
+	r->rank = -1;
+	atomic_fetch_add(&f->n_regs, 1);
+	flog(f, KVT_LOG_LEVEL_INFO, "registered %s's KV cache (instance %llu, model '%s', %s, "
+	     "%u planes, %llu blocks)", g->engine, (unsigned long long)g->instance_id, g->model,
+	     lay.tag, r->n_planes, (unsigned long long)nblocks);
+	return 0;
+}
+
+static void rank_log(void *arg, int level, const char *msg)
+{
+	flog(arg, level, "%s", msg);
+}
+
+/* The registration's kvtier rank handle, opened at its first copy. */
+static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
+{
+	struct kvt_group_desc gd;
+	struct kvt_group_buffers gb;
+	struct kvt_config c;
+	int err = -EBUSY;
+
+	if (r->t) {
+		if ((uint32_t)r->rank != rank)
+			return refuse_why(f, "worker_id %u: this KV cache stored or retrieved as "
+					  "worker %d before", rank, r->rank);
+		return 0;
+	}
+	if (rank >= f->world)
+		return refuse_why(f, "worker_id %u: the segment has %u ranks", rank, f->world);
+	gd.n_layers = r->n_planes;
+	gd.bytes_per_token = r->lay.bpt;
+	gd.tokens_per_block = r->lay.bs;
+	gd.replicated = (uint32_t)r->lay.replicated;
+	for (uint32_t inst = 0; inst < f->n_instances && err == -EBUSY; inst++) {
+		memset(&c, 0, sizeof(c));
+		c.size = sizeof(c);
+		c.flags = KVT_F_NO_ENV | (f->cfg.group ? KVT_F_GROUP : 0);
+		c.role = KVT_TIER_RANK;
+		c.instance = (int32_t)inst;
+		c.rank = (int32_t)rank;
+		c.world = f->world;
+		c.chunk_tokens = f->chunk;
+		c.segment = f->segment;
+		c.segment_dir = f->segment_dir[0] ? f->segment_dir : NULL;
+		c.model = f->model;
+		c.dma = "host";
+		c.log = rank_log;
+		c.log_arg = f;
+		c.n_groups = 1;
+		c.groups = &gd;
+		c.n_instances = f->n_instances;
+		err = kvt_open(&c, &r->t);
+	}
+	if (err)
+		return refuse_why(f, "attaching as rank %u: %s%s", rank, kvt_last_error(),
+				  err == -EBUSY ? " (every instance's rank entry is taken: raise "
+				  "kvtierd --instances)" : "");
+	gb.layer_base = r->bases;
+	gb.block_stride = r->block_stride;
+	gb.n_blocks = r->n_blocks;
+	err = kvt_register_kv(r->t, 1, &gb);
+	if (err) {
+		refuse_why(f, "registering the KV cache with kvtier: %s", kvt_last_error());
+		kvt_close(r->t);
+		r->t = NULL;
+		return -1;
+	}
+	r->rank = (int)rank;
+	return 0;
+}
+
+/* ---- lookups ---- */
+
+static void look(lmc_front *f, struct sess *s, uint64_t now)
+{
+	struct kvt_lookup_res res;
+	int r;
+
+	lease_release(f, &s->lease);
+	memset(&res, 0, sizeof(res));
+	res.size = sizeof(res);
+	res.first_depth = 0;
+	r = kvt_lookup_ex(f->look, s->keys, s->n_keys, KVT_LOOKUP_PROMOTE | KVT_LOOKUP_DEPTH, &res);
+	if (r < 0) {
+		flog(f, KVT_LOG_LEVEL_WARN, "lookup: %s", kvt_last_error());
+		s->hits = 0;
+		s->state = S_READY;
+		return;
+	}
+	s->hits = res.hits;
+	s->lease = res.lease;
+	if (s->lease) {
+		atomic_fetch_add(&f->n_leases, 1);
+		s->t_lease = now;
+	}
+	if (res.pending && now < s->deadline) {
+		lease_release(f, &s->lease); /* asked again when they are up */
+		s->state = S_RUNNING;
+		s->next_look = now + RELOOK_NS;
+		return;
+	}
+	s->state = S_READY;
+	atomic_fetch_add(&f->n_hit_chunks, s->hits);
+}
+
+static int do_lookup(lmc_front *f, const struct lmc_key *k)
+{
+	struct sess *s;
+	uint64_t now = now_ns();
+	uint32_t n;
+	int ns;
+
+	if (k->readers < 1)
+		return refuse_why(f, "the key has no num_kv_readers: an LMCache client older than "
+				  "0.5.6 (this protocol requires it)");
+	s = sess_new(f, k->request_id);
+	s->peer = f->cur_peer;
+	s->t0 = now;
+	s->hits = 0;
+	s->state = S_READY;
+	atomic_fetch_add(&f->n_lookups, 1);
+	ns = find_ns(f, k->model, k->world);
+	n = (uint32_t)((k->end < k->n_tokens ? k->end : k->n_tokens) / f->chunk);
+	if (n > f->lease_cap)
+		n = f->lease_cap;
+	if (ns < 0 || k->world != f->world || !n)
+		return 0; /* nothing registered under that name: 0 hits */
+	s->keys = chunk_keys(f, ns, k, n);
+	if (!s->keys)
+		return -1;
+	s->n_keys = n;
+	s->deadline = now + PENDING_NS;
+	look(f, s, now);
+	return 0;
+}
+
+static void answer_waiters(lmc_front *f, uint64_t now)
+{
+	for (int i = 0; i < MAX_WAIT; i++) {
+		struct waiter *w = &f->wait[i];
+		struct sess *s;
+		if (!w->used)
+			continue;
+		s = find_sess(f, w->rid);
+		if (!s || s->state == S_TAKEN) {
+			reply_uint(f, &w->rt, 0);
+		} else if (s->state == S_READY) {
+			reply_uint(f, &w->rt, s->hits);
+			s->state = S_TAKEN;
+		} else if (now >= w->deadline) {
+			reply_nil(f, &w->rt);
+		} else {
+			continue;
+		}
+		w->used = 0;
+	}
+}
+
+/* ---- copies ---- */
+
+static int check_range(lmc_front *f, const struct lmc_key *k, const struct lmc_blocks *b,
+		       const struct reg *r)
+{
+	uint64_t need;
+
+	if (k->worker < 0)
+		return refuse_why(f, "a store or retrieve key without worker_id");
+	if (k->world != f->world)
+		return refuse_why(f, "world_size %u: the segment is laid out for %u ranks",
+				  k->world, f->world);
+	if (k->start % f->chunk || k->end % f->chunk || k->start > k->end ||
+	    k->end > k->n_tokens)
+		return refuse_why(f, "range [%llu, %llu) of %u tokens is not whole chunks of %u",
+				  (unsigned long long)k->start, (unsigned long long)k->end,
+				  k->n_tokens, f->chunk);
+	if (b->n_groups != 1)
+		return refuse_why(f, "%u block id lists: the registration has one group",
+				  b->n_groups);
+	need = (k->end - k->start) / r->lay.bs;
+	if (b->n[0] < need)
+		return 1; /* LMCache answers ok=false */
+	for (uint64_t i = 0; i < need; i++)
+		if (b->ids[0][i] >= r->n_blocks)
+			return refuse_why(f, "block id %u: the KV cache has %llu blocks",
+					  b->ids[0][i], (unsigned long long)r->n_blocks);
+	return 0;
+}
+
+static struct pend *pend_new(lmc_front *f, const struct route *rt, int reg, uint32_t n_ops)
+{
+	for (int i = 0; i < MAX_PEND; i++) {
+		struct pend *p = &f->pend[i];
+		if (p->used)
+			continue;
+		memset(p, 0, sizeof(*p));
+		p->ops = calloc(n_ops ? n_ops : 1, sizeof(*p->ops));
+		if (!p->ops)
+			return NULL;
+		p->used = 1;
+		p->rt = *rt;
+		p->reg = reg;
+		p->ok = 1;
+		f->regs[reg].busy++;
+		return p;
+	}
+	return NULL;
+}
+
+static void pend_finish(lmc_front *f, struct pend *p)
+{
+	struct reg *r = &f->regs[p->reg];
+
+	reply_handle(f, &p->rt, p->ok);
+	if (p->release) {
+		lease_release(f, &p->release);
+	}
+	free(p->ops);
+	p->used = 0;
+	if (--r->busy == 0 && r->dying)
+		reg_close(f, r);
+}
+
+static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
+{
+	const struct lmc_key *k = &q->key;
+	int ri = find_reg(f, q->instance_id), c;
+	struct reg *r;
+	struct pend *p;
+	kvt_key *keys;
+	uint32_t bpc, c0, c1;
+
+	if (ri < 0) {
+		unsigned char b[32];
+		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
+		return;
+	}
+	r = &f->regs[ri];
+	if ((c = check_range(f, k, &q->blocks, r)) < 0 || (!c && reg_rank(f, r, (uint32_t)k->worker))) {
+		refuse(f, rt, "store");
+		return;
+	}
+	if (c > 0) {
+		reply_handle(f, rt, 0);
+		return;
+	}
+	bpc = f->chunk / r->lay.bs;
+	c0 = (uint32_t)(k->start / f->chunk);
+	c1 = (uint32_t)(k->end / f->chunk);
+	if (c0 == c1) {
+		reply_handle(f, rt, 1);
+		return;
+	}
+	keys = chunk_keys(f, r->ns, k, c1);
+	p = keys ? pend_new(f, rt, ri, c1 - c0) : NULL;
+	if (!p) {
+		free(keys);
+		if (keys)
+			refuse_why(f, "%d copies are in flight", MAX_PEND);
+		refuse(f, rt, "store");
+		return;
+	}
+	/* runs of chunks that are not all null blocks (LMCache's null block 0) */
+	for (uint32_t a = c0; a < c1;) {
+		uint32_t e = a;
+		const uint32_t *ids;
+		while (e < c1) {
+			int null = 1;
+			for (uint32_t j = 0; j < bpc && null; j++)
+				null = q->blocks.ids[0][(size_t)(e - c0) * bpc + j] == 0;
+			if (null)
+				break;
+			e++;
+		}
+		if (e > a) {
+			kvt_op op = 0;
+			int n;
+			ids = &q->blocks.ids[0][(size_t)(a - c0) * bpc];
+			n = kvt_save(r->t, keys + a, e - a, a, &ids, &op);
+			if (n < 0) {
+				flog(f, KVT_LOG_LEVEL_WARN, "store: %s", kvt_last_error());
+				p->ok = 0;
+				break;
+			}
+			atomic_fetch_add(&f->n_stored, (uint64_t)n);
+			if (op)
+				p->ops[p->n_ops++] = op;
+		}
+		a = e + (e < c1); /* past the null chunk */
+	}
+	free(keys);
+}
+
+static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
+{
+	const struct lmc_key *k = &q->key;
+	int ri = find_reg(f, q->instance_id), c, r_;
+	struct reg *r;
+	struct sess *s;
+	struct pend *p;
+	kvt_key *keys;
+	kvt_lease_id lease = 0, own = 0;
+	uint32_t bpc, c0, c1, skip, *tab;
+	kvt_op op = 0;
+
+	if (ri < 0) {
+		unsigned char b[32];
+		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
+		return;
+	}
+	r = &f->regs[ri];
+	if ((c = check_range(f, k, &q->blocks, r)) < 0 || (!c && reg_rank(f, r, (uint32_t)k->worker))) {
+		refuse(f, rt, "retrieve");
+		return;
+	}
+	if (c > 0) {
+		reply_handle(f, rt, 0);
+		return;
+	}
+	bpc = f->chunk / r->lay.bs;
+	c0 = (uint32_t)(k->start / f->chunk);
+	c1 = (uint32_t)(k->end / f->chunk);
+	if (c0 == c1) {
+		reply_handle(f, rt, 1);
+		return;
+	}
+	keys = chunk_keys(f, r->ns, k, c1);
+	if (!keys) {
+		refuse(f, rt, "retrieve");
+		return;
+	}
+	s = find_sess(f, k->request_id);
+	if (s && s->lease && s->hits >= c1 && s->n_keys >= c1 &&
+	    !memcmp(&s->keys[c1 - 1], &keys[c1 - 1], sizeof(kvt_key)))
+		lease = s->lease;
+	tab = malloc((size_t)c1 * bpc * sizeof(*tab));
+	if (!tab) {
+		free(keys);
+		refuse_why(f, "out of memory");
+		refuse(f, rt, "retrieve");
+		return;
+	}
+	skip = (uint32_t)(q->skip_tokens / r->lay.bs);
+	for (size_t i = 0; i < (size_t)c1 * bpc; i++)
+		tab[i] = KVT_BLOCK_SKIP;
+	for (size_t i = 0; i < (size_t)(c1 - c0) * bpc; i++)
+		if (i >= skip)
+			tab[(size_t)c0 * bpc + i] = q->blocks.ids[0][i];
+	for (int attempt = 0; attempt < 2; attempt++) {
+		const uint32_t *tabs = tab;
+		if (!lease) {
+			int hits = kvt_lookup(f->look, keys, c1, &own);
+			if (own)
+				atomic_fetch_add(&f->n_leases, 1);
+			if (hits < (int)c1) {
+				lease_release(f, &own);
+				break;
+			}
+			lease = own;
+		}
+		r_ = kvt_load(r->t, lease, c1, &tabs, &op);
+		if (!r_)
+			break;
+		lease = 0; /* the session's lease went (-ESTALE): look up ourselves */
+		if (own || r_ != -ESTALE) {
+			flog(f, KVT_LOG_LEVEL_WARN, "retrieve: %s", kvt_last_error());
+			lease_release(f, &own);
+			break;
+		}
+	}
+	free(tab);
+	free(keys);
+	if (!lease) {
+		atomic_fetch_add(&f->n_retrieve_misses, 1);
+		reply_handle(f, rt, 0);
+		return;
+	}
+	p = pend_new(f, rt, ri, 1);
+	if (!p) {
+		/* the load runs on; wait for it here rather than answer early */
+		kvt_wait(r->t, op, -1);
+		lease_release(f, &own);
+		reply_handle(f, rt, 1);
+		return;
+	}
+	p->retrieve = 1;
+	p->chunks = c1 - c0;
+	p->release = own;
+	if (op)
+		p->ops[p->n_ops++] = op;
+}
+
+static void progress(lmc_front *f)
+{
+	for (int i = 0; i < MAX_PEND; i++) {
+		struct pend *p = &f->pend[i];
+		struct reg *r;
+		if (!p->used)
+			continue;
+		r = &f->regs[p->reg];
+		while (p->n_ops) {
+			int e = kvt_poll(r->t, p->ops[p->n_ops - 1]);
+			if (e == -EINPROGRESS)
+				break;
+			if (e) {
+				flog(f, KVT_LOG_LEVEL_WARN, "%s: a copy failed: %s",
+				     p->retrieve ? "retrieve" : "store", kvt_last_error());
+				p->ok = 0;
+			}
+			p->n_ops--;
+		}
+		if (p->n_ops)
+			continue;
+		if (p->retrieve) {
+			if (p->ok)
+				atomic_fetch_add(&f->n_retrieved, p->chunks);
+			else
+				atomic_fetch_add(&f->n_retrieve_misses, 1);
+		}
+		pend_finish(f, p);
+	}
+}
+
+/* ---- peers ---- */
+
+static int peer_of(lmc_front *f, const struct ident *id, int fd)
+{
+	int free_ = -1;
+	for (int i = 0; i < MAX_PEERS; i++) {
+		struct peer *p = &f->peers[i];
+		if (p->used && p->id.n == id->n && !memcmp(p->id.b, id->b, id->n)) {
+			p->fd = fd;
+			return i;
+		}
+		if (!p->used && free_ < 0)
+			free_ = i;
+	}
+	if (free_ < 0)
+		return -1;
+	f->peers[free_].used = 1;
+	f->peers[free_].id = *id;
+	f->peers[free_].fd = fd;
+	return free_;
+}
+
+static void peer_gone(lmc_front *f, int pi)
+{
+	uint32_t leases = 0, caches = 0;
+
+	for (int i = 0; i < MAX_SESS; i++)
+		if (f->sess[i].state != S_FREE && f->sess[i].peer == pi) {
+			leases += f->sess[i].lease != 0;
+			sess_drop(f, &f->sess[i]);
+		}
+	for (int i = 0; i < MAX_REGS; i++) {
+		struct reg *r = &f->regs[i];
+		if (!r->used || r->peer != pi)
+			continue;
+		caches++;
+		if (r->busy)
+			r->dying = 1;
+		else
+			reg_close(f, r);
+	}
+	if (leases || caches)
+		flog(f, KVT_LOG_LEVEL_INFO, "a client went away: %u lookup lease(s) released, %u KV "
+		     "cache(s) unmapped", leases, caches);
+	for (int i = 0; i < MAX_WAIT; i++)
+		if (f->wait[i].used && f->wait[i].rt.id.n == f->peers[pi].id.n &&
+		    !memcmp(f->wait[i].rt.id.b, f->peers[pi].id.b, f->peers[pi].id.n))
+			f->wait[i].used = 0;
+	memset(&f->peers[pi], 0, sizeof(f->peers[pi]));
+	atomic_fetch_add(&f->n_disconnects, 1);
+}
+
+static void drain_monitor(lmc_front *f)
+{
+	for (;;) {
+		unsigned char ev[6];
+		char addr[256];
+		int n = zmq_recv(f->mon, ev, sizeof(ev), ZMQ_DONTWAIT);
+		if (n < 0)
+			return;
+		if (zmq_recv(f->mon, addr, sizeof(addr), ZMQ_DONTWAIT) < 0) {
+			/* the event's second frame is always there */
+		}
+		if (n == 6) {
+			uint16_t e;
+			uint32_t fd;
+			memcpy(&e, ev, 2);
+			memcpy(&fd, ev + 2, 4);
+			if (e == ZMQ_EVENT_DISCONNECTED)
+				for (int i = 0; i < MAX_PEERS; i++)
+					if (f->peers[i].used && f->peers[i].fd == (int)fd)
+						peer_gone(f, i);
+		}
+	}
+}
+
+/* ---- requests ---- */
+
+static void handle(lmc_front *f, const struct route *rt, const struct lmc_opname *op,
+		   const void *const *pl, const size_t *pn, size_t n)
+{
+	struct lmc_req q;
+	struct sess *s;
+	int r;
+
+	atomic_fetch_add(&f->n_requests, 1);
+	if (op->id >= LMC_OP_REGISTER_ENGINE_DRIVEN && op->id <= LMC_OP_COMMIT_RETRIEVE) {
+		refuse_why(f, "'%s' is an engine-driven transfer; kvtierd does the copies itself "
+			   "(lmcache_driven): set kv_connector_extra_config "
+			   "lmcache.mp.mp_transfer_mode=lmcache_driven (or "
+			   "LMCACHE_MP_TRANSFER_MODE=lmcache_driven)", op->name);
+		refuse(f, rt, op->name);
+		return;
+	}
+	if (lmc_arity(op->id) < 0) {
+		refuse_why(f, "operation '%s' is not served", op->name);
+		refuse(f, rt, op->name);
+		return;
+	}
+	r = lmc_decode(op, pl, pn, n, &q, f->why, sizeof(f->why));
+	if (r) {
+		char why[sizeof(f->why)];
+		snprintf(why, sizeof(why), "%s", f->why);
+		if (n != (size_t)lmc_arity(op->id))
+			refuse_why(f, "%s: a client of another LMCache version", why);
+		else
+			refuse_why(f, "%s", why);
+		refuse(f, rt, op->name);
+		return;
+	}
+	switch (op->id) {
+	case LMC_OP_GET_CHUNK_SIZE:
+		reply_uint(f, rt, f->chunk);
+		break;
+	case LMC_OP_GET_EXPERIMENTAL: {
+		unsigned char b[8];
+		reply(f, rt, b, lmc_enc_str_array(b, sizeof(b), NULL, 0));
+		break;
+	}
+	case LMC_OP_NOOP: {
+		unsigned char b[8];
+		reply(f, rt, b, lmc_enc_str(b, sizeof(b), "OK"));
+		break;
+	}
+	case LMC_OP_PING: {
+		unsigned char b[4];
+		reply(f, rt, b, lmc_enc_bool(b, sizeof(b), 1));
+		break;
+	}
+	case LMC_OP_REGISTER_KV_CACHE:
+		if (do_register(f, &q.reg))
+			refuse(f, rt, op->name);
+		else
+			reply_none(f, rt);
+		break;
+	case LMC_OP_UNREGISTER_KV_CACHE: {
+		int ri = find_reg(f, q.instance_id);
+		if (ri >= 0) {
+			if (f->regs[ri].busy)
+				f->regs[ri].dying = 1;
+			else
+				reg_close(f, &f->regs[ri]);
+		}
+		reply_none(f, rt);
+		break;
+	}
+	case LMC_OP_LOOKUP:
+		if (do_lookup(f, &q.key))
+			refuse(f, rt, op->name);
+		else
+			reply_none(f, rt);
+		break;
+	case LMC_OP_QUERY_PREFETCH_STATUS:
+		s = find_sess(f, q.request_id);
+		if (s && s->state == S_RUNNING) {
+			reply_nil(f, rt);
+		} else if (s && s->state == S_READY) {
+			reply_uint(f, rt, s->hits);
+			s->state = S_TAKEN;
+		} else {
+			reply_uint(f, rt, 0);
+		}
+		break;
+	case LMC_OP_WAIT_PREFETCH_STATUS: {
+		int w = -1;
+		for (int i = 0; i < MAX_WAIT && w < 0; i++)
+			if (!f->wait[i].used)
+				w = i;
+		if (w < 0) {
+			refuse_why(f, "%d waits are pending", MAX_WAIT);
+			refuse(f, rt, op->name);
+			break;
+		}
+		f->wait[w].used = 1;
+		f->wait[w].rt = *rt;
+		snprintf(f->wait[w].rid, sizeof(f->wait[w].rid), "%s", q.request_id);
+		f->wait[w].deadline = now_ns() + (uint64_t)(q.timeout_s * 1e9);
+		answer_waiters(f, now_ns());
+		break;
+	}
+	case LMC_OP_FREE_LOOKUP_LOCKS:
+		s = find_sess(f, q.key.request_id);
+		if (s && s->lease && q.key.start < f->chunk &&
+		    q.key.end / f->chunk >= s->hits)
+			lease_release(f, &s->lease);
+		reply_none(f, rt);
+		break;
+	case LMC_OP_END_SESSION:
+		s = find_sess(f, q.request_id);
+		if (s)
+			sess_drop(f, s);
+		reply_none(f, rt);
+		break;
+	case LMC_OP_CLEAR:
+		/* Every (model, world) gets a new epoch: the chunks stored before are
+		 * no longer any key's (they age out of the arena).  Not kept across a
+		 * restart of kvtierd. */
+		for (int i = 0; i < MAX_NS; i++)
+			if (f->ns[i].used)
+				f->ns[i].epoch++;
+		for (int i = 0; i < MAX_SESS; i++)
+			if (f->sess[i].state != S_FREE)
+				sess_drop(f, &f->sess[i]);
+		flog(f, KVT_LOG_LEVEL_INFO, "clear: earlier chunks are no longer served");
+		reply_none(f, rt);
+		break;
+	case LMC_OP_REPORT_BLOCK_ALLOCATION:
+		reply_none(f, rt);
+		break;
+	case LMC_OP_STORE:
+		do_store(f, rt, &q);
+		break;
+	case LMC_OP_RETRIEVE:
+		do_retrieve(f, rt, &q);
+		break;
+	default:
+		break;
+	}
+	lmc_req_free(&q);
+}
+
+static int copy_small(struct small *s, zmq_msg_t *m)
+{
+	if (zmq_msg_size(m) > sizeof(s->b))
+		return -1;
+	s->n = (uint32_t)zmq_msg_size(m);
+	memcpy(s->b, zmq_msg_data(m), s->n);
+	return 0;
+}
+
+static void receive(lmc_front *f)
+{
+	zmq_msg_t m[MAX_FRAMES];
+	size_t n = 0, more = 1;
+	struct route rt;
+	struct lmc_opname op;
+	const void *pl[MAX_FRAMES];
+	size_t pn[MAX_FRAMES];
+	int fd = -1, pi, over = 0;
+
+	while (more) {
+		zmq_msg_t tmp, *x = n < MAX_FRAMES ? &m[n] : &tmp;
+		size_t sz = sizeof(more);
+		zmq_msg_init(x);
+		if (zmq_msg_recv(x, f->sock, n ? 0 : ZMQ_DONTWAIT) < 0) {
+			zmq_msg_close(x);
+			break;
+		}
+		if (n == 1) /* the identity frame is the socket's own: ask the first
+			      * frame the peer sent */
+			fd = zmq_msg_get(x, ZMQ_SRCFD);
+		zmq_getsockopt(f->sock, ZMQ_RCVMORE, &more, &sz);
+		if (x == &tmp) {
+			zmq_msg_close(x);
+			over = 1;
+		} else {
+			n++;
+		}
+	}
+	if (n < 1)
+		return;
+	drain_monitor(f); /* before this message's fd is recorded: see the design comment */
+	memset(&rt, 0, sizeof(rt));
+	if (zmq_msg_size(&m[0]) > sizeof(rt.id.b))
+		goto out;
+	rt.id.n = (uint32_t)zmq_msg_size(&m[0]);
+	memcpy(rt.id.b, zmq_msg_data(&m[0]), rt.id.n);
+	pi = peer_of(f, &rt.id, fd);
+	f->cur_peer = pi;
+	if (n < 3 || copy_small(&rt.uid, &m[1]))
+		goto out; /* not a request (a stream's ack has an empty op) */
+	if (zmq_msg_size(&m[2]) == 0)
+		goto out;
+	if (copy_small(&rt.op, &m[2]) || lmc_decode_op(zmq_msg_data(&m[2]), zmq_msg_size(&m[2]), &op)) {
+		atomic_fetch_add(&f->n_refused, 1);
+		flog(f, KVT_LOG_LEVEL_WARN, "a request whose operation frame is not an int or a name");
+		goto out;
+	}
+	if (pi < 0) {
+		refuse_why(f, "%d clients are connected", MAX_PEERS);
+		refuse(f, &rt, op.name);
+		goto out;
+	}
+	if (over) {
+		refuse_why(f, "more than %d frames", MAX_FRAMES);
+		refuse(f, &rt, op.name);
+		goto out;
+	}
+	for (size_t i = 3; i < n; i++) {
+		pl[i - 3] = zmq_msg_data(&m[i]);
+		pn[i - 3] = zmq_msg_size(&m[i]);
+	}
+	handle(f, &rt, &op, pl, pn, n - 3);
+out:
+	for (size_t i = 0; i < n; i++)
+		zmq_msg_close(&m[i]);
+}
+
+static void sweep(lmc_front *f, uint64_t now)
+{
+	for (int i = 0; i < MAX_SESS; i++) {
+		struct sess *s = &f->sess[i];
+		if (s->state == S_FREE)
+			continue;
+		if (s->state == S_RUNNING && now >= s->next_look)
+			look(f, s, now);
+		if (s->lease && now - s->t_lease > LEASE_TTL_NS)
+			lease_release(f, &s->lease);
+		if (now - s->t0 > SESS_TTL_NS)
+			sess_drop(f, s);
+	}
+}
+
+static void *front_main(void *arg)
+{
+	lmc_front *f = arg;
+	uint64_t last_sweep = 0;
+
+	while (!atomic_load(&f->stop)) {
+		zmq_pollitem_t it[2] = { { f->sock, 0, ZMQ_POLLIN, 0 }, { f->mon, 0, ZMQ_POLLIN, 0 } };
+		int busy = 0, running = 0;
+		uint64_t now;
+		for (int i = 0; i < MAX_PEND && !busy; i++)
+			busy = f->pend[i].used;
+		for (int i = 0; i < MAX_WAIT && !running; i++)
+			running = f->wait[i].used;
+		zmq_poll(it, 2, busy ? 0 : running ? 5 : 50);
+		if (it[1].revents & ZMQ_POLLIN)
+			drain_monitor(f);
+		for (int k = 0; k < 64 && (it[0].revents & ZMQ_POLLIN); k++) {
+			int ev = 0;
+			size_t sz = sizeof(ev);
+			receive(f);
+			zmq_getsockopt(f->sock, ZMQ_EVENTS, &ev, &sz);
+			if (!(ev & ZMQ_POLLIN))
+				break;
+		}
+		progress(f);
+		now = now_ns();
+		if (busy && !(it[0].revents & ZMQ_POLLIN))
+			usleep(50);
+		if (now - last_sweep > RELOOK_NS / 2) {
+			sweep(f, now);
+			last_sweep = now;
+		}
+		answer_waiters(f, now);
+	}
+	/* the copies in flight finish; every lease goes; every map goes */
+	for (int i = 0; i < MAX_PEND; i++)
+		if (f->pend[i].used) {
+			struct pend *p = &f->pend[i];
+			while (p->n_ops)
+				kvt_wait(f->regs[p->reg].t, p->ops[--p->n_ops], -1);
+			pend_finish(f, p);
+		}
+	for (int i = 0; i < MAX_SESS; i++)
+		if (f->sess[i].state != S_FREE)
+			sess_drop(f, &f->sess[i]);
+	for (int i = 0; i < MAX_REGS; i++)
+		if (f->regs[i].used)
+			reg_close(f, &f->regs[i]);
+	return NULL;
+}
+
+int lmc_start(const struct lmc_cfg *cfg, lmc_front **out, char *err, size_t err_len)
+{
+	lmc_front *f = calloc(1, sizeof(*f));
+	struct kvt_config c;
+	char ep[128];
+	int r, one = 1, zero = 0;
+
+	*out = NULL;
+	if (!f) {
+		snprintf(err, err_len, "out of memory");
+		return -ENOMEM;
+	}
+	f->cfg = *cfg;
+	snprintf(f->segment, sizeof(f->segment), "%s", cfg->segment);
+	snprintf(f->segment_dir, sizeof(f->segment_dir), "%s", cfg->segment_dir ? cfg->segment_dir : "");
+	snprintf(f->model, sizeof(f->model), "%s", cfg->model ? cfg->model : "");
+	memset(&c, 0, sizeof(c));
+	c.size = sizeof(c);
+	c.flags = KVT_F_NO_ENV | (cfg->group ? KVT_F_GROUP : 0);
+	c.role = KVT_TIER_CLIENT;
+	c.instance = -1;
+	c.rank = -1;
+	c.segment = f->segment;
+	c.segment_dir = f->segment_dir[0] ? f->segment_dir : NULL;
+	r = kvt_open(&c, &f->look);
+	if (r) {
+		snprintf(err, err_len, "attaching to segment '%s': %s", f->segment, kvt_last_error());
+		free(f);
+		return r;
+	}
+	{
+		const struct kvt_geometry *g = kvt_seg_geometry(kvt__tier_seg(f->look));
+		f->world = g->world;
+		f->chunk = g->chunk_tokens;
+		f->n_instances = g->n_instances;
+		f->n_groups = g->n_groups;
+		memcpy(f->seg_groups, g->groups, sizeof(f->seg_groups));
+		f->mode_replicated = g->mode == KVT_MODE_REPLICATED;
+		f->lease_cap = g->lease_max_chunks ? g->lease_max_chunks : 512;
+	}
+	f->ctx = zmq_ctx_new();
+	f->sock = f->ctx ? zmq_socket(f->ctx, ZMQ_ROUTER) : NULL;
+	if (!f->sock) {
+		snprintf(err, err_len, "ZeroMQ: %s", zmq_strerror(zmq_errno()));
+		r = -ENOMEM;
+		goto fail;
+	}
+	zmq_setsockopt(f->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+	zmq_setsockopt(f->sock, ZMQ_LINGER, &zero, sizeof(zero));
+	snprintf(ep, sizeof(ep), "tcp://%s:%u", cfg->addr, cfg->port);
+	if (zmq_bind(f->sock, ep)) {
+		snprintf(err, err_len, "binding %s: %s", ep, zmq_strerror(zmq_errno()));
+		r = -zmq_errno();
+		goto fail;
+	}
+	if (zmq_socket_monitor(f->sock, "inproc://kvtierd-lmcache-monitor", ZMQ_EVENT_DISCONNECTED) ||
+	    !(f->mon = zmq_socket(f->ctx, ZMQ_PAIR)) ||
+	    zmq_connect(f->mon, "inproc://kvtierd-lmcache-monitor")) {
+		snprintf(err, err_len, "ZeroMQ's socket monitor: %s", zmq_strerror(zmq_errno()));
+		r = -EIO;
+		goto fail;
+	}
+	zmq_setsockopt(f->mon, ZMQ_LINGER, &zero, sizeof(zero));
+	r = pthread_create(&f->thread, NULL, front_main, f);
+	if (r) {
+		snprintf(err, err_len, "starting its thread: %s", strerror(r));
+		r = -r;
+		goto fail;
+	}
+	*out = f;
+	return 0;
+fail:
+	if (f->mon)
+		zmq_close(f->mon);
+	if (f->sock)
+		zmq_close(f->sock);
+	if (f->ctx)
+		zmq_ctx_term(f->ctx);
+	kvt_close(f->look);
+	free(f);
+	return r;
+}
+
+void lmc_stop(lmc_front *f)
+{
+	if (!f)
+		return;
+	atomic_store(&f->stop, 1);
+	pthread_join(f->thread, NULL);
+	zmq_socket_monitor(f->sock, NULL, 0);
+	zmq_close(f->mon);
+	zmq_close(f->sock);
+	zmq_ctx_term(f->ctx);
+	kvt_close(f->look);
+	free(f);
+}
+
+void lmc_counts(lmc_front *f, struct lmc_counts *c)
+{
+	memset(c, 0, sizeof(*c));
+	if (!f)
+		return;
+	c->requests = atomic_load(&f->n_requests);
+	c->refused = atomic_load(&f->n_refused);
+	c->registrations = atomic_load(&f->n_regs);
+	c->lookups = atomic_load(&f->n_lookups);
+	c->lookup_hit_chunks = atomic_load(&f->n_hit_chunks);
+	c->stored_chunks = atomic_load(&f->n_stored);
+	c->retrieved_chunks = atomic_load(&f->n_retrieved);
+	c->retrieve_misses = atomic_load(&f->n_retrieve_misses);
+	c->disconnects = atomic_load(&f->n_disconnects);
+	c->clients = atomic_load(&f->n_clients);
+	c->sessions = atomic_load(&f->n_sessions);
+	c->leases = atomic_load(&f->n_leases);
+}
