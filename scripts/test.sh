@@ -147,13 +147,20 @@ if [ "${1:-}" != quick ]; then
   # zero_kv_caches.)
   setsid bash -c 'KVTIER_LIBRARY="$1/build/tier/libkvtier.so" KVTIER_BUILD="$1/build" \
     VLLM_CPU_KVCACHE_SPACE=1 exec "$2/bin/python" -m pytest -q -p no:cacheprovider tests/vllm \
-    --ignore=tests/vllm/test_scheduler_driven.py' _ "$PWD" "$venv" >"$logs/vllm032.log" 2>&1 &
+    --ignore=tests/vllm/test_scheduler_driven.py --ignore=tests/vllm/test_lmcache_engine.py' \
+    _ "$PWD" "$venv" >"$logs/vllm032.log" 2>&1 &
   vllm032_pid=$!; pids+=("$vllm032_pid")
   # the scheduler-driven test in a process of its own: it runs vLLM's
   # scheduler in the test's process, whose global state no engine test
   # should start from
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_scheduler_driven.py
+  # LMCache's own vLLM connector in a vLLM 0.32 engine, served by kvtierd's
+  # LMCache front end (the wheel in a folder beside the environment)
+  stage "vLLM 0.32 with LMCacheMPConnector on kvtierd --lmcache-port"
+  tests/lmcache/setup-vllm.sh "$venv" build/vllm-lmcache
+  KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_lmcache_engine.py
   # The other releases the connector supports (kvtier/vllm/_versions.py).
   # 0.31, the other CPU build: the connector's, the fold's and the
   # scheduler-driven tests whole (against that release's own classes; the

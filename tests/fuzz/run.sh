@@ -12,7 +12,7 @@ dir=build-fuzz
 command -v clang >/dev/null || { echo "fuzz: clang is not installed (scripts/deps.sh)" >&2; exit 1; }
 CC=clang cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_FUZZ=ON \
   -DKVTIER_SANITIZE=address,undefined,fuzzer-no-link >/dev/null
-targets=(segment env hfconfig trace config http)
+targets=(segment env hfconfig trace config http lmc)
 cmake --build "$dir" -j "$(nproc)" --target "${targets[@]/#/fuzz_}" >/dev/null
 status=0
 for t in "${targets[@]}"; do

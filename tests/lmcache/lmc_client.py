@@ -57,13 +57,23 @@ class Client:
         self.wrappers = wrap_kv_caches(kv)
         return self.wrappers
 
-    def register(self, iid, model, world, groups_tpb=None, layout="HND"):
+    def register(self, iid, model, world, groups_tpb=None, layout="HND", wait=True):
         groups = [] if groups_tpb is None else [EngineGroupInfo(
             engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
             tokens_per_block=groups_tpb, sw_size_tokens=-1)]
         hints = {"kv_layout": layout} if layout else {}
-        return self.c.register_kv_cache(iid, self.wrappers, model, world, EngineType.VLLM,
-                                        hints, groups).result(timeout=T)
+        fut = self.c.register_kv_cache(iid, self.wrappers, model, world, EngineType.VLLM,
+                                       hints, groups)
+        return fut.result(timeout=T) if wait else fut
+
+    def unlink(self):
+        """The shared memory of the KV cache (os._exit skips the wrappers'
+        finalizers that unlink it)."""
+        for w in getattr(self, "wrappers", []):
+            try:
+                os.unlink("/dev/shm" + w.shm_name)
+            except OSError:
+                pass
 
     def block_bytes(self, block_ids):
         """Every layer's K and V bytes of these blocks, in order."""
@@ -118,6 +128,7 @@ def main():
             elif op == "chunk":
                 res = c.c.get_chunk_size().result(timeout=T)
             elif op == "exit":
+                c.unlink()
                 print(json.dumps({"ok": None}), flush=True)
                 os._exit(0)
             else:

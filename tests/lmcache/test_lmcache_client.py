@@ -6,7 +6,7 @@ client is a process of its own (tests/lmcache/lmc_client.py); the daemon
 is the real kvtierd.  Run by scripts/test.sh with the venv's python;
 KVTIER_BUILD names the build directory (default: build/)."""
 
-import hashlib
+import glob
 import json
 import os
 import signal
@@ -123,6 +123,9 @@ class Proc:
     def kill(self):
         self.p.kill()
         self.p.wait()
+        # its KV cache's shared memory (LMCache's wrappers unlink it at exit)
+        for n in glob.glob("/dev/shm/lmcache_kv_%d_*" % self.p.pid):
+            os.unlink(n)
 
     def close(self):
         if self.p.poll() is None:
@@ -302,3 +305,45 @@ def test_refusals_name_the_reason(daemon, procs):
 
 def test_healthcheck_in_lmcache_form(daemon):
     assert daemon.get("/healthcheck") == (200, '{"status":"healthy"}')
+
+
+def test_client_of_another_version_refused(daemon, procs):
+    """LMCache 0.5.0's own client numbers its operations otherwise: its
+    get_chunk_size (#18) is 0.5.6's prepare_retrieve, its noop (#21)
+    0.5.6's get_chunk_size.  kvtierd refuses its first message, naming
+    both numberings, and every later one: the noop that would have parsed
+    is not answered either (never half-served).  A 0.5.6 client is served
+    on beside it."""
+    old = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lmcache-0.5.0")
+    assert os.path.isdir(old), "tests/lmcache/setup-venv.sh installs LMCache 0.5.0 there"
+    env = dict(os.environ, PYTHONPATH=old)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "old_client.py"), daemon.url, "3"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    out = p.stdout
+    assert "lmcache from %s" % os.path.join(old, "lmcache") in out, out
+    # no answer it can read: 0.5.0 decodes the reply's operation as its enum
+    assert "GET_CHUNK_SIZE raised" in out and "NOOP raised" in out, out
+    log = daemon.log()
+    assert "a client of another LMCache version: operation #18 came with 0 payload " \
+        "frame(s); in LMCache 0.5.6's protocol #18 is prepare_retrieve and takes 2 (in " \
+        "LMCache 0.5.0's numbering, #18 was get_chunk_size)" in log, log
+    # 0.5.0's polling thread died on the reply (its traceback names the
+    # decode), so its noop never left; the same two frames, sent raw:
+    import msgspec
+    import zmq
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.connect(daemon.url)
+    try:
+        for uid, op in ((0, 18), (1, 21)):
+            s.send_multipart([msgspec.msgpack.encode(uid), msgspec.msgpack.encode(op)])
+            assert s.poll(int(T * 1000)), "no answer to #%d" % op
+            fr = s.recv_multipart()
+            assert len(fr) == 2 and msgspec.msgpack.decode(fr[0]) == uid, fr
+            reason = msgspec.msgpack.decode(fr[1])
+            assert isinstance(reason, str) and "another LMCache version" in reason, reason
+    finally:
+        s.close(linger=0)
+    log = daemon.log()
+    assert "refused get_chunk_size: a client of another LMCache version" in log, log
+    a = procs(daemon.url)
+    assert a.ok(op="chunk") == CHUNK

@@ -133,7 +133,9 @@ struct route {
 
 struct peer {
 	int used, fd;
+	int foreign;                 /* another protocol version: refused */
 	struct ident id;
+	char reason[512];
 };
 
 struct layout {
@@ -477,6 +479,21 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		*block_stride = t->shape[2] * t->shape[3] * t->shape[4] * isz;
 		*plane_stride = t->shape[1] * *block_stride;
 		lay->replicated = 0;
+	} else if (t->ndim == 4) {
+		/* vLLM's CPU attention (0.32): [blocks, heads, block, 2 x head_size],
+		 * K and V side by side in a token's row (HND), or [blocks, block,
+		 * heads, 2 x head_size] (NHD): one plane, a block contiguous */
+		const char *hint = g->kv_layout[0] ? g->kv_layout : "HND";
+		if (strcmp(hint, "HND") && strcmp(hint, "NHD"))
+			return refuse_why(f, "layout_hints.kv_layout '%s': kvtierd copies vLLM's "
+					  "per-layer HND or NHD caches", hint);
+		kind = !strcmp(hint, "HND") ? "HND4" : "NHD4";
+		bs = !strcmp(hint, "HND") ? t->shape[2] : t->shape[1];
+		lay->planes_per_tensor = 1;
+		*n_blocks = t->shape[0];
+		*block_stride = t->shape[1] * t->shape[2] * t->shape[3] * isz;
+		*plane_stride = 0;
+		lay->replicated = 0;
 	} else if (t->ndim == 3) {
 		kind = "MLA";
 		bs = t->shape[1];
@@ -486,9 +503,14 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		*plane_stride = 0;
 		lay->replicated = 1;
 	} else {
-		return refuse_why(f, "kv_cache[%u]: a %u-D tensor: kvtierd copies vLLM's per-layer "
-				  "[2, blocks, ., ., head_size] and MLA [blocks, block, head_size] "
-				  "caches", i, t->ndim);
+		char sh[96] = "";
+		for (uint32_t d = 0, o = 0; d < t->ndim && o < sizeof(sh) - 24; d++)
+			o += (uint32_t)snprintf(sh + o, sizeof(sh) - o, "%s%llu", d ? ", " : "",
+					       (unsigned long long)t->shape[d]);
+		return refuse_why(f, "kv_cache[%u]: a %u-D tensor [%s]: kvtierd copies vLLM's "
+				  "per-layer [2, blocks, ., ., head_size], [blocks, ., ., 2 x "
+				  "head_size] and MLA [blocks, block, head_size] caches", i, t->ndim,
+				  sh);
 	}
 	if (!bs || !*n_blocks || *block_stride % bs)
 		return refuse_why(f, "kv_cache[%u]: an empty shape", i);
@@ -498,7 +520,7 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 				  (unsigned long long)(*block_stride / bs));
 	lay->bpt = (uint32_t)(*block_stride / bs);
 	snprintf(lay->tag, sizeof(lay->tag), "%s/%s/%u/%u/%u", kind, t->dtype, lay->bs,
-		 lay->bpt, (unsigned)(t->ndim == 5 ? t->shape[2] : 0));
+		 lay->bpt, (unsigned)(t->ndim >= 4 ? t->shape[t->ndim - 3] : 0));
 	return 0;
 }
 
@@ -1165,6 +1187,32 @@ static void handle(lmc_front *f, const struct route *rt, const struct lmc_opname
 	int r;
 
 	atomic_fetch_add(&f->n_requests, 1);
+	if (f->cur_peer >= 0 && f->peers[f->cur_peer].foreign) {
+		refuse_why(f, "%s", f->peers[f->cur_peer].reason);
+		refuse(f, rt, op->name);
+		return;
+	}
+	if (lmc_wire_arity(op->id) >= 0 ? n != (size_t)lmc_wire_arity(op->id) :
+	    op->id == LMC_OP_UNKNOWN && op->name[0] == '#') {
+		/* A frame count not 0.5.6's for the operation, or an operation
+		 * number 0.5.6 does not have: another version's client.  It is
+		 * refused now and at every later message (never half-served). */
+		struct peer *p = f->cur_peer >= 0 ? &f->peers[f->cur_peer] : NULL;
+		if (lmc_wire_arity(op->id) >= 0)
+			refuse_why(f, "a client of another LMCache version: operation #%d came with "
+				   "%zu payload frame(s); in LMCache 0.5.6's protocol #%d is %s and "
+				   "takes %d%s", op->id, n, op->id, op->name, lmc_wire_arity(op->id),
+				   lmc_old_op_name(op->id) ? lmc_old_op_name(op->id) : "");
+		else
+			refuse_why(f, "a client of another LMCache version: operation %s is not in "
+				   "LMCache 0.5.6's protocol", op->name);
+		if (p) {
+			p->foreign = 1;
+			snprintf(p->reason, sizeof(p->reason), "%s", f->why);
+		}
+		refuse(f, rt, op->name);
+		return;
+	}
 	if (op->id >= LMC_OP_REGISTER_ENGINE_DRIVEN && op->id <= LMC_OP_COMMIT_RETRIEVE) {
 		refuse_why(f, "'%s' is an engine-driven transfer; kvtierd does the copies itself "
 			   "(lmcache_driven): set kv_connector_extra_config "

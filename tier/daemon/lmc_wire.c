@@ -55,6 +55,28 @@ static const char *const op_names[LMC_OP_MAX] = {
 	[33] = "cb_protocol_handshake",
 };
 
+/* LMCache 0.5.0 numbered its RequestType in enum order (protocols/
+ * base.py), before register_q_cache and store_q came in; 0.5.5 and 0.5.6
+ * number as the table above (frozen since).  For a refusal's words. */
+static const char *const old_names[] = {
+	NULL, "register_kv_cache", "unregister_kv_cache", "store", "retrieve", "lookup",
+	"query_prefetch_status", "wait_prefetch_status", "query_prefetch_lookup_hits",
+	"free_lookup_locks", "end_session", "register_kv_cache_engine_driven_context",
+	"unregister_kv_cache_engine_driven_context", "prepare_store", "commit_store",
+	"prepare_retrieve", "commit_retrieve", "clear", "get_chunk_size", "ping",
+	"report_block_allocation", "noop",
+};
+
+const char *lmc_old_op_name(int op)
+{
+	static _Thread_local char buf[96];
+	if (op <= 0 || op >= (int)(sizeof(old_names) / sizeof(old_names[0])))
+		return NULL;
+	snprintf(buf, sizeof(buf), " (in LMCache 0.5.0's numbering, #%d was %s)", op,
+		 old_names[op]);
+	return buf;
+}
+
 const char *lmc_op_name(int op)
 {
 	return op > 0 && op < LMC_OP_MAX ? op_names[op] : NULL;
@@ -80,6 +102,20 @@ int lmc_arity(int op)
 	case LMC_OP_GET_EXPERIMENTAL: return 0;
 	default: return -1;
 	}
+}
+
+int lmc_wire_arity(int op)
+{
+	static const signed char n[LMC_OP_MAX] = {
+		[3] = 7, [4] = 1, [5] = 4,
+		[LMC_OP_REGISTER_ENGINE_DRIVEN] = 1, [LMC_OP_UNREGISTER_ENGINE_DRIVEN] = 1,
+		[LMC_OP_PREPARE_STORE] = 2, [LMC_OP_COMMIT_STORE] = 3,
+		[LMC_OP_PREPARE_RETRIEVE] = 2, [LMC_OP_COMMIT_RETRIEVE] = 2,
+		[25] = 8, [26] = 1, [27] = 5, [28] = 2, [29] = 2, [30] = 1, [31] = 1, [33] = 1,
+	};
+	if (lmc_arity(op) >= 0)
+		return lmc_arity(op);
+	return op > 0 && op < LMC_OP_MAX && op_names[op] ? n[op] : -1;
 }
 
 static const struct { const char *name; uint32_t size; } dtypes[] = {
@@ -250,7 +286,8 @@ static int get_str(struct dec *d, const msgpack_object *o, const char *what, cha
 		return fail(d, -E2BIG, "%s: %u bytes (at most %zu)", what, o->via.str.size, cap - 1);
 	if (o->via.str.size && memchr(o->via.str.ptr, 0, o->via.str.size))
 		return fail(d, -EPROTO, "%s: holds a NUL byte", what);
-	memcpy(out, o->via.str.ptr, o->via.str.size);
+	if (o->via.str.size) /* (an empty one's ptr may be NULL) */
+		memcpy(out, o->via.str.ptr, o->via.str.size);
 	out[o->via.str.size] = 0;
 	return 0;
 }
@@ -544,7 +581,8 @@ int lmc_decode_op(const void *p, size_t n, struct lmc_opname *op)
 		else
 			snprintf(op->name, sizeof(op->name), "#%llu", (unsigned long long)v);
 		r = 0;
-	} else if (u.data.type == MSGPACK_OBJECT_STR && u.data.via.str.size < sizeof(op->name) &&
+	} else if (u.data.type == MSGPACK_OBJECT_STR && u.data.via.str.size &&
+		   u.data.via.str.size < sizeof(op->name) &&
 		   !memchr(u.data.via.str.ptr, 0, u.data.via.str.size)) {
 		memcpy(op->name, u.data.via.str.ptr, u.data.via.str.size);
 		op->name[u.data.via.str.size] = 0;

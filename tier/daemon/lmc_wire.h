@@ -143,6 +143,10 @@ int lmc_decode_op(const void *p, size_t n, struct lmc_opname *op);
  * operation this front end does not serve. */
 int lmc_arity(int op);
 
+/* The payload count op takes in 0.5.6's protocol, served here or not
+ * (register_q_cache: 7), or -1 for an operation number 0.5.6 does not have. */
+int lmc_wire_arity(int op);
+
 /* Decodes the n payload frames of a request whose op frame gave op.
  * 0, or a negative errno with a message (the field named) in why:
  * -EPROTO (a frame that is not what the protocol says), -E2BIG (a count
@@ -159,6 +163,11 @@ int lmc_enc_nil(void *buf, size_t cap);
 int lmc_enc_str(void *buf, size_t cap, const char *s);
 int lmc_enc_str_array(void *buf, size_t cap, const char *const *s, size_t n);
 int lmc_enc_handle_ok(void *buf, size_t cap, const void *handle, size_t hlen, int ok);
+
+/* " (in LMCache 0.5.0's numbering, #N was NAME)" for an operation number
+ * that release used, or NULL: the words a refusal of an older client adds.
+ * The text lives until the thread's next call. */
+const char *lmc_old_op_name(int op);
 
 /* The name of a known operation ("lookup"), or NULL. */
 const char *lmc_op_name(int op);

@@ -1,0 +1,67 @@
+"""Records the request frames LMCache's own client sends for every RPC
+the engines use, as the fuzz target tests/fuzz/fuzz_lmc.c reads them
+(frames, each a 2-byte little-endian length and its bytes: the operation,
+then the payloads), into tests/fuzz/corpus/lmc/.  The client talks to a
+bare ZeroMQ ROUTER that records and never answers.
+Usage: build/lmcache-venv/bin/python tests/lmcache/record_corpus.py"""
+import os
+import struct
+import sys
+
+import zmq
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from lmc_client import Client  # noqa: E402
+
+OUT = os.path.join(HERE, "..", "fuzz", "corpus", "lmc")
+
+
+def main():
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    c = Client("tcp://127.0.0.1:%d" % port)
+    c.make_kv(layers=2, blocks=8, heads=2, block=4, head=8, seed=1)
+    toks = list(range(100, 140))
+    sk = c.key("org/model", 1, None, toks, 0, 32, "req-1")
+    wk = c.key("org/model", 1, 0, toks, 0, 32, "req-1", salt="tenant-a")
+    calls = [
+        ("get_chunk_size", lambda: c.c.get_chunk_size()),
+        ("get_experimental", lambda: c.c.get_experimental()),
+        ("noop", lambda: c.c.noop()),
+        ("ping-none", lambda: c.c.ping(None)),
+        ("ping-id", lambda: c.c.ping(2 ** 62 + 5)),
+        ("register_kv_cache", lambda: c.register(7, "org/model", 1, groups_tpb=4, wait=False)),
+        ("register_kv_cache-nogroups", lambda: c.register(7, "org/model", 1, layout="", wait=False)),
+        ("unregister_kv_cache", lambda: c.c.unregister_kv_cache(7)),
+        ("lookup", lambda: c.c.lookup(sk, 1)),
+        ("query_prefetch_status", lambda: c.c.query_prefetch_status("req-1")),
+        ("wait_prefetch_status", lambda: c.c.wait_prefetch_status("req-1", 300.0)),
+        ("store", lambda: c.c.store(wk, 7, [[1, 2, 3, 4, 5, 6, 7, 8]], c.handle)),
+        ("retrieve", lambda: c.c.retrieve(wk, 7, [[1, 2, 3, 4, 5, 6, 7, 8]], c.handle, 4)),
+        ("free_lookup_locks", lambda: c.c.free_lookup_locks(sk, 1)),
+        ("end_session", lambda: c.c.end_session("req-1")),
+        ("clear", lambda: c.c.clear(False)),
+        ("report_block_allocation", lambda: c.c.report_block_allocation(
+            1234, "org/model", [])),
+    ]
+    os.makedirs(OUT, exist_ok=True)
+    for name, call in calls:
+        try:
+            call()
+        except Exception:  # noqa: BLE001 -- register waits for a reply it never gets
+            pass
+        if not router.poll(10000):
+            raise SystemExit("no frames for %s" % name)
+        frames = router.recv_multipart()[2:]  # identity, uid
+        with open(os.path.join(OUT, name), "wb") as f:
+            for fr in frames:
+                f.write(struct.pack("<H", len(fr)) + fr)
+        print(name, len(frames), "frames")
+    c.unlink()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
