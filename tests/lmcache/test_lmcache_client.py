@@ -347,3 +347,35 @@ def test_client_of_another_version_refused(daemon, procs):
     assert "refused get_chunk_size: a client of another LMCache version" in log, log
     a = procs(daemon.url)
     assert a.ok(op="chunk") == CHUNK
+
+
+def test_two_ranks_share_one_lookup(procs):
+    """World 2: a chunk is a hit only once both ranks stored their shard;
+    one scheduler lookup's locks serve both ranks' retrieves, and are
+    released when the second rank has loaded (no free_lookup_locks, no
+    end_session)."""
+    d = Daemon("lm2%d" % os.getpid(), world=2)
+    try:
+        w = [procs(d.url), procs(d.url)]
+        for r in (0, 1):
+            kv(w[r], seed=10 + r)
+            w[r].ok(op="register", iid=100 + r, model=MODEL, world=2, groups_tpb=BLOCK)
+        toks, src, dst = prompt(3), list(range(1, 13)), list(range(30, 42))
+        s = procs(d.url)
+        w[0].ok(op="store", model=MODEL, world=2, worker=0, tokens=toks, start=0, end=48,
+                iid=100, blocks=src)
+        assert s.ok(op="lookup", model=MODEL, world=2, tokens=toks, end=48, rid="a") == 0
+        w[1].ok(op="store", model=MODEL, world=2, worker=1, tokens=toks, start=0, end=48,
+                iid=101, blocks=src)
+        assert s.ok(op="lookup", model=MODEL, world=2, tokens=toks, end=48, rid="b") == 3
+        assert d.metric("kvtier_leases_live") == 1
+        rd = [procs(d.url), procs(d.url)]
+        for r in (0, 1):
+            kv(rd[r])
+            rd[r].ok(op="register", iid=200 + r, model=MODEL, world=2, groups_tpb=BLOCK)
+            assert rd[r].ok(op="retrieve", model=MODEL, world=2, worker=r, tokens=toks,
+                            start=0, end=48, rid="b", iid=200 + r, blocks=dst)[1] is True
+            assert rd[r].ok(op="bytes", blocks=dst) == w[r].ok(op="bytes", blocks=src)
+        until(lambda: d.metric("kvtier_leases_live") == 0, "the lease released by the loads")
+    finally:
+        d.close()

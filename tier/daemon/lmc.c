@@ -70,6 +70,13 @@
  *    is refused at its first message, never half-served.
  *  * Engine-driven transfers (vLLM's default for CPU tensors) are refused
  *    naming the setting that selects lmcache_driven.
+ *  * The tensors kvtierd reads: vLLM's per-layer caches as LMCache's vLLM
+ *    adapter registers them -- [2, blocks, heads, block, head_size] (HND;
+ *    NHD swaps heads and block), vLLM 0.32 CPU's [blocks, heads, block,
+ *    2 x head_size] (K and V in one row: one plane), MLA's [blocks, block,
+ *    head_size].  Contiguous views only.  Another engine's registration
+ *    (SGLang's token-major pools, whose 3-D shape would read as MLA's) is
+ *    refused by its engine type and hints.
  *
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
@@ -556,7 +563,9 @@ static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, u
 				  "claims %llu", i, name, (long long)st.st_size,
 				  (unsigned long long)t->nbytes);
 	}
-	*addr = mmap(NULL, t->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	/* MAP_POPULATE: the page tables at registration, not as a first copy's
+	 * faults (a 4 KiB fault per page halved the first stores' rate) */
+	*addr = mmap(NULL, t->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
 	close(fd);
 	if (*addr == MAP_FAILED)
 		return refuse_why(f, "kv_cache[%u]: mapping shm '%s': %s", i, name, strerror(errno));
@@ -587,6 +596,14 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	if (g->world != f->world)
 		return refuse_why(f, "world_size %u: the segment is laid out for %u ranks "
 				  "(kvtierd --world)", g->world, f->world);
+	/* SGLang's client hands token-major pools (K_0..K_n-1, V_0..V_n-1 of
+	 * [tokens, heads, head_dim]) with its page size in the hints: read as
+	 * vLLM's caches they would be copied block-wrong.  Not built yet. */
+	if (strcmp(g->engine, "vllm") || g->kv_list_layout[0] || g->hint_tokens_per_block)
+		return refuse_why(f, "engine '%s' (layout hints%s%s): kvtierd's LMCache front end "
+				  "copies vLLM's KV caches; SGLang's and ATOM's pools are not "
+				  "built yet", g->engine, g->kv_list_layout[0] ? " kv_list_layout" : "",
+				  g->hint_tokens_per_block ? " tokens_per_block" : "");
 	if (g->n_groups > 1)
 		return refuse_why(f, "%u engine groups (a hybrid model): kvtierd's LMCache front "
 				  "end keeps one group of layers", g->n_groups);
