@@ -44,8 +44,11 @@ class Client:
         kv = {}
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         for i in range(layers):
+            # vLLM's per-layer [2, blocks, ...] (HND, NHD), or vLLM 0.32 CPU's
+            # [blocks, heads, block, 2 x head] ("CPU4": one plane)
             shape = (2, blocks, heads, block, head) if layout == "HND" else \
-                (2, blocks, block, heads, head)
+                (2, blocks, block, heads, head) if layout == "NHD" else \
+                (blocks, heads, block, 2 * head)
             if g is None:
                 t = torch.zeros(shape, dtype=dtype)
             else:
@@ -61,7 +64,7 @@ class Client:
         groups = [] if groups_tpb is None else [EngineGroupInfo(
             engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
             tokens_per_block=groups_tpb, sw_size_tokens=-1)]
-        hints = {"kv_layout": layout} if layout else {}
+        hints = {"kv_layout": "HND" if layout == "CPU4" else layout} if layout else {}
         fut = self.c.register_kv_cache(iid, self.wrappers, model, world, EngineType.VLLM,
                                        hints, groups)
         return fut.result(timeout=T) if wait else fut
@@ -79,6 +82,10 @@ class Client:
         """Every layer's K and V bytes of these blocks, in order."""
         out = []
         for t in self.kv.values():
+            if t.dim() == 4:
+                for b in block_ids:
+                    out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())
+                continue
             for kv in range(2):
                 for b in block_ids:
                     out.append(t[kv, b].contiguous().view(torch.uint8).numpy().tobytes())

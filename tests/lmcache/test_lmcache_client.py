@@ -217,6 +217,11 @@ def test_every_rpc_and_bytes_across_processes(daemon, procs):
     assert b.ok(op="rpc", name="end_session", args=["s3"]) is None
     assert b.ok(op="rpc", name="report_block_allocation", args=[1, MODEL, []]) is None
     until(lambda: daemon.metric("kvtier_leases_live") == 0, "every lease released")
+    # the front end's figures on /metrics
+    assert daemon.metric("kvtier_lmcache_stored_total") == 3
+    assert daemon.metric("kvtier_lmcache_retrieved_total") == 3 + 3
+    assert daemon.metric("kvtier_lmcache_misses_total") == 1
+    assert daemon.metric("kvtier_lmcache_clients") == 2
     # clear(): what was stored before is no longer served
     assert b.ok(op="rpc", name="clear", args=[False]) is None
     assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=48, rid="s6") == 0
@@ -242,6 +247,7 @@ def test_killed_client_frees_its_lookup_locks(daemon, procs):
     s.kill()
     until(lambda: daemon.metric("kvtier_leases_live") == 0, "the killed client's leases")
     assert "a client went away: 3 lookup lease(s) released" in daemon.log()
+    assert daemon.metric("kvtier_lmcache_disconnects_total") >= 1
 
 
 def test_long_prompt_208_chunks_exact(procs):
@@ -379,3 +385,51 @@ def test_two_ranks_share_one_lookup(procs):
         until(lambda: d.metric("kvtier_leases_live") == 0, "the lease released by the loads")
     finally:
         d.close()
+
+
+def test_readme_kvtierd_line_serves_a_vllm_cpu_engine_shape(procs, tmp_path):
+    """The README's `lmcache server` replacement, run as written (its
+    segment, ports, log and capacity this test's): it serves a vLLM CPU
+    engine's cache of Llama-3.1-8B's shape (32 layers, 8 KV heads of 128,
+    bf16: one plane a layer of 4,096 bytes a token) and answers
+    /healthcheck as LMCache's server does."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "readme"))
+    import readme_blocks as rb
+    env, argv = rb.command(rb.block("kvtierd --segment lmcache --group 32:4096"))
+    port, http = free_port(), free_port()
+    argv = [KVTIERD] + argv[1:]
+    for flag, value in (("--segment", "lmr%d" % os.getpid()), ("--lmcache-port", str(port)),
+                        ("--http", "127.0.0.1:%d" % http), ("--log", str(tmp_path / "d.log")),
+                        ("--tier-gib", "0.25")):
+        argv = rb.replace_arg(argv, flag, value)
+    p = subprocess.Popen(argv + ["--unlink"], env=dict(os.environ, **env))
+    try:
+        url = "tcp://127.0.0.1:%d" % port
+        until(lambda: p.poll() is not None or _get(http, "/healthcheck")[0] == 200,
+              "the README's kvtierd")
+        assert p.poll() is None, (tmp_path / "d.log").read_text()
+        assert _get(http, "/healthcheck") == (200, '{"status":"healthy"}')
+        a = procs(url)
+        assert a.ok(op="chunk") == 256
+        a.ok(op="kv", layers=32, blocks=40, heads=8, block=16, head=128, seed=5, layout="CPU4")
+        a.ok(op="register", iid=1, model="meta-llama/Llama-3.1-8B", world=1, groups_tpb=16,
+             layout="CPU4")
+        toks = prompt(2 * 256 // CHUNK, 7)
+        src = list(range(1, 33))
+        assert a.ok(op="store", model="meta-llama/Llama-3.1-8B", world=1, worker=0,
+                    tokens=toks, start=0, end=512, iid=1, blocks=src)[1] is True
+        assert a.ok(op="lookup", model="meta-llama/Llama-3.1-8B", world=1, tokens=toks,
+                    end=512, rid="q") == 2
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=T)
+
+
+def _get(port, path):
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""

@@ -904,6 +904,16 @@ static void http_ctx(void *arg, struct kvtd_ctx *x, uint32_t wo[KVT_MAX_INSTANCE
 	*x = D.ctx;
 	x->draining = atomic_load(&D.draining);
 	memcpy(wo, D.write_only, sizeof(D.write_only));
+#ifdef KVTIERD_LMC
+	if (D.lmc) { /* (set to NULL under D.mu before it stops) */
+		struct lmc_counts lc;
+		lmc_counts(D.lmc, &lc);
+		x->lmc = (struct kvtd_lmc){ lc.requests, lc.refused, lc.registrations, lc.lookups,
+					    lc.lookup_hit_chunks, lc.stored_chunks,
+					    lc.retrieved_chunks, lc.retrieve_misses, lc.disconnects,
+					    lc.clients, lc.sessions, lc.leases };
+	}
+#endif
 	pthread_mutex_unlock(&D.mu);
 	x->write_only_window = wo;
 }
@@ -1347,7 +1357,11 @@ int main(int argc, char **argv)
 			.addr = o.lmcache_host[0] ? o.lmcache_host : "127.0.0.1",
 			.port = o.lmcache_port, .segment = D.name, .segment_dir = D.dir,
 			.model = D.model, .group = o.group, .log = lmc_log };
-		r = lmc_start(&lc, &D.lmc, err, sizeof(err));
+		lmc_front *lf = NULL;
+		r = lmc_start(&lc, &lf, err, sizeof(err));
+		pthread_mutex_lock(&D.mu);
+		D.lmc = lf;
+		pthread_mutex_unlock(&D.mu);
 		if (r) {
 			LOG_ERR("--lmcache-port %u: %s", o.lmcache_port, err);
 			kvt_seg_detach(D.obs);
@@ -1415,11 +1429,13 @@ int main(int argc, char **argv)
 #ifdef KVTIERD_LMC
 				/* its copies finish, its leases go: before the drain waits
 				 * for leases */
+				lmc_front *lf;
 				pthread_mutex_lock(&D.mu);
 				D.ctx.lmcache_up = 0;
-				pthread_mutex_unlock(&D.mu);
-				lmc_stop(D.lmc);
+				lf = D.lmc;
 				D.lmc = NULL;
+				pthread_mutex_unlock(&D.mu);
+				lmc_stop(lf);
 #endif
 				drain(&o, sfd); /* a drain timeout is logged; the exit stays 0 */
 				break;
@@ -1436,11 +1452,11 @@ int main(int argc, char **argv)
 			next_watch = kvt__now_ns() + 1000000000ULL;
 		}
 	}
+	kvtd_http_stop(D.http);
 #ifdef KVTIERD_LMC
-	lmc_stop(D.lmc);
+	lmc_stop(D.lmc); /* (after SIGTERM it stopped before the drain) */
 	D.lmc = NULL;
 #endif
-	kvtd_http_stop(D.http);
 	/* A rank killed but not yet exited loses this hold here (its own
 	 * witness may still hold); the drain above let live ranks detach. */
 	kvt_wsrv_close(D.wsrv);

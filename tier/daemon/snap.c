@@ -593,6 +593,29 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			    c->expect_instances < n_inst ? c->expect_instances : n_inst);
 	}
 
+	if (c && c->lmcache_form) {
+		static const struct { const char *name, *help; size_t off; } lc[] = {
+#define LC(n, h) { "kvtier_lmcache_" #n "_total", h, offsetof(struct kvtd_lmc, n) }
+			LC(requests, "LMCache protocol requests (--lmcache-port)"),
+			LC(refused, "Requests refused, with the reason as the reply's operation"),
+			LC(registrations, "KV caches registered (register_kv_cache)"),
+			LC(lookups, "Lookups (lookup)"),
+			LC(hit_chunks, "Chunks the lookups found and locked"),
+			LC(stored, "Chunks stores wrote"),
+			LC(retrieved, "Chunks retrieves loaded"),
+			LC(misses, "Retrieves answered ok=false (the engine recomputes)"),
+			LC(disconnects, "Clients whose connection went (their locks released)"),
+#undef LC
+		};
+		for (size_t i = 0; i < sizeof(lc) / sizeof(lc[0]); i++) {
+			prom_head(&b, lc[i].name, "counter", lc[i].help);
+			kvtd_printf(&b, "%s %llu\n", lc[i].name, (unsigned long long)
+				    *(const uint64_t *)((const char *)&c->lmc + lc[i].off));
+		}
+		prom_head(&b, "kvtier_lmcache_clients", "gauge", "KV caches registered now");
+		kvtd_printf(&b, "kvtier_lmcache_clients %u\n", c->lmc.clients);
+	}
+
 	/* per rank */
 	prom_head(&b, "kvtier_rank_up", "gauge", "1 when the rank's process is attached and alive");
 	for (uint32_t i = 0; i < n_inst; i++)

@@ -75,6 +75,11 @@ struct kvtd_ctx {
 	 * LMCache's form, {"status":"healthy"} */
 	int lmcache_form;
 	int lmcache_up;                /* its endpoint is bound and served */
+	struct kvtd_lmc {              /* its counters (lmc.h's lmc_counts) */
+		uint64_t requests, refused, registrations, lookups, hit_chunks;
+		uint64_t stored, retrieved, misses, disconnects;
+		uint32_t clients, sessions, leases;
+	} lmc;
 };
 
 int kvtd_snap_read(kvt_seg *s, struct kvtd_snap *out);
