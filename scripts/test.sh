@@ -200,6 +200,14 @@ if [ "${1:-}" != quick ]; then
   # alone; the corpora run as regression tests in each build's suite)
   build_suite build-asan -DKVTIER_SANITIZE=address,undefined
   build_suite build-tsan -DKVTIER_SANITIZE=thread
+  # the LMCache front end's C (parser, copies, leases, disconnects) under
+  # the sanitizers, with LMCache's real client: a report fails the daemon's
+  # exit (tests/lmcache checks it); libzmq's own hand-offs are suppressed
+  # for TSan (tests/lmcache/tsan.supp says why)
+  stage "kvtierd's LMCache front end under ASan+UBSan and TSan (tests/lmcache)"
+  KVTIER_BUILD="$PWD/build-asan" "$lmcvenv/bin/python" -m pytest -q -p no:cacheprovider tests/lmcache
+  TSAN_OPTIONS="suppressions=$PWD/tests/lmcache/tsan.supp" KVTIER_BUILD="$PWD/build-tsan" \
+    "$lmcvenv/bin/python" -m pytest -q -p no:cacheprovider tests/lmcache
   stage "fuzz"
   tests/fuzz/run.sh "${KVTIER_FUZZ_SECONDS:-20}"
   stage "vLLM 0.32 engine tests (tests/vllm, run beside the stages above)"

@@ -97,7 +97,12 @@ class Daemon:
                 self.p.kill()
                 self.p.wait()
                 pytest.fail("kvtierd did not stop on SIGTERM")
+        out = self.p.stdout.read()
+        log = self.log()
         os.unlink(self.logf.name)
+        # a clean stop (under a sanitizer's build, no report either)
+        assert self.p.returncode == 0, "kvtierd exited %s:\n%s\n%s" % (
+            self.p.returncode, out[-4000:], log[-4000:])
 
 
 class Proc:
