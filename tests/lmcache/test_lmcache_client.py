@@ -310,6 +310,14 @@ def test_refusals_name_the_reason(daemon, procs):
     # an older client's key (no num_kv_readers)
     r = a(op="lookup", model=MODEL, world=1, tokens=prompt(1), end=16, rid="x", readers=0)
     assert "older than 0.5.6" in r["err"], r
+    # another user's memory (the test runs as root, as kvtierd: a root
+    # kvtierd would map anyone's)
+    if os.geteuid() == 0:
+        c = procs(daemon.url)
+        for n in kv(c):
+            os.chown("/dev/shm" + n, 65534, 65534)
+        r = c(op="register", iid=3, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "belongs to uid 65534, kvtierd runs as uid 0" in r["err"], r
     # the daemon still serves
     assert a.ok(op="chunk") == CHUNK
 

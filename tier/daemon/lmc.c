@@ -32,8 +32,10 @@
  *    must be that group (LAYERS = planes, BYTES = one plane's bytes per
  *    token); a registration that does not fit is refused with the line
  *    that would.  Only names under /lmcache_ are mapped (a client can name
- *    no other process's memory, nor a segment), and only when the object
- *    is as large as the view claims (a view past its end would be SIGBUS).
+ *    no segment nor another program's memory), only objects of kvtierd's
+ *    own user (the protocol names no user: a root kvtierd would map any
+ *    user's KV for any client), and only when the object is as large as
+ *    the view claims (a view past its end would be SIGBUS).
  *  * Ranks: a registration is one engine rank's KV.  At its first store
  *    or retrieve (register_kv_cache carries no rank; the keys' worker_id
  *    does) the front end opens a kvtier RANK handle for it, rank worker_id,
@@ -556,6 +558,15 @@ static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, u
 	if (fd < 0)
 		return refuse_why(f, "kv_cache[%u]: shm '%s': %s (kvtierd must run as the "
 				  "engine's user, or root)", i, name, strerror(errno));
+	if (!fstat(fd, &st) && st.st_uid != geteuid()) {
+		/* The protocol names no user: a client could name another user's
+		 * KV (and have it read into the tier, or written).  A root kvtierd
+		 * would open any; so only its own user's memory is mapped. */
+		close(fd);
+		return refuse_why(f, "kv_cache[%u]: shm '%s' belongs to uid %u, kvtierd runs as uid "
+				  "%u: run kvtierd as the engines' user", i, name,
+				  (unsigned)st.st_uid, (unsigned)geteuid());
+	}
 	if (fstat(fd, &st) || !S_ISREG(st.st_mode) || (uint64_t)st.st_size < t->nbytes ||
 	    !t->nbytes) {
 		close(fd);
