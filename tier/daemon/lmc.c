@@ -315,6 +315,10 @@ static void refuse(lmc_front *f, const struct route *rt, const char *op)
 	struct route r = *rt;
 	int n;
 
+	/* logged before the reply leaves: the operator's line is there when
+	 * the client's error is */
+	atomic_fetch_add(&f->n_refused, 1);
+	flog(f, KVT_LOG_LEVEL_WARN, "refused %s: %s", op, f->why);
 	snprintf(msg, sizeof(msg), "kvtierd: %s [kvtierd speaks %s]", f->why, LMC_PROTOCOL);
 	n = lmc_enc_str(b, sizeof(b), msg);
 	if (n < 0 || (size_t)n > sizeof(r.op.b)) {
@@ -327,8 +331,6 @@ static void refuse(lmc_front *f, const struct route *rt, const char *op)
 		r.op.n = (uint32_t)n;
 		reply_none(f, &r);
 	}
-	atomic_fetch_add(&f->n_refused, 1);
-	flog(f, KVT_LOG_LEVEL_WARN, "refused %s: %s", op, f->why);
 }
 
 /* ---- tables ---- */
@@ -1170,6 +1172,7 @@ static void peer_gone(lmc_front *f, int pi)
 		else
 			reg_close(f, r);
 	}
+	atomic_fetch_add(&f->n_disconnects, 1);
 	if (leases || caches)
 		flog(f, KVT_LOG_LEVEL_INFO, "a client went away: %u lookup lease(s) released, %u KV "
 		     "cache(s) unmapped", leases, caches);
@@ -1178,7 +1181,6 @@ static void peer_gone(lmc_front *f, int pi)
 		    !memcmp(f->wait[i].rt.id.b, f->peers[pi].id.b, f->peers[pi].id.n))
 			f->wait[i].used = 0;
 	memset(&f->peers[pi], 0, sizeof(f->peers[pi]));
-	atomic_fetch_add(&f->n_disconnects, 1);
 }
 
 static void drain_monitor(lmc_front *f)
