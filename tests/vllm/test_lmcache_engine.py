@@ -89,10 +89,17 @@ class Kvtierd:
 
 
 def transfer(port):
-    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
-                "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}
+    """The README's kv-transfer-config for LMCacheMPConnector (its
+    LMCACHE='...' block), the port this test's kvtierd's."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "readme"))
+    import json
+
+    import readme_blocks as rb
+    b = rb.block("LMCACHE='")
+    c = json.loads(b.split("'")[1])
+    assert c["kv_connector_extra_config"]["lmcache.mp.port"] == 8750, c
+    c["kv_connector_extra_config"]["lmcache.mp.port"] = port
+    return c
 
 
 def lmcache_env():
