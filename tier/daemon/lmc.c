@@ -931,36 +931,50 @@ static void pend_finish(lmc_front *f, struct pend *p)
 		reg_close(f, r);
 }
 
+/* What a store and a retrieve check first: the registration, the range,
+ * the rank handle.  1 when the request was answered here (an unknown
+ * instance, a refusal, ok=false for short block lists, an empty range);
+ * else 0 with *ri and the range's chunks [*c0, *c1). */
+static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req *q,
+		      const char *what, int *ri, uint32_t *c0, uint32_t *c1)
+{
+	const struct lmc_key *k = &q->key;
+	struct reg *r;
+	int c;
+
+	*ri = find_reg(f, q->instance_id);
+	if (*ri < 0) {
+		unsigned char b[32];
+		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
+		return 1;
+	}
+	r = &f->regs[*ri];
+	if ((c = check_range(f, k, &q->blocks, r)) < 0 || (!c && reg_rank(f, r, (uint32_t)k->worker))) {
+		refuse(f, rt, what);
+		return 1;
+	}
+	*c0 = (uint32_t)(k->start / f->chunk);
+	*c1 = (uint32_t)(k->end / f->chunk);
+	if (c > 0 || *c0 == *c1) {
+		reply_handle(f, rt, !c);
+		return 1;
+	}
+	return 0;
+}
+
 static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 {
 	const struct lmc_key *k = &q->key;
-	int ri = find_reg(f, q->instance_id), c;
+	int ri;
 	struct reg *r;
 	struct pend *p;
 	kvt_key *keys;
 	uint32_t bpc, c0, c1;
 
-	if (ri < 0) {
-		unsigned char b[32];
-		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
+	if (copy_begin(f, rt, q, "store", &ri, &c0, &c1))
 		return;
-	}
 	r = &f->regs[ri];
-	if ((c = check_range(f, k, &q->blocks, r)) < 0 || (!c && reg_rank(f, r, (uint32_t)k->worker))) {
-		refuse(f, rt, "store");
-		return;
-	}
-	if (c > 0) {
-		reply_handle(f, rt, 0);
-		return;
-	}
 	bpc = f->chunk / r->lay.bs;
-	c0 = (uint32_t)(k->start / f->chunk);
-	c1 = (uint32_t)(k->end / f->chunk);
-	if (c0 == c1) {
-		reply_handle(f, rt, 1);
-		return;
-	}
 	keys = chunk_keys(f, r->ns, k, c1);
 	p = keys ? pend_new(f, rt, ri, c1 - c0) : NULL;
 	if (!p) {
@@ -1004,7 +1018,7 @@ static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 {
 	const struct lmc_key *k = &q->key;
-	int ri = find_reg(f, q->instance_id), c, r_;
+	int ri, r_;
 	struct reg *r;
 	struct sess *s;
 	struct pend *p;
@@ -1013,27 +1027,10 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 	uint32_t bpc, c0, c1, skip, *tab;
 	kvt_op op = 0;
 
-	if (ri < 0) {
-		unsigned char b[32];
-		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
+	if (copy_begin(f, rt, q, "retrieve", &ri, &c0, &c1))
 		return;
-	}
 	r = &f->regs[ri];
-	if ((c = check_range(f, k, &q->blocks, r)) < 0 || (!c && reg_rank(f, r, (uint32_t)k->worker))) {
-		refuse(f, rt, "retrieve");
-		return;
-	}
-	if (c > 0) {
-		reply_handle(f, rt, 0);
-		return;
-	}
 	bpc = f->chunk / r->lay.bs;
-	c0 = (uint32_t)(k->start / f->chunk);
-	c1 = (uint32_t)(k->end / f->chunk);
-	if (c0 == c1) {
-		reply_handle(f, rt, 1);
-		return;
-	}
 	keys = chunk_keys(f, r->ns, k, c1);
 	if (!keys) {
 		refuse(f, rt, "retrieve");
