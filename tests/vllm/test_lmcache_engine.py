@@ -85,7 +85,8 @@ class Kvtierd:
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
             self.p.wait(timeout=60)
-        os.unlink(self.logf.name)
+        if not os.environ.get("KVTIER_TEST_KEEP_LOGS"):
+            os.unlink(self.logf.name)
 
 
 def transfer(port):
@@ -136,7 +137,14 @@ def test_lmcache_mp_connector_served_by_kvtierd(model):
         e2 = Engine(model, transfer=transfer(d.port), env=lmcache_env())
         engines.append(e2)
         h0, m0 = d.metric("kvtier_hit_tokens_total"), e2.metrics()
-        assert e2.generate([LONG]) == [want]
+        r0, x0 = d.metric("kvtier_lmcache_retrieved_total"), d.metric("kvtier_lmcache_misses_total")
+        got = e2.generate([LONG])
+        # the README's policy recomputes a failed load: the output alone
+        # cannot say the chunks came from the tier; kvtierd's counters do
+        why = (got, d.log()[-4000:], e2.tail(80))
+        assert got == [want], why
+        assert d.metric("kvtier_lmcache_misses_total") == x0, why
+        assert d.metric("kvtier_lmcache_retrieved_total") - r0 >= len(LONG) // CHUNK - 1, why
         ext = e2.metrics().get("vllm:external_prefix_cache_hits", 0) - \
             m0.get("vllm:external_prefix_cache_hits", 0)
         hit = d.metric("kvtier_hit_tokens_total") - h0
@@ -148,8 +156,9 @@ def test_lmcache_mp_connector_served_by_kvtierd(model):
         for p in OTHERS:
             e2.generate([p])
         assert corrupt_arena(d.name) > 0
-        m1 = e2.metrics()
+        m1, r1 = e2.metrics(), d.metric("kvtier_lmcache_retrieved_total")
         got = e2.generate([LONG])
+        assert d.metric("kvtier_lmcache_retrieved_total") - r1 >= len(LONG) // CHUNK - 1
         ext = e2.metrics().get("vllm:external_prefix_cache_hits", 0) - \
             m1.get("vllm:external_prefix_cache_hits", 0)
         assert ext >= (len(LONG) // CHUNK - 1) * CHUNK, ext     # loaded from the tier...

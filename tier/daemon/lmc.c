@@ -945,6 +945,9 @@ static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req
 	*ri = find_reg(f, q->instance_id);
 	if (*ri < 0) {
 		unsigned char b[32];
+		flog(f, KVT_LOG_LEVEL_WARN, "%s of request '%s': instance %llu has no KV cache "
+		     "registered (never, or unmapped at its client's disconnect): ok=false", what,
+		     k->request_id, (unsigned long long)q->instance_id);
 		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
 		return 1;
 	}
@@ -955,6 +958,10 @@ static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req
 	}
 	*c0 = (uint32_t)(k->start / f->chunk);
 	*c1 = (uint32_t)(k->end / f->chunk);
+	if (c > 0)
+		flog(f, KVT_LOG_LEVEL_WARN, "%s of request '%s': %u block ids for tokens [%llu, "
+		     "%llu): ok=false", what, k->request_id, q->blocks.n[0],
+		     (unsigned long long)k->start, (unsigned long long)k->end);
 	if (c > 0 || *c0 == *c1) {
 		reply_handle(f, rt, !c);
 		return 1;
@@ -1026,6 +1033,7 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 	kvt_lease_id lease = 0, own = 0;
 	uint32_t bpc, c0, c1, skip, *tab;
 	kvt_op op = 0;
+	const char *why;
 
 	if (copy_begin(f, rt, q, "retrieve", &ri, &c0, &c1))
 		return;
@@ -1040,6 +1048,8 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 	if (s && s->lease && s->hits >= c1 && s->n_keys >= c1 &&
 	    !memcmp(&s->keys[c1 - 1], &keys[c1 - 1], sizeof(kvt_key)))
 		lease = s->lease;
+	why = !s ? "none" : !s->lease ? "no lease" : s->hits < c1 ? "fewer hits" :
+	      lease ? "used" : "other keys";
 	tab = malloc((size_t)c1 * bpc * sizeof(*tab));
 	if (!tab) {
 		free(keys);
@@ -1060,6 +1070,11 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 			if (own)
 				atomic_fetch_add(&f->n_leases, 1);
 			if (hits < (int)c1) {
+				if (hits < 0)
+					flog(f, KVT_LOG_LEVEL_WARN, "retrieve: %s", kvt_last_error());
+				flog(f, KVT_LOG_LEVEL_WARN, "retrieve of request '%s': %d of its %u "
+				     "chunks in the tier (its lookup: %s): ok=false",
+				     k->request_id, hits, c1, why);
 				lease_release(f, &own);
 				break;
 			}
@@ -1069,6 +1084,7 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		if (!r_)
 			break;
 		lease = 0; /* the session's lease went (-ESTALE): look up ourselves */
+		why = "its lease released before the load";
 		if (own || r_ != -ESTALE) {
 			flog(f, KVT_LOG_LEVEL_WARN, "retrieve: %s", kvt_last_error());
 			lease_release(f, &own);

@@ -603,7 +603,8 @@ char *kvtd_prometheus(const struct kvtd_snap *s, const struct kvtd_ctx *c)
 			LC(hit_chunks, "Chunks the lookups found and locked"),
 			LC(stored, "Chunks stores wrote"),
 			LC(retrieved, "Chunks retrieves loaded"),
-			LC(misses, "Retrieves answered ok=false (the engine recomputes)"),
+			LC(misses, "Retrieves answered ok=false: the engine recomputes, or fails the request "
+			   "(vLLM's kv_load_failure_policy)"),
 			LC(disconnects, "Clients whose connection went (their locks released)"),
 #undef LC
 		};
