@@ -65,9 +65,33 @@ class Client:
             engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
             tokens_per_block=groups_tpb, sw_size_tokens=-1)]
         hints = {"kv_layout": "HND" if layout == "CPU4" else layout} if layout else {}
+        self.registered = (iid, model, world, groups_tpb, layout)
         fut = self.c.register_kv_cache(iid, self.wrappers, model, world, EngineType.VLLM,
                                        hints, groups)
         return fut.result(timeout=T) if wait else fut
+
+    def heartbeat(self, interval):
+        """LMCache's own heartbeat thread, as its vLLM worker adapter runs
+        it: pings with the instance id; on the unhealthy -> healthy edge
+        the recovery callback registers the KV cache again."""
+        import threading
+
+        from lmcache.integration.vllm.vllm_multi_process_adapter import HeartbeatThread
+        self.health = threading.Event()
+        self.health.set()
+        self.recoveries = 0
+        iid, model, world, tpb, layout = self.registered
+
+        def recover():
+            try:
+                self.register(iid, model, world, tpb, layout)
+            except Exception:  # noqa: BLE001 -- the callback must not raise
+                return False
+            self.recoveries += 1
+            return True
+        self.hb = HeartbeatThread(self.c, self.health, interval=interval, instance_id=iid)
+        self.hb.register_recover_callback(recover)
+        self.hb.start()
 
     def unlink(self):
         """The shared memory of the KV cache (os._exit skips the wrappers'
@@ -132,6 +156,10 @@ def main():
                           cmd["rid"], readers=cmd.get("readers", 1))
                 c.c.lookup(k, cmd.get("tp", 1)).result(timeout=T)
                 res = c.c.wait_prefetch_status(cmd["rid"], 10.0).result(timeout=T)
+            elif op == "heartbeat":
+                res = c.heartbeat(cmd["interval"])
+            elif op == "health":
+                res = [c.health.is_set(), c.recoveries]
             elif op == "chunk":
                 res = c.c.get_chunk_size().result(timeout=T)
             elif op == "exit":

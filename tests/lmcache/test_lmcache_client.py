@@ -51,9 +51,9 @@ def until(pred, what, timeout=T):
 
 class Daemon:
     def __init__(self, name, layers=2 * LAYERS, bpt=BPT, world=1, instances=2, slots=64,
-                 extra=()):
+                 extra=(), port=None):
         self.name = name
-        self.port, self.http = free_port(), free_port()
+        self.port, self.http = port or free_port(), free_port()
         self.url = "tcp://127.0.0.1:%d" % self.port
         self.logf = tempfile.NamedTemporaryFile(prefix="kvtierd-lmc-", suffix=".log",
                                                 delete=False)
@@ -254,6 +254,39 @@ def test_killed_client_frees_its_lookup_locks(daemon, procs):
     until(lambda: "a client went away: 3 lookup lease(s) released" in daemon.log(),
           "the disconnect's log line")
     assert daemon.metric("kvtier_lmcache_disconnects_total") >= 1
+
+
+def test_restarted_kvtierd_gets_the_registration_back(procs):
+    """kvtierd restarted on the same port under a live engine rank:
+    LMCache's own heartbeat thread (its vLLM worker adapter's) has its ping
+    answered false once by the new kvtierd, which knows no registration of
+    that instance; on the next ping, true, LMCache's recovery callback
+    registers the KV cache again, and the rank's stores and retrieves are
+    served again, byte-exact.  (LMCache's own server answers every ping
+    true: its client would be answered ok=false for ever.)"""
+    name = "lmr%d" % os.getpid()
+    d = Daemon(name)
+    port = d.port
+    a = procs(d.url)
+    kv(a, seed=5)
+    a.ok(op="register", iid=31, model=MODEL, world=1, groups_tpb=BLOCK)
+    a.ok(op="heartbeat", interval=0.2)
+    toks, blocks, dst = prompt(2, 5000), list(range(1, 9)), list(range(20, 28))
+    store = dict(op="store", model=MODEL, world=1, worker=0, tokens=toks, start=0, end=32,
+                 iid=31, blocks=blocks)
+    assert a.ok(**store)[1] is True
+    d.close()
+    d = Daemon(name, port=port)
+    try:
+        until(lambda: a.ok(op="health") == [True, 1], "the client's registration again")
+        assert "answered false once" in d.log()
+        assert a.ok(**store)[1] is True
+        assert a.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=32, rid="rr") == 2
+        assert a.ok(op="retrieve", model=MODEL, world=1, worker=0, tokens=toks, start=0,
+                    end=32, rid="rr", iid=31, blocks=dst) == ["stub_ipc_handle", True]
+        assert a.ok(op="bytes", blocks=dst) == a.ok(op="bytes", blocks=blocks)
+    finally:
+        d.close()
 
 
 def test_long_prompt_208_chunks_exact(procs):

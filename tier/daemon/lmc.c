@@ -61,6 +61,10 @@
  *    connection that reuses the fd, so a new client is never taken for
  *    the old one.  Its sessions' leases are released and its registrations
  *    closed (after their copies).
+ *  * Pings: a worker's ping from an instance with no registration here
+ *    (kvtierd restarted, a connection that came back under a new
+ *    identity) is answered false once, then true: LMCache's client
+ *    registers again on that edge (ping_answer says why).
  *  * Refusals: the protocol has no error reply (LMCache's own server stays
  *    silent and the client waits out its timeout, 300 s).  kvtierd answers
  *    what it refuses with an operation frame that is the reason
@@ -116,6 +120,7 @@
 #define MAX_WAIT    256
 #define MAX_NS      64
 #define MAX_FRAMES  16
+#define MAX_TOLD    64
 #define LEASE_TTL_NS   (300ull * 1000000000ull)
 #define SESS_TTL_NS    (600ull * 1000000000ull)
 #define PENDING_NS     (2ull * 1000000000ull)
@@ -224,6 +229,9 @@ struct lmc_front {
 	struct waiter wait[MAX_WAIT];
 	struct ns ns[MAX_NS];
 	int cur_peer;                /* the request's peer */
+	uint64_t told[MAX_TOLD];     /* instances a ping was answered false (ring) */
+	uint8_t told_set[MAX_TOLD];
+	uint32_t n_told;
 	char why[512];
 	_Atomic uint64_t n_requests, n_refused, n_regs, n_lookups, n_hit_chunks;
 	_Atomic uint64_t n_stored, n_retrieved, n_retrieve_misses, n_disconnects;
@@ -1222,6 +1230,36 @@ static void drain_monitor(lmc_front *f)
 
 /* ---- requests ---- */
 
+/* A worker's ping names its instance.  LMCache's client registers again
+ * only on its heartbeat's unhealthy -> healthy edge, and its own server
+ * answers every ping true: a worker whose registration the server lost
+ * (kvtierd restarted within the heartbeat, its connection dropped and
+ * came back under a new identity, its registration closed at that
+ * disconnect) would have every store and retrieve answered ok=false for
+ * ever.  So a ping from an instance with no registration is answered
+ * false once -- the client skips its transfers until its next ping, which
+ * is answered true, and its recovery callback registers the KV cache
+ * again.  A scheduler's ping (no instance) is always true. */
+static int ping_answer(lmc_front *f, const struct lmc_req *q)
+{
+	uint32_t w;
+
+	if (q->instance_nil || find_reg(f, q->instance_id) >= 0)
+		return 1;
+	for (uint32_t i = 0; i < MAX_TOLD; i++)
+		if (f->told_set[i] && f->told[i] == q->instance_id) {
+			f->told_set[i] = 0; /* told once: now true, and it registers */
+			return 1;
+		}
+	w = f->n_told++ % MAX_TOLD;
+	f->told[w] = q->instance_id;
+	f->told_set[w] = 1;
+	flog(f, KVT_LOG_LEVEL_INFO, "ping from instance %llu, which has no KV cache registered "
+	     "here (kvtierd restarted, or its connection came back): answered false once, so "
+	     "that its client registers again", (unsigned long long)q->instance_id);
+	return 0;
+}
+
 static void handle(lmc_front *f, const struct route *rt, const struct lmc_opname *op,
 		   const void *const *pl, const size_t *pn, size_t n)
 {
@@ -1296,7 +1334,7 @@ static void handle(lmc_front *f, const struct route *rt, const struct lmc_opname
 	}
 	case LMC_OP_PING: {
 		unsigned char b[4];
-		reply(f, rt, b, lmc_enc_bool(b, sizeof(b), 1));
+		reply(f, rt, b, lmc_enc_bool(b, sizeof(b), ping_answer(f, &q)));
 		break;
 	}
 	case LMC_OP_REGISTER_KV_CACHE:
