@@ -18,7 +18,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: E402
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: E402
 from lmcache.v1.multiprocess.transport.zmq_impl import create_request_client  # noqa: E402
 from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend  # noqa: E402
-from lmcache.v1.platform.kv_wrap import wrap_kv_caches  # noqa: E402
+from lmcache.v1.platform.kv_wrap import wrap_kv_caches, wrap_one_kv_cache  # noqa: E402
 
 T = 30.0
 
@@ -43,6 +43,20 @@ class Client:
         """vLLM CPU's per-layer caches, filled from seed (zeros without)."""
         kv = {}
         g = torch.Generator().manual_seed(seed) if seed is not None else None
+        if layout == "SGL":
+            # SGLang's MHA pools as its LMCache client registers them
+            # (lmcache.integration.sglang's _wrap_sglang_kv_caches): every
+            # layer's K then every layer's V, each [token slots, heads,
+            # head_dim]; a page of `block` slots is a block
+            for kind in "kv":
+                for i in range(layers):
+                    shape = (blocks * block, heads, head)
+                    t = torch.zeros(shape, dtype=dtype) if g is None else \
+                        torch.randn(shape, generator=g).to(dtype)
+                    kv["%s.%d" % (kind, i)] = t.contiguous()
+            self.kv, self.block, self.layout = kv, block, layout
+            self.wrappers = [wrap_one_kv_cache(t) for t in kv.values()]
+            return self.wrappers
         for i in range(layers):
             # vLLM's per-layer [2, blocks, ...] (HND, NHD), or vLLM 0.32 CPU's
             # [blocks, heads, block, 2 x head] ("CPU4": one plane)
@@ -65,8 +79,12 @@ class Client:
             engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
             tokens_per_block=groups_tpb, sw_size_tokens=-1)]
         hints = {"kv_layout": "HND" if layout == "CPU4" else layout} if layout else {}
+        engine = EngineType.VLLM
+        if layout == "SGL":  # what LMCache's SGLang connector sends
+            engine, groups = EngineType.SGLANG, []
+            hints = {"tokens_per_block": self.block, "kv_list_layout": "k_v"}
         self.registered = (iid, model, world, groups_tpb, layout)
-        fut = self.c.register_kv_cache(iid, self.wrappers, model, world, EngineType.VLLM,
+        fut = self.c.register_kv_cache(iid, self.wrappers, model, world, engine,
                                        hints, groups)
         return fut.result(timeout=T) if wait else fut
 
@@ -106,6 +124,11 @@ class Client:
         """Every layer's K and V bytes of these blocks, in order."""
         out = []
         for t in self.kv.values():
+            if self.layout == "SGL":
+                for b in block_ids:
+                    out.append(t[b * self.block:(b + 1) * self.block].contiguous()
+                               .view(torch.uint8).numpy().tobytes())
+                continue
             if t.dim() == 4:
                 for b in block_ids:
                     out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())

@@ -486,7 +486,24 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 			return refuse_why(f, "kv_cache[%u]: %llu elements", i,
 					  (unsigned long long)inner);
 	}
-	if (t->ndim == 5 && t->shape[0] == 2) {
+	if (!strcmp(g->engine, "sglang")) {
+		/* SGLang's MHA pools as its LMCache client hands them: 2 x layers
+		 * tensors (every layer's K, then every layer's V), each [token
+		 * slots, heads, head_dim], token-major; a page of tokens_per_block
+		 * slots is a block (the client's block id is slot / page) */
+		uint64_t page = g->hint_tokens_per_block;
+		if (t->ndim != 3)
+			return refuse_why(f, "kv_cache[%u]: a %u-D tensor: kvtierd copies SGLang's "
+					  "MHA pools, [token slots, heads, head_dim] (MLA pools are "
+					  "not built yet)", i, t->ndim);
+		kind = "SGL-KV";
+		bs = page;
+		lay->planes_per_tensor = 1;
+		*n_blocks = page ? t->shape[0] / page : 0;
+		*block_stride = page * t->shape[1] * t->shape[2] * isz;
+		*plane_stride = 0;
+		lay->replicated = 0;
+	} else if (t->ndim == 5 && t->shape[0] == 2) {
 		const char *hint = g->kv_layout[0] ? g->kv_layout : "HND";
 		if (strcmp(hint, "HND") && strcmp(hint, "NHD"))
 			return refuse_why(f, "layout_hints.kv_layout '%s': kvtierd copies vLLM's "
@@ -617,14 +634,25 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	if (g->world != f->world)
 		return refuse_why(f, "world_size %u: the segment is laid out for %u ranks "
 				  "(kvtierd --world)", g->world, f->world);
-	/* SGLang's client hands token-major pools (K_0..K_n-1, V_0..V_n-1 of
-	 * [tokens, heads, head_dim]) with its page size in the hints: read as
-	 * vLLM's caches they would be copied block-wrong.  Not built yet. */
-	if (strcmp(g->engine, "vllm") || g->kv_list_layout[0] || g->hint_tokens_per_block)
+	/* Two kinds of registration: vLLM's per-layer caches (no list layout,
+	 * no page hint), and SGLang's MHA pools, token-major, flattened K
+	 * layers then V layers ("k_v") with the page size in the hints.  An
+	 * SGLang pool read as vLLM's would be copied block-wrong, so each is
+	 * recognised by all three fields.  ATOM's and SGLang's MLA pools are
+	 * not built yet. */
+	if (!strcmp(g->engine, "sglang")) {
+		if (strcmp(g->kv_list_layout, "k_v") || !g->hint_tokens_per_block ||
+		    g->n_tensors % 2)
+			return refuse_why(f, "SGLang registration with kv_list_layout '%s', "
+					  "tokens_per_block %u, %u tensors: kvtierd copies SGLang's "
+					  "MHA pools (\"k_v\": K layers then V layers, a page size)",
+					  g->kv_list_layout, g->hint_tokens_per_block, g->n_tensors);
+	} else if (strcmp(g->engine, "vllm") || g->kv_list_layout[0] || g->hint_tokens_per_block) {
 		return refuse_why(f, "engine '%s' (layout hints%s%s): kvtierd's LMCache front end "
-				  "copies vLLM's KV caches; SGLang's and ATOM's pools are not "
+				  "copies vLLM's KV caches and SGLang's MHA pools; ATOM's are not "
 				  "built yet", g->engine, g->kv_list_layout[0] ? " kv_list_layout" : "",
 				  g->hint_tokens_per_block ? " tokens_per_block" : "");
+	}
 	if (g->n_groups > 1)
 		return refuse_why(f, "%u engine groups (a hybrid model): kvtierd's LMCache front "
 				  "end keeps one group of layers", g->n_groups);
