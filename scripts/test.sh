@@ -193,7 +193,14 @@ if [ "${1:-}" != quick ]; then
   # compiles its page-hash extension at first use)
   PATH="$sglvenv/bin:$PATH" PYTHONPATH="$PWD/bindings/python" \
     KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" \
-    "$sglvenv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang
+    "$sglvenv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang \
+    --ignore=tests/sglang/test_lmcache_sglang.py
+  # LMCache's own SGLang connector over SGLang's pool, served by kvtierd's
+  # LMCache front end: the wheel unpacked beside SGLang's environment, on
+  # that test's path alone (a pytest run of its own)
+  tests/lmcache/setup-vllm.sh "$sglvenv" build/sglang-lmcache --sglang
+  KVTIER_BUILD="$PWD/build" KVTIER_LMCACHE_TARGET="$PWD/build/sglang-lmcache" \
+    "$sglvenv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang/test_lmcache_sglang.py
   # while 0.32's engines run: the sanitizer builds (their tests, which
   # make segments on the huge pages, wait until the engines are done) and
   # the fuzzers (libFuzzer, clang, a bounded time per target, on parsers

@@ -43,14 +43,17 @@ class Client:
         """vLLM CPU's per-layer caches, filled from seed (zeros without)."""
         kv = {}
         g = torch.Generator().manual_seed(seed) if seed is not None else None
-        if layout == "SGL":
-            # SGLang's MHA pools as its LMCache client registers them
-            # (lmcache.integration.sglang's _wrap_sglang_kv_caches): every
-            # layer's K then every layer's V, each [token slots, heads,
-            # head_dim]; a page of `block` slots is a block
+        if layout in ("SGL", "SGLU"):
+            # SGLang's MHA pools as its LMCache connectors register them:
+            # every layer's K then every layer's V, each [token slots,
+            # heads, head_dim] (SGL: lmcache.integration.sglang's
+            # _wrap_sglang_kv_caches) or its view [pages, page, heads,
+            # head_dim] (SGLU: the unified connector of SGLang 0.5.23's
+            # LMCacheUnifiedRadixCache); a page of `block` slots is a block
             for kind in "kv":
                 for i in range(layers):
-                    shape = (blocks * block, heads, head)
+                    shape = (blocks * block, heads, head) if layout == "SGL" else \
+                        (blocks, block, heads, head)
                     t = torch.zeros(shape, dtype=dtype) if g is None else \
                         torch.randn(shape, generator=g).to(dtype)
                     kv["%s.%d" % (kind, i)] = t.contiguous()
@@ -80,9 +83,14 @@ class Client:
             tokens_per_block=groups_tpb, sw_size_tokens=-1)]
         hints = {"kv_layout": "HND" if layout == "CPU4" else layout} if layout else {}
         engine = EngineType.VLLM
-        if layout == "SGL":  # what LMCache's SGLang connector sends
+        if layout == "SGL":  # what LMCache's SGLang connectors send
             engine, groups = EngineType.SGLANG, []
             hints = {"tokens_per_block": self.block, "kv_list_layout": "k_v"}
+        elif layout == "SGLU":
+            engine, hints = EngineType.SGLANG, {"kv_list_layout": "unified"}
+            groups = [EngineGroupInfo(engine_group_id=0,
+                                      layer_indices=tuple(range(len(self.wrappers))),
+                                      tokens_per_block=self.block, sw_size_tokens=-1)]
         self.registered = (iid, model, world, groups_tpb, layout)
         fut = self.c.register_kv_cache(iid, self.wrappers, model, world, engine,
                                        hints, groups)
@@ -124,6 +132,10 @@ class Client:
         """Every layer's K and V bytes of these blocks, in order."""
         out = []
         for t in self.kv.values():
+            if self.layout == "SGLU":
+                for b in block_ids:
+                    out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())
+                continue
             if self.layout == "SGL":
                 for b in block_ids:
                     out.append(t[b * self.block:(b + 1) * self.block].contiguous()

@@ -434,36 +434,51 @@ def test_two_ranks_share_one_lookup(procs):
         d.close()
 
 
-def test_sglang_pools_stored_and_retrieved_exact(daemon, procs):
-    """SGLang's MHA pools as LMCache's SGLang connector registers them
-    (engine sglang, every layer's K then V, [token slots, heads, head_dim],
-    its page size in the hints): pages stored by one process are retrieved
-    byte-exact into other pages by another, the retrieve's skipped pages
-    left alone; a vLLM cache under the same model name (another layout) is
-    refused by name."""
-    model = "org/model-sgl"
-    a, b = procs(daemon.url), procs(daemon.url)
-    kv(a, seed=21, layout="SGL")
-    a.ok(op="register", iid=41, model=model, world=1, layout="SGL")
-    toks, src = prompt(4, 3000), list(range(1, 17))
-    assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
-                iid=41, blocks=src)[1] is True
-    kv(b, layout="SGL")
-    b.ok(op="register", iid=42, model=model, world=1, layout="SGL")
-    dst = list(range(40, 56))
-    assert b.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="g1") == 4
-    before = b.ok(op="bytes", blocks=dst[:4])
-    # SGLang's retrieve of a prompt whose first chunk its radix tree has:
-    # from token 16, the first chunk's pages skipped
-    assert b.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=16,
-                end=64, rid="g1", iid=42, blocks=dst[4:], skip=0)[1] is True
-    assert b.ok(op="bytes", blocks=dst[:4]) == before
-    assert b.ok(op="bytes", blocks=dst[4:]) == a.ok(op="bytes", blocks=src[4:])
-    # a vLLM cache under the SGLang layout's model name: refused, named
-    c = procs(daemon.url)
-    kv(c)
-    r = c(op="register", iid=43, model=model, world=1, groups_tpb=BLOCK)
-    assert "another KV layout" in r.get("err", ""), r
+def test_sglang_pools_stored_and_retrieved_exact(procs):
+    """SGLang's MHA pools as LMCache's SGLang connectors register them
+    (engine sglang, every layer's K then V; [token slots, heads, head_dim]
+    with the page size in the hints, or the unified connector's [pages,
+    page, heads, head_dim] views): pages stored by one process are
+    retrieved byte-exact into other pages by another, through either
+    connector's registration, the retrieve's skipped pages left alone; a
+    vLLM cache under the same model name (another layout) is refused by
+    name."""
+    daemon = Daemon("lms%d" % os.getpid(), instances=3)
+    try:
+        model = "org/model-sgl"
+        a, b = procs(daemon.url), procs(daemon.url)
+        kv(a, seed=21, layout="SGL")
+        a.ok(op="register", iid=41, model=model, world=1, layout="SGL")
+        toks, src = prompt(4, 3000), list(range(1, 17))
+        assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
+                    iid=41, blocks=src)[1] is True
+        kv(b, layout="SGL")
+        b.ok(op="register", iid=42, model=model, world=1, layout="SGL")
+        dst = list(range(40, 56))
+        assert b.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="g1") == 4
+        before = b.ok(op="bytes", blocks=dst[:4])
+        # SGLang's retrieve of a prompt whose first chunk its radix tree has:
+        # from token 16, the first chunk's pages skipped
+        assert b.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=16,
+                    end=64, rid="g1", iid=42, blocks=dst[4:], skip=0)[1] is True
+        assert b.ok(op="bytes", blocks=dst[:4]) == before
+        assert b.ok(op="bytes", blocks=dst[4:]) == a.ok(op="bytes", blocks=src[4:])
+        # SGLang 0.5.23's unified connector (pages as [pages, page, heads,
+        # head_dim] views, an engine group): the same pages, the same chunks
+        u = procs(daemon.url)
+        kv(u, layout="SGLU")
+        u.ok(op="register", iid=44, model=model, world=1, layout="SGLU")
+        assert u.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="g2") == 4
+        assert u.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=0,
+                    end=64, rid="g2", iid=44, blocks=dst)[1] is True
+        assert u.ok(op="bytes", blocks=dst) == a.ok(op="bytes", blocks=src)
+        # a vLLM cache under the SGLang layout's model name: refused, named
+        c = procs(daemon.url)
+        kv(c)
+        r = c(op="register", iid=43, model=model, world=1, groups_tpb=BLOCK)
+        assert "another KV layout" in r.get("err", ""), r
+    finally:
+        daemon.close()
 
 
 def test_readme_kvtierd_line_serves_a_vllm_cpu_engine_shape(procs, tmp_path):

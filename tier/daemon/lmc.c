@@ -80,16 +80,20 @@
  *    adapter registers them -- [2, blocks, heads, block, head_size] (HND;
  *    NHD swaps heads and block), vLLM 0.32 CPU's [blocks, heads, block,
  *    2 x head_size] (K and V in one row: one plane), MLA's [blocks, block,
- *    head_size].  Contiguous views only.  Another engine's registration
- *    (SGLang's token-major pools, whose 3-D shape would read as MLA's) is
- *    refused by its engine type and hints.
+ *    head_size].  SGLang's MHA pools as its LMCache connector registers
+ *    them (engine "sglang", kv_list_layout "k_v", its page size in the
+ *    hints): every layer's K then every layer's V, each [token slots,
+ *    heads, head_dim], a page of slots a block (the client's block id is
+ *    slot / page); their 3-D shape would read as MLA's, so the engine
+ *    type and both hints decide.  Contiguous views only.  ATOM's pools
+ *    and SGLang's MLA pools are refused by name.
  *
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
  * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
  * IPC events; hybrid models (several engine groups); the engine-driven
- * SHM pool.  Each is refused by name.
+ * SHM pool; ATOM's and SGLang's MLA pools.  Each is refused by name.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -487,20 +491,30 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 					  (unsigned long long)inner);
 	}
 	if (!strcmp(g->engine, "sglang")) {
-		/* SGLang's MHA pools as its LMCache client hands them: 2 x layers
-		 * tensors (every layer's K, then every layer's V), each [token
-		 * slots, heads, head_dim], token-major; a page of tokens_per_block
-		 * slots is a block (the client's block id is slot / page) */
+		/* SGLang's MHA pools as its LMCache clients hand them: 2 x layers
+		 * tensors (every layer's K, then every layer's V), token-major; a
+		 * page of slots is a block (the client's block id is slot / page).
+		 * The "k_v" connector sends each pool [token slots, heads,
+		 * head_dim] with the page in the hints; the "unified" one (SGLang
+		 * 0.5.23's LMCacheUnifiedRadixCache) a view [pages, page, heads,
+		 * head_dim].  The bytes of a page are the same: one tag. */
 		uint64_t page = g->hint_tokens_per_block;
-		if (t->ndim != 3)
-			return refuse_why(f, "kv_cache[%u]: a %u-D tensor: kvtierd copies SGLang's "
-					  "MHA pools, [token slots, heads, head_dim] (MLA pools are "
-					  "not built yet)", i, t->ndim);
+		if (t->ndim == 4 && !strcmp(g->kv_list_layout, "unified")) {
+			page = t->shape[1];
+			*n_blocks = t->shape[0];
+		} else if (t->ndim == 3 && !strcmp(g->kv_list_layout, "k_v")) {
+			*n_blocks = page ? t->shape[0] / page : 0;
+		} else {
+			return refuse_why(f, "kv_cache[%u]: a %u-D tensor in an SGLang '%s' "
+					  "registration: kvtierd copies SGLang's MHA pools ([token "
+					  "slots, heads, head_dim], or [pages, page, heads, head_dim] "
+					  "unified); MLA and hybrid pools are not built yet", i, t->ndim,
+					  g->kv_list_layout);
+		}
 		kind = "SGL-KV";
 		bs = page;
 		lay->planes_per_tensor = 1;
-		*n_blocks = page ? t->shape[0] / page : 0;
-		*block_stride = page * t->shape[1] * t->shape[2] * isz;
+		*block_stride = page * t->shape[t->ndim - 2] * t->shape[t->ndim - 1] * isz;
 		*plane_stride = 0;
 		lay->replicated = 0;
 	} else if (t->ndim == 5 && t->shape[0] == 2) {
@@ -556,7 +570,8 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 				  (unsigned long long)(*block_stride / bs));
 	lay->bpt = (uint32_t)(*block_stride / bs);
 	snprintf(lay->tag, sizeof(lay->tag), "%s/%s/%u/%u/%u", kind, t->dtype, lay->bs,
-		 lay->bpt, (unsigned)(t->ndim >= 4 ? t->shape[t->ndim - 3] : 0));
+		 lay->bpt, (unsigned)(t->ndim >= 4 && strcmp(kind, "SGL-KV") ?
+				      t->shape[t->ndim - 3] : 0));
 	return 0;
 }
 
@@ -641,12 +656,14 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	 * recognised by all three fields.  ATOM's and SGLang's MLA pools are
 	 * not built yet. */
 	if (!strcmp(g->engine, "sglang")) {
-		if (strcmp(g->kv_list_layout, "k_v") || !g->hint_tokens_per_block ||
-		    g->n_tensors % 2)
+		int kv = !strcmp(g->kv_list_layout, "k_v") && g->hint_tokens_per_block;
+		int unified = !strcmp(g->kv_list_layout, "unified");
+		if ((!kv && !unified) || g->n_tensors % 2)
 			return refuse_why(f, "SGLang registration with kv_list_layout '%s', "
 					  "tokens_per_block %u, %u tensors: kvtierd copies SGLang's "
-					  "MHA pools (\"k_v\": K layers then V layers, a page size)",
-					  g->kv_list_layout, g->hint_tokens_per_block, g->n_tensors);
+					  "MHA pools (K layers then V layers: \"k_v\" with a page "
+					  "size, or \"unified\")", g->kv_list_layout,
+					  g->hint_tokens_per_block, g->n_tensors);
 	} else if (strcmp(g->engine, "vllm") || g->kv_list_layout[0] || g->hint_tokens_per_block) {
 		return refuse_why(f, "engine '%s' (layout hints%s%s): kvtierd's LMCache front end "
 				  "copies vLLM's KV caches and SGLang's MHA pools; ATOM's are not "
