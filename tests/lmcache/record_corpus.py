@@ -3,7 +3,8 @@ the engines use, as the fuzz target tests/fuzz/fuzz_lmc.c reads them
 (frames, each a 2-byte little-endian length and its bytes: the operation,
 then the payloads), into tests/fuzz/corpus/lmc/.  The client talks to a
 bare ZeroMQ ROUTER that records and never answers.
-Usage: build/lmcache-venv/bin/python tests/lmcache/record_corpus.py"""
+Usage: build/lmcache-venv/bin/python tests/lmcache/record_corpus.py [NAME...]
+(the named calls only; all without)"""
 import os
 import struct
 import sys
@@ -15,6 +16,11 @@ sys.path.insert(0, HERE)
 from lmc_client import Client  # noqa: E402
 
 OUT = os.path.join(HERE, "..", "fuzz", "corpus", "lmc")
+
+
+def sglang(c, iid, layout):
+    c.make_kv(layers=2, blocks=8, heads=2, block=4, head=8, seed=1, layout=layout)
+    return c.register(iid, "org/model", 1, layout=layout, wait=False)
 
 
 def main():
@@ -45,7 +51,12 @@ def main():
         ("clear", lambda: c.c.clear(False)),
         ("report_block_allocation", lambda: c.c.report_block_allocation(
             1234, "org/model", [])),
+        # SGLang's pools, as its k_v and unified connectors register them
+        ("register_kv_cache-sglang", lambda: sglang(c, 8, "SGL")),
+        ("register_kv_cache-sglang-unified", lambda: sglang(c, 9, "SGLU")),
     ]
+    only = set(sys.argv[1:])
+    calls = [x for x in calls if not only or x[0] in only]
     os.makedirs(OUT, exist_ok=True)
     for name, call in calls:
         try:
