@@ -119,6 +119,49 @@ class Client:
         self.hb.register_recover_callback(recover)
         self.hb.start()
 
+    def atom(self, url, model, world, worker, layers, blocks, block, width, seed=None,
+             index_width=0):
+        """LMCache's own ATOM adapters (lmcache.integration.atom: the
+        worker's, registering ATOM's per-layer MLA latent caches [blocks,
+        block, width], and the scheduler's), as ATOM's connector drives
+        them; index_width adds a DSA index cache a layer beside the
+        latent."""
+        from lmcache.integration.atom.multi_process_adapter import (
+            AtomMPParallelConfig, AtomMPSchedulerAdapter, AtomMPWorkerAdapter)
+        par = AtomMPParallelConfig(world_size=world, worker_id=worker, tp_size=world)
+        ctx = zmq.Context.instance()
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        kv = {}
+        for i in range(layers):
+            for name, w in (("latent", width), ("index", index_width)):
+                if not w:
+                    continue
+                t = torch.zeros((blocks, block, w), dtype=torch.float16) if g is None else \
+                    torch.randn((blocks, block, w), generator=g).to(torch.float16)
+                kv["layer.%d.%s" % (i, name)] = t.contiguous()
+        self.kv, self.block, self.layout = kv, block, "ATOM"
+        self.atom_s = AtomMPSchedulerAdapter(url, ctx, model, block, par)
+        self.atom_w = AtomMPWorkerAdapter(url, ctx, model, block, par,
+                                          transfer_mode="lmcache_driven")
+        self.atom_w.register_kv_caches(kv)
+
+    def atom_copy(self, what, rid, tokens, blocks, start, end):
+        from lmcache.integration.atom.multi_process_adapter import AtomMPTransferSpec
+        ev = get_event_ipc_backend(torch.device("cpu"))
+        spec = AtomMPTransferSpec(token_ids=tokens, block_ids=[blocks], start=start, end=end)
+        submit = self.atom_w.submit_store_request if what == "store" else \
+            self.atom_w.submit_retrieve_request
+        return submit(rid, spec, ev.create_event("cpu")).result(timeout=T)
+
+    def atom_lookup(self, rid, tokens):
+        import time
+        self.atom_s.maybe_submit_lookup_request(rid, tokens)
+        end = time.monotonic() + T
+        while (n := self.atom_s.check_lookup_result(rid)) is None:
+            assert time.monotonic() < end, "no lookup result"
+            time.sleep(0.01)
+        return n
+
     def unlink(self):
         """The shared memory of the KV cache (os._exit skips the wrappers'
         finalizers that unlink it)."""
@@ -132,7 +175,7 @@ class Client:
         """Every layer's K and V bytes of these blocks, in order."""
         out = []
         for t in self.kv.values():
-            if self.layout == "SGLU":
+            if self.layout in ("SGLU", "ATOM"):
                 for b in block_ids:
                     out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())
                 continue
@@ -191,6 +234,12 @@ def main():
                           cmd["rid"], readers=cmd.get("readers", 1))
                 c.c.lookup(k, cmd.get("tp", 1)).result(timeout=T)
                 res = c.c.wait_prefetch_status(cmd["rid"], 10.0).result(timeout=T)
+            elif op == "atom":
+                res = c.atom(sys.argv[1], **cmd)
+            elif op in ("atom_store", "atom_retrieve"):
+                res = c.atom_copy(op[5:], **cmd)
+            elif op == "atom_lookup":
+                res = c.atom_lookup(**cmd)
             elif op == "heartbeat":
                 res = c.heartbeat(cmd["interval"])
             elif op == "health":

@@ -23,6 +23,17 @@ def sglang(c, iid, layout):
     return c.register(iid, "org/model", 1, layout=layout, wait=False)
 
 
+def atom(c, iid):
+    """ATOM's MLA latent caches as LMCache's ATOM worker adapter registers
+    them (its adapter waits for get_chunk_size first: the call itself)."""
+    import torch
+    from lmcache.utils import EngineType
+    from lmcache.v1.platform.kv_wrap import wrap_kv_caches
+    kv = {"layer.%d" % i: torch.zeros((8, 4, 24), dtype=torch.float16) for i in range(2)}
+    c.wrappers = wrap_kv_caches(kv)
+    return c.c.register_kv_cache(iid, c.wrappers, "org/model", 1, EngineType.ATOM, {}, [])
+
+
 def main():
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
@@ -54,6 +65,7 @@ def main():
         # SGLang's pools, as its k_v and unified connectors register them
         ("register_kv_cache-sglang", lambda: sglang(c, 8, "SGL")),
         ("register_kv_cache-sglang-unified", lambda: sglang(c, 9, "SGLU")),
+        ("register_kv_cache-atom", lambda: atom(c, 10)),
     ]
     only = set(sys.argv[1:])
     calls = [x for x in calls if not only or x[0] in only]

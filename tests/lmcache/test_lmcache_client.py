@@ -481,6 +481,38 @@ def test_sglang_pools_stored_and_retrieved_exact(procs):
         daemon.close()
 
 
+def test_atom_mla_caches_through_lmcache_atom_adapters(procs):
+    """AMD's ATOM through LMCache's own ATOM adapters (its worker adapter
+    registering the per-layer MLA latent caches [blocks, block, width],
+    its scheduler adapter looking up): a writer's blocks retrieved
+    byte-exact by a reader in another process; the latent kept once for
+    every rank (--replicated); a DSA index cache beside the latent is
+    refused, named."""
+    width = 24                                  # fp16: 48 bytes a token a layer
+    d = Daemon("lma%d" % os.getpid(), layers=LAYERS, bpt=width * 2, extra=["--replicated"])
+    try:
+        model = "org/atom-mla"
+        w, r = procs(d.url), procs(d.url)
+        w.ok(op="atom", model=model, world=1, worker=0, layers=LAYERS, blocks=32,
+             block=BLOCK, width=width, seed=9)
+        toks, src, dst = prompt(3, 6000), list(range(1, 13)), list(range(16, 28))
+        assert w.ok(op="atom_store", rid="a1", tokens=toks, blocks=src, start=0,
+                    end=48) is True
+        r.ok(op="atom", model=model, world=1, worker=0, layers=LAYERS, blocks=32,
+             block=BLOCK, width=width)
+        assert r.ok(op="bytes", blocks=dst) != w.ok(op="bytes", blocks=src)
+        assert r.ok(op="atom_lookup", rid="a2", tokens=toks + [1, 2]) == 48
+        assert r.ok(op="atom_retrieve", rid="a2", tokens=toks, blocks=dst, start=0,
+                    end=48) is True
+        assert r.ok(op="bytes", blocks=dst) == w.ok(op="bytes", blocks=src)
+        x = procs(d.url)
+        e = x(op="atom", model="org/atom-dsa", world=1, worker=0, layers=LAYERS, blocks=32,
+              block=BLOCK, width=width, index_width=66)
+        assert "DSA index caches" in e.get("err", ""), e
+    finally:
+        d.close()
+
+
 def test_readme_kvtierd_line_serves_a_vllm_cpu_engine_shape(procs, tmp_path):
     """The README's `lmcache server` replacement, run as written (its
     segment, ports, log and capacity this test's): it serves a vLLM CPU

@@ -85,15 +85,18 @@
  *    hints): every layer's K then every layer's V, each [token slots,
  *    heads, head_dim], a page of slots a block (the client's block id is
  *    slot / page); their 3-D shape would read as MLA's, so the engine
- *    type and both hints decide.  Contiguous views only.  ATOM's pools
- *    and SGLang's MLA pools are refused by name.
+ *    type and both hints decide.  ATOM's MLA latent caches (engine
+ *    "atom", no hints): per layer [blocks, block, width], as vLLM's MLA
+ *    (the same bytes, the same tag).  Contiguous views only.  ATOM's DSA
+ *    index caches and SGLang's MLA pools are refused by name.
  *
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
  * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
  * IPC events; hybrid models (several engine groups); the engine-driven
- * SHM pool; ATOM's and SGLang's MLA pools.  Each is refused by name.
+ * SHM pool; ATOM's DSA index caches and SGLang's MLA pools.  Each is
+ * refused by name.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -517,6 +520,9 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		*block_stride = page * t->shape[t->ndim - 2] * t->shape[t->ndim - 1] * isz;
 		*plane_stride = 0;
 		lay->replicated = 0;
+	} else if (!strcmp(g->engine, "atom") && t->ndim != 3) {
+		return refuse_why(f, "kv_cache[%u]: a %u-D tensor: kvtierd copies ATOM's MLA "
+				  "latent caches, [blocks, block, width]", i, t->ndim);
 	} else if (t->ndim == 5 && t->shape[0] == 2) {
 		const char *hint = g->kv_layout[0] ? g->kv_layout : "HND";
 		if (strcmp(hint, "HND") && strcmp(hint, "NHD"))
@@ -664,10 +670,11 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 					  "MHA pools (K layers then V layers: \"k_v\" with a page "
 					  "size, or \"unified\")", g->kv_list_layout,
 					  g->hint_tokens_per_block, g->n_tensors);
-	} else if (strcmp(g->engine, "vllm") || g->kv_list_layout[0] || g->hint_tokens_per_block) {
+	} else if ((strcmp(g->engine, "vllm") && strcmp(g->engine, "atom")) ||
+		   g->kv_list_layout[0] || g->hint_tokens_per_block) {
 		return refuse_why(f, "engine '%s' (layout hints%s%s): kvtierd's LMCache front end "
-				  "copies vLLM's KV caches and SGLang's MHA pools; ATOM's are not "
-				  "built yet", g->engine, g->kv_list_layout[0] ? " kv_list_layout" : "",
+				  "copies vLLM's KV caches, SGLang's MHA pools and ATOM's MLA "
+				  "caches", g->engine, g->kv_list_layout[0] ? " kv_list_layout" : "",
 				  g->hint_tokens_per_block ? " tokens_per_block" : "");
 	}
 	if (g->n_groups > 1)
@@ -688,8 +695,10 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			pstride = np;
 		} else if (strcmp(l.tag, lay.tag) || nb != nblocks) {
 			return refuse_why(f, "kv_cache[%u] differs from kv_cache[0] (%s, %llu blocks "
-					  "vs %s, %llu)", i, l.tag, (unsigned long long)nb, lay.tag,
-					  (unsigned long long)nblocks);
+					  "vs %s, %llu)%s", i, l.tag, (unsigned long long)nb, lay.tag,
+					  (unsigned long long)nblocks, !strcmp(g->engine, "atom") ?
+					  ": ATOM's DSA index caches beside the latent caches are not "
+					  "built yet" : "");
 		}
 	}
 	if (g->n_groups == 1 && g->groups[0].tokens_per_block &&
