@@ -240,6 +240,15 @@ def main():
                 res = c.atom_copy(op[5:], **cmd)
             elif op == "atom_lookup":
                 res = c.atom_lookup(**cmd)
+            elif op == "forged":
+                # a real descriptor whose view claims another shape
+                # (nothing is mapped before the shape is checked)
+                w = wrap_kv_caches({"l": torch.zeros((1, 4, 8), dtype=torch.float16)})
+                w[0].shape, w[0].stride = tuple(cmd["shape"]), tuple(cmd["stride"])
+                w[0].nbytes = 2 * cmd["shape"][0] * cmd["stride"][0]
+                c.wrappers = w
+                res = c.c.register_kv_cache(cmd["iid"], w, "org/forged", 1, EngineType.VLLM,
+                                            {}, []).result(timeout=T)
             elif op == "heartbeat":
                 res = c.heartbeat(cmd["interval"])
             elif op == "health":

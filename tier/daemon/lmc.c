@@ -205,6 +205,7 @@ struct sess {
 
 struct pend {
 	int used, reg, retrieve;
+	char rid[LMC_MAX_NAME];         /* the request's, for the log */
 	struct route rt;
 	kvt_op *ops;
 	uint32_t n_ops, chunks;
@@ -466,6 +467,8 @@ static kvt_key *chunk_keys(lmc_front *f, int ns, const struct lmc_key *k, uint32
 
 /* ---- register_kv_cache ---- */
 
+static void told_forget(lmc_front *f, uint64_t iid);
+
 static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struct lmc_tensor *t,
 			 uint32_t i, struct layout *lay, uint64_t *block_stride,
 			 uint64_t *n_blocks, uint64_t *plane_stride)
@@ -503,6 +506,11 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		 * head_dim].  The bytes of a page are the same: one tag. */
 		uint64_t page = g->hint_tokens_per_block;
 		if (t->ndim == 4 && !strcmp(g->kv_list_layout, "unified")) {
+			if (page && page != t->shape[1])
+				return refuse_why(f, "kv_cache[%u]: pages of %llu slots, the hints' "
+						  "tokens_per_block %llu", i,
+						  (unsigned long long)t->shape[1],
+						  (unsigned long long)page);
 			page = t->shape[1];
 			*n_blocks = t->shape[0];
 		} else if (t->ndim == 3 && !strcmp(g->kv_list_layout, "k_v")) {
@@ -570,6 +578,9 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 	}
 	if (!bs || !*n_blocks || *block_stride % bs)
 		return refuse_why(f, "kv_cache[%u]: an empty shape", i);
+	if (bs > f->chunk) /* also keeps it in 32 bits: a block of 2^32 would be 0 */
+		return refuse_why(f, "kv_cache[%u]: blocks of %llu tokens, more than the segment's "
+				  "chunk of %u", i, (unsigned long long)bs, f->chunk);
 	lay->bs = (uint32_t)bs;
 	if (*block_stride / bs > (1u << 20))
 		return refuse_why(f, "kv_cache[%u]: %llu bytes per token in a plane", i,
@@ -696,7 +707,8 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 		} else if (strcmp(l.tag, lay.tag) || nb != nblocks) {
 			return refuse_why(f, "kv_cache[%u] differs from kv_cache[0] (%s, %llu blocks "
 					  "vs %s, %llu)%s", i, l.tag, (unsigned long long)nb, lay.tag,
-					  (unsigned long long)nblocks, !strcmp(g->engine, "atom") ?
+					  (unsigned long long)nblocks, !strcmp(g->engine, "atom") &&
+					  strcmp(l.tag, lay.tag) ?
 					  ": ATOM's DSA index caches beside the latent caches are not "
 					  "built yet" : "");
 		}
@@ -773,6 +785,7 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	r->n_blocks = nblocks;
 	r->rank = -1;
 	atomic_fetch_add(&f->n_regs, 1);
+	told_forget(f, g->instance_id);
 	flog(f, KVT_LOG_LEVEL_INFO, "registered %s's KV cache (instance %llu, model '%s', %s, "
 	     "%u planes, %llu blocks)", g->engine, (unsigned long long)g->instance_id, g->model,
 	     lay.tag, r->n_planes, (unsigned long long)nblocks);
@@ -959,7 +972,8 @@ static int check_range(lmc_front *f, const struct lmc_key *k, const struct lmc_b
 	return 0;
 }
 
-static struct pend *pend_new(lmc_front *f, const struct route *rt, int reg, uint32_t n_ops)
+static struct pend *pend_new(lmc_front *f, const struct route *rt, int reg, uint32_t n_ops,
+			     const char *rid)
 {
 	for (int i = 0; i < MAX_PEND; i++) {
 		struct pend *p = &f->pend[i];
@@ -970,6 +984,7 @@ static struct pend *pend_new(lmc_front *f, const struct route *rt, int reg, uint
 		if (!p->ops)
 			return NULL;
 		p->used = 1;
+		snprintf(p->rid, sizeof(p->rid), "%s", rid);
 		p->rt = *rt;
 		p->reg = reg;
 		p->ok = 1;
@@ -1008,8 +1023,11 @@ static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req
 	if (*ri < 0) {
 		unsigned char b[32];
 		flog(f, KVT_LOG_LEVEL_WARN, "%s of request '%s': instance %llu has no KV cache "
-		     "registered (never, or unmapped at its client's disconnect): ok=false", what,
-		     k->request_id, (unsigned long long)q->instance_id);
+		     "registered (kvtierd restarted since, unmapped at its client's disconnect, "
+		     "or never registered): ok=false", what, k->request_id,
+		     (unsigned long long)q->instance_id);
+		if (!strcmp(what, "retrieve"))
+			atomic_fetch_add(&f->n_retrieve_misses, 1);
 		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), "", 0, 0));
 		return 1;
 	}
@@ -1020,10 +1038,13 @@ static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req
 	}
 	*c0 = (uint32_t)(k->start / f->chunk);
 	*c1 = (uint32_t)(k->end / f->chunk);
-	if (c > 0)
+	if (c > 0) {
 		flog(f, KVT_LOG_LEVEL_WARN, "%s of request '%s': %u block ids for tokens [%llu, "
 		     "%llu): ok=false", what, k->request_id, q->blocks.n[0],
 		     (unsigned long long)k->start, (unsigned long long)k->end);
+		if (!strcmp(what, "retrieve"))
+			atomic_fetch_add(&f->n_retrieve_misses, 1);
+	}
 	if (c > 0 || *c0 == *c1) {
 		reply_handle(f, rt, !c);
 		return 1;
@@ -1045,7 +1066,7 @@ static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 	r = &f->regs[ri];
 	bpc = f->chunk / r->lay.bs;
 	keys = chunk_keys(f, r->ns, k, c1);
-	p = keys ? pend_new(f, rt, ri, c1 - c0) : NULL;
+	p = keys ? pend_new(f, rt, ri, c1 - c0, k->request_id) : NULL;
 	if (!p) {
 		free(keys);
 		if (keys)
@@ -1071,7 +1092,8 @@ static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 			ids = &q->blocks.ids[0][(size_t)(a - c0) * bpc];
 			n = kvt_save(r->t, keys + a, e - a, a, &ids, &op);
 			if (n < 0) {
-				flog(f, KVT_LOG_LEVEL_WARN, "store: %s", kvt_last_error());
+				flog(f, KVT_LOG_LEVEL_WARN, "store of request '%s': %s", k->request_id,
+				     kvt_last_error());
 				p->ok = 0;
 				break;
 			}
@@ -1133,7 +1155,8 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 				atomic_fetch_add(&f->n_leases, 1);
 			if (hits < (int)c1) {
 				if (hits < 0)
-					flog(f, KVT_LOG_LEVEL_WARN, "retrieve: %s", kvt_last_error());
+					flog(f, KVT_LOG_LEVEL_WARN, "retrieve of request '%s': %s",
+					     k->request_id, kvt_last_error());
 				flog(f, KVT_LOG_LEVEL_WARN, "retrieve of request '%s': %d of its %u "
 				     "chunks in the tier (its lookup: %s): ok=false",
 				     k->request_id, hits, c1, why);
@@ -1148,7 +1171,8 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		lease = 0; /* the session's lease went (-ESTALE): look up ourselves */
 		why = "its lease released before the load";
 		if (own || r_ != -ESTALE) {
-			flog(f, KVT_LOG_LEVEL_WARN, "retrieve: %s", kvt_last_error());
+			flog(f, KVT_LOG_LEVEL_WARN, "retrieve of request '%s': %s: ok=false",
+			     k->request_id, kvt_last_error());
 			lease_release(f, &own);
 			break;
 		}
@@ -1160,7 +1184,7 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		reply_handle(f, rt, 0);
 		return;
 	}
-	p = pend_new(f, rt, ri, 1);
+	p = pend_new(f, rt, ri, 1, k->request_id);
 	if (!p) {
 		/* the load runs on; wait for it here rather than answer early */
 		kvt_wait(r->t, op, -1);
@@ -1188,8 +1212,9 @@ static void progress(lmc_front *f)
 			if (e == -EINPROGRESS)
 				break;
 			if (e) {
-				flog(f, KVT_LOG_LEVEL_WARN, "%s: a copy failed: %s",
-				     p->retrieve ? "retrieve" : "store", kvt_last_error());
+				flog(f, KVT_LOG_LEVEL_WARN, "%s of request '%s': a copy failed: %s%s",
+				     p->retrieve ? "retrieve" : "store", p->rid, kvt_last_error(),
+				     p->retrieve ? ": ok=false" : "");
 				p->ok = 0;
 			}
 			p->n_ops--;
@@ -1301,10 +1326,8 @@ static int ping_answer(lmc_front *f, const struct lmc_req *q)
 	if (q->instance_nil || find_reg(f, q->instance_id) >= 0)
 		return 1;
 	for (uint32_t i = 0; i < MAX_TOLD; i++)
-		if (f->told_set[i] && f->told[i] == q->instance_id) {
-			f->told_set[i] = 0; /* told once: now true, and it registers */
-			return 1;
-		}
+		if (f->told_set[i] && f->told[i] == q->instance_id)
+			return 1; /* told once: true until it registers (told_forget) */
 	w = f->n_told++ % MAX_TOLD;
 	f->told[w] = q->instance_id;
 	f->told_set[w] = 1;
@@ -1312,6 +1335,16 @@ static int ping_answer(lmc_front *f, const struct lmc_req *q)
 	     "here (kvtierd restarted, or its connection came back): answered false once, so "
 	     "that its client registers again", (unsigned long long)q->instance_id);
 	return 0;
+}
+
+/* A registration of a told instance: the next time it goes, it is told
+ * again.  (A client that never registers again -- SGLang's connectors
+ * have no recovery callback -- is told once, then answered true.) */
+static void told_forget(lmc_front *f, uint64_t iid)
+{
+	for (uint32_t i = 0; i < MAX_TOLD; i++)
+		if (f->told_set[i] && f->told[i] == iid)
+			f->told_set[i] = 0;
 }
 
 static void handle(lmc_front *f, const struct route *rt, const struct lmc_opname *op,
