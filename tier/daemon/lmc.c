@@ -666,12 +666,13 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	if (g->world != f->world)
 		return refuse_why(f, "world_size %u: the segment is laid out for %u ranks "
 				  "(kvtierd --world)", g->world, f->world);
-	/* Two kinds of registration: vLLM's per-layer caches (no list layout,
-	 * no page hint), and SGLang's MHA pools, token-major, flattened K
-	 * layers then V layers ("k_v") with the page size in the hints.  An
-	 * SGLang pool read as vLLM's would be copied block-wrong, so each is
-	 * recognised by all three fields.  ATOM's and SGLang's MLA pools are
-	 * not built yet. */
+	/* Three engines' registrations: vLLM's per-layer caches (no list
+	 * layout, no page hint); SGLang's MHA pools, token-major, K layers
+	 * then V layers ("k_v" with the page size in the hints, or "unified"
+	 * page views); ATOM's MLA latent caches (no hints).  An SGLang pool
+	 * read as vLLM's would be copied block-wrong, so the engine type and
+	 * the hints decide together.  ATOM's DSA index caches and SGLang's
+	 * MLA pools are not built yet. */
 	if (!strcmp(g->engine, "sglang")) {
 		int kv = !strcmp(g->kv_list_layout, "k_v") && g->hint_tokens_per_block;
 		int unified = !strcmp(g->kv_list_layout, "unified");
