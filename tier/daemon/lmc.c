@@ -522,6 +522,10 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 					  "unified); MLA and hybrid pools are not built yet", i, t->ndim,
 					  g->kv_list_layout);
 		}
+		if (page > f->chunk) /* before page x row: that product stays in 64 bits */
+			return refuse_why(f, "kv_cache[%u]: pages of %llu slots, more than the "
+					  "segment's chunk of %u", i, (unsigned long long)page,
+					  f->chunk);
 		kind = "SGL-KV";
 		bs = page;
 		lay->planes_per_tensor = 1;
