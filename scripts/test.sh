@@ -158,7 +158,7 @@ if [ "${1:-}" != quick ]; then
   # LMCache's own vLLM connector in a vLLM 0.32 engine, served by kvtierd's
   # LMCache front end (the wheel in a folder beside the environment)
   stage "vLLM 0.32 with LMCacheMPConnector on kvtierd --lmcache-port"
-  tests/lmcache/setup-vllm.sh "$venv" build/vllm-lmcache
+  tests/lmcache/setup-engine.sh "$venv" build/vllm-lmcache
   KVTIER_LIBRARY="$PWD/build/tier/libkvtier.so" KVTIER_BUILD="$PWD/build" VLLM_CPU_KVCACHE_SPACE=1 \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_lmcache_engine.py
   # The other releases the connector supports (kvtier/vllm/_versions.py).
@@ -198,7 +198,7 @@ if [ "${1:-}" != quick ]; then
   # LMCache's own SGLang connector over SGLang's pool, served by kvtierd's
   # LMCache front end: the wheel unpacked beside SGLang's environment, on
   # that test's path alone (a pytest run of its own)
-  tests/lmcache/setup-vllm.sh "$sglvenv" build/sglang-lmcache --sglang
+  tests/lmcache/setup-engine.sh "$sglvenv" build/sglang-lmcache --sglang
   KVTIER_BUILD="$PWD/build" KVTIER_LMCACHE_TARGET="$PWD/build/sglang-lmcache" \
     "$sglvenv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang/test_lmcache_sglang.py
   # while 0.32's engines run: the sanitizer builds (their tests, which

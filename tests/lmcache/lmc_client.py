@@ -23,6 +23,13 @@ from lmcache.v1.platform.kv_wrap import wrap_kv_caches, wrap_one_kv_cache  # noq
 T = 30.0
 
 
+def filled(shape, dtype, g):
+    """A contiguous cache tensor: zeros, or random from generator g."""
+    if g is None:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=g).to(dtype).contiguous()
+
+
 class Client:
     def __init__(self, url):
         self.c = create_request_client(url, context=zmq.Context.instance())
@@ -54,9 +61,7 @@ class Client:
                 for i in range(layers):
                     shape = (blocks * block, heads, head) if layout == "SGL" else \
                         (blocks, block, heads, head)
-                    t = torch.zeros(shape, dtype=dtype) if g is None else \
-                        torch.randn(shape, generator=g).to(dtype)
-                    kv["%s.%d" % (kind, i)] = t.contiguous()
+                    kv["%s.%d" % (kind, i)] = filled(shape, dtype, g)
             self.kv, self.block, self.layout = kv, block, layout
             self.wrappers = [wrap_one_kv_cache(t) for t in kv.values()]
             return self.wrappers
@@ -66,11 +71,7 @@ class Client:
             shape = (2, blocks, heads, block, head) if layout == "HND" else \
                 (2, blocks, block, heads, head) if layout == "NHD" else \
                 (blocks, heads, block, 2 * head)
-            if g is None:
-                t = torch.zeros(shape, dtype=dtype)
-            else:
-                t = torch.randn(shape, generator=g).to(dtype)
-            kv["layer.%d" % i] = t.contiguous()
+            kv["layer.%d" % i] = filled(shape, dtype, g)
         self.kv = kv
         self.block = block
         self.layout = layout
@@ -136,9 +137,7 @@ class Client:
             for name, w in (("latent", width), ("index", index_width)):
                 if not w:
                     continue
-                t = torch.zeros((blocks, block, w), dtype=torch.float16) if g is None else \
-                    torch.randn((blocks, block, w), generator=g).to(torch.float16)
-                kv["layer.%d.%s" % (i, name)] = t.contiguous()
+                kv["layer.%d.%s" % (i, name)] = filled((blocks, block, w), torch.float16, g)
         self.kv, self.block, self.layout = kv, block, "ATOM"
         self.atom_s = AtomMPSchedulerAdapter(url, ctx, model, block, par)
         self.atom_w = AtomMPWorkerAdapter(url, ctx, model, block, par,

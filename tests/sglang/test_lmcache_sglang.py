@@ -1,6 +1,6 @@
 """kvtierd's LMCache front end serving SGLang: LMCache's own SGLang
 connector (lmcache.integration.sglang's LMCacheMPConnector, the pinned
-wheel unpacked beside SGLang's environment by tests/lmcache/setup-vllm.sh
+wheel unpacked beside SGLang's environment by tests/lmcache/setup-engine.sh
 --sglang) over SGLang's own MHATokenToKVPool on the CPU, wired as SGLang's
 LMCRadixCache wires it (the pool's k_buffer and v_buffer, the page size).
 

@@ -7,7 +7,7 @@ kv_connector_extra_config: its CPU default is the engine-driven pool,
 which kvtierd refuses by name).
 
 The wheel is installed without its dependencies into a folder beside the
-vLLM environment (tests/lmcache/setup-vllm.sh; vLLM's environment has all
+vLLM environment (tests/lmcache/setup-engine.sh; vLLM's environment has all
 the client imports but sortedcontainers), put first on the engine's
 PYTHONPATH.  Run by scripts/test.sh after the vLLM 0.32 environment is
 made; the comparisons follow test_vllm_kvtier.py's rules (a model shown to
@@ -105,7 +105,7 @@ def transfer(port):
 
 def lmcache_env():
     assert os.path.isdir(os.path.join(TARGET, "lmcache")), \
-        "tests/lmcache/setup-vllm.sh installs LMCache's wheel at %s" % TARGET
+        "tests/lmcache/setup-engine.sh installs LMCache's wheel at %s" % TARGET
     return {"PYTHONPATH": TARGET, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
 
 

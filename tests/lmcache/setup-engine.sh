@@ -5,9 +5,9 @@
 # every module LMCache's client and its vLLM connector import but
 # sortedcontainers, installed there too (tests/vllm/test_lmcache_engine.py);
 # SGLang's lacks a few more, named after the folder
-# (tests/sglang/test_lmcache_sglang.py: tests/lmcache/setup-vllm.sh
+# (tests/sglang/test_lmcache_sglang.py: tests/lmcache/setup-engine.sh
 # SGLANG_VENV FOLDER --sglang).
-# Usage: tests/lmcache/setup-vllm.sh VENV FOLDER [--sglang].  Idempotent.
+# Usage: tests/lmcache/setup-engine.sh VENV FOLDER [--sglang].  Idempotent.
 set -euo pipefail
 venv=$1
 target=$2
