@@ -65,6 +65,15 @@ class Client:
             self.kv, self.block, self.layout = kv, block, layout
             self.wrappers = [wrap_one_kv_cache(t) for t in kv.values()]
             return self.wrappers
+        if layout == "SGLM":
+            # SGLang's MLA pool as the unified connector registers it: per
+            # layer a [pages, page, width] view of MLATokenToKVPool's
+            # [slots, 1, width] (the latent width here heads x head)
+            for i in range(layers):
+                kv["latent.%d" % i] = filled((blocks, block, heads * head), dtype, g)
+            self.kv, self.block, self.layout = kv, block, layout
+            self.wrappers = [wrap_one_kv_cache(t) for t in kv.values()]
+            return self.wrappers
         for i in range(layers):
             # vLLM's per-layer [2, blocks, ...] (HND, NHD), or vLLM 0.32 CPU's
             # [blocks, heads, block, 2 x head] ("CPU4": one plane)
@@ -87,7 +96,7 @@ class Client:
         if layout == "SGL":  # what LMCache's SGLang connectors send
             engine, groups = EngineType.SGLANG, []
             hints = {"tokens_per_block": self.block, "kv_list_layout": "k_v"}
-        elif layout == "SGLU":
+        elif layout in ("SGLU", "SGLM"):
             engine, hints = EngineType.SGLANG, {"kv_list_layout": "unified"}
             groups = [EngineGroupInfo(engine_group_id=0,
                                       layer_indices=tuple(range(len(self.wrappers))),
@@ -174,7 +183,7 @@ class Client:
         """Every layer's K and V bytes of these blocks, in order."""
         out = []
         for t in self.kv.values():
-            if self.layout in ("SGLU", "ATOM"):
+            if self.layout in ("SGLU", "SGLM", "ATOM"):
                 for b in block_ids:
                     out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())
                 continue

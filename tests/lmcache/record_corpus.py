@@ -63,8 +63,10 @@ def main():
         ("report_block_allocation", lambda: c.c.report_block_allocation(
             1234, "org/model", [])),
         # SGLang's pools, as its k_v and unified connectors register them
+        # (MHA; MLA: the unified connector's)
         ("register_kv_cache-sglang", lambda: sglang(c, 8, "SGL")),
         ("register_kv_cache-sglang-unified", lambda: sglang(c, 9, "SGLU")),
+        ("register_kv_cache-sglang-mla", lambda: sglang(c, 11, "SGLM")),
         ("register_kv_cache-atom", lambda: atom(c, 10)),
     ]
     only = set(sys.argv[1:])

@@ -496,6 +496,38 @@ def test_sglang_pools_stored_and_retrieved_exact(procs):
         daemon.close()
 
 
+def test_sglang_mla_pool_read_by_every_tp_rank(procs):
+    """SGLang's MLA pool as its unified connector registers it (engine
+    sglang, "unified", per layer [pages, page, width]; one KV world, the
+    TP ranks its num_kv_readers): one rank's pages are read byte-exact by
+    both ranks of another engine, each into its own pool, kept once
+    (--replicated)."""
+    d = Daemon("lmm%d" % os.getpid(), layers=LAYERS, bpt=BPT, instances=3,
+               extra=["--replicated"])
+    try:
+        model = "org/model-sgl-mla"
+        a, r0, r1 = procs(d.url), procs(d.url), procs(d.url)
+        kv(a, seed=31, layout="SGLM")
+        a.ok(op="register", iid=51, model=model, world=1, layout="SGLM")
+        toks, src, dst = prompt(4, 5000), list(range(1, 17)), list(range(30, 46))
+        assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
+                    iid=51, blocks=src)[1] is True
+        for iid, r in ((52, r0), (53, r1)):
+            kv(r, layout="SGLM")
+            r.ok(op="register", iid=iid, model=model, world=1, layout="SGLM")
+            assert r.ok(op="bytes", blocks=dst) != a.ok(op="bytes", blocks=src)
+        assert r0.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="m1",
+                     readers=2) == 4
+        for iid, r in ((52, r0), (53, r1)):
+            assert r.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=0,
+                        end=64, rid="m1", iid=iid, blocks=dst)[1] is True
+            assert r.ok(op="bytes", blocks=dst) == a.ok(op="bytes", blocks=src)
+        assert d.metric("kvtier_lmcache_misses_total") == 0
+        until(lambda: d.metric("kvtier_leases_live") == 0, "the lookup's lease released")
+    finally:
+        d.close()
+
+
 def test_atom_mla_caches_through_lmcache_atom_adapters(procs):
     """AMD's ATOM through LMCache's own ATOM adapters (its worker adapter
     registering the per-layer MLA latent caches [blocks, block, width],

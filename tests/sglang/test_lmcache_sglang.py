@@ -7,9 +7,13 @@ LMCRadixCache wires it (the pool's k_buffer and v_buffer, the page size).
 A writer process stores a prompt's pages; this process -- another SGLang
 pool and connector -- looks the prompt up and retrieves it into other
 pages: every layer's K and V byte-exact; a retrieve whose first chunk the
-radix tree holds already leaves those slots alone.  Not run: SGLang's
-scheduler, radix tree (LMCRadixCache needs SGLang's whole runtime) and
-model.  Run by scripts/test.sh with SGLang's environment and
+radix tree holds already leaves those slots alone.  The same for an MLA
+model (DeepSeek's): SGLang's MLATokenToKVPool through LMCache's unified
+connector (UnifiedLMCacheMPConnector, as SGLang 0.5.23's
+LMCacheUnifiedRadixCache builds it over the pool's allocator), kept once
+for every rank; a DeepSeek V3.2 pool (DSATokenToKVPool: its indexer pages
+beside the latent) refused, named.  Not run: SGLang's scheduler, radix
+tree (LMCRadixCache needs SGLang's whole runtime) and model.  Run by scripts/test.sh with SGLang's environment and
 KVTIER_LMCACHE_TARGET (the unpacked wheel), after tests/sglang."""
 import json
 import os
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import types
 
+import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +49,69 @@ def connector(kv, port):
     from lmcache.integration.sglang.multi_process_adapter import LMCacheMPConnector
     return LMCacheMPConnector(types.SimpleNamespace(model_path=MODEL), 1, 0, PAGE,
                               "tcp://127.0.0.1", port, kv.k_buffer, kv.v_buffer)
+
+
+RANK, ROPE = 48, 16               # MLA: the latent and its rope part, a row a token
+MLA_BPT = (RANK + ROPE) * 2       # bf16: one plane (a layer's row) a token
+MLA_MODEL = "org/sglang-mla"
+
+
+def mla_pool(dsa=False):
+    """SGLang's MLA pool; dsa: DeepSeek V3.2's (64-token pages, the
+    indexer's fp8 keys and scales a page beside the latent)."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
+    if dsa:
+        return DSATokenToKVPool(1024, 64, RANK, torch.bfloat16, ROPE, LAYERS, "cpu", 128, False,
+                                RANK + ROPE, index_buf_size=1024)
+    return MLATokenToKVPool(SLOTS, PAGE, torch.bfloat16, RANK, ROPE, LAYERS, "cpu", False,
+                            start_layer=0, end_layer=LAYERS - 1)
+
+
+def unified(kv, port, tmp):
+    """LMCache's unified connector over an MLA pool, built as SGLang's
+    LMCacheUnifiedRadixCache builds it: the pool's paged allocator, the
+    FULL tree component, the model's attention kind; its server in the
+    LMCache config file (mp_host, mp_port), lmcache_driven copies."""
+    from lmcache.integration.sglang.unified_lmcache_mp_connector import \
+        UnifiedLMCacheMPConnector
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    cfg = os.path.join(tmp, "lmcache.yaml")
+    with open(cfg, "w") as f:
+        f.write("mp_host: 127.0.0.1\nmp_port: %d\nextra_config:\n"
+                "  lmcache.mp.mp_transfer_mode: lmcache_driven\n" % port)
+    model = types.SimpleNamespace(model_path=MLA_MODEL, attention_arch=AttentionArch.MLA,
+                                  hf_config=types.SimpleNamespace(
+                                      architectures=["DeepseekV3ForCausalLM"]))
+    alloc = PagedTokenToKVPoolAllocator(kv.size, kv.page_size, torch.bfloat16, "cpu", kv, False)
+    c = UnifiedLMCacheMPConnector(
+        config_file=cfg, model_config=model, tp_size=1, tp_rank=0, tp_group=None,
+        page_size=kv.page_size, token_to_kv_pool_allocator=alloc, req_to_token_pool=None,
+        tree_components=(ComponentType.FULL,), mamba_component=None, sliding_window_size=None)
+    # On the CPU, LMCache's registration moves only the tensors it is
+    # handed -- the connector's page views -- into shared memory
+    # (migrate_to_shm_and_wrap: "only the tensors handed in are
+    # re-pointed"); the pool's own tensors are pointed at the same bytes,
+    # as a GPU pool and its views share their memory.
+    for i, t in enumerate(kv.kv_buffer):
+        v = c._kv_caches["kv_%d" % i]
+        t.set_(v.untyped_storage(), v.storage_offset(), t.shape, t.stride())
+    return c
+
+
+def unified_load(c, rid, toks, dst_slots, local):
+    """SGLang's load through the unified connector: the lookup polled to
+    its end (hit tokens), then the load of what the radix tree lacks."""
+    import time
+    op = c.submit_lookup(rid, toks, local_hit_tokens=local, cache_salt="")
+    end = time.monotonic() + 60
+    while (hit := c.poll_lookup(op)) is None:
+        assert time.monotonic() < end, "no lookup result"
+        time.sleep(0.01)
+    ld = c.submit_load(op, dst_slots, local_hit_tokens=local)
+    ld.future.result(timeout=60)
+    return hit, c.complete_load(ld)
 
 
 def planes(kv):
@@ -76,6 +144,79 @@ def write(port, seed, tokens, pages):
                              offset=0, request_id="w1"))
     c.close()
     print("STORED", flush=True)
+
+
+def write_mla(port, seed, tokens, pages):
+    """The MLA writer: its pool filled after the registration, the
+    prompt's pages stored through the unified connector."""
+    import tempfile
+    kv = mla_pool()
+    with tempfile.TemporaryDirectory() as tmp:
+        c = unified(kv, port, tmp)
+        for t, v in zip(kv.kv_buffer, contents(seed, kv.kv_buffer)):
+            t.copy_(v)
+        op = c.submit_store("w1", tokens, slots(pages), device_indices_start=0, cache_salt="")
+        op.future.result(timeout=60)
+        assert c.complete_store(op)
+        c.close()
+    print("STORED", flush=True)
+
+
+def test_sglang_mla_pool_served_by_kvtierd(tmp_path):
+    from test_lmcache_client import CHUNK, Daemon
+    d = Daemon("sgl-mla%d" % os.getpid(), layers=LAYERS, bpt=MLA_BPT, extra=["--replicated"])
+    c = None
+    try:
+        n_chunks = 5
+        toks = list(range(9000, 9000 + n_chunks * CHUNK + 3))
+        span = n_chunks * CHUNK
+        src = list(range(10, 10 + span // PAGE))
+        w = subprocess.run([sys.executable, __file__, "write_mla", str(d.port), "7",
+                            json.dumps(toks), json.dumps(src)], capture_output=True, text=True,
+                           timeout=600)
+        assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
+        assert d.metric("kvtier_lmcache_stored_total") == n_chunks
+
+        kv = mla_pool()
+        c = unified(kv, d.port, str(tmp_path))
+        want = [t[slots(src)] for t in contents(7, kv.kv_buffer)]
+        dst = list(range(30, 30 + span // PAGE))
+        for i, t in enumerate(kv.kv_buffer):   # the comparison below can fail
+            assert not torch.equal(t[slots(dst)], want[i]), "layer %d" % i
+        assert unified_load(c, "r1", toks, slots(dst), 0) == (span, True)
+        for i, t in enumerate(kv.kv_buffer):
+            assert torch.equal(t[slots(dst)], want[i]), "layer %d" % i
+        c.end_session("r1")
+        # the radix tree holds a chunk and a page: LMCache asks from the
+        # chunk's start with the page as padding (SGLang's page 0, its
+        # padding sink) and skip_first_n_tokens; page 0 is left alone
+        local = CHUNK + PAGE
+        dst2 = list(range(2, 2 + (span - local) // PAGE))
+        sink = [t[slots([0])].clone() for t in kv.kv_buffer]
+        assert unified_load(c, "r2", toks, slots(dst2), local) == (span, True)
+        for i, t in enumerate(kv.kv_buffer):
+            assert torch.equal(t[slots([0])], sink[i]), "layer %d" % i
+            assert torch.equal(t[slots(dst2)], want[i][local:]), "layer %d" % i
+        c.end_session("r2")
+        assert d.metric("kvtier_lmcache_misses_total") == 0
+    finally:
+        if c is not None:
+            c.close()
+        d.close()
+
+
+def test_sglang_dsa_pool_refused_by_name(tmp_path):
+    """DeepSeek V3.2 / GLM-5 in SGLang: the unified connector registers
+    the MLA latent and, after it, the indexer's page-native buffers;
+    kvtierd does not keep those yet and says so at the registration."""
+    from test_lmcache_client import Daemon
+    d = Daemon("sgl-dsa%d" % os.getpid(), layers=LAYERS, bpt=MLA_BPT,
+               extra=["--replicated", "--chunk-tokens", "64"])
+    try:
+        with pytest.raises(Exception, match="DSA indexer pages beside the MLA pool"):
+            unified(mla_pool(dsa=True), d.port, str(tmp_path))
+    finally:
+        d.close()
 
 
 def test_sglang_pool_served_by_kvtierd():
@@ -126,6 +267,9 @@ def test_sglang_pool_served_by_kvtierd():
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "write":
+    if sys.argv[1] == "write_mla":
+        write_mla(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]),
+                  json.loads(sys.argv[5]))
+    elif sys.argv[1] == "write":
         write(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]),
               json.loads(sys.argv[5]))

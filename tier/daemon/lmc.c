@@ -85,18 +85,23 @@
  *    hints): every layer's K then every layer's V, each [token slots,
  *    heads, head_dim], a page of slots a block (the client's block id is
  *    slot / page); their 3-D shape would read as MLA's, so the engine
- *    type and both hints decide.  ATOM's MLA latent caches (engine
- *    "atom", no hints): per layer [blocks, block, width], as vLLM's MLA
- *    (the same bytes, the same tag).  Contiguous views only.  ATOM's DSA
- *    index caches and SGLang's MLA pools are refused by name.
+ *    type and both hints decide.  SGLang's MLA pools as its unified
+ *    connector registers them (kv_list_layout "unified", 3-D): per layer
+ *    a [pages, page, width] view of MLATokenToKVPool's [slots, 1, width],
+ *    and ATOM's MLA latent caches (engine "atom", no hints): per layer
+ *    [blocks, block, width] -- both as vLLM's MLA (the same bytes, the
+ *    same tag; the connectors name one KV world, every TP rank reads).
+ *    Contiguous views only.  The index caches of DeepSeek V3.2 / GLM-5
+ *    beside the latent (ATOM's per layer, SGLang's DSA indexer pages in a
+ *    group of their own) are refused by name.
  *
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
  * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
  * IPC events; hybrid models (several engine groups); the engine-driven
- * SHM pool; ATOM's DSA index caches and SGLang's MLA pools.  Each is
- * refused by name.
+ * SHM pool; DSA index caches (ATOM's, SGLang's).  Each is refused by
+ * name.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -496,6 +501,15 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 			return refuse_why(f, "kv_cache[%u]: %llu elements", i,
 					  (unsigned long long)inner);
 	}
+	if (!strcmp(g->engine, "sglang") && t->ndim == 3 &&
+	    !strcmp(g->kv_list_layout, "unified")) {
+		/* SGLang's MLA pool as the unified connector hands it: per layer
+		 * a [pages, page, width] view of MLATokenToKVPool's [slots, 1,
+		 * width] -- a vLLM MLA cache's bytes, kept once for every rank
+		 * (the connector's key names one KV world and num_kv_readers the
+		 * TP ranks).  Below, as vLLM's. */
+		goto mla;
+	}
 	if (!strcmp(g->engine, "sglang")) {
 		/* SGLang's MHA pools as its LMCache clients hand them: 2 x layers
 		 * tensors (every layer's K, then every layer's V), token-major; a
@@ -519,7 +533,8 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 			return refuse_why(f, "kv_cache[%u]: a %u-D tensor in an SGLang '%s' "
 					  "registration: kvtierd copies SGLang's MHA pools ([token "
 					  "slots, heads, head_dim], or [pages, page, heads, head_dim] "
-					  "unified); MLA and hybrid pools are not built yet", i, t->ndim,
+					  "unified) and MLA pools ([pages, page, width] unified); "
+					  "hybrid pools are not built yet", i, t->ndim,
 					  g->kv_list_layout);
 		}
 		if (page > f->chunk) /* before page x row: that product stays in 64 bits */
@@ -563,6 +578,7 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		*plane_stride = 0;
 		lay->replicated = 0;
 	} else if (t->ndim == 3) {
+mla:
 		kind = "MLA";
 		bs = t->shape[1];
 		lay->planes_per_tensor = 1;
@@ -673,19 +689,19 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	/* Three engines' registrations: vLLM's per-layer caches (no list
 	 * layout, no page hint); SGLang's MHA pools, token-major, K layers
 	 * then V layers ("k_v" with the page size in the hints, or "unified"
-	 * page views); ATOM's MLA latent caches (no hints).  An SGLang pool
-	 * read as vLLM's would be copied block-wrong, so the engine type and
-	 * the hints decide together.  ATOM's DSA index caches and SGLang's
-	 * MLA pools are not built yet. */
+	 * page views), and its MLA pools ("unified" page views, 3-D); ATOM's
+	 * MLA latent caches (no hints).  An SGLang pool read as vLLM's would
+	 * be copied block-wrong, so the engine type and the hints decide
+	 * together.  DSA index caches (ATOM's, SGLang's) are not built yet. */
 	if (!strcmp(g->engine, "sglang")) {
 		int kv = !strcmp(g->kv_list_layout, "k_v") && g->hint_tokens_per_block;
 		int unified = !strcmp(g->kv_list_layout, "unified");
-		if ((!kv && !unified) || g->n_tensors % 2)
+		if (!kv && !unified)
 			return refuse_why(f, "SGLang registration with kv_list_layout '%s', "
-					  "tokens_per_block %u, %u tensors: kvtierd copies SGLang's "
-					  "MHA pools (K layers then V layers: \"k_v\" with a page "
-					  "size, or \"unified\")", g->kv_list_layout,
-					  g->hint_tokens_per_block, g->n_tensors);
+					  "tokens_per_block %u: kvtierd copies SGLang's MHA pools "
+					  "(K layers then V layers: \"k_v\" with a page size, or "
+					  "\"unified\") and MLA pools (\"unified\")",
+					  g->kv_list_layout, g->hint_tokens_per_block);
 	} else if ((strcmp(g->engine, "vllm") && strcmp(g->engine, "atom")) ||
 		   g->kv_list_layout[0] || g->hint_tokens_per_block) {
 		return refuse_why(f, "engine '%s' (layout hints%s%s): kvtierd's LMCache front end "
@@ -694,8 +710,13 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 				  g->hint_tokens_per_block ? " tokens_per_block" : "");
 	}
 	if (g->n_groups > 1)
-		return refuse_why(f, "%u engine groups (a hybrid model): kvtierd's LMCache front "
-				  "end keeps one group of layers", g->n_groups);
+		/* SGLang's unified connector puts a DeepSeek V3.2 pool's indexer
+		 * pages (page-native) in a kernel group after the MLA latent's */
+		return refuse_why(f, "%u engine groups (%s): kvtierd's LMCache front end keeps "
+				  "one group of layers", g->n_groups,
+				  !strcmp(g->engine, "sglang") && g->n_tensors &&
+				  g->tensors[0].ndim == 3 ? "SGLang's DSA indexer pages beside the "
+				  "MLA pool are not built yet" : "a hybrid model");
 	if (g->n_groups == 1 && (g->groups[0].sw_size_tokens >= 0 || g->groups[0].recurrent))
 		return refuse_why(f, "a sliding-window or recurrent group: not kept by kvtierd's "
 				  "LMCache front end");
@@ -710,14 +731,25 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			nblocks = nb;
 			pstride = np;
 		} else if (strcmp(l.tag, lay.tag) || nb != nblocks) {
+			/* a DeepSeek V3.2 / GLM-5 engine's index cache beside the
+			 * latent: ATOM's per layer, SGLang's DSA indexer pages
+			 * after the MLA pool's layers */
+			const char *dsa = !strcmp(l.tag, lay.tag) ? "" :
+				!strcmp(g->engine, "atom") ?
+				": ATOM's DSA index caches beside the latent caches are not "
+				"built yet" :
+				!strcmp(g->engine, "sglang") && lay.replicated ?
+				": SGLang's DSA indexer pages beside the MLA pool are not "
+				"built yet" : "";
 			return refuse_why(f, "kv_cache[%u] differs from kv_cache[0] (%s, %llu blocks "
 					  "vs %s, %llu)%s", i, l.tag, (unsigned long long)nb, lay.tag,
-					  (unsigned long long)nblocks, !strcmp(g->engine, "atom") &&
-					  strcmp(l.tag, lay.tag) ?
-					  ": ATOM's DSA index caches beside the latent caches are not "
-					  "built yet" : "");
+					  (unsigned long long)nblocks, dsa);
 		}
 	}
+	if (!strcmp(g->engine, "sglang") && !lay.replicated && g->n_tensors % 2)
+		return refuse_why(f, "an SGLang MHA registration of %u tensors: kvtierd copies "
+				  "every layer's K then every layer's V (an even count)",
+				  g->n_tensors);
 	if (g->n_groups == 1 && g->groups[0].tokens_per_block &&
 	    g->groups[0].tokens_per_block != lay.bs)
 		return refuse_why(f, "engine_group_infos[0].tokens_per_block %u, the tensors' "
