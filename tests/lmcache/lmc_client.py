@@ -179,10 +179,13 @@ class Client:
             except OSError:
                 pass
 
-    def block_bytes(self, block_ids):
-        """Every layer's K and V bytes of these blocks, in order."""
+    def block_bytes(self, block_ids, only=None):
+        """Every layer's K and V bytes of these blocks, in order (only: the
+        tensors whose name has it, as ATOM's "latent" or "index")."""
         out = []
-        for t in self.kv.values():
+        for name, t in self.kv.items():
+            if only and only not in name:
+                continue
             if self.layout in ("SGLU", "SGLM", "ATOM"):
                 for b in block_ids:
                     out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())
@@ -236,7 +239,7 @@ def main():
                 res[0] = res[0].decode("latin-1")
             elif op == "bytes":
                 import hashlib
-                res = hashlib.sha256(c.block_bytes(cmd["blocks"])).hexdigest()
+                res = hashlib.sha256(c.block_bytes(cmd["blocks"], cmd.get("only"))).hexdigest()
             elif op == "lookup":
                 k = c.key(cmd["model"], cmd["world"], None, cmd["tokens"], 0, cmd["end"],
                           cmd["rid"], readers=cmd.get("readers", 1))

@@ -23,13 +23,18 @@ def sglang(c, iid, layout):
     return c.register(iid, "org/model", 1, layout=layout, wait=False)
 
 
-def atom(c, iid):
+def atom(c, iid, index=0):
     """ATOM's MLA latent caches as LMCache's ATOM worker adapter registers
-    them (its adapter waits for get_chunk_size first: the call itself)."""
+    them (its adapter waits for get_chunk_size first: the call itself);
+    index: a DSA index cache of that width beside each layer's latent."""
     import torch
     from lmcache.utils import EngineType
     from lmcache.v1.platform.kv_wrap import wrap_kv_caches
-    kv = {"layer.%d" % i: torch.zeros((8, 4, 24), dtype=torch.float16) for i in range(2)}
+    kv = {}
+    for i in range(2):
+        kv["layer.%d" % i] = torch.zeros((8, 4, 24), dtype=torch.float16)
+        if index:
+            kv["layer.%d.index" % i] = torch.zeros((8, 4, index), dtype=torch.uint8)
     c.wrappers = wrap_kv_caches(kv)
     return c.c.register_kv_cache(iid, c.wrappers, "org/model", 1, EngineType.ATOM, {}, [])
 
@@ -68,6 +73,7 @@ def main():
         ("register_kv_cache-sglang-unified", lambda: sglang(c, 9, "SGLU")),
         ("register_kv_cache-sglang-mla", lambda: sglang(c, 11, "SGLM")),
         ("register_kv_cache-atom", lambda: atom(c, 10)),
+        ("register_kv_cache-atom-dsa", lambda: atom(c, 12, index=132)),
     ]
     only = set(sys.argv[1:])
     calls = [x for x in calls if not only or x[0] in only]

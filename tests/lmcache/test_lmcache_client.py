@@ -533,9 +533,11 @@ def test_atom_mla_caches_through_lmcache_atom_adapters(procs):
     registering the per-layer MLA latent caches [blocks, block, width],
     its scheduler adapter looking up): a writer's blocks retrieved
     byte-exact by a reader in another process; the latent kept once for
-    every rank (--replicated); a DSA index cache beside the latent is
-    refused, named."""
-    width = 24                                  # fp16: 48 bytes a token a layer
+    every rank (--replicated).  A DeepSeek V3.2 engine's DSA index cache
+    beside each layer's latent: a second group of the segment, stored and
+    retrieved with the latent's blocks, byte-exact; on a segment without
+    that group, refused with the line that fits."""
+    width, index_width = 24, 66       # fp16: 48 and 132 bytes a token a layer
     d = Daemon("lma%d" % os.getpid(), layers=LAYERS, bpt=width * 2, extra=["--replicated"])
     try:
         model = "org/atom-mla"
@@ -554,8 +556,34 @@ def test_atom_mla_caches_through_lmcache_atom_adapters(procs):
         assert r.ok(op="bytes", blocks=dst) == w.ok(op="bytes", blocks=src)
         x = procs(d.url)
         e = x(op="atom", model="org/atom-dsa", world=1, worker=0, layers=LAYERS, blocks=32,
-              block=BLOCK, width=width, index_width=66)
-        assert "DSA index caches" in e.get("err", ""), e
+              block=BLOCK, width=width, index_width=index_width)
+        assert "--group %d:%d --group %d:%d --replicated" % (
+            LAYERS, width * 2, LAYERS, index_width * 2) in e.get("err", ""), e
+    finally:
+        d.close()
+    d = Daemon("lmx%d" % os.getpid(), layers=LAYERS, bpt=width * 2,
+               extra=["--group", "%d:%d" % (LAYERS, index_width * 2), "--replicated"])
+    try:
+        model = "org/atom-dsa"
+        w, r = procs(d.url), procs(d.url)
+        w.ok(op="atom", model=model, world=1, worker=0, layers=LAYERS, blocks=32,
+             block=BLOCK, width=width, index_width=index_width, seed=11)
+        toks, src, dst = prompt(3, 6100), list(range(1, 13)), list(range(16, 28))
+        assert w.ok(op="atom_store", rid="x1", tokens=toks, blocks=src, start=0,
+                    end=48) is True
+        r.ok(op="atom", model=model, world=1, worker=0, layers=LAYERS, blocks=32,
+             block=BLOCK, width=width, index_width=index_width)
+        # each layer's latent and index cache, every block: can differ
+        assert r.ok(op="bytes", blocks=dst, only="index") != \
+            w.ok(op="bytes", blocks=src, only="index")
+        assert r.ok(op="atom_lookup", rid="x2", tokens=toks) == 48
+        assert r.ok(op="atom_retrieve", rid="x2", tokens=toks, blocks=dst, start=0,
+                    end=48) is True
+        assert r.ok(op="bytes", blocks=dst, only="latent") == \
+            w.ok(op="bytes", blocks=src, only="latent")
+        assert r.ok(op="bytes", blocks=dst, only="index") == \
+            w.ok(op="bytes", blocks=src, only="index")
+        assert d.metric("kvtier_lmcache_misses_total") == 0
     finally:
         d.close()
 

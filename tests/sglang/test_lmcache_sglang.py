@@ -12,7 +12,7 @@ model (DeepSeek's): SGLang's MLATokenToKVPool through LMCache's unified
 connector (UnifiedLMCacheMPConnector, as SGLang 0.5.23's
 LMCacheUnifiedRadixCache builds it over the pool's allocator), kept once
 for every rank; a DeepSeek V3.2 pool (DSATokenToKVPool: its indexer pages
-beside the latent) refused, named.  Not run: SGLang's scheduler, radix
+beside the latent) the same, the indexer a second group of the segment.  Not run: SGLang's scheduler, radix
 tree (LMCRadixCache needs SGLang's whole runtime) and model.  Run by scripts/test.sh with SGLang's environment and
 KVTIER_LMCACHE_TARGET (the unpacked wheel), after tests/sglang."""
 import json
@@ -94,7 +94,7 @@ def unified(kv, port, tmp):
     # (migrate_to_shm_and_wrap: "only the tensors handed in are
     # re-pointed"); the pool's own tensors are pointed at the same bytes,
     # as a GPU pool and its views share their memory.
-    for i, t in enumerate(kv.kv_buffer):
+    for i, t in enumerate(mla_tensors(kv)):
         v = c._kv_caches["kv_%d" % i]
         t.set_(v.untyped_storage(), v.storage_offset(), t.shape, t.stride())
     return c
@@ -123,12 +123,26 @@ def contents(seed, like):
     out = []
     for i, t in enumerate(like):
         g = torch.Generator().manual_seed(seed * 100 + i)
-        out.append(torch.randn(t.shape, generator=g).to(t.dtype))
+        if t.dtype.is_floating_point:
+            out.append(torch.randn(t.shape, generator=g).to(t.dtype))
+        else:   # the DSA indexer's fp8 keys and scales: bytes
+            out.append(torch.randint(0, 256, t.shape, generator=g, dtype=t.dtype))
     return out
 
 
-def slots(pages):
-    return torch.tensor([p * PAGE + j for p in pages for j in range(PAGE)], dtype=torch.int64)
+def slots(pages, page=PAGE):
+    return torch.tensor([p * page + j for p in pages for j in range(page)], dtype=torch.int64)
+
+
+def mla_tensors(kv):
+    """An MLA pool's tensors as the unified connector registers them: the
+    latent's, then (DSA) the indexer's page-native buffers."""
+    return list(kv.kv_buffer) + list(kv.index_k_with_scale_buffer if kv.use_dsa else [])
+
+
+def mla_pages(kv, i, t, pages):
+    """Tensor i's rows of these pages (the latent's are token rows)."""
+    return t[slots(pages, kv.page_size)] if i < len(kv.kv_buffer) else t[pages]
 
 
 def write(port, seed, tokens, pages):
@@ -146,16 +160,17 @@ def write(port, seed, tokens, pages):
     print("STORED", flush=True)
 
 
-def write_mla(port, seed, tokens, pages):
+def write_mla(port, seed, tokens, pages, dsa):
     """The MLA writer: its pool filled after the registration, the
     prompt's pages stored through the unified connector."""
     import tempfile
-    kv = mla_pool()
+    kv = mla_pool(dsa)
     with tempfile.TemporaryDirectory() as tmp:
         c = unified(kv, port, tmp)
-        for t, v in zip(kv.kv_buffer, contents(seed, kv.kv_buffer)):
+        for t, v in zip(mla_tensors(kv), contents(seed, mla_tensors(kv))):
             t.copy_(v)
-        op = c.submit_store("w1", tokens, slots(pages), device_indices_start=0, cache_salt="")
+        op = c.submit_store("w1", tokens, slots(pages, kv.page_size), device_indices_start=0,
+                            cache_salt="")
         op.future.result(timeout=60)
         assert c.complete_store(op)
         c.close()
@@ -172,8 +187,8 @@ def test_sglang_mla_pool_served_by_kvtierd(tmp_path):
         span = n_chunks * CHUNK
         src = list(range(10, 10 + span // PAGE))
         w = subprocess.run([sys.executable, __file__, "write_mla", str(d.port), "7",
-                            json.dumps(toks), json.dumps(src)], capture_output=True, text=True,
-                           timeout=600)
+                            json.dumps(toks), json.dumps(src), "0"], capture_output=True,
+                           text=True, timeout=600)
         assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
         assert d.metric("kvtier_lmcache_stored_total") == n_chunks
 
@@ -205,17 +220,51 @@ def test_sglang_mla_pool_served_by_kvtierd(tmp_path):
         d.close()
 
 
-def test_sglang_dsa_pool_refused_by_name(tmp_path):
-    """DeepSeek V3.2 / GLM-5 in SGLang: the unified connector registers
-    the MLA latent and, after it, the indexer's page-native buffers;
-    kvtierd does not keep those yet and says so at the registration."""
+def test_sglang_dsa_pool_served_by_kvtierd(tmp_path):
+    """DeepSeek V3.2 / GLM-5 in SGLang (DSATokenToKVPool: 64-token pages,
+    the indexer's fp8 keys and scales a page beside the latent): the
+    unified connector registers the latent and, as a kernel group of
+    their own, the indexer's page-native buffers; kvtierd keeps them as
+    the segment's second group.  Both byte-exact across processes; on a
+    segment without that group, refused with the line that fits."""
     from test_lmcache_client import Daemon
+    page, idx_bpt = 64, (128 + 4)      # a token's fp8 index key and its scale
     d = Daemon("sgl-dsa%d" % os.getpid(), layers=LAYERS, bpt=MLA_BPT,
-               extra=["--replicated", "--chunk-tokens", "64"])
+               extra=["--replicated", "--chunk-tokens", str(page)])
     try:
-        with pytest.raises(Exception, match="DSA indexer pages beside the MLA pool"):
+        with pytest.raises(Exception, match="--group %d:%d --group %d:%d --replicated" % (
+                LAYERS, MLA_BPT, LAYERS, idx_bpt)):
             unified(mla_pool(dsa=True), d.port, str(tmp_path))
     finally:
+        d.close()
+    d = Daemon("sgl-dsb%d" % os.getpid(), layers=LAYERS, bpt=MLA_BPT,
+               extra=["--group", "%d:%d" % (LAYERS, idx_bpt), "--replicated",
+                      "--chunk-tokens", str(page)])
+    c = None
+    try:
+        n_chunks = 4
+        toks = list(range(9500, 9500 + n_chunks * page + 3))
+        src, dst = list(range(1, 1 + n_chunks)), list(range(8, 8 + n_chunks))
+        w = subprocess.run([sys.executable, __file__, "write_mla", str(d.port), "8",
+                            json.dumps(toks), json.dumps(src), "1"], capture_output=True,
+                           text=True, timeout=600)
+        assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
+        assert d.metric("kvtier_lmcache_stored_total") == n_chunks
+        kv = mla_pool(dsa=True)
+        c = unified(kv, d.port, str(tmp_path))
+        ts = mla_tensors(kv)
+        assert len(ts) == 2 * LAYERS
+        want = [mla_pages(kv, i, t, src) for i, t in enumerate(contents(8, ts))]
+        for i, t in enumerate(ts):   # the comparison below can fail
+            assert not torch.equal(mla_pages(kv, i, t, dst), want[i]), "tensor %d" % i
+        assert unified_load(c, "d1", toks, slots(dst, page), 0) == (n_chunks * page, True)
+        for i, t in enumerate(ts):
+            assert torch.equal(mla_pages(kv, i, t, dst), want[i]), "tensor %d" % i
+        c.end_session("d1")
+        assert d.metric("kvtier_lmcache_misses_total") == 0
+    finally:
+        if c is not None:
+            c.close()
         d.close()
 
 
@@ -269,7 +318,7 @@ def test_sglang_pool_served_by_kvtierd():
 if __name__ == "__main__":
     if sys.argv[1] == "write_mla":
         write_mla(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]),
-                  json.loads(sys.argv[5]))
+                  json.loads(sys.argv[5]), sys.argv[6] == "1")
     elif sys.argv[1] == "write":
         write(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]),
               json.loads(sys.argv[5]))

@@ -91,17 +91,23 @@
  *    and ATOM's MLA latent caches (engine "atom", no hints): per layer
  *    [blocks, block, width] -- both as vLLM's MLA (the same bytes, the
  *    same tag; the connectors name one KV world, every TP rank reads).
- *    Contiguous views only.  The index caches of DeepSeek V3.2 / GLM-5
- *    beside the latent (ATOM's per layer, SGLang's DSA indexer pages in a
- *    group of their own) are refused by name.
+ *    Contiguous views only.
+ *  * Index caches: DeepSeek V3.2 / GLM-5 engines register their DSA
+ *    indexer's cache beside the MLA latent -- ATOM a [blocks, block,
+ *    width] cache a layer, SGLang's unified connector its page-native
+ *    [pages, bytes] buffers (as [pages, 1, 1, bytes] views, a kernel group
+ *    of their own with the latent's block ids).  The tensors of one other
+ *    layout than kv_cache[0]'s, with its block, are a second kvtier group
+ *    (the segment's second --group: LAYERS:BYTES a token), loaded and
+ *    saved with the latent's block table; anything else that differs is
+ *    refused, named.
  *
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
  * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
  * IPC events; hybrid models (several engine groups); the engine-driven
- * SHM pool; DSA index caches (ATOM's, SGLang's).  Each is refused by
- * name.
+ * SHM pool.  Each is refused by name.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -165,9 +171,13 @@ struct peer {
 };
 
 struct layout {
-	char tag[160];
+	char tag[200];               /* both groups' (the keys' parent has it) */
 	uint32_t planes_per_tensor, bpt, bs;
 	int replicated;
+	/* The index cache's group beside an MLA latent (DeepSeek V3.2, GLM-5:
+	 * ATOM's per-layer index caches, SGLang's DSA indexer pages): its
+	 * planes and bytes per token; 0 planes without one. */
+	uint32_t side_planes, side_bpt;
 };
 
 /* A (model, world)'s layout, kept after its registrations go. */
@@ -190,8 +200,9 @@ struct reg {
 	int ns;
 	uint32_t n_maps, n_planes, busy;
 	struct map *maps;
-	uint64_t *bases;
+	uint64_t *bases;             /* n_planes, then lay.side_planes */
 	uint64_t block_stride, n_blocks;
+	uint64_t side_stride, side_blocks;
 	struct layout lay;
 	kvt_tier *t;
 	int rank;
@@ -501,6 +512,23 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 			return refuse_why(f, "kv_cache[%u]: %llu elements", i,
 					  (unsigned long long)inner);
 	}
+	if (!strcmp(g->engine, "sglang") && t->ndim == 4 && t->shape[1] == 1 &&
+	    t->shape[2] == 1 && i && g->tensors[0].ndim == 3 &&
+	    !strcmp(g->kv_list_layout, "unified")) {
+		/* SGLang's DSA indexer pages beside its MLA pool (the unified
+		 * connector's [pages, 1, 1, bytes] views of DSATokenToKVPool's
+		 * page-native [pages, bytes] buffers): a page's row holds its
+		 * tokens' index keys and scales, opaque; a page is the latent's
+		 * page (kv_cache[0]'s), the block of a group of its own. */
+		kind = "SGL-IDX";
+		bs = g->tensors[0].shape[1];
+		lay->planes_per_tensor = 1;
+		*n_blocks = t->shape[0];
+		*block_stride = t->shape[3] * isz;
+		*plane_stride = 0;
+		lay->replicated = 1;
+		goto checked;
+	}
 	if (!strcmp(g->engine, "sglang") && t->ndim == 3 &&
 	    !strcmp(g->kv_list_layout, "unified")) {
 		/* SGLang's MLA pool as the unified connector hands it: per layer
@@ -596,8 +624,10 @@ mla:
 				  "head_size] and MLA [blocks, block, head_size] caches", i, t->ndim,
 				  sh);
 	}
+checked:
 	if (!bs || !*n_blocks || *block_stride % bs)
-		return refuse_why(f, "kv_cache[%u]: an empty shape", i);
+		return refuse_why(f, "kv_cache[%u]: an empty shape, or rows not whole bytes a "
+				  "token", i);
 	if (bs > f->chunk) /* also keeps it in 32 bits: a block of 2^32 would be 0 */
 		return refuse_why(f, "kv_cache[%u]: blocks of %llu tokens, more than the segment's "
 				  "chunk of %u", i, (unsigned long long)bs, f->chunk);
@@ -676,8 +706,11 @@ view:
 
 static int do_register(lmc_front *f, const struct lmc_register *g)
 {
-	struct layout lay, l;
+	struct layout lay, l, side;
 	uint64_t bstride = 0, nblocks = 0, pstride = 0, bs = 0, np = 0, nb = 0;
+	uint64_t side_stride = 0, side_blocks = 0;
+	uint32_t n0 = 0, n_side = 0, k0 = 0, k1 = 0;
+	unsigned char in_side[LMC_MAX_LAYERS];
 	struct reg *r = NULL;
 	int slot = -1, ns;
 
@@ -692,7 +725,8 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	 * page views), and its MLA pools ("unified" page views, 3-D); ATOM's
 	 * MLA latent caches (no hints).  An SGLang pool read as vLLM's would
 	 * be copied block-wrong, so the engine type and the hints decide
-	 * together.  DSA index caches (ATOM's, SGLang's) are not built yet. */
+	 * together.  Beside an MLA latent, ATOM's and SGLang's index caches
+	 * (DeepSeek V3.2's DSA) make a second group (below). */
 	if (!strcmp(g->engine, "sglang")) {
 		int kv = !strcmp(g->kv_list_layout, "k_v") && g->hint_tokens_per_block;
 		int unified = !strcmp(g->kv_list_layout, "unified");
@@ -709,65 +743,99 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 				  "caches", g->engine, g->kv_list_layout[0] ? " kv_list_layout" : "",
 				  g->hint_tokens_per_block ? " tokens_per_block" : "");
 	}
-	if (g->n_groups > 1)
-		/* SGLang's unified connector puts a DeepSeek V3.2 pool's indexer
-		 * pages (page-native) in a kernel group after the MLA latent's */
-		return refuse_why(f, "%u engine groups (%s): kvtierd's LMCache front end keeps "
-				  "one group of layers", g->n_groups,
-				  !strcmp(g->engine, "sglang") && g->n_tensors &&
-				  g->tensors[0].ndim == 3 ? "SGLang's DSA indexer pages beside the "
-				  "MLA pool are not built yet" : "a hybrid model");
-	if (g->n_groups == 1 && (g->groups[0].sw_size_tokens >= 0 || g->groups[0].recurrent))
-		return refuse_why(f, "a sliding-window or recurrent group: not kept by kvtierd's "
-				  "LMCache front end");
+	for (uint32_t i = 0; i < g->n_groups; i++)
+		if (g->groups[i].sw_size_tokens >= 0 || g->groups[i].recurrent)
+			return refuse_why(f, "a sliding-window or recurrent group: not kept by "
+					  "kvtierd's LMCache front end");
+	if (g->n_tensors > LMC_MAX_LAYERS) /* the decoder's bound */
+		return refuse_why(f, "%u KV cache tensors", g->n_tensors);
+	/* Each tensor's layout.  Every tensor of group 0 has kv_cache[0]'s;
+	 * beside an MLA latent (replicated) an engine may register one index
+	 * cache layout more -- DeepSeek V3.2 / GLM-5's: ATOM's per layer,
+	 * SGLang's DSA indexer pages after the latent's layers -- with the
+	 * same block, kept as a group of its own whose block ids are the
+	 * latent's. */
 	memset(&lay, 0, sizeof(lay));
+	memset(&side, 0, sizeof(side));
 	for (uint32_t i = 0; i < g->n_tensors; i++) {
 		memset(&l, 0, sizeof(l));
 		if (tensor_layout(f, g, &g->tensors[i], i, &l, &bs, &nb, &np))
 			return -1;
+		in_side[i] = 0;
 		if (!i) {
 			lay = l;
 			bstride = bs;
 			nblocks = nb;
 			pstride = np;
-		} else if (strcmp(l.tag, lay.tag) || nb != nblocks) {
-			/* a DeepSeek V3.2 / GLM-5 engine's index cache beside the
-			 * latent: ATOM's per layer, SGLang's DSA indexer pages
-			 * after the MLA pool's layers */
-			const char *dsa = !strcmp(l.tag, lay.tag) ? "" :
-				!strcmp(g->engine, "atom") ?
-				": ATOM's DSA index caches beside the latent caches are not "
-				"built yet" :
-				!strcmp(g->engine, "sglang") && lay.replicated ?
-				": SGLang's DSA indexer pages beside the MLA pool are not "
-				"built yet" : "";
+			n0 = 1;
+		} else if (!strcmp(l.tag, lay.tag) && nb == nblocks) {
+			n0++;
+		} else if (lay.replicated && (!strcmp(g->engine, "atom") ||
+					      !strcmp(g->engine, "sglang")) &&
+			   l.bs == lay.bs && l.planes_per_tensor == 1 &&
+			   (!n_side || (!strcmp(l.tag, side.tag) && nb == side_blocks))) {
+			if (!n_side) {
+				side = l;
+				side_stride = bs;
+				side_blocks = nb;
+			}
+			in_side[i] = 1;
+			n_side++;
+		} else {
 			return refuse_why(f, "kv_cache[%u] differs from kv_cache[0] (%s, %llu blocks "
 					  "vs %s, %llu)%s", i, l.tag, (unsigned long long)nb, lay.tag,
-					  (unsigned long long)nblocks, dsa);
+					  (unsigned long long)nblocks, n_side ?
+					  ": a third layout beside the latent and its index cache" :
+					  "");
 		}
 	}
 	if (!strcmp(g->engine, "sglang") && !lay.replicated && g->n_tensors % 2)
 		return refuse_why(f, "an SGLang MHA registration of %u tensors: kvtierd copies "
 				  "every layer's K then every layer's V (an even count)",
 				  g->n_tensors);
-	if (g->n_groups == 1 && g->groups[0].tokens_per_block &&
-	    g->groups[0].tokens_per_block != lay.bs)
-		return refuse_why(f, "engine_group_infos[0].tokens_per_block %u, the tensors' "
-				  "block %u", g->groups[0].tokens_per_block, lay.bs);
+	/* The engine groups: one, or -- SGLang's unified connector -- the
+	 * latent's kernel group and its index pages' (one engine group, the
+	 * same block ids: checked at each copy). */
+	if (g->n_groups > (n_side ? 2u : 1u))
+		return refuse_why(f, "%u engine groups (a hybrid model): kvtierd's LMCache front "
+				  "end keeps one group of layers (and an MLA latent's index "
+				  "cache)", g->n_groups);
+	for (uint32_t i = 0; i < g->n_groups; i++) {
+		if (g->groups[i].tokens_per_block && g->groups[i].tokens_per_block != lay.bs)
+			return refuse_why(f, "engine_group_infos[%u].tokens_per_block %u, the "
+					  "tensors' block %u", i, g->groups[i].tokens_per_block,
+					  lay.bs);
+		if (g->n_groups == 2 && g->groups[i].n_layers != (i ? n_side : n0))
+			return refuse_why(f, "engine_group_infos[%u] has %u layers, the registration "
+					  "%u tensors of that layout", i, g->groups[i].n_layers,
+					  i ? n_side : n0);
+	}
 	if (f->chunk % lay.bs)
 		return refuse_why(f, "block size %u does not divide the segment's chunk of %u "
 				  "tokens", lay.bs, f->chunk);
-	np = (uint64_t)g->n_tensors * lay.planes_per_tensor;
+	np = (uint64_t)n0 * lay.planes_per_tensor;
+	if (n_side) {
+		lay.side_planes = n_side;
+		lay.side_bpt = side.bpt;
+		size_t o = strlen(lay.tag);
+		snprintf(lay.tag + o, sizeof(lay.tag) - o, "+%s", side.tag);
+	}
 	{
-		int fits = f->n_groups == 1 && f->seg_groups[0].layers == np &&
+		int fits = f->n_groups == (n_side ? 2u : 1u) && f->seg_groups[0].layers == np &&
 			   f->seg_groups[0].bytes_per_token == lay.bpt &&
-			   f->mode_replicated == lay.replicated;
+			   f->mode_replicated == lay.replicated &&
+			   (!n_side || (f->seg_groups[1].layers == n_side &&
+					f->seg_groups[1].bytes_per_token == side.bpt));
+		char more[48] = "";
+		if (n_side)
+			snprintf(more, sizeof(more), " --group %u:%u", n_side, side.bpt);
 		if (!fits)
-			return refuse_why(f, "this engine's KV (%llu planes of %u bytes per token, %s) "
-					  "is not the segment's layout; start kvtierd with --group "
-					  "%llu:%u%s --world %u --chunk-tokens %u",
-					  (unsigned long long)np, lay.bpt, lay.tag,
-					  (unsigned long long)np, lay.bpt,
+			return refuse_why(f, "this engine's KV (%llu planes of %u bytes per token%s, "
+					  "%s) is not the segment's layout; start kvtierd with --group "
+					  "%llu:%u%s%s --world %u --chunk-tokens %u",
+					  (unsigned long long)np, lay.bpt, n_side ?
+					  " and its index cache's" : "", lay.tag,
+					  (unsigned long long)np, lay.bpt, more,
 					  lay.replicated ? " --replicated" : "", f->world, f->chunk);
 	}
 	ns = find_ns(f, g->model, g->world);
@@ -794,7 +862,7 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	r = &f->regs[slot];
 	memset(r, 0, sizeof(*r));
 	r->maps = calloc(g->n_tensors, sizeof(*r->maps));
-	r->bases = calloc(np, sizeof(*r->bases));
+	r->bases = calloc(np + n_side, sizeof(*r->bases));
 	if (!r->maps || !r->bases) {
 		free(r->maps);
 		free(r->bases);
@@ -810,8 +878,13 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			return -1;
 		}
 		uint64_t base = (uint64_t)(uintptr_t)a + t->storage_offset * lmc_dtype_size(t->dtype);
+		if (in_side[i]) {
+			r->bases[np + k1++] = base;
+			continue;
+		}
 		for (uint32_t p = 0; p < lay.planes_per_tensor; p++)
-			r->bases[(uint64_t)i * lay.planes_per_tensor + p] = base + p * pstride;
+			r->bases[(uint64_t)k0 * lay.planes_per_tensor + p] = base + p * pstride;
+		k0++;
 	}
 	r->iid = g->instance_id;
 	r->peer = f->cur_peer;
@@ -820,12 +893,15 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	r->n_planes = (uint32_t)np;
 	r->block_stride = bstride;
 	r->n_blocks = nblocks;
+	r->side_stride = side_stride;
+	r->side_blocks = side_blocks;
 	r->rank = -1;
 	atomic_fetch_add(&f->n_regs, 1);
 	told_forget(f, g->instance_id);
 	flog(f, KVT_LOG_LEVEL_INFO, "registered %s's KV cache (instance %llu, model '%s', %s, "
-	     "%u planes, %llu blocks)", g->engine, (unsigned long long)g->instance_id, g->model,
-	     lay.tag, r->n_planes, (unsigned long long)nblocks);
+	     "%u planes, %llu blocks%s)", g->engine, (unsigned long long)g->instance_id, g->model,
+	     lay.tag, r->n_planes, (unsigned long long)nblocks,
+	     n_side ? ", and its index cache" : "");
 	return 0;
 }
 
@@ -837,9 +913,10 @@ static void rank_log(void *arg, int level, const char *msg)
 /* The registration's kvtier rank handle, opened at its first copy. */
 static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 {
-	struct kvt_group_desc gd;
-	struct kvt_group_buffers gb;
+	struct kvt_group_desc gd[2];
+	struct kvt_group_buffers gb[2];
 	struct kvt_config c;
+	uint32_t ng = r->lay.side_planes ? 2 : 1;
 	int err = -EBUSY;
 
 	if (r->t) {
@@ -850,10 +927,15 @@ static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 	}
 	if (rank >= f->world)
 		return refuse_why(f, "worker_id %u: the segment has %u ranks", rank, f->world);
-	gd.n_layers = r->n_planes;
-	gd.bytes_per_token = r->lay.bpt;
-	gd.tokens_per_block = r->lay.bs;
-	gd.replicated = (uint32_t)r->lay.replicated;
+	gd[0].n_layers = r->n_planes;
+	gd[0].bytes_per_token = r->lay.bpt;
+	gd[0].tokens_per_block = r->lay.bs;
+	gd[0].replicated = (uint32_t)r->lay.replicated;
+	/* the index cache's group: the latent's block, replicated too */
+	gd[1].n_layers = r->lay.side_planes;
+	gd[1].bytes_per_token = r->lay.side_bpt;
+	gd[1].tokens_per_block = r->lay.bs;
+	gd[1].replicated = (uint32_t)r->lay.replicated;
 	for (uint32_t inst = 0; inst < f->n_instances && err == -EBUSY; inst++) {
 		memset(&c, 0, sizeof(c));
 		c.size = sizeof(c);
@@ -869,8 +951,8 @@ static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 		c.dma = "host";
 		c.log = rank_log;
 		c.log_arg = f;
-		c.n_groups = 1;
-		c.groups = &gd;
+		c.n_groups = ng;
+		c.groups = gd;
 		c.n_instances = f->n_instances;
 		err = kvt_open(&c, &r->t);
 	}
@@ -878,10 +960,13 @@ static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 		return refuse_why(f, "attaching as rank %u: %s%s", rank, kvt_last_error(),
 				  err == -EBUSY ? " (every instance's rank entry is taken: raise "
 				  "kvtierd --instances)" : "");
-	gb.layer_base = r->bases;
-	gb.block_stride = r->block_stride;
-	gb.n_blocks = r->n_blocks;
-	err = kvt_register_kv(r->t, 1, &gb);
+	gb[0].layer_base = r->bases;
+	gb[0].block_stride = r->block_stride;
+	gb[0].n_blocks = r->n_blocks;
+	gb[1].layer_base = r->bases + r->n_planes;
+	gb[1].block_stride = r->side_stride;
+	gb[1].n_blocks = r->side_blocks;
+	err = kvt_register_kv(r->t, ng, gb);
 	if (err) {
 		refuse_why(f, "registering the KV cache with kvtier: %s", kvt_last_error());
 		kvt_close(r->t);
@@ -984,7 +1069,7 @@ static void answer_waiters(lmc_front *f, uint64_t now)
 static int check_range(lmc_front *f, const struct lmc_key *k, const struct lmc_blocks *b,
 		       const struct reg *r)
 {
-	uint64_t need;
+	uint64_t need, nb;
 
 	if (k->worker < 0)
 		return refuse_why(f, "a store or retrieve key without worker_id");
@@ -996,16 +1081,24 @@ static int check_range(lmc_front *f, const struct lmc_key *k, const struct lmc_b
 		return refuse_why(f, "range [%llu, %llu) of %u tokens is not whole chunks of %u",
 				  (unsigned long long)k->start, (unsigned long long)k->end,
 				  k->n_tokens, f->chunk);
-	if (b->n_groups != 1)
-		return refuse_why(f, "%u block id lists: the registration has one group",
-				  b->n_groups);
+	/* one list; beside an index cache SGLang sends its kernel group's
+	 * list too, which must be the latent's (one engine group) */
+	if (b->n_groups != 1 && (b->n_groups != 2 || !r->lay.side_planes ||
+				 b->n[1] != b->n[0] ||
+				 memcmp(b->ids[1], b->ids[0], b->n[0] * sizeof(*b->ids[0]))))
+		return refuse_why(f, "%u block id lists: the registration has one group%s",
+				  b->n_groups, r->lay.side_planes ? " (the index cache's list "
+				  "must be the latent's)" : "");
 	need = (k->end - k->start) / r->lay.bs;
 	if (b->n[0] < need)
 		return 1; /* LMCache answers ok=false */
+	nb = r->n_blocks;
+	if (r->lay.side_planes && r->side_blocks < nb)
+		nb = r->side_blocks;
 	for (uint64_t i = 0; i < need; i++)
-		if (b->ids[0][i] >= r->n_blocks)
+		if (b->ids[0][i] >= nb)
 			return refuse_why(f, "block id %u: the KV cache has %llu blocks",
-					  b->ids[0][i], (unsigned long long)r->n_blocks);
+					  b->ids[0][i], (unsigned long long)nb);
 	return 0;
 }
 
@@ -1114,7 +1207,9 @@ static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 	/* runs of chunks that are not all null blocks (LMCache's null block 0) */
 	for (uint32_t a = c0; a < c1;) {
 		uint32_t e = a;
-		const uint32_t *ids;
+		/* table 0 for every group: an index cache's blocks are the
+		 * latent's (kvt_save: a NULL table g > 0 is table 0) */
+		const uint32_t *ids[2] = {NULL, NULL};
 		while (e < c1) {
 			int null = 1;
 			for (uint32_t j = 0; j < bpc && null; j++)
@@ -1126,8 +1221,8 @@ static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		if (e > a) {
 			kvt_op op = 0;
 			int n;
-			ids = &q->blocks.ids[0][(size_t)(a - c0) * bpc];
-			n = kvt_save(r->t, keys + a, e - a, a, &ids, &op);
+			ids[0] = &q->blocks.ids[0][(size_t)(a - c0) * bpc];
+			n = kvt_save(r->t, keys + a, e - a, a, ids, &op);
 			if (n < 0) {
 				flog(f, KVT_LOG_LEVEL_WARN, "store of request '%s': %s", k->request_id,
 				     kvt_last_error());
@@ -1185,7 +1280,7 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		if (i >= skip)
 			tab[(size_t)c0 * bpc + i] = q->blocks.ids[0][i];
 	for (int attempt = 0; attempt < 2; attempt++) {
-		const uint32_t *tabs = tab;
+		const uint32_t *tabs[2] = {tab, NULL}; /* as in do_store */
 		if (!lease) {
 			int hits = kvt_lookup(f->look, keys, c1, &own);
 			if (own)
@@ -1202,7 +1297,7 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 			}
 			lease = own;
 		}
-		r_ = kvt_load(r->t, lease, c1, &tabs, &op);
+		r_ = kvt_load(r->t, lease, c1, tabs, &op);
 		if (!r_)
 			break;
 		lease = 0; /* the session's lease went (-ESTALE): look up ourselves */
