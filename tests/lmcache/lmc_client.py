@@ -27,6 +27,8 @@ def filled(shape, dtype, g):
     """A contiguous cache tensor: zeros, or random from generator g."""
     if g is None:
         return torch.zeros(shape, dtype=dtype)
+    if not dtype.is_floating_point:   # an fp8 index cache's bytes
+        return torch.randint(0, 256, shape, generator=g, dtype=dtype)
     return torch.randn(shape, generator=g).to(dtype).contiguous()
 
 
@@ -46,10 +48,23 @@ class Client:
                                  request_id=rid, num_kv_readers=readers, cache_salt=salt)
 
     def make_kv(self, layers, blocks, heads, block, head, dtype=torch.float16, seed=None,
-                layout="HND"):
+                layout="HND", index=0, index_layers=0):
         """vLLM CPU's per-layer caches, filled from seed (zeros without)."""
         kv = {}
         g = torch.Generator().manual_seed(seed) if seed is not None else None
+        if layout == "MLA":
+            # vLLM's MLA caches as its LMCache adapter registers them (the
+            # engine's kv_caches dict): per layer [blocks, block, width]
+            # (here heads x head); with index, DeepSeek V3.2's DSA indexer
+            # caches [blocks, block, index] (bytes: an fp8 key and its
+            # scale a token) of the first index_layers layers, after them
+            for i in range(layers):
+                kv["layer.%d" % i] = filled((blocks, block, heads * head), dtype, g)
+            for i in range(index_layers):
+                kv["layer.%d.indexer" % i] = filled((blocks, block, index), torch.uint8, g)
+            self.kv, self.block, self.layout = kv, block, layout
+            self.wrappers = wrap_kv_caches(kv)
+            return self.wrappers
         if layout in ("SGL", "SGLU"):
             # SGLang's MHA pools as its LMCache connectors register them:
             # every layer's K then every layer's V, each [token slots,
@@ -91,7 +106,8 @@ class Client:
         groups = [] if groups_tpb is None else [EngineGroupInfo(
             engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
             tokens_per_block=groups_tpb, sw_size_tokens=-1)]
-        hints = {"kv_layout": "HND" if layout == "CPU4" else layout} if layout else {}
+        hints = {"kv_layout": "HND" if layout == "CPU4" else
+                 "NHD" if layout == "MLA" else layout} if layout else {}
         engine = EngineType.VLLM
         if layout == "SGL":  # what LMCache's SGLang connectors send
             engine, groups = EngineType.SGLANG, []
@@ -186,7 +202,7 @@ class Client:
         for name, t in self.kv.items():
             if only and only not in name:
                 continue
-            if self.layout in ("SGLU", "SGLM", "ATOM"):
+            if self.layout in ("SGLU", "SGLM", "ATOM", "MLA"):
                 for b in block_ids:
                     out.append(t[b].contiguous().view(torch.uint8).numpy().tobytes())
                 continue

@@ -496,6 +496,40 @@ def test_sglang_pools_stored_and_retrieved_exact(procs):
         daemon.close()
 
 
+def test_vllm_mla_with_dsa_indexer_caches(procs):
+    """vLLM's caches of a DeepSeek V3.2 / GLM-5 model as LMCache's vLLM
+    adapter registers them: the MLA latent a layer and the DSA indexer's
+    cache on some layers (GLM-5.2: 21 of 78), [blocks, block, bytes]:
+    the indexer caches are the segment's second group, loaded with the
+    latent's blocks, byte-exact in another process."""
+    idx = 132                          # a token's fp8 index key and its scale
+    d = Daemon("lmv%d" % os.getpid(), layers=LAYERS, bpt=BPT,
+               extra=["--group", "2:%d" % idx, "--replicated"])
+    try:
+        model = "org/glm-like"
+        a, b = procs(d.url), procs(d.url)
+        for p, seed in ((a, 41), (b, None)):
+            p.ok(op="kv", layers=LAYERS, blocks=32, heads=HEADS, block=BLOCK, head=HEAD,
+                 seed=seed, layout="MLA", index=idx, index_layers=2)
+        a.ok(op="register", iid=61, model=model, world=1, groups_tpb=BLOCK, layout="MLA")
+        b.ok(op="register", iid=62, model=model, world=1, groups_tpb=BLOCK, layout="MLA")
+        toks, src, dst = prompt(3, 7000), list(range(1, 13)), list(range(16, 28))
+        assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=48,
+                    iid=61, blocks=src)[1] is True
+        for only in ("indexer", None):
+            assert b.ok(op="bytes", blocks=dst, only=only) != \
+                a.ok(op="bytes", blocks=src, only=only)
+        assert b.ok(op="lookup", model=model, world=1, tokens=toks, end=48, rid="v1") == 3
+        assert b.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=0,
+                    end=48, rid="v1", iid=62, blocks=dst)[1] is True
+        for only in ("indexer", None):
+            assert b.ok(op="bytes", blocks=dst, only=only) == \
+                a.ok(op="bytes", blocks=src, only=only)
+        assert d.metric("kvtier_lmcache_misses_total") == 0
+    finally:
+        d.close()
+
+
 def test_sglang_mla_pool_read_by_every_tp_rank(procs):
     """SGLang's MLA pool as its unified connector registers it (engine
     sglang, "unified", per layer [pages, page, width]; one KV world, the

@@ -751,10 +751,11 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 		return refuse_why(f, "%u KV cache tensors", g->n_tensors);
 	/* Each tensor's layout.  Every tensor of group 0 has kv_cache[0]'s;
 	 * beside an MLA latent (replicated) an engine may register one index
-	 * cache layout more -- DeepSeek V3.2 / GLM-5's: ATOM's per layer,
-	 * SGLang's DSA indexer pages after the latent's layers -- with the
-	 * same block, kept as a group of its own whose block ids are the
-	 * latent's. */
+	 * cache layout more -- DeepSeek V3.2 / GLM-5's: vLLM's and ATOM's
+	 * per-layer caches (vLLM's on fewer layers than the latent: GLM-5.2
+	 * has 21 on 78), SGLang's DSA indexer pages after the latent's
+	 * layers -- with the same block, kept as a group of its own whose
+	 * block ids are the latent's. */
 	memset(&lay, 0, sizeof(lay));
 	memset(&side, 0, sizeof(side));
 	for (uint32_t i = 0; i < g->n_tensors; i++) {
@@ -770,9 +771,7 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			n0 = 1;
 		} else if (!strcmp(l.tag, lay.tag) && nb == nblocks) {
 			n0++;
-		} else if (lay.replicated && (!strcmp(g->engine, "atom") ||
-					      !strcmp(g->engine, "sglang")) &&
-			   l.bs == lay.bs && l.planes_per_tensor == 1 &&
+		} else if (lay.replicated && l.bs == lay.bs && l.planes_per_tensor == 1 &&
 			   (!n_side || (!strcmp(l.tag, side.tag) && nb == side_blocks))) {
 			if (!n_side) {
 				side = l;
