@@ -91,8 +91,12 @@ uint32_t kvt_indexer_token_bytes(uint32_t index_head_dim, uint32_t dtype)
 		return 2 * index_head_dim;
 	case KVT_DTYPE_FP32:
 		return 4 * index_head_dim;
+	case KVT_DTYPE_FP4:
+		/* MXFP4 (vLLM's indexer_kv_dtype "mxfp4", DeepSeek V4's on
+		 * MI355X): two values a byte and one UE8M0 scale byte a 32 */
+		return (index_head_dim + 1) / 2 + (index_head_dim + 31) / 32;
 	}
-	return 0; /* fp4 indexers do not exist in any engine we know */
+	return 0;
 }
 
 int kvt_model_check(const struct kvt_model *m)
@@ -272,7 +276,7 @@ static int dsv4_groups(const struct kvt_size_req *r, const struct kvt_model *m,
 		p->indexer_dtype = r->indexer_dtype ? r->indexer_dtype : KVT_DTYPE_FP8;
 		ib = kvt_indexer_token_bytes(m->index_head_dim, p->indexer_dtype);
 		if (!ib)
-			return kvt__numa_err(-EINVAL, "indexer dtype %s: use fp8 or bf16",
+			return kvt__numa_err(-EINVAL, "indexer dtype %s: use fp8, fp4 or bf16",
 					     kvt_dtype_name(p->indexer_dtype));
 	}
 #define G(nm, ly, ck) do { if (ly) { g[n].name = nm; g[n].layers = ly; \
@@ -398,7 +402,7 @@ static int base(const struct kvt_size_req *r, struct kvt_size_plan *p)
 		p->indexer_dtype = r->indexer_dtype ? r->indexer_dtype : KVT_DTYPE_FP8;
 		ib = kvt_indexer_token_bytes(m->index_head_dim, p->indexer_dtype);
 		if (!ib)
-			return kvt__numa_err(-EINVAL, "indexer dtype %s: use fp8 or bf16",
+			return kvt__numa_err(-EINVAL, "indexer dtype %s: use fp8, fp4 or bf16",
 					     kvt_dtype_name(p->indexer_dtype));
 		p->n_groups = 2;
 		p->groups[1].name = "indexer";

@@ -77,7 +77,9 @@ int kvt_model_check(const struct kvt_model *m);
 
 /* Bytes one layer of the indexer cache takes per token: fp8 keys plus one
  * fp32 scale per 128 values (how vLLM and SGLang store it: 132 for
- * index_head_dim 128), or 2 bytes per value in bf16/fp16. */
+ * index_head_dim 128), MXFP4's half a byte per value plus a scale byte
+ * per 32 (vLLM's indexer_kv_dtype mxfp4: 68), or 2 bytes per value in
+ * bf16/fp16.  0 for a dtype no engine keeps it in. */
 uint32_t kvt_indexer_token_bytes(uint32_t index_head_dim, uint32_t dtype);
 
 enum kvt_size_layout {

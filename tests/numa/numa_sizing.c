@@ -201,6 +201,9 @@ static void t_glm5_like_indexer(void **state)
 	assert_int_equal(m.index_head_dim, 128);
 	assert_int_equal(m.indexer_layers, 21);     /* "full" entries of indexer_types */
 	assert_int_equal(kvt_indexer_token_bytes(128, KVT_DTYPE_FP8), 132);
+	/* MXFP4 (vLLM 0.32's deepseek_v4 attention.py: "64 packed values + 4
+	 * UE8M0 scales = 68") */
+	assert_int_equal(kvt_indexer_token_bytes(128, KVT_DTYPE_FP4), 68);
 	r = req(&m, KVT_DTYPE_FP8, 8);
 	p = plan(&r);
 	/* 78 x 656 (fp8_ds_mla: 512 fp8 + 4 fp32 scales + 64 bf16 rope, what
@@ -272,6 +275,13 @@ static void t_deepseek_v4_flash(void **state)
 	/* stored as core stores a shard: in whole 4 KiB pages */
 	assert_int_equal(p.chunk_bytes_rank, (16408320 + 4095) / 4096 * 4096);
 	assert_int_equal(p.token_bytes_rank, 64095);
+	/* vLLM's MXFP4 indexer cache (--indexer-dtype fp4): 64 states x 68 =
+	 * 4,352 a chunk and c4 layer instead of 8,448: 21 x 4,096 less */
+	r.indexer_dtype = KVT_DTYPE_FP4;
+	p = plan(&r);
+	assert_int_equal(p.chunk_bytes_rank, (16408320 - 21 * 4096 + 4095) / 4096 * 4096);
+	assert_int_equal(p.indexer_dtype, KVT_DTYPE_FP4);
+	r.indexer_dtype = KVT_DTYPE_AUTO;
 	/* bf16 KV: a state is 512 x 2 = 1,024 bytes; c128's 2,048 divide */
 	r.kv_dtype = KVT_DTYPE_BF16;
 	p = plan(&r);
