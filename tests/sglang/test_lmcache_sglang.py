@@ -177,6 +177,15 @@ def write_mla(port, seed, tokens, pages, dsa):
     print("STORED", flush=True)
 
 
+def write_in_child(d, n_chunks, mode, seed, toks, src, *more):
+    """The writer (write or write_mla) in a process of its own: its
+    prompt's n_chunks stored."""
+    w = subprocess.run([sys.executable, __file__, mode, str(d.port), str(seed), json.dumps(toks),
+                        json.dumps(src), *more], capture_output=True, text=True, timeout=600)
+    assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
+    assert d.metric("kvtier_lmcache_stored_total") == n_chunks
+
+
 def test_sglang_mla_pool_served_by_kvtierd(tmp_path):
     from test_lmcache_client import CHUNK, Daemon
     d = Daemon("sgl-mla%d" % os.getpid(), layers=LAYERS, bpt=MLA_BPT, extra=["--replicated"])
@@ -186,11 +195,7 @@ def test_sglang_mla_pool_served_by_kvtierd(tmp_path):
         toks = list(range(9000, 9000 + n_chunks * CHUNK + 3))
         span = n_chunks * CHUNK
         src = list(range(10, 10 + span // PAGE))
-        w = subprocess.run([sys.executable, __file__, "write_mla", str(d.port), "7",
-                            json.dumps(toks), json.dumps(src), "0"], capture_output=True,
-                           text=True, timeout=600)
-        assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
-        assert d.metric("kvtier_lmcache_stored_total") == n_chunks
+        write_in_child(d, n_chunks, "write_mla", 7, toks, src, "0")
 
         kv = mla_pool()
         c = unified(kv, d.port, str(tmp_path))
@@ -245,11 +250,7 @@ def test_sglang_dsa_pool_served_by_kvtierd(tmp_path):
         n_chunks = 4
         toks = list(range(9500, 9500 + n_chunks * page + 3))
         src, dst = list(range(1, 1 + n_chunks)), list(range(8, 8 + n_chunks))
-        w = subprocess.run([sys.executable, __file__, "write_mla", str(d.port), "8",
-                            json.dumps(toks), json.dumps(src), "1"], capture_output=True,
-                           text=True, timeout=600)
-        assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
-        assert d.metric("kvtier_lmcache_stored_total") == n_chunks
+        write_in_child(d, n_chunks, "write_mla", 8, toks, src, "1")
         kv = mla_pool(dsa=True)
         c = unified(kv, d.port, str(tmp_path))
         ts = mla_tensors(kv)
@@ -278,11 +279,7 @@ def test_sglang_pool_served_by_kvtierd():
         toks = list(range(7000, 7000 + n_chunks * CHUNK + 5))
         span = n_chunks * CHUNK
         src = list(range(10, 10 + span // PAGE))
-        w = subprocess.run([sys.executable, __file__, "write", str(d.port), "5",
-                            json.dumps(toks), json.dumps(src)], capture_output=True, text=True,
-                           timeout=600)
-        assert w.returncode == 0 and "STORED" in w.stdout, (w.stdout + w.stderr)[-4000:]
-        assert d.metric("kvtier_lmcache_stored_total") == n_chunks
+        write_in_child(d, n_chunks, "write", 5, toks, src)
 
         kv = pool()
         c = connector(kv, d.port)
