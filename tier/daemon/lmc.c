@@ -771,7 +771,8 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			n0 = 1;
 		} else if (!strcmp(l.tag, lay.tag) && nb == nblocks) {
 			n0++;
-		} else if (lay.replicated && l.bs == lay.bs && l.planes_per_tensor == 1 &&
+		} else if (lay.replicated && strcmp(l.tag, lay.tag) && l.bs == lay.bs &&
+			   l.planes_per_tensor == 1 &&
 			   (!n_side || (!strcmp(l.tag, side.tag) && nb == side_blocks))) {
 			if (!n_side) {
 				side = l;
