@@ -187,11 +187,15 @@ class Client:
         return n
 
     def unlink(self):
-        """The shared memory of the KV cache (os._exit skips the wrappers'
-        finalizers that unlink it)."""
-        for w in getattr(self, "wrappers", []):
+        """The shared memory of every KV cache this process registered
+        (os._exit skips the wrappers' finalizers that unlink it; the ATOM
+        adapters' wrappers are not ours to reach): LMCache names it
+        /lmcache_kv_PID_N, and a leftover name meets a later process that
+        gets the same pid (FileExistsError at its registration)."""
+        import glob
+        for n in glob.glob("/dev/shm/lmcache_kv_%d_*" % os.getpid()):
             try:
-                os.unlink("/dev/shm" + w.shm_name)
+                os.unlink(n)
             except OSError:
                 pass
 

@@ -164,6 +164,12 @@ def procs():
     yield make
     for p in made:
         p.close()
+    # none leaves its KV caches' shared memory behind: a name left
+    # (/lmcache_kv_PID_N) fails a later client that gets the same pid
+    left = [n for p in made for n in glob.glob("/dev/shm/lmcache_kv_%d_*" % p.p.pid)]
+    for n in left:
+        os.unlink(n)
+    assert not left, left
 
 
 def prompt(n_chunks, base=1000):
