@@ -568,6 +568,51 @@ def test_sglang_mla_pool_read_by_every_tp_rank(procs):
         d.close()
 
 
+def test_lookup_locks_hold_for_every_reader(procs):
+    """A lookup with num_kv_readers N over one replicated KV world locks its
+    hits for N retrieves (LMCache's read locks): after the first TP rank
+    loaded, a tier filled with other prompts evicts everything it may, and
+    the second rank's retrieve is still a hit, byte-exact -- not a lookup
+    of its own that finds the chunks gone.  free_lookup_locks then
+    releases what no reader took."""
+    d = Daemon("lmr%d" % os.getpid(), layers=LAYERS, bpt=BPT, instances=3, slots=8,
+               extra=["--replicated"])
+    try:
+        model = "org/model-readers"
+        a, r0, r1 = procs(d.url), procs(d.url), procs(d.url)
+        kv(a, seed=37, layout="SGLM")
+        a.ok(op="register", iid=61, model=model, world=1, layout="SGLM")
+        toks, src, dst = prompt(4, 7000), list(range(1, 17)), list(range(30, 46))
+        assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
+                    iid=61, blocks=src)[1] is True
+        for iid, r in ((62, r0), (63, r1)):
+            kv(r, layout="SGLM")
+            r.ok(op="register", iid=iid, model=model, world=1, layout="SGLM")
+        assert r0.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="n1",
+                     readers=2) == 4
+        assert r0.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=0,
+                      end=64, rid="n1", iid=62, blocks=dst)[1] is True
+        for seed in range(4):  # 16 chunks of other prompts through an 8-chunk tier
+            assert a.ok(op="store", model=model, world=1, worker=0,
+                        tokens=prompt(4, 8000 + 100 * seed), start=0, end=64, iid=61,
+                        blocks=src)[1] is True
+        assert r1.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=0,
+                      end=64, rid="n1", iid=63, blocks=dst)[1] is True
+        assert r1.ok(op="bytes", blocks=dst) == a.ok(op="bytes", blocks=src)
+        assert d.metric("kvtier_lmcache_misses_total") == 0
+        until(lambda: d.metric("kvtier_leases_live") == 0, "both readers' locks released")
+        # three readers: three locks, all released by free_lookup_locks
+        assert r0.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="n2",
+                     readers=3) == 4
+        assert d.metric("kvtier_leases_live") == 3
+        assert r0.ok(op="rpc", name="free_lookup_locks",
+                     key=dict(model=model, world=1, tokens=toks, start=0, end=64,
+                              rid="n2")) is None
+        until(lambda: d.metric("kvtier_leases_live") == 0, "free_lookup_locks released all 3")
+    finally:
+        d.close()
+
+
 def test_atom_mla_caches_through_lmcache_atom_adapters(procs):
     """AMD's ATOM through LMCache's own ATOM adapters (its worker adapter
     registering the per-layer MLA latent caches [blocks, block, width],

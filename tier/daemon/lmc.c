@@ -44,11 +44,13 @@
  *    kvtier's: kvt_save / kvt_load and their ops, polled by this thread.
  *  * Lookups and locks: a lookup is kvt_lookup_ex with PROMOTE (the disk
  *    tier and the L3 answer it too): its hits are pinned under a lease,
- *    which is LMCache's "lookup locks".  While chunks after the hits are on
- *    their way up (pending), query_prefetch_status answers nil (LMCache's
- *    "still running") and the lookup is asked again each ~20 ms, for at
- *    most 2 s.  A retrieve loads from its request's lease; when every rank
- *    has loaded, kvtier releases it.  free_lookup_locks covering the whole
+ *    which is LMCache's "lookup locks" (over a world of one, the replicated
+ *    layout, a lease for each of the key's num_kv_readers: lock_readers).
+ *    While chunks after the hits are on their way up (pending),
+ *    query_prefetch_status answers nil (LMCache's "still running") and the
+ *    lookup is asked again each ~20 ms, for at most 2 s.  A retrieve loads
+ *    from its request's (next) lease; when every rank has loaded, kvtier
+ *    releases it.  free_lookup_locks covering the whole
  *    hit, end_session, the client's disconnect and a TTL (300 s, LMCache's
  *    read TTL) release it too.  A retrieve whose request has no lease
  *    (another server's lookup, a late rank) looks up itself and releases
@@ -213,7 +215,9 @@ enum { S_FREE, S_RUNNING, S_READY, S_TAKEN };
 struct sess {
 	int state, peer;
 	char rid[LMC_MAX_NAME];
-	kvt_lease_id lease;
+	kvt_lease_id lease;          /* the next retrieve's */
+	kvt_lease_id *more;          /* one world: a lease for each further reader */
+	uint32_t n_more, readers;
 	uint32_t hits, n_keys;
 	kvt_key *keys;
 	uint64_t t0, deadline, next_look, t_lease;
@@ -402,9 +406,18 @@ static void lease_release(lmc_front *f, kvt_lease_id *l)
 	*l = 0;
 }
 
-static void sess_drop(lmc_front *f, struct sess *s)
+/* Every lock the session's lookup holds (its lease, the further readers'). */
+static void sess_unlock(lmc_front *f, struct sess *s)
 {
 	lease_release(f, &s->lease);
+	while (s->n_more)
+		lease_release(f, &s->more[--s->n_more]);
+}
+
+static void sess_drop(lmc_front *f, struct sess *s)
+{
+	sess_unlock(f, s);
+	free(s->more);
 	free(s->keys);
 	memset(s, 0, sizeof(*s));
 	atomic_fetch_sub(&f->n_sessions, 1);
@@ -415,7 +428,7 @@ static struct sess *sess_new(lmc_front *f, const char *rid)
 	struct sess *s = find_sess(f, rid), *old = NULL;
 
 	if (s) {
-		lease_release(f, &s->lease);
+		sess_unlock(f, s);
 		free(s->keys);
 		s->keys = NULL;
 		return s;
@@ -979,12 +992,49 @@ static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 
 /* ---- lookups ---- */
 
+/* LMCache's read locks: a lookup locks its hits for num_kv_readers
+ * retrieves.  A lease is released by kvtier when each of the segment's
+ * world ranks has loaded from it, so over a world of one (the replicated
+ * layout: every TP rank of an MLA engine reads the same chunks) the first
+ * reader's load would release what the others still need, and a chunk
+ * evicted before their retrieves would be a miss.  There, each further
+ * reader gets a lease of its own, taken now over the same hits (they are
+ * pinned by the first, so the look-up finds them all); a retrieve takes
+ * the session's next.  Over a sharded world one lease serves every rank.
+ * Capped: readers past MAX_READERS (and any a full lease table refuses)
+ * look up at their retrieve, as a late rank does. */
+#define MAX_READERS 64
+
+static void lock_readers(lmc_front *f, struct sess *s)
+{
+	uint32_t want = s->readers < MAX_READERS ? s->readers : MAX_READERS;
+
+	if (f->world != 1 || want < 2 || !s->lease || !s->hits)
+		return;
+	if (!s->more && !(s->more = calloc(MAX_READERS - 1, sizeof(*s->more))))
+		return;
+	while (s->n_more < want - 1) {
+		kvt_lease_id l = 0;
+		int hits = kvt_lookup(f->look, s->keys, s->hits, &l);
+		if (l)
+			atomic_fetch_add(&f->n_leases, 1);
+		if (hits != (int)s->hits || !l) {
+			if (hits < 0)
+				flog(f, KVT_LOG_LEVEL_WARN, "read locks of request '%s': %s",
+				     s->rid, kvt_last_error());
+			lease_release(f, &l);
+			return;
+		}
+		s->more[s->n_more++] = l;
+	}
+}
+
 static void look(lmc_front *f, struct sess *s, uint64_t now)
 {
 	struct kvt_lookup_res res;
 	int r;
 
-	lease_release(f, &s->lease);
+	sess_unlock(f, s);
 	memset(&res, 0, sizeof(res));
 	res.size = sizeof(res);
 	res.first_depth = 0;
@@ -1008,6 +1058,7 @@ static void look(lmc_front *f, struct sess *s, uint64_t now)
 		return;
 	}
 	s->state = S_READY;
+	lock_readers(f, s);
 	atomic_fetch_add(&f->n_hit_chunks, s->hits);
 }
 
@@ -1025,6 +1076,7 @@ static int do_lookup(lmc_front *f, const struct lmc_key *k)
 	s->peer = f->cur_peer;
 	s->t0 = now;
 	s->hits = 0;
+	s->readers = k->readers;
 	s->state = S_READY;
 	atomic_fetch_add(&f->n_lookups, 1);
 	ns = find_ns(f, k->model, k->world);
@@ -1298,8 +1350,20 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 			lease = own;
 		}
 		r_ = kvt_load(r->t, lease, c1, tabs, &op);
-		if (!r_)
+		if (!r_) {
+			if (lease != own && f->world == 1) {
+				/* this reader's lock: released after its copies
+				 * (kvtier has, once it loaded); the next reader's is
+				 * the session's next (lock_readers) */
+				own = lease;
+				s->lease = s->n_more ? s->more[--s->n_more] : 0;
+			}
 			break;
+		}
+		if (lease != own && f->world == 1) { /* gone: the next reader's is not */
+			lease_release(f, &s->lease);
+			s->lease = s->n_more ? s->more[--s->n_more] : 0;
+		}
 		lease = 0; /* the session's lease went (-ESTALE): look up ourselves */
 		why = "its lease released before the load";
 		if (own || r_ != -ESTALE) {
@@ -1391,7 +1455,7 @@ static void peer_gone(lmc_front *f, int pi)
 
 	for (int i = 0; i < MAX_SESS; i++)
 		if (f->sess[i].state != S_FREE && f->sess[i].peer == pi) {
-			leases += f->sess[i].lease != 0;
+			leases += (f->sess[i].lease != 0) + f->sess[i].n_more;
 			sess_drop(f, &f->sess[i]);
 		}
 	for (int i = 0; i < MAX_REGS; i++) {
@@ -1611,7 +1675,7 @@ static void handle(lmc_front *f, const struct route *rt, const struct lmc_opname
 		s = find_sess(f, q.key.request_id);
 		if (s && s->lease && q.key.start < f->chunk &&
 		    q.key.end / f->chunk >= s->hits)
-			lease_release(f, &s->lease);
+			sess_unlock(f, s);
 		reply_none(f, rt);
 		break;
 	case LMC_OP_END_SESSION:
@@ -1734,7 +1798,7 @@ static void sweep(lmc_front *f, uint64_t now)
 		if (s->state == S_RUNNING && now >= s->next_look)
 			look(f, s, now);
 		if (s->lease && now - s->t_lease > LEASE_TTL_NS)
-			lease_release(f, &s->lease);
+			sess_unlock(f, s);
 		if (now - s->t0 > SESS_TTL_NS)
 			sess_drop(f, s);
 	}
