@@ -423,6 +423,31 @@ def test_client_of_another_version_refused(daemon, procs):
     assert a.ok(op="chunk") == CHUNK
 
 
+def test_more_clients_than_the_peer_table(daemon):
+    """kvtierd keeps a table of its clients (256) only to release what each
+    holds when it goes away.  300 clients connected at once, none holding
+    anything: every one is answered (an entry that holds nothing is taken
+    for a new client), none refused as one too many."""
+    import msgspec
+    import zmq
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        for i in range(300):
+            s = ctx.socket(zmq.DEALER)
+            s.connect(daemon.url)
+            socks.append(s)
+            s.send_multipart([msgspec.msgpack.encode(i), msgspec.msgpack.encode("noop")])
+            assert s.poll(int(T * 1000)), "no answer to client %d" % i
+            fr = s.recv_multipart()
+            assert [msgspec.msgpack.decode(x) for x in fr] == [i, "noop", "OK"], \
+                (i, [msgspec.msgpack.decode(x) for x in fr])
+    finally:
+        for s in socks:
+            s.close(linger=0)
+    assert "clients are connected" not in daemon.log()
+
+
 def test_two_ranks_share_one_lookup(procs):
     """World 2: a chunk is a hit only once both ranks stored their shard;
     one scheduler lookup's locks serve both ranks' retrieves, and are

@@ -1429,18 +1429,60 @@ static void progress(lmc_front *f)
 
 /* ---- peers ---- */
 
+static void peer_gone(lmc_front *f, int pi);
+
+/* Does a client hold anything that its going away must release? */
+static int peer_holds(const lmc_front *f, int pi)
+{
+	const struct peer *p = &f->peers[pi];
+
+	for (int i = 0; i < MAX_SESS; i++)
+		if (f->sess[i].state != S_FREE && f->sess[i].peer == pi)
+			return 1;
+	for (int i = 0; i < MAX_REGS; i++)
+		if (f->regs[i].used && f->regs[i].peer == pi)
+			return 1;
+	for (int i = 0; i < MAX_WAIT; i++)
+		if (f->wait[i].used && f->wait[i].rt.id.n == p->id.n &&
+		    !memcmp(f->wait[i].rt.id.b, p->id.b, p->id.n))
+			return 1;
+	return 0;
+}
+
+/* The client table exists only to release what a client holds when its
+ * connection goes (drain_monitor).  So an entry is never what refuses a
+ * client: one connection is one identity, and another identity's entry on
+ * this message's fd is a connection already gone whose disconnect was not
+ * seen (the monitor's events are drained before a message's fd is
+ * recorded: its own went first, or was lost) -- released now; and with
+ * the table full, an entry that holds nothing is taken over (its client,
+ * if still there, gets a new one at its next message). */
 static int peer_of(lmc_front *f, const struct ident *id, int fd)
 {
-	int free_ = -1;
+	int free_ = -1, me = -1;
 	for (int i = 0; i < MAX_PEERS; i++) {
 		struct peer *p = &f->peers[i];
 		if (p->used && p->id.n == id->n && !memcmp(p->id.b, id->b, id->n)) {
 			p->fd = fd;
-			return i;
+			me = i;
 		}
-		if (!p->used && free_ < 0)
+	}
+	for (int i = 0; i < MAX_PEERS; i++) {
+		if (i != me && f->peers[i].used && f->peers[i].fd == fd) {
+			flog(f, KVT_LOG_LEVEL_INFO, "a client's connection went unannounced "
+			     "(another client on its descriptor %d)", fd);
+			peer_gone(f, i);
+		}
+		if (!f->peers[i].used && free_ < 0)
 			free_ = i;
 	}
+	if (me >= 0)
+		return me;
+	for (int i = 0; i < MAX_PEERS && free_ < 0; i++)
+		if (!peer_holds(f, i)) {
+			memset(&f->peers[i], 0, sizeof(f->peers[i]));
+			free_ = i;
+		}
 	if (free_ < 0)
 		return -1;
 	f->peers[free_].used = 1;
