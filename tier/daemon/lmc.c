@@ -505,6 +505,7 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 	uint32_t isz = lmc_dtype_size(t->dtype);
 	const char *kind;
 	uint64_t inner, bs;
+	int sglang, unified;
 
 	if (strcmp(t->type, "cpu_shm"))
 		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor: this kvtierd serves "
@@ -525,9 +526,10 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 			return refuse_why(f, "kv_cache[%u]: %llu elements", i,
 					  (unsigned long long)inner);
 	}
-	if (!strcmp(g->engine, "sglang") && t->ndim == 4 && t->shape[1] == 1 &&
-	    t->shape[2] == 1 && i && g->tensors[0].ndim == 3 &&
-	    !strcmp(g->kv_list_layout, "unified")) {
+	sglang = !strcmp(g->engine, "sglang");
+	unified = !strcmp(g->kv_list_layout, "unified");
+	if (sglang && unified && t->ndim == 4 && t->shape[1] == 1 && t->shape[2] == 1 && i &&
+	    g->tensors[0].ndim == 3) {
 		/* SGLang's DSA indexer pages beside its MLA pool (the unified
 		 * connector's [pages, 1, 1, bytes] views of DSATokenToKVPool's
 		 * page-native [pages, bytes] buffers): a page's row holds its
@@ -540,25 +542,19 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		*block_stride = t->shape[3] * isz;
 		*plane_stride = 0;
 		lay->replicated = 1;
-		goto checked;
-	}
-	if (!strcmp(g->engine, "sglang") && t->ndim == 3 &&
-	    !strcmp(g->kv_list_layout, "unified")) {
-		/* SGLang's MLA pool as the unified connector hands it: per layer
-		 * a [pages, page, width] view of MLATokenToKVPool's [slots, 1,
-		 * width] -- a vLLM MLA cache's bytes, kept once for every rank
-		 * (the connector's key names one KV world and num_kv_readers the
-		 * TP ranks).  Below, as vLLM's. */
-		goto mla;
-	}
-	if (!strcmp(g->engine, "sglang")) {
+	} else if (sglang && !(unified && t->ndim == 3)) {
 		/* SGLang's MHA pools as its LMCache clients hand them: 2 x layers
 		 * tensors (every layer's K, then every layer's V), token-major; a
 		 * page of slots is a block (the client's block id is slot / page).
 		 * The "k_v" connector sends each pool [token slots, heads,
 		 * head_dim] with the page in the hints; the "unified" one (SGLang
 		 * 0.5.23's LMCacheUnifiedRadixCache) a view [pages, page, heads,
-		 * head_dim].  The bytes of a page are the same: one tag. */
+		 * head_dim].  The bytes of a page are the same: one tag.  (Its MLA
+		 * pool, as the unified connector hands it -- per layer a [pages,
+		 * page, width] view of MLATokenToKVPool's [slots, 1, width] -- is
+		 * a vLLM MLA cache's bytes, read as one below, kept once for every
+		 * rank: the connector's key names one KV world and num_kv_readers
+		 * the TP ranks.) */
 		uint64_t page = g->hint_tokens_per_block;
 		if (t->ndim == 4 && !strcmp(g->kv_list_layout, "unified")) {
 			if (page && page != t->shape[1])
@@ -619,7 +615,6 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 		*plane_stride = 0;
 		lay->replicated = 0;
 	} else if (t->ndim == 3) {
-mla:
 		kind = "MLA";
 		bs = t->shape[1];
 		lay->planes_per_tensor = 1;
@@ -637,7 +632,6 @@ mla:
 				  "head_size] and MLA [blocks, block, head_size] caches", i, t->ndim,
 				  sh);
 	}
-checked:
 	if (!bs || !*n_blocks || *block_stride % bs)
 		return refuse_why(f, "kv_cache[%u]: an empty shape, or rows not whole bytes a "
 				  "token", i);
