@@ -69,6 +69,18 @@ class Engine:
         e["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(REPO, "bindings", "python")] +
             ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+        # Several engines share CI's two cores: each gets one OpenMP thread,
+        # unbound (vLLM binds a team of every core to every engine, and the
+        # teams spin on each other's cores: the sliding-window tests ran
+        # 17% longer so).  An engine without kvtier (a baseline) runs in one
+        # process (vLLM's V1 multiprocessing off): nothing of kvtier's is
+        # in it, and it starts in 12 s instead of 32.  Engines with kvtier
+        # keep vLLM's three processes: its front end, engine core (the
+        # scheduler's connector) and worker (the worker's).
+        e.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        e.setdefault("OMP_NUM_THREADS", "1")
+        if kv is None and transfer is None and tp == 1:
+            e.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         e.update(env or {})
         self.log = tempfile.NamedTemporaryFile(prefix="vllm-engine-", suffix=".log",
                                                delete=False)
