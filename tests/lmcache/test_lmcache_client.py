@@ -561,6 +561,23 @@ def test_vllm_mla_with_dsa_indexer_caches(procs):
         d.close()
 
 
+def sglang_mla_engines(procs, d, model, seed, iid, base):
+    """An SGLang MLA writer (instance iid, its pool filled from seed) that
+    stored a 4-chunk prompt from blocks 1-16, and the two TP ranks of a
+    reader engine (instances iid+1, iid+2), registered, their pools zero:
+    (writer, (rank 0, rank 1), tokens, source blocks, destination blocks)."""
+    a, readers = procs(d.url), (procs(d.url), procs(d.url))
+    kv(a, seed=seed, layout="SGLM")
+    a.ok(op="register", iid=iid, model=model, world=1, layout="SGLM")
+    toks, src, dst = prompt(4, base), list(range(1, 17)), list(range(30, 46))
+    assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
+                iid=iid, blocks=src)[1] is True
+    for i, r in enumerate(readers):
+        kv(r, layout="SGLM")
+        r.ok(op="register", iid=iid + 1 + i, model=model, world=1, layout="SGLM")
+    return a, readers, toks, src, dst
+
+
 def test_sglang_mla_pool_read_by_every_tp_rank(procs):
     """SGLang's MLA pool as its unified connector registers it (engine
     sglang, "unified", per layer [pages, page, width]; one KV world, the
@@ -571,15 +588,8 @@ def test_sglang_mla_pool_read_by_every_tp_rank(procs):
                extra=["--replicated"])
     try:
         model = "org/model-sgl-mla"
-        a, r0, r1 = procs(d.url), procs(d.url), procs(d.url)
-        kv(a, seed=31, layout="SGLM")
-        a.ok(op="register", iid=51, model=model, world=1, layout="SGLM")
-        toks, src, dst = prompt(4, 5000), list(range(1, 17)), list(range(30, 46))
-        assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
-                    iid=51, blocks=src)[1] is True
-        for iid, r in ((52, r0), (53, r1)):
-            kv(r, layout="SGLM")
-            r.ok(op="register", iid=iid, model=model, world=1, layout="SGLM")
+        a, (r0, r1), toks, src, dst = sglang_mla_engines(procs, d, model, 31, 51, 5000)
+        for r in (r0, r1):
             assert r.ok(op="bytes", blocks=dst) != a.ok(op="bytes", blocks=src)
         assert r0.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="m1",
                      readers=2) == 4
@@ -604,15 +614,7 @@ def test_lookup_locks_hold_for_every_reader(procs):
                extra=["--replicated"])
     try:
         model = "org/model-readers"
-        a, r0, r1 = procs(d.url), procs(d.url), procs(d.url)
-        kv(a, seed=37, layout="SGLM")
-        a.ok(op="register", iid=61, model=model, world=1, layout="SGLM")
-        toks, src, dst = prompt(4, 7000), list(range(1, 17)), list(range(30, 46))
-        assert a.ok(op="store", model=model, world=1, worker=0, tokens=toks, start=0, end=64,
-                    iid=61, blocks=src)[1] is True
-        for iid, r in ((62, r0), (63, r1)):
-            kv(r, layout="SGLM")
-            r.ok(op="register", iid=iid, model=model, world=1, layout="SGLM")
+        a, (r0, r1), toks, src, dst = sglang_mla_engines(procs, d, model, 37, 61, 7000)
         assert r0.ok(op="lookup", model=model, world=1, tokens=toks, end=64, rid="n1",
                      readers=2) == 4
         assert r0.ok(op="retrieve", model=model, world=1, worker=0, tokens=toks, start=0,
