@@ -102,10 +102,10 @@ class Client:
         self.wrappers = wrap_kv_caches(kv)
         return self.wrappers
 
-    def register(self, iid, model, world, groups_tpb=None, layout="HND", wait=True):
+    def register(self, iid, model, world, groups_tpb=None, layout="HND", wait=True, sw=-1):
         groups = [] if groups_tpb is None else [EngineGroupInfo(
             engine_group_id=0, layer_indices=tuple(range(len(self.wrappers))),
-            tokens_per_block=groups_tpb, sw_size_tokens=-1)]
+            tokens_per_block=groups_tpb, sw_size_tokens=sw)]
         hints = {"kv_layout": "HND" if layout == "CPU4" else
                  "NHD" if layout == "MLA" else layout} if layout else {}
         engine = EngineType.VLLM

@@ -348,6 +348,11 @@ def test_refusals_name_the_reason(daemon, procs):
     kv(b, layout="NHD")
     r = b(op="register", iid=2, model=MODEL, world=1, groups_tpb=BLOCK, layout="NHD")
     assert "was registered with another KV layout" in r["err"], r
+    # a sliding-window group (vLLM's hybrid KV cache manager on): refused,
+    # naming vLLM's switch that keeps every layer whole in one group
+    r = a(op="register", iid=4, model=MODEL, world=1, groups_tpb=BLOCK, sw=64)
+    assert "a sliding-window group" in r["err"] and \
+        "--disable-hybrid-kv-cache-manager" in r["err"], r
     # engine-driven transfers: the setting that selects lmcache_driven
     r = a(op="rpc", name="unregister_kv_cache_engine_driven_context", args=[1])
     assert "lmcache.mp.mp_transfer_mode=lmcache_driven" in r["err"], r

@@ -108,8 +108,10 @@
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
  * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
- * IPC events; hybrid models (several engine groups); the engine-driven
- * SHM pool.  Each is refused by name.
+ * IPC events; hybrid models (several engine groups, sliding-window or
+ * recurrent ones: a vLLM engine runs with its hybrid KV cache manager off
+ * instead, HYBRID_OFF); the engine-driven SHM pool.  Each is refused by
+ * name.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -498,6 +500,14 @@ static kvt_key *chunk_keys(lmc_front *f, int ns, const struct lmc_key *k, uint32
 
 static void told_forget(lmc_front *f, uint64_t iid);
 
+/* A vLLM engine whose hybrid KV cache manager is off (LMCache's connector
+ * is SupportsHMA, so vLLM keeps it on) lays every layer out whole in one
+ * group -- a sliding-window layer's blocks all real: kvtierd keeps that
+ * (measured: a gemma2-shaped engine, refused with the manager on, stored
+ * its chunks with it off). */
+#define HYBRID_OFF "; a vLLM engine: start it with --disable-hybrid-kv-cache-manager " \
+	"(every layer kept whole, one group)"
+
 static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struct lmc_tensor *t,
 			 uint32_t i, struct layout *lay, uint64_t *block_stride,
 			 uint64_t *n_blocks, uint64_t *plane_stride)
@@ -752,8 +762,12 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	}
 	for (uint32_t i = 0; i < g->n_groups; i++)
 		if (g->groups[i].sw_size_tokens >= 0 || g->groups[i].recurrent)
-			return refuse_why(f, "a sliding-window or recurrent group: not kept by "
-					  "kvtierd's LMCache front end");
+			return refuse_why(f, "engine_group_infos[%u]: a %s group (%s), not kept by "
+					  "kvtierd's LMCache front end%s", i,
+					  g->groups[i].recurrent ? "recurrent" : "sliding-window",
+					  g->groups[i].recurrent ? "a state, not blocks a token" :
+					  "its blocks before the window are the engine's null block",
+					  g->groups[i].recurrent ? "" : HYBRID_OFF);
 	if (g->n_tensors > LMC_MAX_LAYERS) /* the decoder's bound */
 		return refuse_why(f, "%u KV cache tensors", g->n_tensors);
 	/* Each tensor's layout.  Every tensor of group 0 has kv_cache[0]'s;
@@ -806,7 +820,7 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	if (g->n_groups > (n_side ? 2u : 1u))
 		return refuse_why(f, "%u engine groups (a hybrid model): kvtierd's LMCache front "
 				  "end keeps one group of layers (and an MLA latent's index "
-				  "cache)", g->n_groups);
+				  "cache)%s", g->n_groups, HYBRID_OFF);
 	for (uint32_t i = 0; i < g->n_groups; i++) {
 		if (g->groups[i].tokens_per_block && g->groups[i].tokens_per_block != lay.bs)
 			return refuse_why(f, "engine_group_infos[%u].tokens_per_block %u, the "
