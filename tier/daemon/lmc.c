@@ -501,12 +501,15 @@ static kvt_key *chunk_keys(lmc_front *f, int ns, const struct lmc_key *k, uint32
 static void told_forget(lmc_front *f, uint64_t iid);
 
 /* A vLLM engine whose hybrid KV cache manager is off (LMCache's connector
- * is SupportsHMA, so vLLM keeps it on) lays every layer out whole in one
- * group -- a sliding-window layer's blocks all real: kvtierd keeps that
- * (measured: a gemma2-shaped engine, refused with the manager on, stored
- * its chunks with it off). */
-#define HYBRID_OFF "; a vLLM engine: start it with --disable-hybrid-kv-cache-manager " \
-	"(every layer kept whole, one group)"
+ * is SupportsHMA, so vLLM keeps it on) lays a model that mixes
+ * sliding-window and full layers out whole in one group -- a
+ * sliding-window layer's blocks all real (vLLM's
+ * _promote_local_kv_cache_specs): kvtierd keeps that (measured: a
+ * gemma2-shaped engine, refused with the manager on, stored its chunks
+ * with it off).  A model of sliding-window layers alone stays a
+ * sliding-window group either way. */
+#define HYBRID_OFF "; a vLLM engine of a model mixing sliding-window and full layers: " \
+	"start it with --disable-hybrid-kv-cache-manager (every layer kept whole, one group)"
 
 static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struct lmc_tensor *t,
 			 uint32_t i, struct layout *lay, uint64_t *block_stride,
