@@ -664,15 +664,16 @@ def test_sliding_window_finish_and_abort_while_saving(model_dir):
         _unlink(name)
 
 
-def test_engines_with_other_hash_seeds_are_told(model):
+def test_engines_with_other_hash_seeds_are_told(engines, model, segment):
     """Two engines on one segment whose block hashes are seeded differently
     (PYTHONHASHSEED set on one only, as a recipe that sets it for prefill
     and not for decode): they would compute other keys for the same tokens,
-    and neither would ever find the other's chunks.  The second is refused
-    at start, both model identities named.  (Before, it started and the two
-    shared a tier silently apart.)"""
-    name = "vllm-seed-%d" % os.getpid()
-    e1 = Engine(model, kv(name, 0))
+    and neither would ever find the other's chunks.  The second, on the
+    segment the module's engine 1 made (the first process may be gone:
+    the segment keeps its identity), is refused at start, both model
+    identities named.  (Before, it started and the two shared a tier
+    silently apart.)"""
+    name = segment
     e2 = Engine(model, kv(name, 1), env={"PYTHONHASHSEED": "1"}, expect_ready=False)
     try:
         r, _, _ = select.select([e2.p.stdout], [], [], START_TIMEOUT)
@@ -687,8 +688,6 @@ def test_engines_with_other_hash_seeds_are_told(model):
             in log, log[-3000:]
     finally:
         e2.close()
-        e1.close()
-        _unlink(name)
 
 
 def test_engines_with_other_kv_dtypes_are_told(model):
