@@ -1465,7 +1465,8 @@ static int peer_holds(const lmc_front *f, int pi)
  * client: one connection is one identity, and another identity's entry on
  * this message's fd is a connection already gone whose disconnect was not
  * seen (the monitor's events are drained before a message's fd is
- * recorded: its own went first, or was lost) -- released now; and with
+ * recorded: its own went first, or was lost) -- released now (a message
+ * whose fd libzmq does not say, -1, proves nothing); and with
  * the table full, an entry that holds nothing is taken over (its client,
  * if still there, gets a new one at its next message). */
 static int peer_of(lmc_front *f, const struct ident *id, int fd)
@@ -1479,7 +1480,7 @@ static int peer_of(lmc_front *f, const struct ident *id, int fd)
 		}
 	}
 	for (int i = 0; i < MAX_PEERS; i++) {
-		if (i != me && f->peers[i].used && f->peers[i].fd == fd) {
+		if (fd >= 0 && i != me && f->peers[i].used && f->peers[i].fd == fd) {
 			flog(f, KVT_LOG_LEVEL_INFO, "a client's connection went unannounced "
 			     "(another client on its descriptor %d)", fd);
 			peer_gone(f, i);
