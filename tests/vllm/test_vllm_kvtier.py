@@ -673,8 +673,7 @@ def test_engines_with_other_hash_seeds_are_told(engines, model, segment):
     the segment keeps its identity), is refused at start, both model
     identities named.  (Before, it started and the two shared a tier
     silently apart.)"""
-    name = segment
-    e2 = Engine(model, kv(name, 1), env={"PYTHONHASHSEED": "1"}, expect_ready=False)
+    e2 = Engine(model, kv(segment, 1), env={"PYTHONHASHSEED": "1"}, expect_ready=False)
     try:
         r, _, _ = select.select([e2.p.stdout], [], [], START_TIMEOUT)
         line = e2.p.stdout.readline() if r else ""
@@ -682,7 +681,7 @@ def test_engines_with_other_hash_seeds_are_told(engines, model, segment):
         log = e2.tail(600)
         assert "model hashseed: the segment's '(none)', this process's '1'" in log, log[-3000:]
         # and the kvtierd line this engine would attach to, when it is needed
-        assert "a kvtierd for this engine: kvtierd --segment %s " % name in log, log[-3000:]
+        assert "a kvtierd for this engine: kvtierd --segment %s " % segment in log, log[-3000:]
         assert "--model-config %s --model %s" % (
             shlex.quote(model + "/config.json"), shlex.quote(model + ENGINE + ";hashseed=1")) \
             in log, log[-3000:]

@@ -156,6 +156,11 @@ struct ident {
 	unsigned char b[256];
 };
 
+static int ident_eq(const struct ident *a, const struct ident *b)
+{
+	return a->n == b->n && !memcmp(a->b, b->b, a->n);
+}
+
 struct small {
 	uint32_t n;
 	unsigned char b[80];
@@ -414,6 +419,13 @@ static void sess_unlock(lmc_front *f, struct sess *s)
 	lease_release(f, &s->lease);
 	while (s->n_more)
 		lease_release(f, &s->more[--s->n_more]);
+}
+
+/* The session's lease has gone to a reader (or is dead): the next
+ * reader's is the next of lock_readers'. */
+static void sess_next(struct sess *s)
+{
+	s->lease = s->n_more ? s->more[--s->n_more] : 0;
 }
 
 static void sess_drop(lmc_front *f, struct sess *s)
@@ -1367,13 +1379,13 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 				 * (kvtier has, once it loaded); the next reader's is
 				 * the session's next (lock_readers) */
 				own = lease;
-				s->lease = s->n_more ? s->more[--s->n_more] : 0;
+				sess_next(s);
 			}
 			break;
 		}
 		if (lease != own && f->world == 1) { /* gone: the next reader's is not */
 			lease_release(f, &s->lease);
-			s->lease = s->n_more ? s->more[--s->n_more] : 0;
+			sess_next(s);
 		}
 		lease = 0; /* the session's lease went (-ESTALE): look up ourselves */
 		why = "its lease released before the load";
@@ -1445,8 +1457,6 @@ static void peer_gone(lmc_front *f, int pi);
 /* Does a client hold anything that its going away must release? */
 static int peer_holds(const lmc_front *f, int pi)
 {
-	const struct peer *p = &f->peers[pi];
-
 	for (int i = 0; i < MAX_SESS; i++)
 		if (f->sess[i].state != S_FREE && f->sess[i].peer == pi)
 			return 1;
@@ -1454,8 +1464,7 @@ static int peer_holds(const lmc_front *f, int pi)
 		if (f->regs[i].used && f->regs[i].peer == pi)
 			return 1;
 	for (int i = 0; i < MAX_WAIT; i++)
-		if (f->wait[i].used && f->wait[i].rt.id.n == p->id.n &&
-		    !memcmp(f->wait[i].rt.id.b, p->id.b, p->id.n))
+		if (f->wait[i].used && ident_eq(&f->wait[i].rt.id, &f->peers[pi].id))
 			return 1;
 	return 0;
 }
@@ -1474,18 +1483,15 @@ static int peer_of(lmc_front *f, const struct ident *id, int fd)
 	int free_ = -1, me = -1;
 	for (int i = 0; i < MAX_PEERS; i++) {
 		struct peer *p = &f->peers[i];
-		if (p->used && p->id.n == id->n && !memcmp(p->id.b, id->b, id->n)) {
+		if (p->used && ident_eq(&p->id, id)) {
 			p->fd = fd;
 			me = i;
-		}
-	}
-	for (int i = 0; i < MAX_PEERS; i++) {
-		if (fd >= 0 && i != me && f->peers[i].used && f->peers[i].fd == fd) {
+		} else if (p->used && fd >= 0 && p->fd == fd) {
 			flog(f, KVT_LOG_LEVEL_INFO, "a client's connection went unannounced "
 			     "(another client on its descriptor %d)", fd);
 			peer_gone(f, i);
 		}
-		if (!f->peers[i].used && free_ < 0)
+		if (!p->used && free_ < 0)
 			free_ = i;
 	}
 	if (me >= 0)
@@ -1527,8 +1533,7 @@ static void peer_gone(lmc_front *f, int pi)
 		flog(f, KVT_LOG_LEVEL_INFO, "a client went away: %u lookup lease(s) released, %u KV "
 		     "cache(s) unmapped", leases, caches);
 	for (int i = 0; i < MAX_WAIT; i++)
-		if (f->wait[i].used && f->wait[i].rt.id.n == f->peers[pi].id.n &&
-		    !memcmp(f->wait[i].rt.id.b, f->peers[pi].id.b, f->peers[pi].id.n))
+		if (f->wait[i].used && ident_eq(&f->wait[i].rt.id, &f->peers[pi].id))
 			f->wait[i].used = 0;
 	memset(&f->peers[pi], 0, sizeof(f->peers[pi]));
 }
