@@ -23,6 +23,19 @@
  *     them and report an injected asynchronous error of the copies before
  *     them on the stream; a cuStreamWaitEvent waits for the record made
  *     before it, not for later ones;
+ *   - IPC as the driver does it between processes: cuIpcGetMemHandle
+ *     moves the allocation onto a memfd (same address, same bytes) and
+ *     the handle names it (pid, fd); cuIpcOpenMemHandle in another
+ *     process maps that memfd as device memory of its current context
+ *     (refcounted per handle, as the driver does), never in the exporting
+ *     process; CU_EVENT_INTERPROCESS events keep their state in a shared
+ *     page (process-shared mutex and condition), so a record in one
+ *     process completes a wait or synchronize in another.  An imported
+ *     event may be destroyed while waits on it are queued (the driver
+ *     allows it): the mapping stays until they ran;
+ *   - cuStreamWaitValue64 (GEQ) / cuStreamWriteValue64 on device memory,
+ *     run in stream order on the lane: with IPC memory, timeline
+ *     semaphores across processes (LMCache's isolated-IPC events);
  *   - cuMemcpyBatchAsync in its 12.8 (failIdx) or 13.0 form by
  *     FAKE_CUDA_DRIVER_VERSION (default 13000), absent below 12.8; it
  *     rejects the NULL stream and attributes without a srcAccessOrder.
@@ -37,6 +50,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -46,6 +62,11 @@
 #define CTX_MAGIC 0x4354584354584354ull
 #define STREAM_MAGIC 0x53545245414d5f5full
 #define EVENT_MAGIC 0x4556454e545f5f5full
+#define IMPORT_MAGIC 0x494d504f52545f5full
+#define IPC_MAGIC 0x4b5654464b495043ull /* the handles' first 8 bytes */
+/* region flags of device memory */
+#define FAKE_F_MMAP 0x1u /* backing mmap'ed (munmap at free) */
+#define FAKE_F_IPC  0x2u /* an opened IPC handle: cuIpcCloseMemHandle frees it */
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized, n_devices, driver_version;
@@ -390,6 +411,15 @@ struct fevent {
 	uint64_t issued, reached; /* records made, records reached; under m */
 	CUresult status;
 	unsigned flags;
+	int fd;         /* CU_EVENT_INTERPROCESS: the memfd of its page (exporter) */
+};
+
+/* An imported event (cuIpcOpenEventHandle): the exporter's page mapped
+ * here.  refs: the handle's, and one per queued wait or record on it. */
+struct fimport {
+	uint64_t magic;
+	struct fevent *e;
+	atomic_int refs;
 };
 
 static struct fstream *stream_of(CUstream s)
@@ -407,8 +437,34 @@ static int lane_of(const struct fstream *s)
 static struct fevent *event_of(CUevent e)
 {
 	struct fevent *f = (struct fevent *)e;
+	struct fimport *i = (struct fimport *)e;
 
+	if (i && i->magic == IMPORT_MAGIC)
+		f = i->e;
 	return f && f->magic == EVENT_MAGIC ? f : NULL;
+}
+
+#define EVENT_PAGE 4096
+
+/* The import behind a CUevent with a reference taken, or NULL. */
+static struct fimport *import_get(CUevent e)
+{
+	struct fimport *i = (struct fimport *)e;
+
+	if (!i || i->magic != IMPORT_MAGIC)
+		return NULL;
+	atomic_fetch_add(&i->refs, 1);
+	return i;
+}
+
+static void import_put(struct fimport *i)
+{
+	if (!i || atomic_fetch_sub(&i->refs, 1) != 1)
+		return;
+	munmap(i->e, EVENT_PAGE);
+	i->magic = 0;
+	free(i);
+	atomic_fetch_sub(&st_events_live, 1);
 }
 
 static CUresult f_cuStreamCreate(CUstream *s, unsigned int flags)
@@ -434,6 +490,7 @@ static CUresult f_cuStreamCreate(CUstream *s, unsigned int flags)
 struct marker {
 	struct fstream *s;
 	struct fevent *e;     /* event to complete, or NULL */
+	struct fimport *imp;  /* e's import, referenced while queued */
 	pthread_mutex_t *m;   /* stream sync: flag to set */
 	pthread_cond_t *c;
 	int *done;
@@ -463,6 +520,7 @@ static void run_marker(void *arg)
 		pthread_cond_broadcast(k->c);
 		pthread_mutex_unlock(k->m);
 	}
+	import_put(k->imp);
 	free(k);
 }
 
@@ -523,15 +581,45 @@ static CUresult f_cuEventCreate(CUevent *e, unsigned int flags)
 	struct fevent *f;
 
 	NEED_CTX();
-	if (!e || (flags & ~(unsigned)(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)))
+	if (!e || (flags & ~(unsigned)(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC |
+				      CU_EVENT_INTERPROCESS)))
 		return CUDA_ERROR_INVALID_VALUE;
-	f = calloc(1, sizeof(*f));
-	if (!f)
-		return CUDA_ERROR_OUT_OF_MEMORY;
+	if (flags & CU_EVENT_INTERPROCESS) {
+		/* its state on a page of its own that other processes map */
+		pthread_mutexattr_t ma;
+		pthread_condattr_t ca;
+		int fd;
+
+		if (!(flags & CU_EVENT_DISABLE_TIMING))
+			return CUDA_ERROR_INVALID_VALUE; /* as the driver asks */
+		fd = memfd_create("fake-cuda-event", MFD_CLOEXEC);
+		if (fd < 0 || ftruncate(fd, EVENT_PAGE)) {
+			if (fd >= 0)
+				close(fd);
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		}
+		f = mmap(NULL, EVENT_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		if (f == MAP_FAILED) {
+			close(fd);
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		}
+		pthread_mutexattr_init(&ma);
+		pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+		pthread_condattr_init(&ca);
+		pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+		pthread_mutex_init(&f->m, &ma);
+		pthread_cond_init(&f->c, &ca);
+		f->fd = fd;
+	} else {
+		f = calloc(1, sizeof(*f));
+		if (!f)
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		pthread_mutex_init(&f->m, NULL);
+		pthread_cond_init(&f->c, NULL);
+		f->fd = -1;
+	}
 	f->magic = EVENT_MAGIC;
 	f->flags = flags;
-	pthread_mutex_init(&f->m, NULL);
-	pthread_cond_init(&f->c, NULL);
 	*e = (CUevent)f;
 	atomic_fetch_add(&st_events_live, 1);
 	return CUDA_SUCCESS;
@@ -540,14 +628,25 @@ static CUresult f_cuEventCreate(CUevent *e, unsigned int flags)
 static CUresult f_cuEventDestroy(CUevent e)
 {
 	struct fevent *f = event_of(e);
+	struct fimport *imp = (struct fimport *)e;
 
 	NEED_INIT();
 	if (!f)
 		return CUDA_ERROR_INVALID_HANDLE;
+	if (imp->magic == IMPORT_MAGIC) { /* the mapping goes after its queued work */
+		import_put(imp);
+		return CUDA_SUCCESS;
+	}
 	pthread_mutex_lock(&f->m);
 	while (f->pending) /* a record in flight still points at it */
 		pthread_cond_wait(&f->c, &f->m);
 	pthread_mutex_unlock(&f->m);
+	if (f->fd >= 0) { /* importers keep their own mapping of the page */
+		close(f->fd);
+		munmap(f, EVENT_PAGE);
+		atomic_fetch_sub(&st_events_live, 1);
+		return CUDA_SUCCESS;
+	}
 	f->magic = 0;
 	pthread_mutex_destroy(&f->m);
 	pthread_cond_destroy(&f->c);
@@ -573,7 +672,7 @@ static CUresult f_cuEventRecord(CUevent e, CUstream s)
 	f->issued++;
 	f->status = CUDA_SUCCESS;
 	pthread_mutex_unlock(&f->m);
-	*k = (struct marker){ .s = stream_of(s), .e = f };
+	*k = (struct marker){ .s = stream_of(s), .e = f, .imp = import_get(e) };
 	fake_worker_push_lane(lane_of(k->s), run_marker, k);
 	return CUDA_SUCCESS;
 }
@@ -617,6 +716,7 @@ static CUresult f_cuEventSynchronize(CUevent e)
 struct waiter {
 	struct fstream *s;
 	struct fevent *e;
+	struct fimport *imp;
 	uint64_t target; /* the records made before the wait was queued */
 };
 
@@ -632,6 +732,7 @@ static void run_wait(void *arg)
 	while (w->e->reached < w->target)
 		pthread_cond_wait(&w->e->c, &w->e->m);
 	pthread_mutex_unlock(&w->e->m);
+	import_put(w->imp);
 	free(w);
 }
 
@@ -650,7 +751,8 @@ static CUresult f_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags)
 	if (!w)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	pthread_mutex_lock(&f->m);
-	*w = (struct waiter){ .s = stream_of(s), .e = f, .target = f->issued };
+	*w = (struct waiter){ .s = stream_of(s), .e = f, .imp = import_get(e),
+			      .target = f->issued };
 	pthread_mutex_unlock(&f->m);
 	fake_worker_push_lane(lane_of(w->s), run_wait, w);
 	return CUDA_SUCCESS;
@@ -805,20 +907,301 @@ static CUresult f_cuMemHostGetDevicePointer(CUdeviceptr *dp, void *p, unsigned i
 	return CUDA_SUCCESS;
 }
 
+#define PAGES(n) (((uint64_t)(n) + 4095) & ~(uint64_t)4095)
+
+/* ---- IPC ------------------------------------------------------------------- */
+
+/* What a fake handle (CUipcMemHandle / CUipcEventHandle, 64 bytes) holds:
+ * the exporting process and its memfd, /proc/PID/fd/FD to the importer. */
+struct ipc_wire {
+	uint64_t magic;
+	int32_t pid, fd;
+	uint64_t len;
+	int32_t owner, kind; /* device; 1 memory, 2 event */
+};
+_Static_assert(sizeof(struct ipc_wire) <= CU_IPC_HANDLE_SIZE, "a handle's bytes");
+
+/* allocations exported so far (their memfds) and handles opened here */
+#define MAX_IPC 256
+static struct { uint64_t dev; int fd; } exported[MAX_IPC];
+static struct { int32_t pid, fd; uint64_t dev; int refs; } opened[MAX_IPC];
+
+static void ipc_unexport(uint64_t dev)
+{
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_IPC; i++)
+		if (exported[i].dev == dev) {
+			close(exported[i].fd);
+			exported[i].dev = 0;
+		}
+	pthread_mutex_unlock(&lock);
+}
+
+static int ipc_map(const struct ipc_wire *w, int kind, uint64_t min_len, void **out)
+{
+	char path[64];
+	struct stat st;
+	void *p;
+	int fd;
+
+	if (w->magic != IPC_MAGIC || w->kind != kind || w->len < min_len)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (w->pid == getpid()) /* the driver opens handles of other processes only */
+		return CUDA_ERROR_INVALID_CONTEXT;
+	snprintf(path, sizeof(path), "/proc/%d/fd/%d", w->pid, w->fd);
+	fd = open(path, O_RDWR | O_CLOEXEC);
+	if (fd < 0)
+		return CUDA_ERROR_INVALID_HANDLE; /* the exporter is gone */
+	if (fstat(fd, &st) || (uint64_t)st.st_size < PAGES(w->len)) {
+		close(fd);
+		return CUDA_ERROR_INVALID_HANDLE;
+	}
+	p = mmap(NULL, PAGES(w->len), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (p == MAP_FAILED)
+		return CUDA_ERROR_MAP_FAILED;
+	*out = p;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dp)
+{
+	struct ipc_wire w = { .magic = IPC_MAGIC, .pid = getpid(), .fd = -1, .kind = 1 };
+	struct fake_region r;
+	int free_i = -1;
+
+	NEED_CTX();
+	if (!h || fake_region_find(dp, 1, &r) || r.dev != dp || r.kind != FAKE_DEV ||
+	    !(r.flags & FAKE_F_MMAP) || (r.flags & FAKE_F_IPC))
+		return CUDA_ERROR_INVALID_VALUE;
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_IPC; i++) {
+		if (exported[i].dev == dp)
+			w.fd = exported[i].fd;
+		if (!exported[i].dev && free_i < 0)
+			free_i = i;
+	}
+	if (w.fd < 0) {
+		/* the allocation moves onto a memfd: same address, same bytes
+		 * (copies into it must not run meanwhile; an engine exports
+		 * its KV cache before it uses it) */
+		int fd = free_i < 0 ? -1 : memfd_create("fake-cuda-ipc", MFD_CLOEXEC);
+		if (fd < 0 || ftruncate(fd, (off_t)PAGES(r.len)) ||
+		    pwrite(fd, r.host, r.len, 0) != (ssize_t)r.len ||
+		    mmap(r.host, PAGES(r.len), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+			 0) == MAP_FAILED) {
+			if (fd >= 0)
+				close(fd);
+			pthread_mutex_unlock(&lock);
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		}
+		exported[free_i].dev = dp;
+		exported[free_i].fd = fd;
+		w.fd = fd;
+	}
+	pthread_mutex_unlock(&lock);
+	w.len = r.len;
+	w.owner = r.owner;
+	memset(h, 0, sizeof(*h));
+	memcpy(h->reserved, &w, sizeof(w));
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuIpcOpenMemHandle(CUdeviceptr *dp, CUipcMemHandle h, unsigned int flags)
+{
+	struct ipc_wire w;
+	uint64_t dev;
+	void *p;
+	int rc, free_i = -1;
+
+	NEED_CTX();
+	if (!dp || (flags & ~(unsigned)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy(&w, h.reserved, sizeof(w));
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_IPC; i++) {
+		if (opened[i].refs && opened[i].pid == w.pid && opened[i].fd == w.fd) {
+			/* opened before by this context: the same pointer, a reference more */
+			opened[i].refs++;
+			*dp = (CUdeviceptr)opened[i].dev;
+			pthread_mutex_unlock(&lock);
+			return CUDA_SUCCESS;
+		}
+		if (!opened[i].refs && free_i < 0)
+			free_i = i;
+	}
+	pthread_mutex_unlock(&lock);
+	if (free_i < 0)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	rc = ipc_map(&w, 1, 1, &p);
+	if (rc)
+		return (CUresult)rc;
+	dev = fake_region_add(FAKE_DEV, w.len, p, current()->dev, FAKE_F_MMAP | FAKE_F_IPC);
+	if (!dev) {
+		munmap(p, PAGES(w.len));
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	pthread_mutex_lock(&lock);
+	opened[free_i].pid = w.pid;
+	opened[free_i].fd = w.fd;
+	opened[free_i].dev = dev;
+	opened[free_i].refs = 1;
+	pthread_mutex_unlock(&lock);
+	*dp = (CUdeviceptr)dev;
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuIpcCloseMemHandle(CUdeviceptr dp)
+{
+	struct fake_region r;
+
+	NEED_CTX();
+	if (fake_region_find(dp, 1, &r) || r.dev != dp || !(r.flags & FAKE_F_IPC))
+		return CUDA_ERROR_INVALID_VALUE;
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_IPC; i++)
+		if (opened[i].refs && opened[i].dev == dp && --opened[i].refs) {
+			pthread_mutex_unlock(&lock);
+			return CUDA_SUCCESS;
+		}
+	pthread_mutex_unlock(&lock);
+	fake_region_del(dp, NULL);
+	munmap(r.host, PAGES(r.len));
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e)
+{
+	struct fevent *f = event_of(e);
+	struct ipc_wire w = { .magic = IPC_MAGIC, .pid = getpid(), .len = EVENT_PAGE,
+			      .kind = 2 };
+
+	NEED_INIT();
+	if (!h)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (!f || ((struct fimport *)e)->magic == IMPORT_MAGIC || f->fd < 0)
+		return CUDA_ERROR_INVALID_HANDLE; /* not created INTERPROCESS here */
+	w.fd = f->fd;
+	memset(h, 0, sizeof(*h));
+	memcpy(h->reserved, &w, sizeof(w));
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuIpcOpenEventHandle(CUevent *e, CUipcEventHandle h)
+{
+	struct ipc_wire w;
+	struct fimport *i;
+	void *p;
+	int rc;
+
+	NEED_CTX();
+	if (!e)
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy(&w, h.reserved, sizeof(w));
+	rc = ipc_map(&w, 2, EVENT_PAGE, &p);
+	if (rc)
+		return (CUresult)rc;
+	if (((struct fevent *)p)->magic != EVENT_MAGIC) {
+		munmap(p, EVENT_PAGE);
+		return CUDA_ERROR_INVALID_HANDLE;
+	}
+	i = calloc(1, sizeof(*i));
+	if (!i) {
+		munmap(p, EVENT_PAGE);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	i->magic = IMPORT_MAGIC;
+	i->e = p;
+	atomic_init(&i->refs, 1);
+	*e = (CUevent)i;
+	atomic_fetch_add(&st_events_live, 1);
+	return CUDA_SUCCESS;
+}
+
+/* ---- stream memory operations ---------------------------------------------- */
+
+struct memop {
+	struct fstream *s;
+	volatile uint64_t *p;
+	uint64_t value;
+	int write;
+};
+
+static void run_memop(void *arg)
+{
+	struct memop *m = arg;
+
+	stream_ready(m->s);
+	if (m->write)
+		__atomic_store_n(m->p, m->value, __ATOMIC_RELEASE);
+	else /* GEQ, as the driver compares: (int64_t)(*addr - value) >= 0 */
+		while ((int64_t)(__atomic_load_n(m->p, __ATOMIC_ACQUIRE) - m->value) < 0)
+			usleep(100);
+	free(m);
+}
+
+static CUresult memop(CUstream st, CUdeviceptr addr, cuuint64_t v, unsigned int flags, int write)
+{
+	struct fake_region r;
+	struct memop *m;
+	char *p;
+
+	NEED_CTX();
+	if ((st && !stream_of(st)))
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (flags || addr % 8 || fake_region_find(addr, 8, &r) || r.kind != FAKE_DEV ||
+	    !(p = resolve(addr, 8, write ? "cuStreamWriteValue64" : "cuStreamWaitValue64")))
+		return CUDA_ERROR_INVALID_VALUE; /* GEQ / DEFAULT only, device memory */
+	NOT_LOST();
+	m = calloc(1, sizeof(*m));
+	if (!m)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*m = (struct memop){ .s = stream_of(st), .p = (volatile uint64_t *)p, .value = v,
+			     .write = write };
+	fake_worker_push_lane(lane_of(m->s), run_memop, m);
+	return CUDA_SUCCESS;
+}
+
+static CUresult f_cuStreamWaitValue64(CUstream st, CUdeviceptr addr, cuuint64_t v,
+				      unsigned int flags)
+{
+	return memop(st, addr, v, flags, 0);
+}
+
+static CUresult f_cuStreamWriteValue64(CUstream st, CUdeviceptr addr, cuuint64_t v,
+				       unsigned int flags)
+{
+	return memop(st, addr, v, flags, 1);
+}
+
+/* 16 bytes a device: "kvtier-fakegpu" and the ordinal */
+static CUresult f_cuDeviceGetUuid(CUuuid *u, CUdevice d)
+{
+	NEED_INIT();
+	if (!u || d < 0 || d >= n_devices)
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy(u->bytes, "kvtier-fakegpu", 14);
+	u->bytes[14] = 0;
+	u->bytes[15] = (char)d;
+	return CUDA_SUCCESS;
+}
+
 static CUresult f_cuMemAlloc(CUdeviceptr *dp, size_t bytes)
 {
 	char *backing;
 	uint64_t dev;
 
 	NEED_CTX();
-	if (!dp || !bytes)
+	if (!dp || !bytes || bytes > (1ull << 40))
 		return CUDA_ERROR_INVALID_VALUE;
-	backing = calloc(1, bytes);
-	if (!backing)
+	/* whole pages, so that an export can put a memfd in their place */
+	backing = mmap(NULL, PAGES(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+		       -1, 0);
+	if (backing == MAP_FAILED)
 		return CUDA_ERROR_OUT_OF_MEMORY;
-	dev = fake_region_add(FAKE_DEV, bytes, backing, current()->dev, 0);
+	dev = fake_region_add(FAKE_DEV, bytes, backing, current()->dev, FAKE_F_MMAP);
 	if (!dev) {
-		free(backing);
+		munmap(backing, PAGES(bytes));
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	*dp = (CUdeviceptr)dev;
@@ -830,10 +1213,16 @@ static CUresult f_cuMemFree(CUdeviceptr dp)
 	struct fake_region r;
 
 	NEED_CTX();
-	if (fake_region_find(dp, 1, &r) || r.dev != dp || r.kind != FAKE_DEV)
+	if (fake_region_find(dp, 1, &r) || r.dev != dp || r.kind != FAKE_DEV ||
+	    (r.flags & FAKE_F_IPC))
 		return CUDA_ERROR_INVALID_VALUE;
 	fake_region_del(r.dev, NULL);
-	free(r.host);
+	if (r.flags & FAKE_F_MMAP) {
+		munmap(r.host, PAGES(r.len));
+		ipc_unexport(dp);
+	} else {
+		free(r.host);
+	}
 	return CUDA_SUCCESS;
 }
 
@@ -1364,6 +1753,7 @@ static CUresult f_cuGetErrorName(CUresult r, const char **s)
 	case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
 	case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
 	case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+	case CUDA_ERROR_MAP_FAILED: *s = "CUDA_ERROR_MAP_FAILED"; break;
 	case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
 	case CUDA_ERROR_CONTAINED: *s = "CUDA_ERROR_CONTAINED"; break;
 	case CUDA_ERROR_TENSOR_MEMORY_LEAK: *s = "CUDA_ERROR_TENSOR_MEMORY_LEAK"; break;
@@ -1432,6 +1822,14 @@ CHECK(f_cuModuleGetFunction, PFN_cuModuleGetFunction_v2000);
 CHECK(f_cuLaunchKernel, PFN_cuLaunchKernel_v4000);
 CHECK(f_cuMemcpyBatchAsync_v1, PFN_cuMemcpyBatchAsync_v12080);
 CHECK(f_cuMemcpyBatchAsync_v2, PFN_cuMemcpyBatchAsync_v13000);
+CHECK(f_cuIpcGetMemHandle, PFN_cuIpcGetMemHandle_v4010);
+CHECK(f_cuIpcOpenMemHandle, PFN_cuIpcOpenMemHandle_v11000);
+CHECK(f_cuIpcCloseMemHandle, PFN_cuIpcCloseMemHandle_v4010);
+CHECK(f_cuIpcGetEventHandle, PFN_cuIpcGetEventHandle_v4010);
+CHECK(f_cuIpcOpenEventHandle, PFN_cuIpcOpenEventHandle_v4010);
+CHECK(f_cuDeviceGetUuid, PFN_cuDeviceGetUuid_v11040);
+CHECK(f_cuStreamWaitValue64, PFN_cuStreamWaitValue64_v11070);
+CHECK(f_cuStreamWriteValue64, PFN_cuStreamWriteValue64_v11070);
 
 static const struct entry table[] = {
 	E("cuInit", 2000, f_cuInit),
@@ -1475,6 +1873,14 @@ static const struct entry table[] = {
 	E("cuLaunchKernel", 4000, f_cuLaunchKernel),
 	E("cuMemcpyBatchAsync", 12080, f_cuMemcpyBatchAsync_v1),
 	E("cuMemcpyBatchAsync", 13000, f_cuMemcpyBatchAsync_v2),
+	E("cuIpcGetMemHandle", 4010, f_cuIpcGetMemHandle),
+	E("cuIpcOpenMemHandle", 11000, f_cuIpcOpenMemHandle),
+	E("cuIpcCloseMemHandle", 4010, f_cuIpcCloseMemHandle),
+	E("cuIpcGetEventHandle", 4010, f_cuIpcGetEventHandle),
+	E("cuIpcOpenEventHandle", 4010, f_cuIpcOpenEventHandle),
+	E("cuDeviceGetUuid", 11040, f_cuDeviceGetUuid),
+	E("cuStreamWaitValue64", 11070, f_cuStreamWaitValue64),
+	E("cuStreamWriteValue64", 11070, f_cuStreamWriteValue64),
 };
 
 static int driver(void)
