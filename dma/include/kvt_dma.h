@@ -378,6 +378,67 @@ int kvt_dma_wait(kvt_dma *d, kvt_dma_ticket t, int64_t timeout_ns);
 uint32_t kvt_dma_inflight(const kvt_dma *d);
 uint32_t kvt_dma_max_inflight(const kvt_dma *d);
 
+/* ---- another process's GPU memory and events ---------------------------------
+ * For a server that copies between an engine process's KV cache and the
+ * arena (kvtierd's LMCache front end): the engine exports its allocations
+ * and events with the driver's IPC handles (cudaIpcMemHandle_t,
+ * cudaIpcEventHandle_t: KVT_DMA_IPC_BYTES opaque bytes), the server opens
+ * them in the bound device's primary context -- the one every cuda handle
+ * of the process uses, so an opened pointer is good as a layer base of a
+ * kvtier rank handle too.  cuda backend only: host and hsa answer
+ * -ENOTSUP (HIP's IPC is not built yet).  Blocking, not thread-safe
+ * against kvt_dma_close. */
+#define KVT_DMA_IPC_BYTES 64
+
+/* The ordinal of the device whose UUID (cuDeviceGetUuid's 16 bytes) this
+ * is -- how an engine names its GPU across processes whose
+ * CUDA_VISIBLE_DEVICES differ.  The handle need not be bound.  The ordinal,
+ * -ENODEV (no such device here), -ENOTSUP. */
+int kvt_dma_device_of_uuid(kvt_dma *d, const uint8_t uuid[16]);
+
+/* Maps the allocation an IPC memory handle names (bound handle): *base its
+ * first byte here, *len its size (the allocation's range, as the driver
+ * reports it: check a descriptor's view against it).  The driver counts
+ * openings of one handle: each needs its kvt_dma_ipc_mem_close.  0,
+ * -EINVAL (not bound; a handle the driver refuses), -EIO, -ENOTSUP. */
+int kvt_dma_ipc_mem_open(kvt_dma *d, const void *handle, uint64_t *base, uint64_t *len);
+int kvt_dma_ipc_mem_close(kvt_dma *d, uint64_t base);
+
+/* A fence: the server's side of an engine's events.  kvt_dma_fence_wait
+ * imports an engine's event and makes the fence's stream wait for its
+ * latest record (on the device: nothing blocks here); hand
+ * kvt_dma_fence_stream to kvt_dma_order_after / kvt_order_after so that the
+ * copies submitted next start after the engine's work.
+ * kvt_dma_fence_signal records the fence's own interprocess event on a
+ * stream that waits for nothing and writes its handle: call it once the
+ * copies the engine must see have completed (kvt_dma_poll / kvt_poll said
+ * so), and the engine's wait on that handle is ordered after them.  0 or
+ * -EINVAL / -EIO / -ENOMEM / -ENOTSUP. */
+typedef struct kvt_dma_fence kvt_dma_fence;
+int kvt_dma_fence_open(kvt_dma *d, kvt_dma_fence **out);
+int kvt_dma_fence_wait(kvt_dma_fence *f, const void *event_handle);
+uint64_t kvt_dma_fence_stream(const kvt_dma_fence *f);
+int kvt_dma_fence_signal(kvt_dma_fence *f, void *event_handle);
+
+/* The same with timeline semaphores instead of events -- for engines whose
+ * processes share no /dev/shm (containers without the host's IPC
+ * namespace), where the driver's event handles do not resolve and its
+ * memory handles do: a semaphore is a 64-bit word in device memory that
+ * only grows.  fence_wait_value makes the fence's stream wait until the
+ * word at `offset` of the allocation `mem_handle` names reaches `value`
+ * (the allocation opened once and kept with the fence; offset checked
+ * against its size).  fence_signal_value writes the fence's own next value
+ * into its own word on the signal stream (the same promise as
+ * fence_signal: call it once the copies completed) and says where: its
+ * allocation's handle, the word's offset, the value. */
+#define KVT_DMA_SEM_BYTES 32768 /* the fence's own semaphore allocation */
+int kvt_dma_fence_wait_value(kvt_dma_fence *f, const void *mem_handle, uint64_t offset,
+			     uint64_t value);
+int kvt_dma_fence_signal_value(kvt_dma_fence *f, void *mem_handle, uint64_t *offset,
+			       uint64_t *value);
+/* Waits for the fence's streams, then frees it.  NULL is ignored. */
+void kvt_dma_fence_close(kvt_dma_fence *f);
+
 /* ---- device memory, for tests and benches ---------------------------------
  * Device memory of the bound device (host backend: ordinary memory):
  * hipMalloc/cudaMalloc-equivalent allocations (hsa_amd_memory_pool_allocate

@@ -101,6 +101,14 @@ struct cu_fns {
 	PFN_cuModuleGetFunction_v2000 module_fn;
 	PFN_cuModuleUnload_v2000 module_unload;
 	PFN_cuLaunchKernel_v4000 launch;
+	PFN_cuIpcOpenMemHandle_v11000 ipc_open_mem; /* another process's memory */
+	PFN_cuIpcCloseMemHandle_v4010 ipc_close_mem;
+	PFN_cuIpcOpenEventHandle_v4010 ipc_open_event;
+	PFN_cuIpcGetEventHandle_v4010 ipc_get_event;
+	PFN_cuDeviceGetUuid_v11040 device_uuid;
+	PFN_cuIpcGetMemHandle_v4010 ipc_get_mem;    /* timeline semaphores */
+	PFN_cuStreamWaitValue64_v11070 wait_value;
+	PFN_cuStreamWriteValue64_v11070 write_value;
 };
 
 struct sym {
@@ -541,6 +549,14 @@ static int cu_init(struct kvt_dma *d, char *why, size_t why_len)
 	*(void **)&be->f.module_fn = resolve(gpa, v2, "cuModuleGetFunction", 2000);
 	*(void **)&be->f.module_unload = resolve(gpa, v2, "cuModuleUnload", 2000);
 	*(void **)&be->f.launch = resolve(gpa, v2, "cuLaunchKernel", 4000);
+	*(void **)&be->f.ipc_open_mem = resolve(gpa, v2, "cuIpcOpenMemHandle", 11000);
+	*(void **)&be->f.ipc_close_mem = resolve(gpa, v2, "cuIpcCloseMemHandle", 4010);
+	*(void **)&be->f.ipc_open_event = resolve(gpa, v2, "cuIpcOpenEventHandle", 4010);
+	*(void **)&be->f.ipc_get_event = resolve(gpa, v2, "cuIpcGetEventHandle", 4010);
+	*(void **)&be->f.device_uuid = resolve(gpa, v2, "cuDeviceGetUuid", 11040);
+	*(void **)&be->f.ipc_get_mem = resolve(gpa, v2, "cuIpcGetMemHandle", 4010);
+	*(void **)&be->f.wait_value = resolve(gpa, v2, "cuStreamWaitValue64", 11070);
+	*(void **)&be->f.write_value = resolve(gpa, v2, "cuStreamWriteValue64", 11070);
 	if (be->driver >= 13000)
 		be->f.batch_13000 = (PFN_cuMemcpyBatchAsync_v13000)
 			resolve(gpa, v2, "cuMemcpyBatchAsync", 13000);
@@ -1109,6 +1125,330 @@ static int cu_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
 	return r ? CU_FAIL(be, r, "ceiling copy") : 0;
 }
 
+/* ---- another process's memory and events ---------------------------------
+ *
+ * The engine's allocations are opened in the primary context (every cuda
+ * handle of this process shares it), so an opened pointer is a valid layer
+ * base for a rank handle's plans and copies.  A fence is two streams of
+ * that context: `wait` collects the engine's events (cuStreamWaitEvent on
+ * each imported record; the import is destroyed at once, which the
+ * driver allows: the wait keeps what it needs), and a rank handle's
+ * order_after records its own fence on it, so its copies start after the
+ * engine's work.  `sig` waits for nothing: a record of the fence's
+ * interprocess event there completes as soon as it is reached, and the
+ * caller records it only once the copies it stands for have completed --
+ * so an engine waiting on it never runs ahead of them, and a later record
+ * (the event is reused) can only be later still. */
+
+#define FENCE_SEM_OPEN 16 /* engines' semaphore allocations a fence keeps open */
+
+struct cu_fence {
+	struct kvt_dma_fence head; /* first */
+	CUstream wait, sig;
+	CUevent done;              /* CU_EVENT_INTERPROCESS */
+	CUipcEventHandle done_h;
+	/* timeline semaphores: the engines' allocations opened (with
+	 * FENCE_SEM_OPEN open, the oldest is closed for a new one once the
+	 * wait stream has run the waits that read it), and the fence's own
+	 * word (slot 1 of KVT_DMA_SEM_BYTES; slot 0 is LMCache's probe slot)
+	 * with its last value */
+	struct { CUipcMemHandle h; CUdeviceptr base; size_t len; } sem[FENCE_SEM_OPEN];
+	uint32_t n_sem, next_sem;
+	CUdeviceptr own;
+	CUipcMemHandle own_h;
+	uint64_t own_seq;
+};
+
+static int cu_need_ipc(struct kvt_dma *d, int need_bound)
+{
+	struct cu_be *be = d->be;
+
+	if (!be->f.ipc_open_mem || !be->f.ipc_close_mem || !be->f.ipc_open_event ||
+	    !be->f.ipc_get_event || !be->f.device_uuid)
+		return kvt__dma_err(-ENOTSUP, "cuda: the driver has no IPC entry points");
+	if (need_bound && !be->bound)
+		return kvt__dma_err(-EINVAL, "cuda: IPC before a device was bound");
+	if (be->lost)
+		return cu_lost_err(be);
+	return 0;
+}
+
+static int cu_uuid(struct kvt_dma *d, const uint8_t uuid[16])
+{
+	struct cu_be *be = d->be;
+	int rc = cu_need_ipc(d, 0);
+
+	for (int i = 0; !rc && i < be->n_devices; i++) {
+		CUdevice dev;
+		CUuuid u;
+
+		if (!be->f.device_get(&dev, i) && !be->f.device_uuid(&u, dev) &&
+		    !memcmp(u.bytes, uuid, 16))
+			return i;
+	}
+	return rc ? rc : kvt__dma_err(-ENODEV, "cuda: no device here has that UUID (%d "
+				      "devices visible)", be->n_devices);
+}
+
+static int cu_ipc_open(struct kvt_dma *d, const void *handle, uint64_t *base, uint64_t *len)
+{
+	struct cu_be *be = d->be;
+	CUipcMemHandle h;
+	CUdeviceptr p = 0, start = 0;
+	size_t size = 0;
+	CUresult r;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc || (rc = push(be)))
+		return rc;
+	memcpy(h.reserved, handle, sizeof(h.reserved));
+	r = be->f.ipc_open_mem(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+	if (!r)
+		r = be->f.ptr_attr(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p);
+	if (!r)
+		r = be->f.ptr_attr(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p);
+	if (!r && start != p) /* a handle names its allocation's base */
+		r = CUDA_ERROR_INVALID_VALUE;
+	if (r && p)
+		be->f.ipc_close_mem(p);
+	pop(be);
+	if (r)
+		return kvt__dma_err(r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_HANDLE ||
+				    r == CUDA_ERROR_INVALID_CONTEXT ? -EINVAL : -EIO,
+				    "cuda: cuIpcOpenMemHandle: %s (%d)", err_str(be, r), (int)r);
+	*base = (uint64_t)p;
+	*len = (uint64_t)size;
+	return 0;
+}
+
+static int cu_ipc_close(struct kvt_dma *d, uint64_t base)
+{
+	struct cu_be *be = d->be;
+	CUresult r;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc == -EIO) /* lost: unmap all the same */
+		rc = 0;
+	if (rc || (rc = push(be)))
+		return rc;
+	r = be->f.ipc_close_mem((CUdeviceptr)base);
+	pop(be);
+	return r ? CU_FAIL(be, r, "cuIpcCloseMemHandle") : 0;
+}
+
+static void cu_fence_close(struct kvt_dma_fence *h)
+{
+	struct cu_fence *f = (struct cu_fence *)h;
+	struct cu_be *be;
+
+	if (!f)
+		return;
+	be = f->head.d->be;
+	if (!push(be)) {
+		if (f->wait)
+			be->f.stream_destroy(f->wait); /* after its work, in the driver */
+		if (f->sig)
+			be->f.stream_destroy(f->sig);
+		if (f->done)
+			be->f.event_destroy(f->done);
+		for (uint32_t i = 0; i < f->n_sem; i++)
+			be->f.ipc_close_mem(f->sem[i].base);
+		if (f->own)
+			be->f.mem_free(f->own);
+		pop(be);
+	}
+	free(f);
+}
+
+static int cu_fence_open(struct kvt_dma *d, struct kvt_dma_fence **out)
+{
+	struct cu_be *be = d->be;
+	struct cu_fence *f;
+	CUresult r;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc)
+		return rc;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return kvt__dma_err(-ENOMEM, "cuda: out of memory");
+	f->head.d = d;
+	if ((rc = push(be))) {
+		free(f);
+		return rc;
+	}
+	r = be->f.stream_create(&f->wait, CU_STREAM_NON_BLOCKING);
+	if (!r)
+		r = be->f.stream_create(&f->sig, CU_STREAM_NON_BLOCKING);
+	if (!r)
+		r = be->f.event_create(&f->done, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+	if (!r)
+		r = be->f.ipc_get_event(&f->done_h, f->done);
+	pop(be);
+	if (r) {
+		rc = CU_FAIL(be, r, "creating a fence's streams and event");
+		cu_fence_close(&f->head);
+		return rc;
+	}
+	*out = &f->head;
+	return 0;
+}
+
+static int cu_fence_wait(struct kvt_dma_fence *h, const void *handle)
+{
+	struct cu_fence *f = (struct cu_fence *)h;
+	struct kvt_dma *d = f->head.d;
+	struct cu_be *be = d->be;
+	CUipcEventHandle eh;
+	CUevent ev = NULL;
+	CUresult r;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc || (rc = push(be)))
+		return rc;
+	memcpy(eh.reserved, handle, sizeof(eh.reserved));
+	r = be->f.ipc_open_event(&ev, eh);
+	if (!r) {
+		r = be->f.stream_wait_event(f->wait, ev, 0);
+		be->f.event_destroy(ev);
+	}
+	pop(be);
+	if (r) {
+		cu_mark_lost(d, r);
+		return kvt__dma_err(r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_HANDLE ||
+				    r == CUDA_ERROR_INVALID_CONTEXT ? -EINVAL : -EIO,
+				    "cuda: the engine's IPC event: %s (%d)", err_str(be, r), (int)r);
+	}
+	return 0;
+}
+
+static int cu_need_values(struct cu_be *be)
+{
+	if (!be->f.ipc_get_mem || !be->f.wait_value || !be->f.write_value)
+		return kvt__dma_err(-ENOTSUP, "cuda: the driver has no stream memory operations "
+				    "(cuStreamWaitValue64, CUDA 11.7+)");
+	return 0;
+}
+
+static int cu_fence_wait_value(struct kvt_dma_fence *h, const void *mem, uint64_t off,
+			       uint64_t value)
+{
+	struct cu_fence *f = (struct cu_fence *)h;
+	struct kvt_dma *d = f->head.d;
+	struct cu_be *be = d->be;
+	CUdeviceptr base = 0;
+	size_t len = 0;
+	uint32_t i;
+	CUresult r = CUDA_SUCCESS;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc || (rc = cu_need_values(be)) || (rc = push(be)))
+		return rc;
+	for (i = 0; i < f->n_sem && memcmp(f->sem[i].h.reserved, mem, KVT_DMA_IPC_BYTES); i++)
+		;
+	if (i == f->n_sem) { /* a new allocation: opened, kept with the fence */
+		uint64_t b = 0, l = 0;
+
+		pop(be);
+		if ((rc = cu_ipc_open(d, mem, &b, &l)))
+			return rc;
+		if ((rc = push(be))) {
+			cu_ipc_close(d, b);
+			return rc;
+		}
+		if (f->n_sem == FENCE_SEM_OPEN) {
+			/* the oldest goes: the waits queued on it run first */
+			i = f->next_sem++ % FENCE_SEM_OPEN;
+			r = be->f.stream_sync(f->wait);
+			be->f.ipc_close_mem(f->sem[i].base);
+		} else {
+			i = f->n_sem++;
+		}
+		memcpy(f->sem[i].h.reserved, mem, KVT_DMA_IPC_BYTES);
+		f->sem[i].base = (CUdeviceptr)b;
+		f->sem[i].len = (size_t)l;
+	}
+	base = f->sem[i].base;
+	len = f->sem[i].len;
+	if (off % 8 || off > len || len - off < 8) {
+		pop(be);
+		return kvt__dma_err(-EINVAL, "cuda: a semaphore at offset %llu of an allocation "
+				    "of %zu bytes", (unsigned long long)off, len);
+	}
+	if (!r)
+		r = be->f.wait_value(f->wait, base + off, value, CU_STREAM_WAIT_VALUE_GEQ);
+	pop(be);
+	if (r) {
+		cu_mark_lost(d, r);
+		return CU_FAIL(be, r, "cuStreamWaitValue64 (the engine's semaphore)");
+	}
+	return 0;
+}
+
+static int cu_fence_signal_value(struct kvt_dma_fence *h, void *mem, uint64_t *off,
+				 uint64_t *value)
+{
+	struct cu_fence *f = (struct cu_fence *)h;
+	struct kvt_dma *d = f->head.d;
+	struct cu_be *be = d->be;
+	CUresult r = CUDA_SUCCESS;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc || (rc = cu_need_values(be)) || (rc = push(be)))
+		return rc;
+	if (!f->own) { /* its word, zero before the first value */
+		static const uint64_t zero[2];
+
+		r = be->f.mem_alloc(&f->own, KVT_DMA_SEM_BYTES);
+		if (!r)
+			r = be->f.htod(f->own, zero, sizeof(zero));
+		if (!r)
+			r = be->f.ipc_get_mem(&f->own_h, f->own);
+		if (r && f->own) {
+			be->f.mem_free(f->own);
+			f->own = 0;
+		}
+	}
+	if (!r)
+		r = be->f.write_value(f->sig, f->own + 8, f->own_seq + 1,
+				      CU_STREAM_WRITE_VALUE_DEFAULT);
+	pop(be);
+	if (r) {
+		cu_mark_lost(d, r);
+		return CU_FAIL(be, r, "the completion semaphore");
+	}
+	f->own_seq++;
+	memcpy(mem, f->own_h.reserved, KVT_DMA_IPC_BYTES);
+	*off = 8;
+	*value = f->own_seq;
+	return 0;
+}
+
+static uint64_t cu_fence_stream(const struct kvt_dma_fence *h)
+{
+	return (uint64_t)(uintptr_t)((const struct cu_fence *)h)->wait;
+}
+
+static int cu_fence_signal(struct kvt_dma_fence *h, void *handle)
+{
+	struct cu_fence *f = (struct cu_fence *)h;
+	struct kvt_dma *d = f->head.d;
+	struct cu_be *be = d->be;
+	CUresult r;
+	int rc = cu_need_ipc(d, 1);
+
+	if (rc || (rc = push(be)))
+		return rc;
+	r = be->f.event_record(f->done, f->sig);
+	pop(be);
+	if (r) {
+		cu_mark_lost(d, r);
+		return CU_FAIL(be, r, "cuEventRecord (the completion event)");
+	}
+	memcpy(handle, f->done_h.reserved, KVT_DMA_IPC_BYTES);
+	return 0;
+}
+
 const struct kvt_dma_ops kvt__dma_cuda_ops = {
 	.name = "cuda",
 	.init = cu_init,
@@ -1119,6 +1459,16 @@ const struct kvt_dma_ops kvt__dma_cuda_ops = {
 	.mem_unreg = cu_mem_unreg,
 	.submit = cu_submit,
 	.order_after = cu_order_after,
+	.uuid = cu_uuid,
+	.ipc_open = cu_ipc_open,
+	.ipc_close = cu_ipc_close,
+	.fence_open = cu_fence_open,
+	.fence_wait = cu_fence_wait,
+	.fence_stream = cu_fence_stream,
+	.fence_signal = cu_fence_signal,
+	.fence_wait_value = cu_fence_wait_value,
+	.fence_signal_value = cu_fence_signal_value,
+	.fence_close = cu_fence_close,
 	.poll = cu_poll,
 	.wait = cu_wait,
 	.dev_alloc = cu_dev_alloc,

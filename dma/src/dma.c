@@ -792,6 +792,87 @@ int kvt_dma_order_after(kvt_dma *d, uint64_t stream)
 			    "synchronize it on the host before saving", d->ops->name);
 }
 
+/* ---- another process's memory and events ---- */
+
+static int no_ipc(const kvt_dma *d)
+{
+	return kvt__dma_err(-ENOTSUP, "%s: no GPU IPC (CUDA's IPC handles: the cuda backend "
+			    "only)", d ? d->ops->name : "(NULL handle)");
+}
+
+int kvt_dma_device_of_uuid(kvt_dma *d, const uint8_t uuid[16])
+{
+	if (!d || !d->ops->uuid || !uuid)
+		return d && !uuid ? kvt__dma_err(-EINVAL, "device_of_uuid: NULL uuid") : no_ipc(d);
+	return d->ops->uuid(d, uuid);
+}
+
+int kvt_dma_ipc_mem_open(kvt_dma *d, const void *handle, uint64_t *base, uint64_t *len)
+{
+	if (!d || !d->ops->ipc_open)
+		return no_ipc(d);
+	if (!handle || !base || !len)
+		return kvt__dma_err(-EINVAL, "ipc_mem_open: NULL argument");
+	return d->ops->ipc_open(d, handle, base, len);
+}
+
+int kvt_dma_ipc_mem_close(kvt_dma *d, uint64_t base)
+{
+	if (!d || !d->ops->ipc_close)
+		return no_ipc(d);
+	return d->ops->ipc_close(d, base);
+}
+
+int kvt_dma_fence_open(kvt_dma *d, kvt_dma_fence **out)
+{
+	if (!d || !d->ops->fence_open)
+		return no_ipc(d);
+	if (!out)
+		return kvt__dma_err(-EINVAL, "fence_open: NULL out");
+	return d->ops->fence_open(d, out);
+}
+
+int kvt_dma_fence_wait(kvt_dma_fence *f, const void *event_handle)
+{
+	if (!f || !event_handle)
+		return kvt__dma_err(-EINVAL, "fence_wait: NULL argument");
+	return f->d->ops->fence_wait(f, event_handle);
+}
+
+uint64_t kvt_dma_fence_stream(const kvt_dma_fence *f)
+{
+	return f ? f->d->ops->fence_stream(f) : 0;
+}
+
+int kvt_dma_fence_signal(kvt_dma_fence *f, void *event_handle)
+{
+	if (!f || !event_handle)
+		return kvt__dma_err(-EINVAL, "fence_signal: NULL argument");
+	return f->d->ops->fence_signal(f, event_handle);
+}
+
+int kvt_dma_fence_wait_value(kvt_dma_fence *f, const void *mem_handle, uint64_t offset,
+			     uint64_t value)
+{
+	if (!f || !mem_handle)
+		return kvt__dma_err(-EINVAL, "fence_wait_value: NULL argument");
+	return f->d->ops->fence_wait_value(f, mem_handle, offset, value);
+}
+
+int kvt_dma_fence_signal_value(kvt_dma_fence *f, void *mem_handle, uint64_t *offset,
+			       uint64_t *value)
+{
+	if (!f || !mem_handle || !offset || !value)
+		return kvt__dma_err(-EINVAL, "fence_signal_value: NULL argument");
+	return f->d->ops->fence_signal_value(f, mem_handle, offset, value);
+}
+
+void kvt_dma_fence_close(kvt_dma_fence *f)
+{
+	if (f)
+		f->d->ops->fence_close(f);
+}
+
 static int finish(kvt_dma *d, kvt_dma_ticket t, uint32_t slot, int rc)
 {
 	if (rc == -EINPROGRESS || rc == -ETIMEDOUT)

@@ -125,6 +125,20 @@ struct kvt_dma_ops {
 	int (*poll)(struct kvt_dma *d, uint32_t slot);
 	/* 0, -ETIMEDOUT, -EIO. */
 	int (*wait)(struct kvt_dma *d, uint32_t slot, uint64_t deadline_ns);
+	/* Another process's memory and events (kvt_dma_ipc_*, kvt_dma_fence_*);
+	 * NULL: -ENOTSUP. */
+	int (*uuid)(struct kvt_dma *d, const uint8_t uuid[16]);
+	int (*ipc_open)(struct kvt_dma *d, const void *handle, uint64_t *base, uint64_t *len);
+	int (*ipc_close)(struct kvt_dma *d, uint64_t base);
+	int (*fence_open)(struct kvt_dma *d, struct kvt_dma_fence **out);
+	int (*fence_wait)(struct kvt_dma_fence *f, const void *handle);
+	uint64_t (*fence_stream)(const struct kvt_dma_fence *f);
+	int (*fence_signal)(struct kvt_dma_fence *f, void *handle);
+	int (*fence_wait_value)(struct kvt_dma_fence *f, const void *mem, uint64_t off,
+				uint64_t value);
+	int (*fence_signal_value)(struct kvt_dma_fence *f, void *mem, uint64_t *off,
+				  uint64_t *value);
+	void (*fence_close)(struct kvt_dma_fence *f);
 	int (*dev_alloc)(struct kvt_dma *d, uint64_t bytes, uint64_t *dev);
 	int (*dev_free)(struct kvt_dma *d, uint64_t dev);
 	int (*dev_write)(struct kvt_dma *d, uint64_t dev, const void *src, uint64_t len);
@@ -132,6 +146,11 @@ struct kvt_dma_ops {
 	int (*ceiling)(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
 		       uint64_t bytes, uint64_t copy_bytes, uint32_t iters,
 		       double *seconds);
+};
+
+/* A fence's common head: the backend's fence starts with it. */
+struct kvt_dma_fence {
+	struct kvt_dma *d;
 };
 
 extern const struct kvt_dma_ops kvt__dma_host_ops;
