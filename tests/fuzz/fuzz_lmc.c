@@ -67,7 +67,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		CHECK(q.reg.tensors[i].ndim <= LMC_MAX_DIMS);
 		check_str(q.reg.tensors[i].shm_name, sizeof(q.reg.tensors[i].shm_name));
 		check_str(q.reg.tensors[i].dtype, sizeof(q.reg.tensors[i].dtype));
+		check_str(q.reg.tensors[i].device_uuid, sizeof(q.reg.tensors[i].device_uuid));
+		CHECK(q.reg.tensors[i].ipc_len <= LMC_MAX_HANDLE);
+		CHECK(q.reg.tensors[i].ipc_event_len <= LMC_MAX_HANDLE);
 	}
+	CHECK(q.event_len <= LMC_MAX_HANDLE);
 	CHECK(q.reg.n_groups <= LMC_MAX_GROUPS);
 	CHECK(q.blocks.n_groups <= LMC_MAX_GROUPS);
 	for (uint32_t g = 0; g < q.blocks.n_groups; g++) {

@@ -38,6 +38,7 @@ class Client:
         ev = get_event_ipc_backend(torch.device("cpu"))
         self.handle = ev.export_event(ev.create_event("cpu"), "cpu")
         self.kv = None
+        self.layout = None
 
     def close(self):
         self.c.close()
@@ -186,6 +187,100 @@ class Client:
             time.sleep(0.01)
         return n
 
+    def gpu_kv(self, layers, blocks, heads, block, head, seed, raw=False, device=0,
+               forge=False, uuid=None):
+        """vLLM's per-layer caches [2, blocks, heads, block, head] (HND,
+        float16) in the fake driver's device memory, filled with seeded
+        random bytes, as a GPU engine's LMCache adapter registers them:
+        torch's "cuda" descriptors (every layer in one cudaMalloc block, as
+        the caching allocator carves it: torch's storage handle, the
+        layer's offset in the block) or, raw, "cuda_raw" ones (a driver
+        handle a layer).  LMCache's own wire classes encode them.  forge:
+        raw descriptors that claim twice the blocks their allocations hold;
+        uuid: another device's UUID in the metadata."""
+        import random
+        from lmcache.v1.platform.base.ipc_wire import (
+            CudaIPCData, RawCudaIPCData, TensorMetadata)
+        from lmcache.v1.platform.devices.cuda.ipc_wrapper import (
+            CudaIPCWrapper, RawCudaIPCWrapper)
+        from fake_gpu import FakeCuda
+        if not getattr(self, "gpu", None):
+            self.gpu = FakeCuda(device)
+        self.events = []
+        lb = 2 * blocks * heads * block * head * 2
+        self.gpu_shape = (blocks, heads * block * head * 2)
+        shape = (2, blocks, heads, block, head)
+        stride = (blocks * heads * block * head, heads * block * head, block * head, head, 1)
+        uuid = uuid or self.gpu.uuid()
+        claim = 2 if forge else 1
+        if forge:
+            shape = (2, 2 * blocks) + shape[2:]
+            stride = (2 * stride[0],) + stride[1:]
+        rnd = random.Random(seed)
+        one = None if raw else self.gpu.alloc(layers * lb + 4096)
+        self.gpu_layers, self.wrappers = [], []
+        for i in range(layers):
+            base = self.gpu.alloc(lb) if raw else one + 4096 + i * lb
+            self.gpu.write(base, rnd.randbytes(lb))
+            self.gpu_layers.append(base)
+            md = TensorMetadata(dtype="float16", shape=shape, stride=stride, storage_offset=0,
+                                device_uuid=uuid)
+            if raw:
+                self.wrappers.append(RawCudaIPCWrapper.from_wire(RawCudaIPCData(
+                    version=1, metadata=md, ipc_handle=self.gpu.mem_handle(base),
+                    alloc_offset=0, nbytes=lb * claim)))
+            else:
+                h = b"\x03c" + self.gpu.mem_handle(one)
+                self.wrappers.append(CudaIPCWrapper.from_wire(CudaIPCData(
+                    version=1, metadata=md,
+                    handle=(device, h, lb, 4096 + i * lb, None, 0, None, False))))
+        self.block, self.layout = block, "GPU"
+        return uuid
+
+    def gpu_block_bytes(self, block_ids):
+        """Every layer's K and V bytes of these blocks, as block_bytes."""
+        blocks, bb = self.gpu_shape
+        return b"".join(self.gpu.read(base + (kv * blocks + b) * bb, bb)
+                        for base in self.gpu_layers for kv in range(2) for b in block_ids)
+
+    def gpu_late(self, block_ids, byte, delay_us):
+        """A forward pass that writes these blocks late: a fake kernel on
+        the engine's stream per layer and plane."""
+        blocks, bb = self.gpu_shape
+        for base in self.gpu_layers:
+            for kv in range(2):
+                for b in block_ids:
+                    self.gpu.kernel_write(base + (kv * blocks + b) * bb, byte, bb, delay_us)
+
+    def gpu_copy(self, what, key, iid, blocks, skip=0, timeline=False, sem_words=4096,
+                 sem_offset=None):
+        """A store or retrieve as LMCache's GPU adapters send it: an event
+        recorded on the engine's stream just before; the engine's stream
+        then waits on the server's completion event.  timeline: the event
+        is a timeline semaphore, packed as LMCache's isolated-IPC backend
+        packs it (its own struct), and so is the answer's; sem_words: the
+        size of the process's semaphore buffer (at its first record),
+        sem_offset: a word's offset to claim instead of its own."""
+        from lmcache.v1.platform.devices.cuda import timeline_semaphore_event_ipc as ts
+        if timeline:
+            handle, off, seq = self.gpu.sem_record(sem_words)
+            off = off if sem_offset is None else sem_offset
+            h = ts._EXPORT_STRUCT.pack(ts._HANDLE_VERSION, handle, off, seq)
+        else:
+            ev, h = self.gpu.event()
+            self.events.append(ev)  # alive until the server has it (torch keeps it)
+        if what == "store":
+            res = self.c.store(key, iid, [blocks], h).result(timeout=T)
+        else:
+            res = self.c.retrieve(key, iid, [blocks], h, skip).result(timeout=T)
+        if len(res[0]) == 64:
+            self.gpu.wait_ipc_event(res[0])
+        elif len(res[0]) == ts._EXPORT_STRUCT.size:
+            version, handle, off, value = ts._EXPORT_STRUCT.unpack(res[0])
+            assert version == ts._HANDLE_VERSION, version
+            self.gpu.sem_wait(handle, off, value)
+        return [len(res[0]), res[1]]
+
     def unlink(self):
         """The shared memory of every KV cache this process registered
         (os._exit skips the wrappers' finalizers that unlink it; the ATOM
@@ -245,6 +340,16 @@ def main():
                 res = getattr(c.c, cmd["name"])(*args).result(timeout=T)
             elif op == "query":
                 res = c.c.query_prefetch_status(cmd["rid"]).result(timeout=T)
+            elif op == "gpu_kv":
+                res = c.gpu_kv(**cmd)
+            elif op == "gpu_late":
+                res = c.gpu_late(**cmd)
+            elif op in ("gpu_store", "gpu_retrieve"):
+                k = c.key(cmd["model"], cmd["world"], cmd["worker"], cmd["tokens"],
+                          cmd["start"], cmd["end"], cmd.get("rid", "r"))
+                res = c.gpu_copy(op[4:], k, cmd["iid"], cmd["blocks"], cmd.get("skip", 0),
+                                 cmd.get("timeline", False), cmd.get("sem_words", 4096),
+                                 cmd.get("sem_offset"))
             elif op == "store":
                 k = c.key(cmd["model"], cmd["world"], cmd["worker"], cmd["tokens"],
                           cmd["start"], cmd["end"], cmd.get("rid", "r"))
@@ -259,7 +364,9 @@ def main():
                 res[0] = res[0].decode("latin-1")
             elif op == "bytes":
                 import hashlib
-                res = hashlib.sha256(c.block_bytes(cmd["blocks"], cmd.get("only"))).hexdigest()
+                b = c.gpu_block_bytes(cmd["blocks"]) if c.layout == "GPU" else \
+                    c.block_bytes(cmd["blocks"], cmd.get("only"))
+                res = hashlib.sha256(b).hexdigest()
             elif op == "lookup":
                 k = c.key(cmd["model"], cmd["world"], None, cmd["tokens"], 0, cmd["end"],
                           cmd["rid"], readers=cmd.get("readers", 1))

@@ -4,7 +4,8 @@ the engines use, as the fuzz target tests/fuzz/fuzz_lmc.c reads them
 then the payloads), into tests/fuzz/corpus/lmc/.  The client talks to a
 bare ZeroMQ ROUTER that records and never answers.
 Usage: build/lmcache-venv/bin/python tests/lmcache/record_corpus.py [NAME...]
-(the named calls only; all without)"""
+(the named calls only; all without).  The GPU descriptors' calls need the
+fake libcuda: KVTIER_FAKE_CUDA=build/tests/dma/fakes/cuda/libcuda.so.1."""
 import os
 import struct
 import sys
@@ -37,6 +38,13 @@ def atom(c, iid, index=0):
             kv["layer.%d.index" % i] = torch.zeros((8, 4, index), dtype=torch.uint8)
     c.wrappers = wrap_kv_caches(kv)
     return c.c.register_kv_cache(iid, c.wrappers, "org/model", 1, EngineType.ATOM, {}, [])
+
+
+def gpu(c, iid, raw):
+    """A GPU engine's caches on the fake driver (lmc_client.gpu_kv): torch's
+    cuda descriptors, or cuda_raw ones."""
+    c.gpu_kv(layers=2, blocks=8, heads=2, block=4, head=8, seed=1, raw=raw)
+    return c.register(iid, "org/model", 1, groups_tpb=4, wait=False)
 
 
 def main():
@@ -75,6 +83,14 @@ def main():
         ("register_kv_cache-atom", lambda: atom(c, 10)),
         ("register_kv_cache-atom-dsa", lambda: atom(c, 12, index=132)),
     ]
+    if os.environ.get("KVTIER_FAKE_CUDA"):
+        calls += [
+            ("register_kv_cache-cuda", lambda: gpu(c, 13, raw=False)),
+            ("register_kv_cache-cuda-raw", lambda: gpu(c, 14, raw=True)),
+            # with a CUDA IPC event handle (64 bytes), as a GPU engine sends
+            ("store-gpu", lambda: c.c.store(wk, 13, [[1, 2, 3, 4, 5, 6, 7, 8]],
+                                            c.gpu.event()[1])),
+        ]
     only = set(sys.argv[1:])
     calls = [x for x in calls if not only or x[0] in only]
     os.makedirs(OUT, exist_ok=True)

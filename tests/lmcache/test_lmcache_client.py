@@ -7,6 +7,7 @@ is the real kvtierd.  Run by scripts/test.sh with the venv's python;
 KVTIER_BUILD names the build directory (default: build/)."""
 
 import glob
+import hashlib
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ def until(pred, what, timeout=T):
 
 class Daemon:
     def __init__(self, name, layers=2 * LAYERS, bpt=BPT, world=1, instances=2, slots=64,
-                 extra=(), port=None):
+                 extra=(), port=None, env=None):
         self.name = name
         self.port, self.http = port or free_port(), free_port()
         self.url = "tcp://127.0.0.1:%d" % self.port
@@ -63,7 +64,7 @@ class Daemon:
              "--slots", str(slots), "--model", "lmc-test", "--http",
              "127.0.0.1:%d" % self.http, "--log", self.logf.name, "--lmcache-port",
              str(self.port), "--unlink", "--recreate", "--reap-interval", "0.1"] + list(extra),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         until(lambda: self.p.poll() is not None or self.get("/healthcheck")[0] == 200,
               "kvtierd up")
         assert self.p.poll() is None, self.log()
@@ -108,10 +109,10 @@ class Daemon:
 class Proc:
     """An LMCache client process (lmc_client.py)."""
 
-    def __init__(self, url):
+    def __init__(self, url, env=None):
         self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "lmc_client.py"), url],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
+                                  stderr=subprocess.DEVNULL, text=True, env=env)
 
     def __call__(self, **cmd):
         self.p.stdin.write(json.dumps(cmd) + "\n")
@@ -157,8 +158,8 @@ def daemon(request):
 def procs():
     made = []
 
-    def make(url):
-        p = Proc(url)
+    def make(url, env=None):
+        p = Proc(url, env)
         made.append(p)
         return p
     yield make
@@ -751,3 +752,109 @@ def _get(port, path):
         return e.code, e.read().decode()
     except OSError:
         return 0, ""
+
+
+# The project's fake CUDA driver (tests/fakes/fake_cuda.c), for the GPU
+# descriptors: the engine processes use it through fake_gpu.py, kvtierd as
+# its libcuda (KVTIER_CUDA_LIBRARY); its IPC handles cross processes as
+# the driver's do (memfds, events on shared pages).
+# (A sanitized build's engines, plain Python processes, load its plain twin.)
+FAKE_CUDA = os.path.join(BUILD, "tests", "dma", "fakes", "cuda", "libcuda.so.1")
+FAKE_CUDA_PLAIN = os.path.join(BUILD, "tests", "dma", "fakes", "cuda-plain", "libcuda.so.1")
+
+
+def gpu_env(**more):
+    if not os.path.exists(FAKE_CUDA):
+        pytest.skip("no fake libcuda in this build (built without the CUDA headers)")
+    engine = FAKE_CUDA_PLAIN if os.path.exists(FAKE_CUDA_PLAIN) else FAKE_CUDA
+    e = dict(os.environ, KVTIER_FAKE_CUDA=engine, KVTIER_CUDA_LIBRARY=FAKE_CUDA,
+             FAKE_CUDA_DEVICES="2")
+    e.update(more)
+    return e
+
+
+def gpu_kv(p, seed, **more):
+    return p.ok(op="gpu_kv", layers=LAYERS, blocks=64, heads=HEADS, block=BLOCK, head=HEAD,
+                seed=seed, **more)
+
+
+@pytest.mark.parametrize("timeline", [False, True], ids=["ipc_events", "timeline"])
+def test_gpu_descriptors_ordered_by_the_engines_events(procs, timeline):
+    """A GPU engine's KV cache as LMCache's adapters register it -- torch's
+    "cuda" descriptors (one cudaMalloc block, a layer at an offset) from
+    one process, "cuda_raw" ones (a driver handle a layer, on the second
+    GPU) from another -- served in lmcache_driven mode: kvtierd opens the
+    engines' memory through the driver's IPC, copies with the cuda backend,
+    and orders it by the engines' events both ways.
+      * A store waits for the engine's event: the blocks a late forward
+        pass (a fake kernel on the engine's stream) is still writing are
+        saved as it wrote them, not as they were.
+      * The answer's completion event completes only after the copies: the
+        reader's stream waits on it, then reads its blocks at once, while
+        kvtierd's copies run late (FAKE_GPU_JITTER_US) -- byte-exact.
+    timeline: the same with LMCache's isolated-IPC events (timeline
+    semaphores in IPC memory, for engines in containers without the
+    host's /dev/shm), answered in the same form (81 bytes)."""
+    d = Daemon("lmg%d" % os.getpid(), env=gpu_env(FAKE_GPU_JITTER_US="3000"))
+    try:
+        a, b = procs(d.url, gpu_env()), procs(d.url, gpu_env())
+        gpu_kv(a, 1)
+        gpu_kv(b, 2, raw=True, device=1)
+        assert a.ok(op="register", iid=31, model=MODEL, world=1, groups_tpb=BLOCK) is None
+        assert b.ok(op="register", iid=32, model=MODEL, world=1, groups_tpb=BLOCK) is None
+        key = dict(model=MODEL, world=1, worker=0, start=0, end=48, timeline=timeline)
+        done = [81 if timeline else 64, True]
+        toks, src, dst = prompt(3), list(range(1, 13)), list(range(20, 32))
+        assert a.ok(op="gpu_store", tokens=toks, iid=31, blocks=src, **key) == done
+        want = a.ok(op="bytes", blocks=src)
+        assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks, end=48, rid="g1") == 3
+        assert b.ok(op="bytes", blocks=dst) != want
+        assert b.ok(op="gpu_retrieve", tokens=toks, rid="g1", iid=32, blocks=dst,
+                    **key) == done
+        assert b.ok(op="bytes", blocks=dst) == want
+
+        # the forward pass writes blocks 40..51 late (0.3 s); its event is
+        # recorded after it, and the store sent at once
+        late = list(range(40, 52))
+        a.ok(op="gpu_late", block_ids=late, byte=0x5A, delay_us=300000)
+        toks2 = prompt(3, 5000)
+        assert a.ok(op="gpu_store", tokens=toks2, iid=31, blocks=late, **key) == done
+        assert b.ok(op="lookup", model=MODEL, world=1, tokens=toks2, end=48, rid="g2") == 3
+        assert b.ok(op="gpu_retrieve", tokens=toks2, rid="g2", iid=32, blocks=dst,
+                    **key) == done
+        n = LAYERS * 2 * len(late) * HEADS * BLOCK * HEAD * 2
+        assert b.ok(op="bytes", blocks=dst) == hashlib.sha256(b"\x5a" * n).hexdigest()
+        assert d.metric("kvtier_lmcache_retrieved_total") == 6
+        until(lambda: d.metric("kvtier_leases_live") == 0, "every lease released")
+    finally:
+        d.close()
+
+
+def test_gpu_descriptors_checked_against_the_driver(procs):
+    """What a GPU descriptor claims is checked against what the driver
+    says: a view past the engine's allocation, a device this node does not
+    have -- each refused by name, kvtierd serving on.  So is a timeline
+    semaphore's word: past LMCache's 4096 words (the protocol's bound), or
+    past the engine's semaphore buffer (the driver's size): ok=false, an
+    answer in the same form, nothing copied."""
+    d = Daemon("lmh%d" % os.getpid(), env=gpu_env())
+    try:
+        a = procs(d.url, gpu_env())
+        gpu_kv(a, 1, raw=True, forge=True)
+        r = a(op="register", iid=41, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "of an allocation of" in r.get("err", ""), r
+        gpu_kv(a, 1, uuid="00000000-1111-2222-3333-444444444444")
+        r = a(op="register", iid=42, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "no device here has that UUID" in r.get("err", ""), r
+        gpu_kv(a, 1)
+        assert a.ok(op="register", iid=43, model=MODEL, world=1, groups_tpb=BLOCK) is None
+        key = dict(model=MODEL, world=1, worker=0, start=0, end=16, iid=43, blocks=[1, 2, 3, 4],
+                   timeline=True, sem_words=2)
+        assert a.ok(op="gpu_store", tokens=prompt(1), sem_offset=8 * 4096, **key) == [81, False]
+        assert "a timeline semaphore handle of version 1 at offset 32768" in d.log()
+        assert a.ok(op="gpu_store", tokens=prompt(1), sem_offset=8 * 100, **key) == [81, False]
+        assert "a semaphore at offset 800 of an allocation of 16 bytes" in d.log()
+        assert a.ok(op="gpu_store", tokens=prompt(1), **key) == [81, True]
+        assert d.metric("kvtier_lmcache_stored_total") == 1
+    finally:
+        d.close()

@@ -36,11 +36,38 @@
  *    own user (the protocol names no user: a root kvtierd would map any
  *    user's KV for any client), and only when the object is as large as
  *    the view claims (a view past its end would be SIGBUS).
+ *  * GPU KV caches (cuda: torch's shared storage, the cudaMalloc block's
+ *    handle behind a version byte and 'c', the storage's offset in the
+ *    block; cuda_raw: a driver handle, an offset, a length): the device
+ *    is the one whose UUID the metadata names (kvtierd's ordinals need not
+ *    be the engine's), the engine's allocation is opened there
+ *    (kvt_dma_ipc_mem_open, in the primary context every cuda handle of
+ *    this process shares), and the view is checked against the
+ *    allocation's size as the driver reports it -- never against the
+ *    client's word alone.  The rank handle copies with the cuda backend.
+ *    Ordering, per registration a fence (kvt_dma_fence): before a store's
+ *    or retrieve's copies, the engine's event (recorded on its stream
+ *    before it asked) is waited for on the fence's stream, and the rank
+ *    handle's copies are ordered after that stream (kvt_order_after) --
+ *    on the device, kvtierd's thread never blocks on it.  The answer's
+ *    completion event is the fence's interprocess event, recorded when
+ *    the copies have completed (pend_finish, after kvt_poll), on a stream
+ *    that waits for nothing: the engine's wait on it cannot run ahead of
+ *    them.  LMCache's isolated-IPC events (timeline semaphores: a word of
+ *    IPC memory, "!B64sQQ", TIMELINE_BYTES) the same way: a wait for the
+ *    engine's value on the fence's stream (kvt_dma_fence_wait_value), and
+ *    the answer a value of the fence's own word, in the form the request
+ *    came in.  Why not record it behind the copies on the device and answer
+ *    at once, as LMCache's server does: kvtier queues a save or load whose
+ *    in-flight slots are full and submits it later, so at answer time the
+ *    copies may not be on any stream yet; the cost is the engine thread's
+ *    wait for a retrieve's answer.
  *  * Ranks: a registration is one engine rank's KV.  At its first store
  *    or retrieve (register_kv_cache carries no rank; the keys' worker_id
  *    does) the front end opens a kvtier RANK handle for it, rank worker_id,
  *    in the first instance whose rank entry is free, with the host DMA
- *    backend over the mapped tensors, and registers them.  Copies are
+ *    backend over the mapped tensors (the cuda backend over GPU ones),
+ *    and registers them.  Copies are
  *    kvtier's: kvt_save / kvt_load and their ops, polled by this thread.
  *  * Lookups and locks: a lookup is kvt_lookup_ex with PROMOTE (the disk
  *    tier and the L3 answer it too): its hits are pinned under a lease,
@@ -107,8 +134,8 @@
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
- * Not here yet: GPU descriptors (cuda, cuda_raw, cuda_vmm, HIP IPC) and
- * IPC events; hybrid models (several engine groups, sliding-window or
+ * Not here yet: cuda_vmm descriptors, PyTorch's expandable segments and
+ * HIP's IPC (ROCm engines); hybrid models (several engine groups, sliding-window or
  * recurrent ones: a vLLM engine runs with its hybrid KV cache manager off
  * instead, HYBRID_OFF); the engine-driven SHM pool.  Each is refused by
  * name.
@@ -131,11 +158,13 @@
 
 #include "kvtier.h"
 #include "kvt_core.h"
+#include "kvt_dma.h"
 #include "kvt_tier_int.h"
 #include "lmc.h"
 #include "lmc_wire.h"
 
 #define MAX_PEERS   256
+#define MAX_GPUS    64
 #define MAX_REGS    128
 #define MAX_SESS    4096
 #define MAX_PEND    1024
@@ -215,6 +244,14 @@ struct reg {
 	struct layout lay;
 	kvt_tier *t;
 	int rank;
+	/* GPU descriptors (cuda, cuda_raw): the device, the engine's
+	 * allocations opened here (one opening each tensor: the driver counts
+	 * them), and the fence that orders the copies after the engine's
+	 * events and answers with an event of ours */
+	int gpu;                     /* ordinal, -1: cpu_shm */
+	uint64_t *ipc_base;
+	uint32_t n_ipc;
+	kvt_dma_fence *fence;
 };
 
 enum { S_FREE, S_RUNNING, S_READY, S_TAKEN };
@@ -232,6 +269,7 @@ struct sess {
 
 struct pend {
 	int used, reg, retrieve;
+	int timeline;                   /* answer with a timeline semaphore */
 	char rid[LMC_MAX_NAME];         /* the request's, for the log */
 	struct route rt;
 	kvt_op *ops;
@@ -263,6 +301,10 @@ struct lmc_front {
 	struct pend pend[MAX_PEND];
 	struct waiter wait[MAX_WAIT];
 	struct ns ns[MAX_NS];
+	/* the CUDA driver, for GPU descriptors: a handle per device used
+	 * (opening the engines' handles and the fences), and one unbound, for
+	 * the devices' UUIDs; opened at the first GPU registration */
+	kvt_dma *gpu_any, *gpu[MAX_GPUS];
 	int cur_peer;                /* the request's peer */
 	uint64_t told[MAX_TOLD];     /* instances a ping was answered false (ring) */
 	uint8_t told_set[MAX_TOLD];
@@ -344,9 +386,56 @@ static void reply_nil(lmc_front *f, const struct route *rt)
 	reply(f, rt, b, lmc_enc_nil(b, sizeof(b)));
 }
 
-static void reply_handle(lmc_front *f, const struct route *rt, int ok)
+/* LMCache's timeline-semaphore event handle (its isolated-IPC mode, for
+ * containers that share no /dev/shm: CUDA's event handles do not resolve
+ * there, its memory handles do): struct "!B64sQQ" -- version 1, the
+ * semaphore allocation's CUDA IPC memory handle, the word's offset (8-byte
+ * aligned, below 4096 words), the value to reach. */
+#define TIMELINE_BYTES 81
+#define TIMELINE_WORDS 4096
+
+static uint64_t be64(const uint8_t *p)
 {
-	unsigned char b[64];
+	uint64_t v = 0;
+	for (int i = 0; i < 8; i++)
+		v = v << 8 | p[i];
+	return v;
+}
+
+static void put_be64(uint8_t *p, uint64_t v)
+{
+	for (int i = 7; i >= 0; i--, v >>= 8)
+		p[i] = (uint8_t)v;
+}
+
+/* A store's or retrieve's answer: (completion event, ok).  The event is
+ * LMCache's CPU stub for cpu_shm registrations; for GPU ones an IPC event
+ * of the registration's fence (timeline: a value of its semaphore word),
+ * recorded now -- after the copies, which have completed (pend_finish) or
+ * never started -- so the engine's wait on it never runs ahead of them.  A
+ * fence that fails answers an empty handle and ok=false, as LMCache's
+ * server does for an unknown instance. */
+static void reply_handle(lmc_front *f, const struct route *rt, int ok, struct reg *r,
+			 int timeline)
+{
+	unsigned char b[160], ev[TIMELINE_BYTES];
+
+	if (r && r->fence) {
+		uint64_t off = 0, val = 0;
+		int e = timeline ? kvt_dma_fence_signal_value(r->fence, ev + 1, &off, &val) :
+			kvt_dma_fence_signal(r->fence, ev);
+		if (e)
+			flog(f, KVT_LOG_LEVEL_WARN, "the completion event of instance %llu: %s: "
+			     "ok=false", (unsigned long long)r->iid, kvt_dma_last_error());
+		if (timeline) { /* "!B64sQQ" */
+			ev[0] = 1;
+			put_be64(ev + 1 + KVT_DMA_IPC_BYTES, off);
+			put_be64(ev + 9 + KVT_DMA_IPC_BYTES, val);
+		}
+		reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), ev, e ? 0 : timeline ?
+						  TIMELINE_BYTES : KVT_DMA_IPC_BYTES, ok && !e));
+		return;
+	}
 	reply(f, rt, b, lmc_enc_handle_ok(b, sizeof(b), stub_handle, sizeof(stub_handle) - 1, ok));
 }
 
@@ -468,6 +557,10 @@ static void reg_close(lmc_front *f, struct reg *g)
 {
 	if (g->t)
 		kvt_close(g->t);
+	kvt_dma_fence_close(g->fence);
+	for (uint32_t i = 0; i < g->n_ipc; i++)
+		kvt_dma_ipc_mem_close(f->gpu[g->gpu], g->ipc_base[i]);
+	free(g->ipc_base);
 	for (uint32_t i = 0; i < g->n_maps; i++)
 		munmap(g->maps[i].addr, g->maps[i].len);
 	free(g->maps);
@@ -532,10 +625,13 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 	uint64_t inner, bs;
 	int sglang, unified;
 
-	if (strcmp(t->type, "cpu_shm"))
-		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor: this kvtierd serves "
-				  "engines' cpu_shm KV caches (GPU IPC descriptors are not built "
-				  "yet)", i, t->type);
+	if (strcmp(t->type, "cpu_shm") && strcmp(t->type, "cuda") && strcmp(t->type, "cuda_raw"))
+		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor: kvtierd serves cpu_shm, "
+				  "cuda and cuda_raw ones (cuda_vmm and other devices' IPC are not "
+				  "built yet)", i, t->type);
+	if (strcmp(t->type, g->tensors[0].type))
+		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor, kv_cache[0] a '%s' one", i,
+				  t->type, g->tensors[0].type);
 	if (!isz)
 		return refuse_why(f, "kv_cache[%u]: dtype '%s' is not one kvtierd knows", i, t->dtype);
 	/* contiguous: stride[d] = prod(shape[d+1:]) */
@@ -674,6 +770,104 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 	return 0;
 }
 
+/* metadata.device_uuid (torch's str(props.uuid): 8-4-4-4-12 hex digits,
+ * perhaps "GPU-" before them, as nvidia-smi writes it) as 16 bytes */
+static int parse_uuid(const char *s, uint8_t out[16])
+{
+	int n = 0;
+
+	if (!strncmp(s, "GPU-", 4))
+		s += 4;
+	for (; *s && n < 32; s++) {
+		int v = *s >= '0' && *s <= '9' ? *s - '0' : *s >= 'a' && *s <= 'f' ? *s - 'a' + 10 :
+			*s >= 'A' && *s <= 'F' ? *s - 'A' + 10 : *s == '-' ? -2 : -1;
+		if (v == -1)
+			return -1;
+		if (v == -2)
+			continue;
+		out[n / 2] = (uint8_t)(n % 2 ? out[n / 2] | v : v << 4);
+		n++;
+	}
+	return n == 32 && !*s ? 0 : -1;
+}
+
+/* The device a GPU descriptor names, its handle opened (kvtierd's CUDA
+ * driver loaded at the first).  The ordinal, or -1 (why set). */
+static int gpu_of(lmc_front *f, const struct lmc_tensor *t, uint32_t i)
+{
+	struct kvt_dma_config c;
+	uint8_t u[16];
+	int dev;
+
+	if (parse_uuid(t->device_uuid, u))
+		return refuse_why(f, "kv_cache[%u]: device_uuid '%s' is not a device UUID", i,
+				  t->device_uuid);
+	memset(&c, 0, sizeof(c));
+	c.size = sizeof(c);
+	c.backend = "cuda";
+	c.device = -1;
+	c.flags = KVT_DMA_F_QUIET;
+	if (!f->gpu_any && kvt_dma_open(&c, &f->gpu_any))
+		return refuse_why(f, "kv_cache[%u]: a CUDA descriptor, and kvtierd cannot use "
+				  "the CUDA driver here: %s", i, kvt_dma_last_error());
+	dev = kvt_dma_device_of_uuid(f->gpu_any, u);
+	if (dev < 0 || dev >= MAX_GPUS)
+		return refuse_why(f, "kv_cache[%u]: device %s: %s (kvtierd must see the engine's "
+				  "GPUs: CUDA_VISIBLE_DEVICES)", i, t->device_uuid,
+				  dev < 0 ? kvt_dma_last_error() : "too many devices");
+	c.device = dev;
+	if (!f->gpu[dev] && kvt_dma_open(&c, &f->gpu[dev]))
+		return refuse_why(f, "kv_cache[%u]: opening device %d: %s", i, dev,
+				  kvt_dma_last_error());
+	return dev;
+}
+
+/* A cuda / cuda_raw descriptor: the engine's allocation opened here, the
+ * view checked against what the driver says the allocation is. */
+static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, uint32_t i,
+			  void **addr)
+{
+	uint32_t isz = lmc_dtype_size(t->dtype);
+	unsigned __int128 span = t->storage_offset + 1;
+	const uint8_t *h = t->ipc;
+	uint64_t base = 0, len = 0;
+	int dev = gpu_of(f, t, i);
+
+	if (dev < 0)
+		return -1;
+	if (r->gpu >= 0 && dev != r->gpu)
+		return refuse_why(f, "kv_cache[%u] is on device %d, kv_cache[0] on %d", i, dev,
+				  r->gpu);
+	r->gpu = dev;
+	/* torch's storage handle: a version byte and 'c' (a cudaMalloc block)
+	 * before the driver's 64 bytes; a bare 64 is the older form, and
+	 * cuda_raw's */
+	if (t->ipc_len == KVT_DMA_IPC_BYTES + 2 && h[1] == 'c' && h[0] >= 1 && h[0] <= 3)
+		h += 2;
+	else if (t->ipc_len == KVT_DMA_IPC_BYTES + 2 && h[1] == 'e')
+		return refuse_why(f, "kv_cache[%u]: an expandable segment's handle "
+				  "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): kvtierd opens "
+				  "cudaMalloc'ed KV caches", i);
+	else if (t->ipc_len != KVT_DMA_IPC_BYTES)
+		return refuse_why(f, "kv_cache[%u]: a storage handle of %u bytes, not a CUDA IPC "
+				  "handle", i, t->ipc_len);
+	for (uint32_t d = 0; d < t->ndim; d++)
+		span += (unsigned __int128)(t->shape[d] - 1) * t->stride[d];
+	if (span * isz > t->ipc_bytes)
+		return refuse_why(f, "kv_cache[%u]: the view ends past its storage (%llu bytes)", i,
+				  (unsigned long long)t->ipc_bytes);
+	if (kvt_dma_ipc_mem_open(f->gpu[dev], h, &base, &len))
+		return refuse_why(f, "kv_cache[%u]: opening the engine's memory: %s", i,
+				  kvt_dma_last_error());
+	r->ipc_base[r->n_ipc++] = base;
+	if (t->ipc_offset > len || t->ipc_bytes > len - t->ipc_offset)
+		return refuse_why(f, "kv_cache[%u]: bytes [%llu, +%llu) of an allocation of %llu",
+				  i, (unsigned long long)t->ipc_offset,
+				  (unsigned long long)t->ipc_bytes, (unsigned long long)len);
+	*addr = (void *)(uintptr_t)(base + t->ipc_offset);
+	return 0;
+}
+
 static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, uint32_t i,
 		      void **addr)
 {
@@ -683,6 +877,8 @@ static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, u
 	const char *name = t->shm_name;
 	int fd;
 
+	if (strcmp(t->type, "cpu_shm"))
+		return map_gpu_tensor(f, r, t, i, addr);
 	for (uint32_t m = 0; m < r->n_maps; m++)
 		if (!strcmp(r->maps[m].name, name)) {
 			if (r->maps[m].len != t->nbytes)
@@ -899,12 +1095,15 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 	memset(r, 0, sizeof(*r));
 	r->maps = calloc(g->n_tensors, sizeof(*r->maps));
 	r->bases = calloc(np + n_side, sizeof(*r->bases));
-	if (!r->maps || !r->bases) {
+	r->ipc_base = calloc(g->n_tensors, sizeof(*r->ipc_base));
+	if (!r->maps || !r->bases || !r->ipc_base) {
 		free(r->maps);
 		free(r->bases);
+		free(r->ipc_base);
 		return refuse_why(f, "out of memory");
 	}
 	r->used = 1;
+	r->gpu = -1;
 	atomic_fetch_add(&f->n_clients, 1);
 	for (uint32_t i = 0; i < g->n_tensors; i++) {
 		const struct lmc_tensor *t = &g->tensors[i];
@@ -914,6 +1113,19 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			return -1;
 		}
 		uint64_t base = (uint64_t)(uintptr_t)a + t->storage_offset * lmc_dtype_size(t->dtype);
+		/* GPU: the fence (at the first tensor), and the event torch
+		 * shared the storage with, which its users wait for */
+		if ((r->gpu >= 0 && !r->fence && kvt_dma_fence_open(f->gpu[r->gpu], &r->fence) &&
+		     refuse_why(f, "a fence on device %d: %s", r->gpu, kvt_dma_last_error())) ||
+		    (t->ipc_event_len && t->ipc_event_len != KVT_DMA_IPC_BYTES &&
+		     refuse_why(f, "kv_cache[%u]: an event handle of %u bytes", i,
+				t->ipc_event_len)) ||
+		    (t->ipc_event_len && kvt_dma_fence_wait(r->fence, t->ipc_event) &&
+		     refuse_why(f, "kv_cache[%u]: its storage's event: %s", i,
+				kvt_dma_last_error()))) {
+			reg_close(f, r);
+			return -1;
+		}
 		if (in_side[i]) {
 			r->bases[np + k1++] = base;
 			continue;
@@ -984,7 +1196,7 @@ static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 		c.segment = f->segment;
 		c.segment_dir = f->segment_dir[0] ? f->segment_dir : NULL;
 		c.model = f->model;
-		c.dma = "host";
+		c.dma = r->gpu >= 0 ? "cuda" : "host";
 		c.log = rank_log;
 		c.log_arg = f;
 		c.n_groups = ng;
@@ -1203,7 +1415,7 @@ static void pend_finish(lmc_front *f, struct pend *p)
 {
 	struct reg *r = &f->regs[p->reg];
 
-	reply_handle(f, &p->rt, p->ok);
+	reply_handle(f, &p->rt, p->ok, r, p->timeline);
 	if (p->release) {
 		lease_release(f, &p->release);
 	}
@@ -1251,8 +1463,41 @@ static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req
 			atomic_fetch_add(&f->n_retrieve_misses, 1);
 	}
 	if (c > 0 || *c0 == *c1) {
-		reply_handle(f, rt, !c);
+		reply_handle(f, rt, !c, r, q->event_len == TIMELINE_BYTES);
 		return 1;
+	}
+	/* GPU: the copies start after the engine's work on the blocks -- its
+	 * event (recorded on its stream before it asked) waited for on the
+	 * fence's stream, the rank handle's copies ordered after that stream
+	 * (kvt_order_after): a save copies what the forward pass wrote, a
+	 * load writes blocks no kernel of the engine still reads */
+	if (r->fence) {
+		const uint8_t *ev = q->event;
+		int e = 0;
+		if (q->event_len && q->event_len != KVT_DMA_IPC_BYTES &&
+		    q->event_len != TIMELINE_BYTES)
+			e = refuse_why(f, "event_ipc_handle of %u bytes: neither a CUDA IPC event "
+				       "handle (%d) nor LMCache's timeline semaphore (%d)",
+				       q->event_len, KVT_DMA_IPC_BYTES, TIMELINE_BYTES);
+		else if (q->event_len == TIMELINE_BYTES &&
+			 (ev[0] != 1 || be64(ev + 65) % 8 || be64(ev + 65) >= TIMELINE_WORDS * 8))
+			e = refuse_why(f, "a timeline semaphore handle of version %u at offset "
+				       "%llu (version 1, an 8-byte word of %d)", ev[0],
+				       (unsigned long long)be64(ev + 65), TIMELINE_WORDS);
+		else if (q->event_len == TIMELINE_BYTES &&
+			 kvt_dma_fence_wait_value(r->fence, ev + 1, be64(ev + 65), be64(ev + 73)))
+			e = refuse_why(f, "the engine's semaphore: %s", kvt_dma_last_error());
+		else if (q->event_len == KVT_DMA_IPC_BYTES && kvt_dma_fence_wait(r->fence, ev))
+			e = refuse_why(f, "the engine's event: %s", kvt_dma_last_error());
+		else if (kvt_order_after(r->t, kvt_dma_fence_stream(r->fence)))
+			e = refuse_why(f, "ordering the copies after the engine's event: %s",
+				       kvt_last_error());
+		if (e) {
+			flog(f, KVT_LOG_LEVEL_WARN, "%s of request '%s': %s: ok=false", what,
+			     k->request_id, f->why);
+			reply_handle(f, rt, 0, r, q->event_len == TIMELINE_BYTES);
+			return 1;
+		}
 	}
 	return 0;
 }
@@ -1279,6 +1524,7 @@ static void do_store(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		refuse(f, rt, "store");
 		return;
 	}
+	p->timeline = q->event_len == TIMELINE_BYTES;
 	/* runs of chunks that are not all null blocks (LMCache's null block 0) */
 	for (uint32_t a = c0; a < c1;) {
 		uint32_t e = a;
@@ -1400,7 +1646,7 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 	free(keys);
 	if (!lease) {
 		atomic_fetch_add(&f->n_retrieve_misses, 1);
-		reply_handle(f, rt, 0);
+		reply_handle(f, rt, 0, r, q->event_len == TIMELINE_BYTES);
 		return;
 	}
 	p = pend_new(f, rt, ri, 1, k->request_id);
@@ -1408,10 +1654,11 @@ static void do_retrieve(lmc_front *f, const struct route *rt, struct lmc_req *q)
 		/* the load runs on; wait for it here rather than answer early */
 		kvt_wait(r->t, op, -1);
 		lease_release(f, &own);
-		reply_handle(f, rt, 1);
+		reply_handle(f, rt, 1, r, q->event_len == TIMELINE_BYTES);
 		return;
 	}
 	p->retrieve = 1;
+	p->timeline = q->event_len == TIMELINE_BYTES;
 	p->chunks = c1 - c0;
 	p->release = own;
 	if (op)
@@ -2008,6 +2255,9 @@ void lmc_stop(lmc_front *f)
 	zmq_close(f->sock);
 	zmq_ctx_term(f->ctx);
 	kvt_close(f->look);
+	for (int i = 0; i < MAX_GPUS; i++)
+		kvt_dma_close(f->gpu[i]);
+	kvt_dma_close(f->gpu_any);
 	free(f);
 }
 

@@ -401,6 +401,44 @@ static int dec_u64_list(struct dec *d, const msgpack_object *o, const char *what
 	return 0;
 }
 
+static int get_bin(struct dec *d, const msgpack_object *o, const char *what, uint8_t *out,
+		   uint32_t *len)
+{
+	if (o->type != MSGPACK_OBJECT_BIN)
+		return fail(d, -EPROTO, "%s: not bytes", what);
+	if (o->via.bin.size > LMC_MAX_HANDLE)
+		return fail(d, -E2BIG, "%s: %u bytes (at most %u)", what, o->via.bin.size,
+			    LMC_MAX_HANDLE);
+	if (o->via.bin.size)
+		memcpy(out, o->via.bin.ptr, o->via.bin.size);
+	*len = o->via.bin.size;
+	return 0;
+}
+
+/* torch's _share_cuda_() tuple (ipc_wire.py's CudaIPCData.handle):
+ * (device, handle, size_bytes, offset_bytes, ref_counter_handle,
+ * ref_counter_offset, event_handle, event_sync_required). */
+static int dec_cuda_handle(struct dec *d, const msgpack_object *h, struct lmc_tensor *t)
+{
+	const msgpack_object *a;
+	int r;
+
+	if (h->type != MSGPACK_OBJECT_ARRAY || h->via.array.size != 8)
+		return fail(d, -EPROTO, "kv_cache[].handle: not torch's 8-tuple");
+	a = h->via.array.ptr;
+	if (a[1].type != MSGPACK_OBJECT_NIL &&
+	    (r = get_bin(d, &a[1], "kv_cache[].handle[1]", t->ipc, &t->ipc_len)))
+		return r;
+	if ((r = get_u64(d, &a[2], "kv_cache[].handle[2]", UINT64_MAX / 4, &t->ipc_bytes)) ||
+	    (r = get_u64(d, &a[3], "kv_cache[].handle[3]", UINT64_MAX / 4, &t->ipc_offset)))
+		return r;
+	if (a[7].type != MSGPACK_OBJECT_BOOLEAN)
+		return fail(d, -EPROTO, "kv_cache[].handle[7]: not a bool");
+	if (a[7].via.boolean && a[6].type != MSGPACK_OBJECT_NIL)
+		return get_bin(d, &a[6], "kv_cache[].handle[6]", t->ipc_event, &t->ipc_event_len);
+	return 0;
+}
+
 /* One DeviceIPCWrapper: ext type 1 holding a tagged map. */
 static int dec_tensor(struct dec *d, const msgpack_object *o, uint32_t i, struct lmc_tensor *t)
 {
@@ -434,6 +472,18 @@ static int dec_tensor(struct dec *d, const msgpack_object *o, uint32_t i, struct
 	if ((v = field(m, "nbytes")) &&
 	    (r = get_u64(d, v, "kv_cache[].nbytes", UINT64_MAX / 2, &t->nbytes)))
 		goto out;
+	if (!strcmp(t->type, "cuda") && (v = field(m, "handle")) &&
+	    (r = dec_cuda_handle(d, v, t)))
+		goto out;
+	if (!strcmp(t->type, "cuda_raw")) {
+		if ((v = field(m, "ipc_handle")) &&
+		    (r = get_bin(d, v, "kv_cache[].ipc_handle", t->ipc, &t->ipc_len)))
+			goto out;
+		if ((v = field(m, "alloc_offset")) &&
+		    (r = get_u64(d, v, "kv_cache[].alloc_offset", UINT64_MAX / 4, &t->ipc_offset)))
+			goto out;
+		t->ipc_bytes = t->nbytes;
+	}
 	if (!(md = required(d, m, what, "metadata", &r)) || (r = need_map(d, md, what)))
 		goto out;
 	if (!(v = required(d, md, what, "dtype", &r)) ||
@@ -454,6 +504,10 @@ static int dec_tensor(struct dec *d, const msgpack_object *o, uint32_t i, struct
 	if (!(v = required(d, md, what, "storage_offset", &r)) ||
 	    (r = get_u64(d, v, "kv_cache[].metadata.storage_offset", 1ull << 40,
 			 &t->storage_offset)))
+		goto out;
+	if ((v = field(md, "device_uuid")) &&
+	    (r = get_str(d, v, "kv_cache[].metadata.device_uuid", t->device_uuid,
+			 sizeof(t->device_uuid))))
 		goto out;
 out:
 	msgpack_unpacked_destroy(&u);
@@ -643,10 +697,8 @@ int lmc_decode(const struct lmc_opname *op, const void *const *frames, const siz
 		    (r = get_u64(&d, p[1], "instance_id", UINT64_MAX, &req->instance_id)) ||
 		    (r = dec_blocks(&d, p[2], &req->blocks)))
 			break;
-		if (p[3]->type != MSGPACK_OBJECT_BIN) {
-			r = fail(&d, -EPROTO, "event_ipc_handle: not bytes");
+		if ((r = get_bin(&d, p[3], "event_ipc_handle", req->event, &req->event_len)))
 			break;
-		}
 		if (op->id == LMC_OP_RETRIEVE)
 			r = get_u64(&d, p[4], "skip_first_n_tokens", LMC_MAX_TOKENS,
 				    &req->skip_tokens);

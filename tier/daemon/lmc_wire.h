@@ -61,6 +61,7 @@ enum lmc_op {
 #define LMC_MAX_GROUPS   8        /* engine groups (block_ids' lists) */
 #define LMC_MAX_BLOCKS   (1u << 21) /* block ids in one list */
 #define LMC_MAX_FRAME    (64u << 20)
+#define LMC_MAX_HANDLE   128      /* a GPU IPC handle's bytes (torch's: 66) */
 
 /* The operation frame: its id (LMC_OP_UNKNOWN for one this front end does
  * not know) and its name (the table's, or the string sent). */
@@ -92,6 +93,19 @@ struct lmc_tensor {
 	uint32_t ndim;
 	uint64_t shape[LMC_MAX_DIMS], stride[LMC_MAX_DIMS];
 	uint64_t storage_offset;
+	char device_uuid[64];    /* metadata.device_uuid */
+	/* GPU descriptors, as sent (lmc.c reads them):
+	 *  cuda:     torch's _share_cuda_() tuple -- handle[1] the storage's
+	 *            allocation handle, handle[2] the storage's bytes,
+	 *            handle[3] its offset in the allocation, handle[6] an
+	 *            event to wait for when handle[7] says so;
+	 *  cuda_raw: ipc_handle, alloc_offset, nbytes. */
+	uint8_t ipc[LMC_MAX_HANDLE];
+	uint32_t ipc_len;        /* 0: none */
+	uint64_t ipc_offset;     /* the bytes' offset in the allocation */
+	uint64_t ipc_bytes;      /* their length */
+	uint8_t ipc_event[LMC_MAX_HANDLE];
+	uint32_t ipc_event_len;  /* 0: none, or not required (handle[7] false) */
 };
 
 struct lmc_group_info {
@@ -131,6 +145,8 @@ struct lmc_req {
 	uint64_t instance_id;         /* unregister, store, retrieve, ping */
 	int instance_nil;             /* ping(None) */
 	uint64_t skip_tokens;         /* retrieve */
+	uint8_t event[LMC_MAX_HANDLE];/* store, retrieve: the engine's event_ipc_handle */
+	uint32_t event_len;
 	double timeout_s;             /* wait_prefetch_status */
 	char request_id[LMC_MAX_NAME];/* query/wait_prefetch_status, end_session */
 	int force;                    /* clear */
