@@ -826,6 +826,10 @@ def test_gpu_descriptors_ordered_by_the_engines_events(procs, timeline):
         assert b.ok(op="bytes", blocks=dst) == hashlib.sha256(b"\x5a" * n).hexdigest()
         assert d.metric("kvtier_lmcache_retrieved_total") == 6
         until(lambda: d.metric("kvtier_leases_live") == 0, "every lease released")
+        # an engine killed: its registration goes (its memory closed, its
+        # fence gone -- a sanitized kvtierd's exit says what leaked)
+        b.kill()
+        until(lambda: d.metric("kvtier_lmcache_clients") == 1, "the killed engine gone")
     finally:
         d.close()
 
