@@ -862,3 +862,12 @@ def test_gpu_descriptors_checked_against_the_driver(procs):
         assert d.metric("kvtier_lmcache_stored_total") == 1
     finally:
         d.close()
+    # a kvtierd whose node has no CUDA driver it can load: refused, saying so
+    d = Daemon("lmi%d" % os.getpid(), env=gpu_env(KVTIER_CUDA_LIBRARY="/nonexistent/libcuda.so.1"))
+    try:
+        c = procs(d.url, gpu_env())
+        gpu_kv(c, 1)
+        r = c(op="register", iid=44, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "kvtierd cannot use the CUDA driver here" in r.get("err", ""), r
+    finally:
+        d.close()
