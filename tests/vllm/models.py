@@ -32,6 +32,21 @@ KINDS = ("llama", "mistral", "deepseek", "gemma2")
 SLIDING_WINDOW = 128
 
 
+def cpu_lacks_avx512():
+    """Why vLLM's CPU build cannot run what needs its AVX-512 kernels on
+    this machine, or "" when it can.  vLLM picks its kernel library by
+    torch.cpu._is_avx512_supported() (vllm/platforms/cpu.py): without
+    AVX-512 it loads the AVX2 one, which has no fp8 KV cache ("FP8 KV
+    cache on CPU requires x86 with AVX-512 or AMX") and no
+    convert_weight_packed (DeepSeek V4's weights).  Such a test is
+    skipped there, never passed."""
+    import torch
+    if torch.cpu._is_avx512_supported():
+        return ""
+    return ("this CPU has no AVX-512: vLLM's CPU build runs its AVX2 kernels, without "
+            "fp8 KV caches or DeepSeek V4's packed weights")
+
+
 def config(kind):
     from transformers import AutoConfig
     b = dict(BASE)

@@ -45,6 +45,8 @@ def run(args, timeout=900):
 
 @pytest.fixture
 def v4(tmp_path):
+    if models.cpu_lacks_avx512():
+        pytest.skip(models.cpu_lacks_avx512())
     return models.write_deepseek_v4(str(tmp_path / "dsv4"))
 
 

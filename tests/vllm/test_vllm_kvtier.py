@@ -695,6 +695,8 @@ def test_engines_with_other_kv_dtypes_are_told(model):
     the same size and only the meaning differs).  The second is refused at
     start with the field named on each side; the first serves on.  (Before,
     both started and loaded each other's bytes as their own format.)"""
+    if models.cpu_lacks_avx512():
+        pytest.skip(models.cpu_lacks_avx512())
     name = "vllm-kvdtype-%d" % os.getpid()
     prompt = list(range(3, 3 + 200))
     e1 = Engine(model, kv(name, 0), kv_cache_dtype="fp8_e4m3")
