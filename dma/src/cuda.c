@@ -1159,6 +1159,14 @@ struct cu_fence {
 	uint64_t own_seq;
 };
 
+/* A handle the driver will not open (forged, of this process, of a
+ * process gone): the caller's; anything else, -EIO. */
+static int ipc_errno(CUresult r)
+{
+	return r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_HANDLE ||
+	       r == CUDA_ERROR_INVALID_CONTEXT ? -EINVAL : -EIO;
+}
+
 static int cu_need_ipc(struct kvt_dma *d, int need_bound)
 {
 	struct cu_be *be = d->be;
@@ -1213,9 +1221,8 @@ static int cu_ipc_open(struct kvt_dma *d, const void *handle, uint64_t *base, ui
 		be->f.ipc_close_mem(p);
 	pop(be);
 	if (r)
-		return kvt__dma_err(r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_HANDLE ||
-				    r == CUDA_ERROR_INVALID_CONTEXT ? -EINVAL : -EIO,
-				    "cuda: cuIpcOpenMemHandle: %s (%d)", err_str(be, r), (int)r);
+		return kvt__dma_err(ipc_errno(r), "cuda: cuIpcOpenMemHandle: %s (%d)",
+				    err_str(be, r), (int)r);
 	*base = (uint64_t)p;
 	*len = (uint64_t)size;
 	return 0;
@@ -1315,9 +1322,8 @@ static int cu_fence_wait(struct kvt_dma_fence *h, const void *handle)
 	pop(be);
 	if (r) {
 		cu_mark_lost(d, r);
-		return kvt__dma_err(r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_HANDLE ||
-				    r == CUDA_ERROR_INVALID_CONTEXT ? -EINVAL : -EIO,
-				    "cuda: the engine's IPC event: %s (%d)", err_str(be, r), (int)r);
+		return kvt__dma_err(ipc_errno(r), "cuda: the engine's IPC event: %s (%d)",
+				    err_str(be, r), (int)r);
 	}
 	return 0;
 }

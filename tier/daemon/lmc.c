@@ -770,6 +770,18 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 	return 0;
 }
 
+/* The bytes from a tensor's storage start to its view's last element's
+ * end: what the storage must hold (shapes and strides are bounded by the
+ * decoder; 128 bits keep the products exact). */
+static unsigned __int128 view_bytes(const struct lmc_tensor *t)
+{
+	unsigned __int128 span = t->storage_offset + 1;
+
+	for (uint32_t d = 0; d < t->ndim; d++)
+		span += (unsigned __int128)(t->shape[d] - 1) * t->stride[d];
+	return span * lmc_dtype_size(t->dtype);
+}
+
 /* metadata.device_uuid (torch's str(props.uuid): 8-4-4-4-12 hex digits,
  * perhaps "GPU-" before them, as nvidia-smi writes it) as 16 bytes */
 static int parse_uuid(const char *s, uint8_t out[16])
@@ -823,12 +835,12 @@ static int gpu_of(lmc_front *f, const struct lmc_tensor *t, uint32_t i)
 }
 
 /* A cuda / cuda_raw descriptor: the engine's allocation opened here, the
- * view checked against what the driver says the allocation is. */
+ * view checked against what the driver says the allocation is; the
+ * registration's fence (at its first tensor), which also waits for the
+ * event torch shared the storage with, when it asks its users to. */
 static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, uint32_t i,
 			  void **addr)
 {
-	uint32_t isz = lmc_dtype_size(t->dtype);
-	unsigned __int128 span = t->storage_offset + 1;
 	const uint8_t *h = t->ipc;
 	uint64_t base = 0, len = 0;
 	int dev = gpu_of(f, t, i);
@@ -839,6 +851,8 @@ static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *
 		return refuse_why(f, "kv_cache[%u] is on device %d, kv_cache[0] on %d", i, dev,
 				  r->gpu);
 	r->gpu = dev;
+	if (!r->fence && kvt_dma_fence_open(f->gpu[dev], &r->fence))
+		return refuse_why(f, "a fence on device %d: %s", dev, kvt_dma_last_error());
 	/* torch's storage handle: a version byte and 'c' (a cudaMalloc block)
 	 * before the driver's 64 bytes; a bare 64 is the older form, and
 	 * cuda_raw's */
@@ -851,11 +865,12 @@ static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *
 	else if (t->ipc_len != KVT_DMA_IPC_BYTES)
 		return refuse_why(f, "kv_cache[%u]: a storage handle of %u bytes, not a CUDA IPC "
 				  "handle", i, t->ipc_len);
-	for (uint32_t d = 0; d < t->ndim; d++)
-		span += (unsigned __int128)(t->shape[d] - 1) * t->stride[d];
-	if (span * isz > t->ipc_bytes)
+	if (view_bytes(t) > t->ipc_bytes)
 		return refuse_why(f, "kv_cache[%u]: the view ends past its storage (%llu bytes)", i,
 				  (unsigned long long)t->ipc_bytes);
+	if (t->ipc_event_len && t->ipc_event_len != KVT_DMA_IPC_BYTES)
+		return refuse_why(f, "kv_cache[%u]: an event handle of %u bytes", i,
+				  t->ipc_event_len);
 	if (kvt_dma_ipc_mem_open(f->gpu[dev], h, &base, &len))
 		return refuse_why(f, "kv_cache[%u]: opening the engine's memory: %s", i,
 				  kvt_dma_last_error());
@@ -864,6 +879,9 @@ static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *
 		return refuse_why(f, "kv_cache[%u]: bytes [%llu, +%llu) of an allocation of %llu",
 				  i, (unsigned long long)t->ipc_offset,
 				  (unsigned long long)t->ipc_bytes, (unsigned long long)len);
+	if (t->ipc_event_len && kvt_dma_fence_wait(r->fence, t->ipc_event))
+		return refuse_why(f, "kv_cache[%u]: its storage's event: %s", i,
+				  kvt_dma_last_error());
 	*addr = (void *)(uintptr_t)(base + t->ipc_offset);
 	return 0;
 }
@@ -871,8 +889,6 @@ static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *
 static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, uint32_t i,
 		      void **addr)
 {
-	uint32_t isz = lmc_dtype_size(t->dtype);
-	unsigned __int128 span = 0;
 	struct stat st;
 	const char *name = t->shm_name;
 	int fd;
@@ -923,10 +939,7 @@ static int map_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *t, u
 	r->n_maps++;
 view:
 	/* the view's last byte inside the object */
-	span = t->storage_offset + 1;
-	for (uint32_t d = 0; d < t->ndim; d++)
-		span += (unsigned __int128)(t->shape[d] - 1) * t->stride[d];
-	if (span * isz > t->nbytes)
+	if (view_bytes(t) > t->nbytes)
 		return refuse_why(f, "kv_cache[%u]: the view ends past shm '%s' (%llu bytes)", i,
 				  name, (unsigned long long)t->nbytes);
 	return 0;
@@ -1113,19 +1126,6 @@ static int do_register(lmc_front *f, const struct lmc_register *g)
 			return -1;
 		}
 		uint64_t base = (uint64_t)(uintptr_t)a + t->storage_offset * lmc_dtype_size(t->dtype);
-		/* GPU: the fence (at the first tensor), and the event torch
-		 * shared the storage with, which its users wait for */
-		if ((r->gpu >= 0 && !r->fence && kvt_dma_fence_open(f->gpu[r->gpu], &r->fence) &&
-		     refuse_why(f, "a fence on device %d: %s", r->gpu, kvt_dma_last_error())) ||
-		    (t->ipc_event_len && t->ipc_event_len != KVT_DMA_IPC_BYTES &&
-		     refuse_why(f, "kv_cache[%u]: an event handle of %u bytes", i,
-				t->ipc_event_len)) ||
-		    (t->ipc_event_len && kvt_dma_fence_wait(r->fence, t->ipc_event) &&
-		     refuse_why(f, "kv_cache[%u]: its storage's event: %s", i,
-				kvt_dma_last_error()))) {
-			reg_close(f, r);
-			return -1;
-		}
 		if (in_side[i]) {
 			r->bases[np + k1++] = base;
 			continue;
@@ -1471,21 +1471,21 @@ static int copy_begin(lmc_front *f, const struct route *rt, const struct lmc_req
 	 * fence's stream, the rank handle's copies ordered after that stream
 	 * (kvt_order_after): a save copies what the forward pass wrote, a
 	 * load writes blocks no kernel of the engine still reads */
-	if (r->fence) {
+	if (r->fence && q->event_len) { /* none: nothing new to order after */
 		const uint8_t *ev = q->event;
+		uint64_t off = q->event_len == TIMELINE_BYTES ? be64(ev + 65) : 0;
 		int e = 0;
-		if (q->event_len && q->event_len != KVT_DMA_IPC_BYTES &&
-		    q->event_len != TIMELINE_BYTES)
+		if (q->event_len != KVT_DMA_IPC_BYTES && q->event_len != TIMELINE_BYTES)
 			e = refuse_why(f, "event_ipc_handle of %u bytes: neither a CUDA IPC event "
 				       "handle (%d) nor LMCache's timeline semaphore (%d)",
 				       q->event_len, KVT_DMA_IPC_BYTES, TIMELINE_BYTES);
 		else if (q->event_len == TIMELINE_BYTES &&
-			 (ev[0] != 1 || be64(ev + 65) % 8 || be64(ev + 65) >= TIMELINE_WORDS * 8))
+			 (ev[0] != 1 || off % 8 || off >= TIMELINE_WORDS * 8))
 			e = refuse_why(f, "a timeline semaphore handle of version %u at offset "
 				       "%llu (version 1, an 8-byte word of %d)", ev[0],
-				       (unsigned long long)be64(ev + 65), TIMELINE_WORDS);
+				       (unsigned long long)off, TIMELINE_WORDS);
 		else if (q->event_len == TIMELINE_BYTES &&
-			 kvt_dma_fence_wait_value(r->fence, ev + 1, be64(ev + 65), be64(ev + 73)))
+			 kvt_dma_fence_wait_value(r->fence, ev + 1, off, be64(ev + 73)))
 			e = refuse_why(f, "the engine's semaphore: %s", kvt_dma_last_error());
 		else if (q->event_len == KVT_DMA_IPC_BYTES && kvt_dma_fence_wait(r->fence, ev))
 			e = refuse_why(f, "the engine's event: %s", kvt_dma_last_error());
