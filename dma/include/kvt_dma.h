@@ -385,9 +385,11 @@ uint32_t kvt_dma_max_inflight(const kvt_dma *d);
  * cudaIpcEventHandle_t: KVT_DMA_IPC_BYTES opaque bytes), the server opens
  * them in the bound device's primary context -- the one every cuda handle
  * of the process uses, so an opened pointer is good as a layer base of a
- * kvtier rank handle too.  cuda backend only: host and hsa answer
- * -ENOTSUP (HIP's IPC is not built yet).  Blocking, not thread-safe
- * against kvt_dma_close. */
+ * kvtier rank handle too.  hsa: HIP's handles (hipIpcMemHandle_t,
+ * hipIpcEventHandle_t, the same 64 bytes), opened with the HIP runtime,
+ * loaded at the first call; its devices' UUIDs are hipDeviceGetUuid's
+ * (the agent's "GPU-" id as characters); no timeline semaphores.  host
+ * answers -ENOTSUP.  Blocking, not thread-safe against kvt_dma_close. */
 #define KVT_DMA_IPC_BYTES 64
 
 /* The ordinal of the device whose UUID (cuDeviceGetUuid's 16 bytes) this

@@ -112,6 +112,7 @@
 #define FAULT_SLICE_NS 10000000ull         /* a deadline-less wait rechecks faults */
 #define FAULT_MAGIC    0x6b7674686661756cull
 #define FENCES         16                  /* order_after's signals (see "Ordering") */
+#define HIP_IPC_OPEN   256                 /* IPC allocations open at once (see "IPC") */
 
 /* ROCm 5.6+ prototypes (engine_id is one bit of hsa_amd_sdma_engine_id_t). */
 typedef hsa_status_t (*copy_on_engine_fn)(void *dst, hsa_agent_t dst_agent,
@@ -207,6 +208,29 @@ static const struct sym syms[] = {
 	SYM(register_event_handler, "hsa_amd_register_system_event_handler", 0),
 };
 
+/* HIP, for IPC (see "IPC") */
+typedef struct { char b[KVT_DMA_IPC_BYTES]; } hip_handle; /* by value, as HIP's */
+
+struct hip_fns {
+	void *lib;
+	const char *(*err_str)(int e);
+	int (*device_count)(int *n);
+	int (*set_device)(int dev);
+	int (*device_uuid)(uint8_t *uuid16, int dev);
+	int (*ipc_open_mem)(void **p, hip_handle h, unsigned int flags);
+	int (*ipc_close_mem)(void *p);
+	int (*mem_range)(void **base, size_t *size, void *p);
+	int (*ipc_open_event)(void **ev, hip_handle h);
+	int (*ipc_get_event)(hip_handle *h, void *ev);
+	int (*event_create)(void **ev, unsigned int flags);
+	int (*event_record)(void *ev, void *stream);
+	int (*event_destroy)(void *ev);
+	int (*stream_create)(void **s, unsigned int flags);
+	int (*stream_wait_event)(void *s, void *ev, unsigned int flags);
+	int (*stream_destroy)(void *s);
+	int (*write_value64)(void *stream, void *ptr, uint64_t value, unsigned int flags);
+};
+
 struct hsa_be {
 	void *lib;
 	int reused;                 /* the library was loaded before us */
@@ -244,6 +268,12 @@ struct hsa_be {
 	uint32_t n_fence;
 	uint32_t fence_cur;
 	int (*write_value64)(void *stream, void *ptr, uint64_t value, unsigned int flags);
+	/* another process's memory and events (see "IPC"): HIP, loaded at
+	 * the first use; the HIP ordinal of the bound GPU; the handles
+	 * opened here, with their openings counted */
+	struct hip_fns *hip;
+	int hip_dev;
+	struct { char h[KVT_DMA_IPC_BYTES]; uint64_t base, len; uint32_t refs; } ipc[HIP_IPC_OPEN];
 };
 
 static const char *st_str(const struct hsa_be *be, hsa_status_t st)
@@ -457,6 +487,10 @@ static void be_free(struct kvt_dma *d)
 		return;
 	if (be->fault) /* stays registered with the runtime: closed, not freed */
 		__atomic_store_n(&be->fault->closed, 1, __ATOMIC_RELEASE);
+	for (int i = 0; be->hip && i < HIP_IPC_OPEN; i++)
+		if (be->ipc[i].refs)
+			be->hip->ipc_close_mem((void *)(uintptr_t)be->ipc[i].base);
+	free(be->hip); /* its library stays loaded: HIP is never unloaded */
 	for (uint32_t i = 0; i < be->n_sig; i++)
 		be->f.signal_destroy(be->sig[i]);
 	for (uint32_t i = 0; i < be->n_fence; i++)
@@ -912,6 +946,10 @@ static int hip_lookup(struct hsa_be *be)
 
 	if (be->write_value64)
 		return 0;
+	if (be->hip && be->hip->write_value64) {
+		be->write_value64 = be->hip->write_value64;
+		return 0;
+	}
 	if (path && *path)
 		h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
 	for (size_t i = 0; !h && i < sizeof(names) / sizeof(names[0]); i++)
@@ -1164,8 +1202,365 @@ static int hsa_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
 	return rc;
 }
 
+/* ---- another process's memory and events (IPC) ------------------------------
+ *
+ * A ROCm engine's LMCache client sends what torch's ROCm build makes --
+ * the same "cuda" descriptors as on NVIDIA, with HIP's handles inside:
+ * hipIpcMemHandle_t / hipIpcEventHandle_t, 64 bytes each.  Their layout
+ * is the HIP runtime's own (ROCr's IPC handle plus HIP's size and offset;
+ * the events' a shared-memory name), so they are opened with HIP itself:
+ * libamdhip64 ($KVTIER_HIP_LIBRARY first) is loaded at the first IPC call
+ * and kept (HIP is not made to be unloaded).  HIP runs on the ROCr
+ * instance this backend uses (one per process), so an opened pointer is
+ * device memory that the SDMA copies here take as they are.
+ *
+ * Devices.  The engine names its GPU by torch's props.uuid, which on ROCm
+ * is hipDeviceGetUuid: the characters after "GPU-" of the agent's
+ * HSA_AMD_AGENT_INFO_UUID (16 hex digits), as bytes -- compared here with
+ * the agents' own UUIDs, without HIP.  Agents without a unique id all say
+ * "GPU-XX": several agents matching is refused, never guessed.  HIP's
+ * ordinal of the bound agent (HIP_VISIBLE_DEVICES may hide some) is the
+ * HIP device whose UUID is the agent's; HIP's current device is set to it
+ * before each call (it is per thread).
+ *
+ * Memory.  An allocation's openings are counted here: a registration
+ * opens one cudaMalloc block once per layer, and HIP's own behaviour on a
+ * second open of a handle differs between releases.  The range is HIP's
+ * hipMemGetAddressRange of the opened pointer: *len is the bytes from it
+ * to the allocation's end (a handle may name a pointer inside its block).
+ *
+ * Fences.  As cuda.c's: two HIP streams; `wait` waits for the engine's
+ * imported events (hipStreamWaitEvent; the import destroyed at once --
+ * the queued wait holds it), and a rank handle's order_after writes its
+ * fence signal's 0 on that stream (hsa_order_after: hipStreamWriteValue64
+ * of the HIP loaded here), so the SDMA copies start after the engine's
+ * work.  `sig` waits for nothing: the fence's interprocess event is
+ * recorded there once the copies completed.  LMCache's timeline
+ * semaphores are CUDA's (cuda-python): refused by name. */
+#define HIP_EVENT_DISABLE_TIMING 0x2
+#define HIP_EVENT_INTERPROCESS   0x4
+#define HIP_STREAM_NON_BLOCKING  0x1
+
+static const char *hip_str(const struct hsa_be *be, int e)
+{
+	const char *s = be->hip && be->hip->err_str ? be->hip->err_str(e) : NULL;
+
+	return s ? s : "unknown hipError";
+}
+
+/* A handle the runtime will not open (forged, of this process, of a
+ * process gone): the caller's; anything else, -EIO. */
+static int hip_errno(int e)
+{
+	return e == 1 /* InvalidValue */ || e == 17 /* InvalidDevicePointer */ ||
+	       e == 201 /* InvalidContext */ || e == 205 /* MapFailed */ ||
+	       e == 400 /* InvalidHandle */ ? -EINVAL : -EIO;
+}
+
+/* The agent's UUID as HIP gives it (see "Devices"); -1 without one. */
+static int agent_uuid(struct hsa_be *be, uint32_t g, uint8_t out[16])
+{
+	char s[32] = { 0 };
+
+	if (be->f.agent_get_info(be->gpus[g], (hsa_agent_info_t)HSA_AMD_AGENT_INFO_UUID, s) ||
+	    strncmp(s, "GPU-", 4))
+		return -1;
+	memset(out, 0, 16);
+	memcpy(out, s + 4, strnlen(s + 4, 16));
+	return 0;
+}
+
+static int hsa_uuid(struct kvt_dma *d, const uint8_t uuid[16])
+{
+	struct hsa_be *be = d->be;
+	int found = -1, n = 0;
+
+	for (uint32_t g = 0; g < be->n_gpus; g++) {
+		uint8_t u[16];
+
+		if (!agent_uuid(be, g, u) && !memcmp(u, uuid, 16)) {
+			found = (int)g;
+			n++;
+		}
+	}
+	if (n > 1)
+		return kvt__dma_err(-ENODEV, "hsa: %d GPUs here have that UUID (agents without a "
+				    "unique id all say GPU-XX): cannot tell which is the engine's", n);
+	return n ? found : kvt__dma_err(-ENODEV, "hsa: no device here has that UUID (%u GPU "
+					"agents)", be->n_gpus);
+}
+
+static int hip_load(struct kvt_dma *d)
+{
+	static const char *const names[] = { "libamdhip64.so.7", "libamdhip64.so.6",
+					     "libamdhip64.so.5", "libamdhip64.so" };
+	struct hsa_be *be = d->be;
+	const char *path = getenv("KVTIER_HIP_LIBRARY");
+	struct hip_fns *h;
+	uint8_t want[16];
+	int n = 0, match = 0, e;
+
+	if (be->hip)
+		return 0;
+	if (be->g < 0)
+		return kvt__dma_err(-EINVAL, "hsa: IPC before a device was bound");
+	h = calloc(1, sizeof(*h));
+	if (!h)
+		return kvt__dma_err(-ENOMEM, "hsa: out of memory");
+	if (path && *path)
+		h->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	for (size_t i = 0; !h->lib && i < sizeof(names) / sizeof(names[0]); i++)
+		h->lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+	if (!h->lib) {
+		free(h);
+		return kvt__dma_err(-ENOTSUP, "hsa: another process's GPU memory needs the HIP "
+				    "runtime (libamdhip64), which is not here");
+	}
+#define HIPSYM(field, name) (*(void **)&h->field = dlsym(h->lib, name))
+	HIPSYM(err_str, "hipGetErrorString");
+	HIPSYM(write_value64, "hipStreamWriteValue64");
+	if (!HIPSYM(device_count, "hipGetDeviceCount") || !HIPSYM(set_device, "hipSetDevice") ||
+	    !HIPSYM(device_uuid, "hipDeviceGetUuid") ||
+	    !HIPSYM(ipc_open_mem, "hipIpcOpenMemHandle") ||
+	    !HIPSYM(ipc_close_mem, "hipIpcCloseMemHandle") ||
+	    !HIPSYM(mem_range, "hipMemGetAddressRange") ||
+	    !HIPSYM(ipc_open_event, "hipIpcOpenEventHandle") ||
+	    !HIPSYM(ipc_get_event, "hipIpcGetEventHandle") ||
+	    !HIPSYM(event_create, "hipEventCreateWithFlags") ||
+	    !HIPSYM(event_record, "hipEventRecord") || !HIPSYM(event_destroy, "hipEventDestroy") ||
+	    !HIPSYM(stream_create, "hipStreamCreateWithFlags") ||
+	    !HIPSYM(stream_wait_event, "hipStreamWaitEvent") ||
+	    !HIPSYM(stream_destroy, "hipStreamDestroy")) {
+		free(h); /* the library stays: HIP is never unloaded */
+		return kvt__dma_err(-ENOTSUP, "hsa: the HIP runtime here has no IPC entry points");
+	}
+#undef HIPSYM
+	/* HIP's ordinal of the bound agent (see "Devices") */
+	if (agent_uuid(be, (uint32_t)be->g, want)) {
+		free(h);
+		return kvt__dma_err(-ENODEV, "hsa: GPU agent %d reports no UUID", be->g);
+	}
+	e = h->device_count(&n);
+	for (int i = 0; !e && i < n; i++) {
+		uint8_t u[16];
+
+		if (!h->device_uuid(u, i) && !memcmp(u, want, 16)) {
+			be->hip_dev = i;
+			match++;
+		}
+	}
+	if (match != 1) {
+		free(h);
+		return kvt__dma_err(-ENODEV, "hsa: %s HIP device has GPU agent %d's UUID (%d HIP "
+				    "devices; HIP_VISIBLE_DEVICES must not hide it)",
+				    match ? "more than one" : "no", be->g, n);
+	}
+	be->hip = h;
+	return 0;
+}
+
+static int hip_ready(struct kvt_dma *d)
+{
+	struct hsa_be *be = d->be;
+	int e, rc = hsa_dead(be) ? fault_err(be) : hip_load(d);
+
+	if (rc)
+		return rc;
+	e = be->hip->set_device(be->hip_dev);
+	return e ? kvt__dma_err(-EIO, "hsa: hipSetDevice(%d): %s", be->hip_dev, hip_str(be, e))
+		 : 0;
+}
+
+static int hsa_ipc_open(struct kvt_dma *d, const void *handle, uint64_t *base, uint64_t *len)
+{
+	struct hsa_be *be = d->be;
+	hip_handle h;
+	void *p = NULL, *start = NULL;
+	size_t size = 0;
+	int e, free_i = -1, rc = hip_ready(d);
+
+	if (rc)
+		return rc;
+	for (int i = 0; i < HIP_IPC_OPEN; i++) {
+		if (be->ipc[i].refs && !memcmp(be->ipc[i].h, handle, KVT_DMA_IPC_BYTES)) {
+			be->ipc[i].refs++;
+			*base = be->ipc[i].base;
+			*len = be->ipc[i].len;
+			return 0;
+		}
+		if (!be->ipc[i].refs && free_i < 0)
+			free_i = i;
+	}
+	if (free_i < 0)
+		return kvt__dma_err(-ENOMEM, "hsa: %d IPC allocations open already", HIP_IPC_OPEN);
+	memcpy(h.b, handle, sizeof(h.b));
+	e = be->hip->ipc_open_mem(&p, h, 0);
+	if (!e)
+		e = be->hip->mem_range(&start, &size, p);
+	if (!e && ((char *)p < (char *)start || (char *)p >= (char *)start + size))
+		e = 1;
+	if (e) {
+		if (p)
+			be->hip->ipc_close_mem(p);
+		return kvt__dma_err(hip_errno(e), "hsa: hipIpcOpenMemHandle: %s (%d)",
+				    hip_str(be, e), e);
+	}
+	memcpy(be->ipc[free_i].h, handle, KVT_DMA_IPC_BYTES);
+	be->ipc[free_i].base = *base = (uint64_t)(uintptr_t)p;
+	be->ipc[free_i].len = *len = (uint64_t)((char *)start + size - (char *)p);
+	be->ipc[free_i].refs = 1;
+	return 0;
+}
+
+static int hsa_ipc_close(struct kvt_dma *d, uint64_t base)
+{
+	struct hsa_be *be = d->be;
+	int e;
+
+	if (!be->hip)
+		return kvt__dma_err(-EINVAL, "hsa: no IPC memory is open");
+	for (int i = 0; i < HIP_IPC_OPEN; i++) {
+		if (!be->ipc[i].refs || be->ipc[i].base != base)
+			continue;
+		if (--be->ipc[i].refs)
+			return 0;
+		be->hip->set_device(be->hip_dev);
+		e = be->hip->ipc_close_mem((void *)(uintptr_t)base);
+		return e ? kvt__dma_err(-EIO, "hsa: hipIpcCloseMemHandle: %s", hip_str(be, e)) : 0;
+	}
+	return kvt__dma_err(-EINVAL, "hsa: %#llx is not an opened IPC allocation",
+			    (unsigned long long)base);
+}
+
+struct hsa_fence {
+	struct kvt_dma_fence head; /* first */
+	void *wait, *sig;          /* hipStream_t */
+	void *done;                /* hipEvent_t, interprocess */
+	hip_handle done_h;
+};
+
+static void hsa_fence_close(struct kvt_dma_fence *hd)
+{
+	struct hsa_fence *f = (struct hsa_fence *)hd;
+	struct hsa_be *be;
+
+	if (!f)
+		return;
+	be = f->head.d->be;
+	if (be->hip) {
+		be->hip->set_device(be->hip_dev);
+		if (f->wait) /* after its work, in the runtime */
+			be->hip->stream_destroy(f->wait);
+		if (f->sig)
+			be->hip->stream_destroy(f->sig);
+		if (f->done)
+			be->hip->event_destroy(f->done);
+	}
+	free(f);
+}
+
+static int hsa_fence_open(struct kvt_dma *d, struct kvt_dma_fence **out)
+{
+	struct hsa_be *be = d->be;
+	struct hsa_fence *f;
+	int e, rc = hip_ready(d);
+
+	if (rc)
+		return rc;
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return kvt__dma_err(-ENOMEM, "hsa: out of memory");
+	f->head.d = d;
+	e = be->hip->stream_create(&f->wait, HIP_STREAM_NON_BLOCKING);
+	if (!e)
+		e = be->hip->stream_create(&f->sig, HIP_STREAM_NON_BLOCKING);
+	if (!e)
+		e = be->hip->event_create(&f->done, HIP_EVENT_DISABLE_TIMING |
+					  HIP_EVENT_INTERPROCESS);
+	if (!e)
+		e = be->hip->ipc_get_event(&f->done_h, f->done);
+	if (e) {
+		hsa_fence_close(&f->head);
+		return kvt__dma_err(-EIO, "hsa: a fence's HIP streams and event: %s (%d)",
+				    hip_str(be, e), e);
+	}
+	*out = &f->head;
+	return 0;
+}
+
+static int hsa_fence_wait(struct kvt_dma_fence *hd, const void *handle)
+{
+	struct hsa_fence *f = (struct hsa_fence *)hd;
+	struct hsa_be *be = f->head.d->be;
+	hip_handle h;
+	void *ev = NULL;
+	int e, rc = hip_ready(f->head.d);
+
+	if (rc)
+		return rc;
+	memcpy(h.b, handle, sizeof(h.b));
+	e = be->hip->ipc_open_event(&ev, h);
+	if (!e) {
+		e = be->hip->stream_wait_event(f->wait, ev, 0);
+		be->hip->event_destroy(ev);
+	}
+	return e ? kvt__dma_err(hip_errno(e), "hsa: the engine's IPC event: %s (%d)",
+				hip_str(be, e), e) : 0;
+}
+
+static uint64_t hsa_fence_stream(const struct kvt_dma_fence *hd)
+{
+	return (uint64_t)(uintptr_t)((const struct hsa_fence *)hd)->wait;
+}
+
+static int hsa_fence_signal(struct kvt_dma_fence *hd, void *handle)
+{
+	struct hsa_fence *f = (struct hsa_fence *)hd;
+	struct hsa_be *be = f->head.d->be;
+	int e, rc = hip_ready(f->head.d);
+
+	if (rc)
+		return rc;
+	e = be->hip->event_record(f->done, f->sig);
+	if (e)
+		return kvt__dma_err(-EIO, "hsa: hipEventRecord (the completion event): %s",
+				    hip_str(be, e));
+	memcpy(handle, f->done_h.b, KVT_DMA_IPC_BYTES);
+	return 0;
+}
+
+static int hsa_no_values(void)
+{
+	return kvt__dma_err(-ENOTSUP, "hsa: timeline semaphores are LMCache's CUDA events "
+			    "(cuda-python); a ROCm engine sends HIP IPC events");
+}
+
+static int hsa_fence_wait_value(struct kvt_dma_fence *f, const void *mem, uint64_t off,
+				uint64_t value)
+{
+	(void)f, (void)mem, (void)off, (void)value;
+	return hsa_no_values();
+}
+
+static int hsa_fence_signal_value(struct kvt_dma_fence *f, void *mem, uint64_t *off,
+				  uint64_t *value)
+{
+	(void)f, (void)mem, (void)off, (void)value;
+	return hsa_no_values();
+}
+
 const struct kvt_dma_ops kvt__dma_hsa_ops = {
 	.order_after = hsa_order_after,
+	.uuid = hsa_uuid,
+	.ipc_open = hsa_ipc_open,
+	.ipc_close = hsa_ipc_close,
+	.fence_open = hsa_fence_open,
+	.fence_wait = hsa_fence_wait,
+	.fence_stream = hsa_fence_stream,
+	.fence_signal = hsa_fence_signal,
+	.fence_wait_value = hsa_fence_wait_value,
+	.fence_signal_value = hsa_fence_signal_value,
+	.fence_close = hsa_fence_close,
 	.name = "hsa",
 	.init = hsa_init_be,
 	.fini = hsa_fini,

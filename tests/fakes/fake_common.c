@@ -1,11 +1,14 @@
 /* fake_common.c - device address window, region table, worker thread. */
 #include "fake_common.h"
 
+#define _GNU_SOURCE 1 /* memfd_create */
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define WINDOW_BYTES (64ULL << 30)
@@ -397,4 +400,77 @@ long fake_env_long(const char *name, long dflt)
 	const char *v = getenv(name);
 
 	return v && *v ? strtol(v, NULL, 0) : dflt;
+}
+
+/* ---- IPC ------------------------------------------------------------------- */
+
+#define MAX_IPC 256
+static struct { uint64_t dev; int fd; } exported[MAX_IPC];
+
+int fake_ipc_export(uint64_t dev, char *host, uint64_t len)
+{
+	int fd = -1, free_i = -1;
+
+	pthread_mutex_lock(&reg_lock);
+	for (int i = 0; i < MAX_IPC; i++) {
+		if (exported[i].dev == dev)
+			fd = exported[i].fd;
+		if (!exported[i].dev && free_i < 0)
+			free_i = i;
+	}
+	if (fd < 0 && free_i >= 0) {
+		/* the allocation moves onto a memfd: same address, same bytes
+		 * (copies into it must not run meanwhile; an engine exports
+		 * its KV cache before it uses it) */
+		fd = memfd_create("fake-gpu-ipc", MFD_CLOEXEC);
+		if (fd >= 0 && (ftruncate(fd, (off_t)FAKE_PAGES(len)) ||
+				pwrite(fd, host, len, 0) != (ssize_t)len ||
+				mmap(host, FAKE_PAGES(len), PROT_READ | PROT_WRITE,
+				     MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED)) {
+			close(fd);
+			fd = -1;
+		}
+		if (fd >= 0) {
+			exported[free_i].dev = dev;
+			exported[free_i].fd = fd;
+		}
+	}
+	pthread_mutex_unlock(&reg_lock);
+	return fd;
+}
+
+void fake_ipc_unexport(uint64_t dev)
+{
+	pthread_mutex_lock(&reg_lock);
+	for (int i = 0; i < MAX_IPC; i++)
+		if (exported[i].dev == dev) {
+			close(exported[i].fd);
+			exported[i].dev = 0;
+		}
+	pthread_mutex_unlock(&reg_lock);
+}
+
+int fake_ipc_map(int32_t pid, int32_t fd, uint64_t len, void **out)
+{
+	char path[64];
+	struct stat st;
+	void *p;
+	int f;
+
+	if (pid == getpid()) /* the drivers open handles of other processes only */
+		return FAKE_IPC_SELF;
+	snprintf(path, sizeof(path), "/proc/%d/fd/%d", pid, fd);
+	f = open(path, O_RDWR | O_CLOEXEC);
+	if (f < 0)
+		return FAKE_IPC_GONE;
+	if (fstat(f, &st) || (uint64_t)st.st_size < FAKE_PAGES(len)) {
+		close(f);
+		return FAKE_IPC_GONE;
+	}
+	p = mmap(NULL, FAKE_PAGES(len), PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+	close(f);
+	if (p == MAP_FAILED)
+		return FAKE_IPC_NOMEM;
+	*out = p;
+	return 0;
 }

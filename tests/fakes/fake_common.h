@@ -80,6 +80,19 @@ void fake_copy_settled(int dev);
 void fake_copy_resume(void);
 int fake_copy_halted(void);
 
+/* IPC between processes as the drivers do it.  An allocation's backing
+ * (whole pages, mmap'ed) moves onto a memfd at the same address with the
+ * same bytes at its first export (fake_ipc_export: the memfd, kept per
+ * device address until fake_ipc_unexport at its free); another process
+ * maps that memfd through /proc/PID/fd/FD (fake_ipc_map: 0, or
+ * FAKE_IPC_SELF -- the exporting process itself, which the drivers refuse
+ * --, FAKE_IPC_GONE -- no such process or memfd, or smaller than len --,
+ * FAKE_IPC_NOMEM).  Unmapped with munmap(p, FAKE_PAGES(len)). */
+#define FAKE_PAGES(n) (((uint64_t)(n) + 4095) & ~(uint64_t)4095)
+enum { FAKE_IPC_SELF = 1, FAKE_IPC_GONE, FAKE_IPC_NOMEM };
+int fake_ipc_export(uint64_t dev, char *host, uint64_t len);
+void fake_ipc_unexport(uint64_t dev);
+int fake_ipc_map(int32_t pid, int32_t fd, uint64_t len, void **out);
 /* Environment helpers. */
 long fake_env_long(const char *name, long dflt);
 

@@ -907,7 +907,6 @@ static CUresult f_cuMemHostGetDevicePointer(CUdeviceptr *dp, void *p, unsigned i
 	return CUDA_SUCCESS;
 }
 
-#define PAGES(n) (((uint64_t)(n) + 4095) & ~(uint64_t)4095)
 
 /* ---- IPC ------------------------------------------------------------------- */
 
@@ -921,85 +920,35 @@ struct ipc_wire {
 };
 _Static_assert(sizeof(struct ipc_wire) <= CU_IPC_HANDLE_SIZE, "a handle's bytes");
 
-/* allocations exported so far (their memfds) and handles opened here */
+/* handles opened here */
 #define MAX_IPC 256
-static struct { uint64_t dev; int fd; } exported[MAX_IPC];
 static struct { int32_t pid, fd; uint64_t dev; int refs; } opened[MAX_IPC];
-
-static void ipc_unexport(uint64_t dev)
-{
-	pthread_mutex_lock(&lock);
-	for (int i = 0; i < MAX_IPC; i++)
-		if (exported[i].dev == dev) {
-			close(exported[i].fd);
-			exported[i].dev = 0;
-		}
-	pthread_mutex_unlock(&lock);
-}
 
 static int ipc_map(const struct ipc_wire *w, int kind, uint64_t min_len, void **out)
 {
-	char path[64];
-	struct stat st;
-	void *p;
-	int fd;
+	static const CUresult why[] = { [FAKE_IPC_SELF] = CUDA_ERROR_INVALID_CONTEXT,
+					[FAKE_IPC_GONE] = CUDA_ERROR_INVALID_HANDLE,
+					[FAKE_IPC_NOMEM] = CUDA_ERROR_MAP_FAILED };
+	int rc;
 
 	if (w->magic != IPC_MAGIC || w->kind != kind || w->len < min_len)
 		return CUDA_ERROR_INVALID_VALUE;
-	if (w->pid == getpid()) /* the driver opens handles of other processes only */
-		return CUDA_ERROR_INVALID_CONTEXT;
-	snprintf(path, sizeof(path), "/proc/%d/fd/%d", w->pid, w->fd);
-	fd = open(path, O_RDWR | O_CLOEXEC);
-	if (fd < 0)
-		return CUDA_ERROR_INVALID_HANDLE; /* the exporter is gone */
-	if (fstat(fd, &st) || (uint64_t)st.st_size < PAGES(w->len)) {
-		close(fd);
-		return CUDA_ERROR_INVALID_HANDLE;
-	}
-	p = mmap(NULL, PAGES(w->len), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	close(fd);
-	if (p == MAP_FAILED)
-		return CUDA_ERROR_MAP_FAILED;
-	*out = p;
-	return CUDA_SUCCESS;
+	rc = fake_ipc_map(w->pid, w->fd, w->len, out);
+	return rc ? (int)why[rc] : CUDA_SUCCESS;
 }
 
 static CUresult f_cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dp)
 {
 	struct ipc_wire w = { .magic = IPC_MAGIC, .pid = getpid(), .fd = -1, .kind = 1 };
 	struct fake_region r;
-	int free_i = -1;
 
 	NEED_CTX();
 	if (!h || fake_region_find(dp, 1, &r) || r.dev != dp || r.kind != FAKE_DEV ||
 	    !(r.flags & FAKE_F_MMAP) || (r.flags & FAKE_F_IPC))
 		return CUDA_ERROR_INVALID_VALUE;
-	pthread_mutex_lock(&lock);
-	for (int i = 0; i < MAX_IPC; i++) {
-		if (exported[i].dev == dp)
-			w.fd = exported[i].fd;
-		if (!exported[i].dev && free_i < 0)
-			free_i = i;
-	}
-	if (w.fd < 0) {
-		/* the allocation moves onto a memfd: same address, same bytes
-		 * (copies into it must not run meanwhile; an engine exports
-		 * its KV cache before it uses it) */
-		int fd = free_i < 0 ? -1 : memfd_create("fake-cuda-ipc", MFD_CLOEXEC);
-		if (fd < 0 || ftruncate(fd, (off_t)PAGES(r.len)) ||
-		    pwrite(fd, r.host, r.len, 0) != (ssize_t)r.len ||
-		    mmap(r.host, PAGES(r.len), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
-			 0) == MAP_FAILED) {
-			if (fd >= 0)
-				close(fd);
-			pthread_mutex_unlock(&lock);
-			return CUDA_ERROR_OUT_OF_MEMORY;
-		}
-		exported[free_i].dev = dp;
-		exported[free_i].fd = fd;
-		w.fd = fd;
-	}
-	pthread_mutex_unlock(&lock);
+	w.fd = fake_ipc_export(dp, r.host, r.len);
+	if (w.fd < 0)
+		return CUDA_ERROR_OUT_OF_MEMORY;
 	w.len = r.len;
 	w.owner = r.owner;
 	memset(h, 0, sizeof(*h));
@@ -1038,7 +987,7 @@ static CUresult f_cuIpcOpenMemHandle(CUdeviceptr *dp, CUipcMemHandle h, unsigned
 		return (CUresult)rc;
 	dev = fake_region_add(FAKE_DEV, w.len, p, current()->dev, FAKE_F_MMAP | FAKE_F_IPC);
 	if (!dev) {
-		munmap(p, PAGES(w.len));
+		munmap(p, FAKE_PAGES(w.len));
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	pthread_mutex_lock(&lock);
@@ -1066,7 +1015,7 @@ static CUresult f_cuIpcCloseMemHandle(CUdeviceptr dp)
 		}
 	pthread_mutex_unlock(&lock);
 	fake_region_del(dp, NULL);
-	munmap(r.host, PAGES(r.len));
+	munmap(r.host, FAKE_PAGES(r.len));
 	return CUDA_SUCCESS;
 }
 
@@ -1195,13 +1144,13 @@ static CUresult f_cuMemAlloc(CUdeviceptr *dp, size_t bytes)
 	if (!dp || !bytes || bytes > (1ull << 40))
 		return CUDA_ERROR_INVALID_VALUE;
 	/* whole pages, so that an export can put a memfd in their place */
-	backing = mmap(NULL, PAGES(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+	backing = mmap(NULL, FAKE_PAGES(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
 		       -1, 0);
 	if (backing == MAP_FAILED)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	dev = fake_region_add(FAKE_DEV, bytes, backing, current()->dev, FAKE_F_MMAP);
 	if (!dev) {
-		munmap(backing, PAGES(bytes));
+		munmap(backing, FAKE_PAGES(bytes));
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	*dp = (CUdeviceptr)dev;
@@ -1218,8 +1167,8 @@ static CUresult f_cuMemFree(CUdeviceptr dp)
 		return CUDA_ERROR_INVALID_VALUE;
 	fake_region_del(r.dev, NULL);
 	if (r.flags & FAKE_F_MMAP) {
-		munmap(r.host, PAGES(r.len));
-		ipc_unexport(dp);
+		munmap(r.host, FAKE_PAGES(r.len));
+		fake_ipc_unexport(dp);
 	} else {
 		free(r.host);
 	}

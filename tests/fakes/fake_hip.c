@@ -16,19 +16,38 @@
  *     HIP's in-stream order), hipStreamSynchronize, hipDeviceSynchronize;
  *     plain (unpinned) host memory goes through a staging buffer, as
  *     HIP's own path does.
+ *   - IPC as HIP does it on ROCr: hipIpcGetMemHandle / hipIpcOpenMemHandle
+ *     / hipIpcCloseMemHandle over the HSA runtime's hsa_amd_ipc_memory_*
+ *     (the handle: ROCr's 32 bytes, then the allocation's size and the
+ *     pointer's offset in it), hipMemGetAddressRange; hipDeviceGetUuid
+ *     from the agent's HSA_AMD_AGENT_INFO_UUID as ROCm's HIP derives it
+ *     (the characters after "GPU-");
+ *   - events: hipEventRecord completes when the work queued on its stream
+ *     before it has run (its thread waits for the stream's signal),
+ *     hipStreamWaitEvent holds the stream's later work until the record
+ *     made before the wait completes; hipEventInterprocess events keep
+ *     their state on a shared page (process-shared mutex and condition),
+ *     so a record in one process completes a wait in another; an
+ *     imported event may be destroyed while waits on it are queued;
+ *   - kvt_fake_hip_kernel_write: a forward pass writing device memory
+ *     late, on a stream.
  * FAKE_HIP_DEVICES=0 in the environment: hipGetDeviceCount says
  * hipErrorNoDevice (a machine without a GPU).
  */
 #define __HIP_PLATFORM_AMD__ 1
 #include <hip/hip_runtime_api.h>
 
+#include "fake_common.h"
+
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/mman.h>
 
 #include <hsa/hsa.h>
 #include <hsa/hsa_ext_amd.h>
@@ -55,6 +74,9 @@ static struct {
 	__typeof__(&hsa_signal_add_screlease) signal_add;
 	__typeof__(&hsa_signal_subtract_screlease) signal_subtract;
 	__typeof__(&hsa_signal_wait_scacquire) signal_wait;
+	__typeof__(&hsa_amd_ipc_memory_create) ipc_create;
+	__typeof__(&hsa_amd_ipc_memory_attach) ipc_attach;
+	__typeof__(&hsa_amd_ipc_memory_detach) ipc_detach;
 	/* the fake HSA's compute lane, for fills (optional) */
 	hsa_status_t (*kernel_copy)(void *, hsa_agent_t, const void *, hsa_agent_t, size_t,
 				    hsa_signal_t);
@@ -136,6 +158,8 @@ static void init_once(void)
 	L(signal_create, "hsa_signal_create") L(signal_destroy, "hsa_signal_destroy")
 	L(signal_add, "hsa_signal_add_screlease") L(signal_subtract, "hsa_signal_subtract_screlease")
 	L(signal_wait, "hsa_signal_wait_scacquire")
+	L(ipc_create, "hsa_amd_ipc_memory_create") L(ipc_attach, "hsa_amd_ipc_memory_attach")
+	L(ipc_detach, "hsa_amd_ipc_memory_detach")
 #undef L
 	*(void **)&F.kernel_copy = dlsym(h, "kvt_fake_hsa_kernel_copy");
 	if (F.init() || F.iterate_agents(agent_cb, NULL) || !have_cpu_pool) {
@@ -441,40 +465,69 @@ static void *run_fill(void *arg)
 	return NULL;
 }
 
-EXPORT hipError_t hipMemsetAsync(void *dst, int value, size_t n, hipStream_t s)
+/* A thread doing a piece of the stream's work, joined at its synchronize
+ * (its staging buffer, if any, freed then); a full stream is synchronized
+ * first.  counted: the work holds the stream's later work (its signal
+ * counts it from here; the thread subtracts it). */
+static hipError_t stream_thread(struct ihipStream_t *st, void *(*fn)(void *), void *arg,
+				void *stage, int counted)
 {
-	struct ihipStream_t *st = s ? s : &null_stream;
-	hipError_t e = ready();
-	struct fill *fl;
 	pthread_t th;
-	void *d;
+	hipError_t e;
 
-	if (e)
+	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(st == &null_stream ? NULL : st)))
 		return e;
-	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(s)))
-		return e;
-	fl = calloc(1, sizeof(*fl));
-	if (!fl)
-		return hipErrorOutOfMemory;
-	d = copyable(dst, n, &fl->agent);
-	if (!d || (e = hipHostMalloc(&fl->stage, n, 0))) {
-		free(fl);
-		return d ? e : hipErrorInvalidValue;
-	}
-	memset(fl->stage, value, n);
-	*fl = (struct fill){ .dst = d, .stage = fl->stage, .agent = fl->agent, .n = n, .st = st,
-			     .delay_us = (unsigned)fake_env_long_hip("FAKE_HIP_FILL_US", 20000) };
-	F.signal_add(st->sig, 1);
-	void *stage = fl->stage;
-	if (pthread_create(&th, NULL, run_fill, fl)) {
-		F.signal_subtract(st->sig, 1);
-		hipHostFree(stage);
-		free(fl);
+	if (counted)
+		F.signal_add(st->sig, 1);
+	if (pthread_create(&th, NULL, fn, arg)) {
+		if (counted)
+			F.signal_subtract(st->sig, 1);
 		return hipErrorOutOfMemory;
 	}
 	st->fills[st->n_fills] = stage;
 	st->fill_th[st->n_fills++] = th;
 	return hipSuccess;
+}
+
+static hipError_t fill_async(void *dst, int value, size_t n, struct ihipStream_t *st,
+			     unsigned delay_us)
+{
+	hipError_t e = ready();
+	struct fill *fl;
+	void *d, *stage = NULL;
+
+	if (e)
+		return e;
+	fl = calloc(1, sizeof(*fl));
+	if (!fl)
+		return hipErrorOutOfMemory;
+	d = copyable(dst, n, &fl->agent);
+	if (!d || (e = hipHostMalloc(&stage, n, 0))) {
+		free(fl);
+		return d ? e : hipErrorInvalidValue;
+	}
+	memset(stage, value, n);
+	*fl = (struct fill){ .dst = d, .stage = stage, .agent = fl->agent, .n = n, .st = st,
+			     .delay_us = delay_us };
+	if ((e = stream_thread(st, run_fill, fl, stage, 1))) {
+		hipHostFree(stage);
+		free(fl);
+	}
+	return e;
+}
+
+EXPORT hipError_t hipMemsetAsync(void *dst, int value, size_t n, hipStream_t s)
+{
+	return fill_async(dst, value, n, s ? s : &null_stream,
+			  (unsigned)fake_env_long_hip("FAKE_HIP_FILL_US", 20000));
+}
+
+/* A forward pass writing n bytes of `byte` at dev, delay_us late, on the
+ * stream (tests/lmcache's engines). */
+EXPORT int kvt_fake_hip_kernel_write(hipStream_t s, void *dev, int byte, size_t n,
+				     unsigned delay_us)
+{
+	return (int)fill_async(dev, byte, n, s ? s : &null_stream, delay_us);
 }
 
 /* hipStreamWriteValue64: the value lands in ptr once the work queued on the
@@ -503,25 +556,18 @@ EXPORT hipError_t hipStreamWriteValue64(hipStream_t s, void *ptr, uint64_t value
 	struct ihipStream_t *st = s ? s : &null_stream;
 	hipError_t e = ready();
 	struct write_value *w;
-	pthread_t th;
 
 	if (e)
 		return e;
 	if (!ptr || (uintptr_t)ptr % 8 || flags)
 		return hipErrorInvalidValue;
-	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(s)))
-		return e;
 	w = malloc(sizeof(*w));
 	if (!w)
 		return hipErrorOutOfMemory;
 	*w = (struct write_value){ .st = st, .ptr = ptr, .value = (int64_t)value };
-	if (pthread_create(&th, NULL, run_write_value, w)) {
+	if ((e = stream_thread(st, run_write_value, w, NULL, 0)))
 		free(w);
-		return hipErrorOutOfMemory;
-	}
-	st->fills[st->n_fills] = NULL;
-	st->fill_th[st->n_fills++] = th;
-	return hipSuccess;
+	return e;
 }
 
 EXPORT hipError_t hipMemcpy(void *dst, const void *src, size_t n, hipMemcpyKind kind)
@@ -549,4 +595,387 @@ EXPORT hipError_t hipMemcpy(void *dst, const void *src, size_t n, hipMemcpyKind 
 	}
 	e = copy(dst, src, n, &null_stream);
 	return e ? e : hipStreamSynchronize(NULL);
+}
+
+EXPORT hipError_t hipStreamCreateWithFlags(hipStream_t *s, unsigned int flags)
+{
+	if (flags & ~(unsigned)hipStreamNonBlocking)
+		return hipErrorInvalidValue;
+	return hipStreamCreate(s);
+}
+
+/* ---- devices and IPC memory ------------------------------------------------ */
+
+EXPORT hipError_t hipDeviceGetUuid(hipUUID *uuid, hipDevice_t d)
+{
+	char s[32] = { 0 };
+
+	if (ready() || d < 0 || d >= n_gpus)
+		return hipErrorInvalidDevice;
+	if (!uuid)
+		return hipErrorInvalidValue;
+	if (F.agent_get_info(gpus[d], (hsa_agent_info_t)HSA_AMD_AGENT_INFO_UUID, s) ||
+	    strncmp(s, "GPU-", 4))
+		return hipErrorInvalidDevice;
+	memset(uuid->bytes, 0, sizeof(uuid->bytes));
+	memcpy(uuid->bytes, s + 4, strnlen(s + 4, sizeof(uuid->bytes)));
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipMemGetAddressRange(hipDeviceptr_t *base, size_t *size, hipDeviceptr_t p)
+{
+	hsa_amd_pointer_info_t info = { .size = sizeof(info) };
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (F.pointer_info(p, &info, NULL, NULL, NULL) || info.type == HSA_EXT_POINTER_TYPE_UNKNOWN)
+		return hipErrorNotFound;
+	if (base)
+		*base = info.agentBaseAddress;
+	if (size)
+		*size = info.sizeInBytes;
+	return hipSuccess;
+}
+
+/* What HIP puts in a hipIpcMemHandle_t (its layout, not ours to rely on
+ * elsewhere): ROCr's handle, the allocation's size, the pointer's offset */
+struct ipc_mem_wire {
+	hsa_amd_ipc_memory_t h;
+	uint64_t size, offset;
+};
+_Static_assert(sizeof(struct ipc_mem_wire) <= sizeof(hipIpcMemHandle_t), "a handle's bytes");
+
+EXPORT hipError_t hipIpcGetMemHandle(hipIpcMemHandle_t *handle, void *p)
+{
+	hsa_amd_pointer_info_t info = { .size = sizeof(info) };
+	struct ipc_mem_wire w;
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (!handle || F.pointer_info(p, &info, NULL, NULL, NULL) ||
+	    info.type != HSA_EXT_POINTER_TYPE_HSA || !info.agentOwner.handle)
+		return hipErrorInvalidValue;
+	memset(&w, 0, sizeof(w));
+	if (F.ipc_create(info.agentBaseAddress, info.sizeInBytes, &w.h))
+		return hipErrorInvalidValue;
+	w.size = info.sizeInBytes;
+	w.offset = (uint64_t)((char *)p - (char *)info.agentBaseAddress);
+	memset(handle, 0, sizeof(*handle));
+	memcpy(handle->reserved, &w, sizeof(w));
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipIpcOpenMemHandle(void **p, hipIpcMemHandle_t handle, unsigned int flags)
+{
+	struct ipc_mem_wire w;
+	void *base = NULL;
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (!p || flags > 1 || !n_gpus)
+		return hipErrorInvalidValue;
+	memcpy(&w, handle.reserved, sizeof(w));
+	if (w.offset >= w.size || F.ipc_attach(&w.h, w.size, 1, &gpus[cur], &base))
+		return hipErrorInvalidHandle;
+	*p = (char *)base + w.offset;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipIpcCloseMemHandle(void *p)
+{
+	hsa_amd_pointer_info_t info = { .size = sizeof(info) };
+
+	if (ready() || F.pointer_info(p, &info, NULL, NULL, NULL))
+		return hipErrorInvalidValue;
+	return F.ipc_detach(info.agentBaseAddress) ? hipErrorInvalidValue : hipSuccess;
+}
+
+/* ---- events ---------------------------------------------------------------- */
+
+#define EVENT_MAGIC 0x4b56544849504556ull
+#define EVENT_PAGE  4096
+#define IPC_EVENT_MAGIC 0x4b56545048495045ull
+
+/* an event's state: on a page of its own, shared, for an interprocess one */
+struct event_state {
+	uint64_t magic;
+	pthread_mutex_t m;
+	pthread_cond_t c;
+	uint64_t issued, reached; /* records made, the latest record reached */
+};
+
+/* refs: the handle's, and one per queued record or wait */
+struct ihipEvent_t {
+	uint64_t magic;
+	struct event_state *s;
+	int fd;       /* an interprocess event's memfd (its exporter), or -1 */
+	int imported; /* s maps another process's page */
+	atomic_int refs;
+};
+
+struct ipc_event_wire {
+	uint64_t magic;
+	int32_t pid, fd;
+};
+_Static_assert(sizeof(struct ipc_event_wire) <= sizeof(hipIpcEventHandle_t), "a handle's bytes");
+
+static struct ihipEvent_t *event_ref(hipEvent_t e)
+{
+	if (!e || e->magic != EVENT_MAGIC)
+		return NULL;
+	atomic_fetch_add(&e->refs, 1);
+	return e;
+}
+
+static void event_put(struct ihipEvent_t *e)
+{
+	if (atomic_fetch_sub(&e->refs, 1) != 1)
+		return;
+	e->magic = 0;
+	if (e->imported || e->fd >= 0) { /* importers keep their own mapping */
+		if (e->fd >= 0)
+			close(e->fd);
+		munmap(e->s, EVENT_PAGE);
+	} else {
+		pthread_mutex_destroy(&e->s->m);
+		pthread_cond_destroy(&e->s->c);
+		free(e->s);
+	}
+	free(e);
+}
+
+EXPORT hipError_t hipEventCreateWithFlags(hipEvent_t *out, unsigned flags)
+{
+	struct ihipEvent_t *e;
+	hipError_t r = ready();
+
+	if (r)
+		return r;
+	if (!out || (flags & ~(unsigned)(hipEventDisableTiming | hipEventInterprocess |
+					 hipEventBlockingSync)))
+		return hipErrorInvalidValue;
+	if ((flags & hipEventInterprocess) && !(flags & hipEventDisableTiming))
+		return hipErrorInvalidValue; /* as HIP asks */
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return hipErrorOutOfMemory;
+	e->fd = -1;
+	if (flags & hipEventInterprocess) {
+		pthread_mutexattr_t ma;
+		pthread_condattr_t ca;
+
+		e->fd = memfd_create("fake-hip-event", MFD_CLOEXEC);
+		if (e->fd < 0 || ftruncate(e->fd, EVENT_PAGE) ||
+		    (e->s = mmap(NULL, EVENT_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, e->fd, 0)) ==
+			    MAP_FAILED) {
+			if (e->fd >= 0)
+				close(e->fd);
+			free(e);
+			return hipErrorOutOfMemory;
+		}
+		pthread_mutexattr_init(&ma);
+		pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+		pthread_condattr_init(&ca);
+		pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+		pthread_mutex_init(&e->s->m, &ma);
+		pthread_cond_init(&e->s->c, &ca);
+	} else {
+		e->s = calloc(1, sizeof(*e->s));
+		if (!e->s) {
+			free(e);
+			return hipErrorOutOfMemory;
+		}
+		pthread_mutex_init(&e->s->m, NULL);
+		pthread_cond_init(&e->s->c, NULL);
+	}
+	e->s->magic = IPC_EVENT_MAGIC;
+	e->magic = EVENT_MAGIC;
+	atomic_init(&e->refs, 1);
+	*out = e;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipEventCreate(hipEvent_t *out)
+{
+	return hipEventCreateWithFlags(out, 0);
+}
+
+EXPORT hipError_t hipEventDestroy(hipEvent_t e)
+{
+	if (!e || e->magic != EVENT_MAGIC)
+		return hipErrorInvalidHandle;
+	event_put(e); /* after the records and waits queued on it */
+	return hipSuccess;
+}
+
+struct event_op {
+	struct ihipStream_t *st;
+	struct ihipEvent_t *e;
+	uint64_t target;
+};
+
+/* a record: reached once the stream's work before it has run */
+static void *run_record(void *arg)
+{
+	struct event_op *op = arg;
+	struct event_state *s = op->e->s;
+
+	F.signal_wait(op->st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX, HSA_WAIT_STATE_BLOCKED);
+	pthread_mutex_lock(&s->m);
+	if (s->reached < op->target)
+		s->reached = op->target;
+	pthread_cond_broadcast(&s->c);
+	pthread_mutex_unlock(&s->m);
+	event_put(op->e);
+	free(op);
+	return NULL;
+}
+
+EXPORT hipError_t hipEventRecord(hipEvent_t ev, hipStream_t s)
+{
+	struct ihipStream_t *st = s ? s : &null_stream;
+	struct event_op *op;
+	hipError_t r = ready();
+
+	if (r)
+		return r;
+	if (!ev || ev->magic != EVENT_MAGIC || ev->imported)
+		return hipErrorInvalidHandle; /* an import is only waited on */
+	op = malloc(sizeof(*op));
+	if (!op)
+		return hipErrorOutOfMemory;
+	pthread_mutex_lock(&ev->s->m);
+	op->target = ++ev->s->issued;
+	pthread_mutex_unlock(&ev->s->m);
+	op->st = st;
+	op->e = event_ref(ev);
+	if ((r = stream_thread(st, run_record, op, NULL, 0))) {
+		event_put(op->e);
+		free(op);
+	}
+	return r;
+}
+
+static void event_wait(struct event_state *s, uint64_t target)
+{
+	pthread_mutex_lock(&s->m);
+	while (s->reached < target)
+		pthread_cond_wait(&s->c, &s->m);
+	pthread_mutex_unlock(&s->m);
+}
+
+EXPORT hipError_t hipEventSynchronize(hipEvent_t e)
+{
+	uint64_t target;
+
+	if (!e || e->magic != EVENT_MAGIC)
+		return hipErrorInvalidHandle;
+	pthread_mutex_lock(&e->s->m);
+	target = e->s->issued;
+	pthread_mutex_unlock(&e->s->m);
+	event_wait(e->s, target);
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipEventQuery(hipEvent_t e)
+{
+	hipError_t r;
+
+	if (!e || e->magic != EVENT_MAGIC)
+		return hipErrorInvalidHandle;
+	pthread_mutex_lock(&e->s->m);
+	r = e->s->reached >= e->s->issued ? hipSuccess : hipErrorNotReady;
+	pthread_mutex_unlock(&e->s->m);
+	return r;
+}
+
+/* a wait: the stream's later work held until the record made before it */
+static void *run_wait(void *arg)
+{
+	struct event_op *op = arg;
+
+	event_wait(op->e->s, op->target);
+	F.signal_subtract(op->st->sig, 1);
+	event_put(op->e);
+	free(op);
+	return NULL;
+}
+
+EXPORT hipError_t hipStreamWaitEvent(hipStream_t s, hipEvent_t ev, unsigned int flags)
+{
+	struct ihipStream_t *st = s ? s : &null_stream;
+	struct event_op *op;
+	hipError_t r = ready();
+
+	if (r)
+		return r;
+	if (!ev || ev->magic != EVENT_MAGIC || flags)
+		return hipErrorInvalidHandle;
+	op = malloc(sizeof(*op));
+	if (!op)
+		return hipErrorOutOfMemory;
+	pthread_mutex_lock(&ev->s->m);
+	op->target = ev->s->issued;
+	pthread_mutex_unlock(&ev->s->m);
+	op->st = st;
+	op->e = event_ref(ev);
+	if ((r = stream_thread(st, run_wait, op, NULL, 1))) {
+		event_put(op->e);
+		free(op);
+	}
+	return r;
+}
+
+EXPORT hipError_t hipIpcGetEventHandle(hipIpcEventHandle_t *h, hipEvent_t e)
+{
+	struct ipc_event_wire w = { .magic = IPC_EVENT_MAGIC, .pid = getpid() };
+
+	if (!h)
+		return hipErrorInvalidValue;
+	if (!e || e->magic != EVENT_MAGIC || e->imported || e->fd < 0)
+		return hipErrorInvalidHandle; /* not created interprocess here */
+	w.fd = e->fd;
+	memset(h, 0, sizeof(*h));
+	memcpy(h->reserved, &w, sizeof(w));
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipIpcOpenEventHandle(hipEvent_t *out, hipIpcEventHandle_t h)
+{
+	struct ipc_event_wire w;
+	struct ihipEvent_t *e;
+	void *p;
+	hipError_t r = ready();
+
+	if (r)
+		return r;
+	if (!out)
+		return hipErrorInvalidValue;
+	memcpy(&w, h.reserved, sizeof(w));
+	if (w.magic != IPC_EVENT_MAGIC)
+		return hipErrorInvalidValue;
+	switch (fake_ipc_map(w.pid, w.fd, EVENT_PAGE, &p)) {
+	case 0:
+		break;
+	case FAKE_IPC_SELF:
+		return hipErrorInvalidContext;
+	case FAKE_IPC_GONE:
+		return hipErrorInvalidHandle;
+	default:
+		return hipErrorMapFailed;
+	}
+	if (((struct event_state *)p)->magic != IPC_EVENT_MAGIC || !(e = calloc(1, sizeof(*e)))) {
+		munmap(p, EVENT_PAGE);
+		return hipErrorInvalidHandle;
+	}
+	e->s = p;
+	e->fd = -1;
+	e->imported = 1;
+	e->magic = EVENT_MAGIC;
+	atomic_init(&e->refs, 1);
+	*out = e;
+	return hipSuccess;
 }

@@ -56,6 +56,8 @@
 #define MAX_GPUS    8
 #define N_SDMA      2
 #define SIG_MAGIC   0x5349474e414c5f5full
+#define IPC_MAGIC   0x4b564950u /* hsa_amd_ipc_memory_t's first word */
+#define F_IPC       0x2u        /* region flag: an attached IPC allocation */
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int init_count;
@@ -298,6 +300,17 @@ EXPORT hsa_status_t hsa_agent_get_info(hsa_agent_t agent, hsa_agent_info_t attri
 		memset(value, 0, 64);
 		snprintf(value, 64, g >= 0 ? "fake-gfx942" : "fake-cpu");
 		return HSA_STATUS_SUCCESS;
+	case HSA_AMD_AGENT_INFO_UUID:
+		/* "GPU-" and the unique id in 16 hex digits (21 bytes with the
+		 * NUL); FAKE_HSA_UUID_XX: "GPU-XX", as agents without one say */
+		memset(value, 0, 21);
+		if (g < 0)
+			snprintf(value, 21, "CPU-XX");
+		else if (fake_env_long("FAKE_HSA_UUID_XX", 0))
+			snprintf(value, 21, "GPU-XX");
+		else
+			snprintf(value, 21, "GPU-%016llx", 0x6b76746661b30000ull + (unsigned)g);
+		return HSA_STATUS_SUCCESS;
 #ifndef FAKE_HSA_52
 	case 0xA10A: /* HSA_AMD_AGENT_INFO_NUM_SDMA_ENG (ROCm 5.6+) */
 		if (g < 0)
@@ -375,14 +388,16 @@ EXPORT hsa_status_t hsa_amd_memory_pool_allocate(hsa_amd_memory_pool_t pool, siz
 	if (!size || !ptr || flags)
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
 	if (h >= GPU_POOL && h < GPU_POOL + (uint64_t)n_gpus) {
-		char *backing = calloc(1, size);
+		/* whole pages, so that an IPC export can put a memfd in their place */
+		char *backing = mmap(NULL, FAKE_PAGES(size), PROT_READ | PROT_WRITE,
+				     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 		uint64_t dev;
 
-		if (!backing)
+		if (backing == MAP_FAILED)
 			return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
 		dev = fake_region_add(FAKE_DEV, size, backing, (int)(h - GPU_POOL), 0);
 		if (!dev) {
-			free(backing);
+			munmap(backing, FAKE_PAGES(size));
 			return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
 		}
 		*ptr = (void *)(uintptr_t)dev;
@@ -410,10 +425,15 @@ EXPORT hsa_status_t hsa_amd_memory_pool_free(void *ptr)
 	if (!inited())
 		return HSA_STATUS_ERROR_NOT_INITIALIZED;
 	if (fake_region_find((uint64_t)(uintptr_t)ptr, 1, &r) || r.dev != (uint64_t)(uintptr_t)ptr ||
-	    (r.kind != FAKE_DEV && r.kind != FAKE_SYS))
+	    (r.kind != FAKE_DEV && r.kind != FAKE_SYS) || (r.flags & F_IPC))
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
 	fake_region_del(r.dev, NULL);
-	free(r.host);
+	if (r.kind == FAKE_DEV) {
+		munmap(r.host, FAKE_PAGES(r.len));
+		fake_ipc_unexport(r.dev);
+	} else {
+		free(r.host);
+	}
 	return HSA_STATUS_SUCCESS;
 }
 
@@ -1043,4 +1063,81 @@ EXPORT hsa_status_t hsa_amd_register_system_event_handler(hsa_amd_system_event_c
 	}
 	pthread_mutex_unlock(&lock);
 	return st;
+}
+
+/* ---- IPC memory ------------------------------------------------------------
+ * As ROCr: hsa_amd_ipc_memory_create exports a whole allocation of this
+ * process's GPU pool; hsa_amd_ipc_memory_attach in another process maps it
+ * as device memory of the exporting GPU (refused in the exporting process,
+ * and once the exporter is gone); detach unmaps it.  The handle's 32 bytes
+ * name the exporter's pid and memfd (fake_ipc_export). */
+struct ipc_wire {
+	uint32_t magic;
+	int32_t pid, fd, owner;
+	uint64_t len;
+};
+_Static_assert(sizeof(struct ipc_wire) <= sizeof(hsa_amd_ipc_memory_t), "a handle's bytes");
+
+EXPORT hsa_status_t hsa_amd_ipc_memory_create(void *ptr, size_t len, hsa_amd_ipc_memory_t *handle)
+{
+	struct ipc_wire w = { .magic = IPC_MAGIC, .pid = getpid() };
+	struct fake_region r;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!handle || fake_region_find((uint64_t)(uintptr_t)ptr, 1, &r) ||
+	    r.dev != (uint64_t)(uintptr_t)ptr || r.kind != FAKE_DEV || (r.flags & F_IPC) ||
+	    !len || len > FAKE_PAGES(r.len))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	w.fd = fake_ipc_export(r.dev, r.host, r.len);
+	if (w.fd < 0)
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	w.owner = r.owner;
+	w.len = len;
+	memset(handle, 0, sizeof(*handle));
+	memcpy(handle, &w, sizeof(w));
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_ipc_memory_attach(const hsa_amd_ipc_memory_t *handle, size_t len,
+					      uint32_t num_agents, const hsa_agent_t *mapping_agents,
+					      void **mapped_ptr)
+{
+	struct ipc_wire w;
+	uint64_t dev;
+	void *p;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (!handle || !mapped_ptr || (num_agents && !mapping_agents))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	for (uint32_t i = 0; i < num_agents; i++)
+		if (gpu_of(mapping_agents[i]) < 0)
+			return HSA_STATUS_ERROR_INVALID_AGENT;
+	memcpy(&w, handle, sizeof(w));
+	if (w.magic != IPC_MAGIC || w.len != len || w.owner < 0 || w.owner >= n_gpus)
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	if (fake_ipc_map(w.pid, w.fd, w.len, &p))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	dev = fake_region_add(FAKE_DEV, w.len, p, w.owner, F_IPC);
+	if (!dev) {
+		munmap(p, FAKE_PAGES(w.len));
+		return HSA_STATUS_ERROR_OUT_OF_RESOURCES;
+	}
+	*mapped_ptr = (void *)(uintptr_t)dev;
+	return HSA_STATUS_SUCCESS;
+}
+
+EXPORT hsa_status_t hsa_amd_ipc_memory_detach(void *mapped_ptr)
+{
+	struct fake_region r;
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (fake_region_find((uint64_t)(uintptr_t)mapped_ptr, 1, &r) ||
+	    r.dev != (uint64_t)(uintptr_t)mapped_ptr || !(r.flags & F_IPC))
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	fake_region_del(r.dev, NULL);
+	munmap(r.host, FAKE_PAGES(r.len));
+	return HSA_STATUS_SUCCESS;
 }

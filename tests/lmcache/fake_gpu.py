@@ -4,7 +4,9 @@ driver API as torch calls it underneath: device memory, its IPC handle,
 interprocess events recorded on the engine's stream, a late "kernel" that
 writes KV as a forward pass does.  For tests/lmcache's GPU descriptor
 tests: kvtierd, given the same fake (KVTIER_CUDA_LIBRARY), opens these
-handles in its own process."""
+handles in its own process.  FakeHip: the same on ROCm, through HIP as
+torch's ROCm build calls it (tests/fakes/fake_hip.c on the fake HSA,
+KVTIER_FAKE_HIP)."""
 import ctypes
 import os
 
@@ -133,3 +135,80 @@ class FakeCuda:
         """A forward pass writing n bytes at dev late, on the engine's stream."""
         if self.lib.kvt_fake_cuda_kernel_write(self.stream, dev, byte, n, delay_us):
             raise CudaError("kvt_fake_cuda_kernel_write")
+
+
+HIP_MEMCPY_H2D, HIP_MEMCPY_D2H = 1, 2
+HIP_EVENT_DISABLE_TIMING, HIP_EVENT_INTERPROCESS = 0x2, 0x4
+
+
+class FakeHip:
+    """A ROCm engine: HIP's runtime API, as torch's ROCm build uses it for
+    the same things (hipMalloc, hipIpcGetMemHandle, interprocess events
+    on the engine's stream)."""
+
+    def __init__(self, device=0, path=None):
+        self.lib = ctypes.CDLL(path or os.environ["KVTIER_FAKE_HIP"])
+        self.dev = device
+        self.call("hipSetDevice", ctypes.c_int)(device)
+        self.stream = ctypes.c_void_p()
+        self.call("hipStreamCreate", ctypes.c_void_p)(ctypes.byref(self.stream))
+        self.stream = self.stream.value
+
+    def call(self, name, *argtypes):
+        fn = getattr(self.lib, name)
+        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+
+        def checked(*args):
+            r = fn(*args)
+            if r:
+                raise CudaError("%s: hipError %d" % (name, r))
+        return checked
+
+    def uuid(self):
+        """torch's str(props.uuid) on ROCm: hipDeviceGetUuid's bytes."""
+        b = (ctypes.c_ubyte * 16)()
+        self.call("hipDeviceGetUuid", ctypes.c_void_p, ctypes.c_int)(b, self.dev)
+        h = bytes(b).hex()
+        return "-".join((h[:8], h[8:12], h[12:16], h[16:20], h[20:]))
+
+    def alloc(self, n):
+        p = ctypes.c_void_p()
+        self.call("hipMalloc", ctypes.c_void_p, ctypes.c_size_t)(ctypes.byref(p), n)
+        return p.value
+
+    def write(self, dev, data):
+        self.call("hipMemcpy", ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                  ctypes.c_int)(dev, data, len(data), HIP_MEMCPY_H2D)
+
+    def read(self, dev, n):
+        buf = ctypes.create_string_buffer(n)
+        self.call("hipMemcpy", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                  ctypes.c_int)(buf, dev, n, HIP_MEMCPY_D2H)
+        return buf.raw
+
+    def mem_handle(self, dev):
+        h = (ctypes.c_ubyte * 64)()
+        self.call("hipIpcGetMemHandle", ctypes.c_void_p, ctypes.c_void_p)(h, dev)
+        return bytes(h)
+
+    def event(self):
+        ev = ctypes.c_void_p()
+        self.call("hipEventCreateWithFlags", ctypes.c_void_p, ctypes.c_uint)(
+            ctypes.byref(ev), HIP_EVENT_INTERPROCESS | HIP_EVENT_DISABLE_TIMING)
+        self.call("hipEventRecord", ctypes.c_void_p, ctypes.c_void_p)(ev, self.stream)
+        h = (ctypes.c_ubyte * 64)()
+        self.call("hipIpcGetEventHandle", ctypes.c_void_p, ctypes.c_void_p)(h, ev)
+        return ev, bytes(h)
+
+    def wait_ipc_event(self, handle):
+        ev = ctypes.c_void_p()
+        self.call("hipIpcOpenEventHandle", ctypes.c_void_p, IpcHandle)(
+            ctypes.byref(ev), IpcHandle((ctypes.c_ubyte * 64)(*handle)))
+        self.call("hipStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)(
+            self.stream, ev, 0)
+        self.call("hipEventDestroy", ctypes.c_void_p)(ev)
+        self.call("hipStreamSynchronize", ctypes.c_void_p)(self.stream)
+
+    def kernel_write(self, dev, byte, n, delay_us):
+        self.call("kvt_fake_hip_kernel_write", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                  ctypes.c_size_t, ctypes.c_uint)(self.stream, dev, byte, n, delay_us)

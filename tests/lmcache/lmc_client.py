@@ -203,9 +203,10 @@ class Client:
             CudaIPCData, RawCudaIPCData, TensorMetadata)
         from lmcache.v1.platform.devices.cuda.ipc_wrapper import (
             CudaIPCWrapper, RawCudaIPCWrapper)
-        from fake_gpu import FakeCuda
+        from fake_gpu import FakeCuda, FakeHip
         if not getattr(self, "gpu", None):
-            self.gpu = FakeCuda(device)
+            self.gpu = FakeHip(device) if os.environ.get("KVTIER_FAKE_HIP") else \
+                FakeCuda(device)
         self.events = []
         lb = 2 * blocks * heads * block * head * 2
         self.gpu_shape = (blocks, heads * block * head * 2)

@@ -773,13 +773,31 @@ def gpu_env(**more):
     return e
 
 
+# ROCm: the fake HSA runtime and HIP on it (tests/fakes/fake_hsa.c,
+# fake_hip.c), kvtierd's hsa backend opening HIP's IPC handles; kvtierd
+# keeps the fake libcuda too (its devices' UUIDs are not the engine's: the
+# hsa backend is the one that has them).
+FAKES = os.path.join(BUILD, "tests", "dma", "fakes")
+
+
+def hip_env(engine=False, **more):
+    sfx = "-plain" if engine and os.path.exists(os.path.join(FAKES, "hip-plain")) else ""
+    hip = os.path.join(FAKES, "hip" + sfx, "libamdhip64.so.5")
+    if not os.path.exists(hip):
+        pytest.skip("no fake HIP in this build (built without the HIP headers)")
+    e = gpu_env(KVTIER_HSA_LIBRARY=os.path.join(FAKES, "hsa56" + sfx, "libhsa-runtime64.so.1"),
+                FAKE_HSA_GPUS="2", **more)
+    e["KVTIER_FAKE_HIP" if engine else "KVTIER_HIP_LIBRARY"] = hip
+    return e
+
+
 def gpu_kv(p, seed, **more):
     return p.ok(op="gpu_kv", layers=LAYERS, blocks=64, heads=HEADS, block=BLOCK, head=HEAD,
                 seed=seed, **more)
 
 
-@pytest.mark.parametrize("timeline", [False, True], ids=["ipc_events", "timeline"])
-def test_gpu_descriptors_ordered_by_the_engines_events(procs, timeline):
+@pytest.mark.parametrize("mode", ["ipc_events", "timeline", "rocm"])
+def test_gpu_descriptors_ordered_by_the_engines_events(procs, mode):
     """A GPU engine's KV cache as LMCache's adapters register it -- torch's
     "cuda" descriptors (one cudaMalloc block, a layer at an offset) from
     one process, "cuda_raw" ones (a driver handle a layer, on the second
@@ -794,10 +812,16 @@ def test_gpu_descriptors_ordered_by_the_engines_events(procs, timeline):
         kvtierd's copies run late (FAKE_GPU_JITTER_US) -- byte-exact.
     timeline: the same with LMCache's isolated-IPC events (timeline
     semaphores in IPC memory, for engines in containers without the
-    host's /dev/shm), answered in the same form (81 bytes)."""
-    d = Daemon("lmg%d" % os.getpid(), env=gpu_env(FAKE_GPU_JITTER_US="3000"))
+    host's /dev/shm), answered in the same form (81 bytes).
+    rocm: ROCm engines -- the same descriptors with HIP's handles inside
+    (torch's ROCm build), kvtierd finding the device among the hsa
+    backend's, opening them with HIP, copying with SDMA, ordering with
+    HIP's events."""
+    timeline = mode == "timeline"
+    env = hip_env if mode == "rocm" else lambda engine=False, **more: gpu_env(**more)
+    d = Daemon("lmg%d" % os.getpid(), env=env(FAKE_GPU_JITTER_US="3000"))
     try:
-        a, b = procs(d.url, gpu_env()), procs(d.url, gpu_env())
+        a, b = procs(d.url, env(engine=True)), procs(d.url, env(engine=True))
         gpu_kv(a, 1)
         gpu_kv(b, 2, raw=True, device=1)
         assert a.ok(op="register", iid=31, model=MODEL, world=1, groups_tpb=BLOCK) is None
@@ -830,6 +854,30 @@ def test_gpu_descriptors_ordered_by_the_engines_events(procs, timeline):
         # fence gone -- a sanitized kvtierd's exit says what leaked)
         b.kill()
         until(lambda: d.metric("kvtier_lmcache_clients") == 1, "the killed engine gone")
+    finally:
+        d.close()
+
+
+def test_rocm_descriptors_checked_against_the_runtime(procs):
+    """ROCm's descriptors are checked as NVIDIA's: a raw descriptor that
+    claims more than its allocation holds (HIP's hipMemGetAddressRange
+    says how much), refused by name.  And GPUs the driver gives no
+    unique id ("GPU-XX", the same UUID on every one): kvtierd cannot tell
+    which is the engine's, and says so rather than guess."""
+    d = Daemon("lmr%d" % os.getpid(), env=hip_env())
+    try:
+        a = procs(d.url, hip_env(engine=True))
+        gpu_kv(a, 1, raw=True, forge=True)
+        r = a(op="register", iid=51, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "of an allocation of" in r.get("err", ""), r
+    finally:
+        d.close()
+    d = Daemon("lms%d" % os.getpid(), env=hip_env(FAKE_HSA_UUID_XX="1"))
+    try:
+        a = procs(d.url, hip_env(engine=True, FAKE_HSA_UUID_XX="1"))
+        assert gpu_kv(a, 1) == "58580000-0000-0000-0000-000000000000"  # "XX", as ROCm gives
+        r = a(op="register", iid=52, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "2 GPUs here have that UUID" in r.get("err", ""), r
     finally:
         d.close()
 
@@ -868,6 +916,6 @@ def test_gpu_descriptors_checked_against_the_driver(procs):
         c = procs(d.url, gpu_env())
         gpu_kv(c, 1)
         r = c(op="register", iid=44, model=MODEL, world=1, groups_tpb=BLOCK)
-        assert "kvtierd cannot use the CUDA driver here" in r.get("err", ""), r
+        assert "kvtierd cannot use a GPU driver here (CUDA: " in r.get("err", ""), r
     finally:
         d.close()

@@ -45,6 +45,10 @@
  *    this process shares), and the view is checked against the
  *    allocation's size as the driver reports it -- never against the
  *    client's word alone.  The rank handle copies with the cuda backend.
+ *    ROCm engines send the same descriptors (torch's ROCm build), with
+ *    HIP's handles inside: the UUID finds the driver too -- the cuda
+ *    backend's devices first, then the hsa backend's (HIP's UUIDs, its
+ *    IPC through the HIP runtime, SDMA copies; dma/src/hsa.c "IPC").
  *    Ordering, per registration a fence (kvt_dma_fence): before a store's
  *    or retrieve's copies, the engine's event (recorded on its stream
  *    before it asked) is waited for on the fence's stream, and the rank
@@ -134,8 +138,8 @@
  * Threads.  One thread owns the socket, every kvtier handle (one at a
  * time, as kvtier.h asks) and every table; lmc_counts reads atomics.
  *
- * Not here yet: cuda_vmm descriptors, PyTorch's expandable segments and
- * HIP's IPC (ROCm engines); hybrid models (several engine groups, sliding-window or
+ * Not here yet: cuda_vmm descriptors, PyTorch's expandable segments;
+ * hybrid models (several engine groups, sliding-window or
  * recurrent ones: a vLLM engine runs with its hybrid KV cache manager off
  * instead, HYBRID_OFF); the engine-driven SHM pool.  Each is refused by
  * name.
@@ -165,6 +169,8 @@
 
 #define MAX_PEERS   256
 #define MAX_GPUS    64
+#define N_GPU_BACKENDS 2
+static const char *const GPU_BACKENDS[N_GPU_BACKENDS] = { "cuda", "hsa" };
 #define MAX_REGS    128
 #define MAX_SESS    4096
 #define MAX_PEND    1024
@@ -249,6 +255,7 @@ struct reg {
 	 * them), and the fence that orders the copies after the engine's
 	 * events and answers with an event of ours */
 	int gpu;                     /* ordinal, -1: cpu_shm */
+	int gpu_be;                  /* its driver: GPU_BACKENDS' index */
 	uint64_t *ipc_base;
 	uint32_t n_ipc;
 	kvt_dma_fence *fence;
@@ -301,10 +308,12 @@ struct lmc_front {
 	struct pend pend[MAX_PEND];
 	struct waiter wait[MAX_WAIT];
 	struct ns ns[MAX_NS];
-	/* the CUDA driver, for GPU descriptors: a handle per device used
-	 * (opening the engines' handles and the fences), and one unbound, for
-	 * the devices' UUIDs; opened at the first GPU registration */
-	kvt_dma *gpu_any, *gpu[MAX_GPUS];
+	/* the GPU drivers (GPU_BACKENDS), for GPU descriptors: a handle per
+	 * device used (opening the engines' handles and the fences), and one
+	 * unbound, for the devices' UUIDs; opened at the first GPU
+	 * registration (a driver that cannot be opened is tried again at the
+	 * next) */
+	kvt_dma *gpu_any[N_GPU_BACKENDS], *gpu[N_GPU_BACKENDS][MAX_GPUS];
 	int cur_peer;                /* the request's peer */
 	uint64_t told[MAX_TOLD];     /* instances a ping was answered false (ring) */
 	uint8_t told_set[MAX_TOLD];
@@ -559,7 +568,7 @@ static void reg_close(lmc_front *f, struct reg *g)
 		kvt_close(g->t);
 	kvt_dma_fence_close(g->fence);
 	for (uint32_t i = 0; i < g->n_ipc; i++)
-		kvt_dma_ipc_mem_close(f->gpu[g->gpu], g->ipc_base[i]);
+		kvt_dma_ipc_mem_close(f->gpu[g->gpu_be][g->gpu], g->ipc_base[i]);
 	free(g->ipc_base);
 	for (uint32_t i = 0; i < g->n_maps; i++)
 		munmap(g->maps[i].addr, g->maps[i].len);
@@ -627,8 +636,7 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 
 	if (strcmp(t->type, "cpu_shm") && strcmp(t->type, "cuda") && strcmp(t->type, "cuda_raw"))
 		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor: kvtierd serves cpu_shm, "
-				  "cuda and cuda_raw ones (cuda_vmm and other devices' IPC are not "
-				  "built yet)", i, t->type);
+				  "cuda and cuda_raw ones (cuda_vmm is not built yet)", i, t->type);
 	if (strcmp(t->type, g->tensors[0].type))
 		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor, kv_cache[0] a '%s' one", i,
 				  t->type, g->tensors[0].type);
@@ -803,32 +811,51 @@ static int parse_uuid(const char *s, uint8_t out[16])
 	return n == 32 && !*s ? 0 : -1;
 }
 
-/* The device a GPU descriptor names, its handle opened (kvtierd's CUDA
- * driver loaded at the first).  The ordinal, or -1 (why set). */
-static int gpu_of(lmc_front *f, const struct lmc_tensor *t, uint32_t i)
+/* The device a GPU descriptor names and its driver, its handle opened
+ * (the drivers loaded at the first).  torch's "cuda" descriptors are the
+ * same on ROCm, with HIP's handles inside: the device's UUID says whose
+ * they are -- the driver that has a device of that UUID (cuda: the
+ * driver's UUID; hsa: HIP's, see dma/src/hsa.c "IPC").  The ordinal, or
+ * -1 (why set). */
+static int gpu_of(lmc_front *f, const struct lmc_tensor *t, uint32_t i, int *be)
 {
+	static const char *const name[N_GPU_BACKENDS] = { "CUDA", "ROCm" };
 	struct kvt_dma_config c;
+	char why[N_GPU_BACKENDS][256];
 	uint8_t u[16];
-	int dev;
+	int dev = -1, opened = 0;
 
 	if (parse_uuid(t->device_uuid, u))
 		return refuse_why(f, "kv_cache[%u]: device_uuid '%s' is not a device UUID", i,
 				  t->device_uuid);
 	memset(&c, 0, sizeof(c));
 	c.size = sizeof(c);
-	c.backend = "cuda";
-	c.device = -1;
 	c.flags = KVT_DMA_F_QUIET;
-	if (!f->gpu_any && kvt_dma_open(&c, &f->gpu_any))
-		return refuse_why(f, "kv_cache[%u]: a CUDA descriptor, and kvtierd cannot use "
-				  "the CUDA driver here: %s", i, kvt_dma_last_error());
-	dev = kvt_dma_device_of_uuid(f->gpu_any, u);
-	if (dev < 0 || dev >= MAX_GPUS)
-		return refuse_why(f, "kv_cache[%u]: device %s: %s (kvtierd must see the engine's "
-				  "GPUs: CUDA_VISIBLE_DEVICES)", i, t->device_uuid,
-				  dev < 0 ? kvt_dma_last_error() : "too many devices");
+	for (*be = 0; *be < N_GPU_BACKENDS; ++*be) {
+		c.backend = GPU_BACKENDS[*be];
+		c.device = -1;
+		if (!f->gpu_any[*be] && kvt_dma_open(&c, &f->gpu_any[*be])) {
+			snprintf(why[*be], sizeof(why[0]), "%s: %s", name[*be], kvt_dma_last_error());
+			continue;
+		}
+		opened++;
+		dev = kvt_dma_device_of_uuid(f->gpu_any[*be], u);
+		if (dev >= 0)
+			break;
+		snprintf(why[*be], sizeof(why[0]), "%s", kvt_dma_last_error());
+	}
+	if (!opened)
+		return refuse_why(f, "kv_cache[%u]: a GPU descriptor, and kvtierd cannot use a GPU "
+				  "driver here (%s; %s)", i, why[0], why[1]);
+	if (dev < 0)
+		return refuse_why(f, "kv_cache[%u]: device %s: %s%s%s (kvtierd must see the "
+				  "engine's GPUs: CUDA_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES)", i,
+				  t->device_uuid, f->gpu_any[0] ? why[0] : "",
+				  opened > 1 ? "; " : "", f->gpu_any[1] ? why[1] : "");
+	if (dev >= MAX_GPUS)
+		return refuse_why(f, "kv_cache[%u]: device %d: too many devices", i, dev);
 	c.device = dev;
-	if (!f->gpu[dev] && kvt_dma_open(&c, &f->gpu[dev]))
+	if (!f->gpu[*be][dev] && kvt_dma_open(&c, &f->gpu[*be][dev]))
 		return refuse_why(f, "kv_cache[%u]: opening device %d: %s", i, dev,
 				  kvt_dma_last_error());
 	return dev;
@@ -843,15 +870,18 @@ static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *
 {
 	const uint8_t *h = t->ipc;
 	uint64_t base = 0, len = 0;
-	int dev = gpu_of(f, t, i);
+	kvt_dma *gd;
+	int be = 0, dev = gpu_of(f, t, i, &be);
 
 	if (dev < 0)
 		return -1;
-	if (r->gpu >= 0 && dev != r->gpu)
-		return refuse_why(f, "kv_cache[%u] is on device %d, kv_cache[0] on %d", i, dev,
-				  r->gpu);
+	if (r->gpu >= 0 && (dev != r->gpu || be != r->gpu_be))
+		return refuse_why(f, "kv_cache[%u] is on %s device %d, kv_cache[0] on %s %d", i,
+				  GPU_BACKENDS[be], dev, GPU_BACKENDS[r->gpu_be], r->gpu);
 	r->gpu = dev;
-	if (!r->fence && kvt_dma_fence_open(f->gpu[dev], &r->fence))
+	r->gpu_be = be;
+	gd = f->gpu[be][dev];
+	if (!r->fence && kvt_dma_fence_open(gd, &r->fence))
 		return refuse_why(f, "a fence on device %d: %s", dev, kvt_dma_last_error());
 	/* torch's storage handle: a version byte and 'c' (a cudaMalloc block)
 	 * before the driver's 64 bytes; a bare 64 is the older form, and
@@ -871,7 +901,7 @@ static int map_gpu_tensor(lmc_front *f, struct reg *r, const struct lmc_tensor *
 	if (t->ipc_event_len && t->ipc_event_len != KVT_DMA_IPC_BYTES)
 		return refuse_why(f, "kv_cache[%u]: an event handle of %u bytes", i,
 				  t->ipc_event_len);
-	if (kvt_dma_ipc_mem_open(f->gpu[dev], h, &base, &len))
+	if (kvt_dma_ipc_mem_open(gd, h, &base, &len))
 		return refuse_why(f, "kv_cache[%u]: opening the engine's memory: %s", i,
 				  kvt_dma_last_error());
 	r->ipc_base[r->n_ipc++] = base;
@@ -1196,7 +1226,7 @@ static int reg_rank(lmc_front *f, struct reg *r, uint32_t rank)
 		c.segment = f->segment;
 		c.segment_dir = f->segment_dir[0] ? f->segment_dir : NULL;
 		c.model = f->model;
-		c.dma = r->gpu >= 0 ? "cuda" : "host";
+		c.dma = r->gpu >= 0 ? GPU_BACKENDS[r->gpu_be] : "host";
 		c.log = rank_log;
 		c.log_arg = f;
 		c.n_groups = ng;
@@ -2255,9 +2285,11 @@ void lmc_stop(lmc_front *f)
 	zmq_close(f->sock);
 	zmq_ctx_term(f->ctx);
 	kvt_close(f->look);
-	for (int i = 0; i < MAX_GPUS; i++)
-		kvt_dma_close(f->gpu[i]);
-	kvt_dma_close(f->gpu_any);
+	for (int b = 0; b < N_GPU_BACKENDS; b++) {
+		for (int i = 0; i < MAX_GPUS; i++)
+			kvt_dma_close(f->gpu[b][i]);
+		kvt_dma_close(f->gpu_any[b]);
+	}
 	free(f);
 }
 

@@ -1,0 +1,211 @@
+/* dma_ipc_hip.c - another process's GPU memory and events through the DMA
+ * core's hsa backend (kvt_dma_device_of_uuid, kvt_dma_ipc_mem_*,
+ * kvt_dma_fence_*): a ROCm engine's HIP handles, opened with the HIP
+ * runtime ($KVTIER_HIP_LIBRARY: the fake HIP on the fake HSA runtime,
+ * $KVTIER_HSA_LIBRARY, whose IPC crosses processes as ROCr's does).  An
+ * exporter child allocates device memory on device 1, fills it, and
+ * records an interprocess event behind a late kernel; the parent (the
+ * server) opens both.  Without the fakes: 77. */
+#define __HIP_PLATFORM_AMD__ 1
+#include <hip/hip_runtime_api.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "kvt_dma.h"
+
+#define LEN (3 * 4096 + 100)
+#define LATE_US 300000
+
+/* what the exporter sends: its memory's handles (the allocation's base and
+ * a pointer a page in), its event's, its device's UUID */
+struct exported {
+	hipIpcMemHandle_t mem, inner;
+	hipIpcEventHandle_t ev;
+	hipUUID uuid;
+};
+
+static int to_child[2], from_child[2];
+static pid_t child;
+static struct exported ex;
+
+#define CK(x) do { if ((x) != hipSuccess) { fprintf(stderr, "%s\n", #x); _exit(4); } } while (0)
+#define HIP(name) ((__typeof__(&name))dlsym(lib, #name))
+
+/* The engine: device 1, LEN bytes of 0x11, an event recorded behind a
+ * kernel that writes 0x77 over the first page late; it stays until told. */
+static void exporter(void)
+{
+	void *lib = dlopen(getenv("KVTIER_HIP_LIBRARY"), RTLD_NOW | RTLD_LOCAL);
+	int (*kernel_write)(hipStream_t, void *, int, size_t, unsigned);
+	static char fill[LEN];
+	hipStream_t s;
+	hipEvent_t ev;
+	void *p;
+	char c;
+
+	if (!lib || !(*(void **)&kernel_write = dlsym(lib, "kvt_fake_hip_kernel_write")))
+		_exit(3);
+	memset(fill, 0x11, sizeof(fill));
+	CK(HIP(hipSetDevice)(1));
+	CK(HIP(hipDeviceGetUuid)(&ex.uuid, 1));
+	CK(HIP(hipMalloc)(&p, LEN));
+	CK(HIP(hipMemcpy)(p, fill, LEN, hipMemcpyHostToDevice));
+	CK(HIP(hipIpcGetMemHandle)(&ex.mem, p));
+	CK(HIP(hipIpcGetMemHandle)(&ex.inner, (char *)p + 4096));
+	CK(HIP(hipStreamCreate)(&s));
+	CK(HIP(hipEventCreateWithFlags)(&ev, hipEventInterprocess | hipEventDisableTiming));
+	CK((hipError_t)kernel_write(s, p, 0x77, 4096, LATE_US));
+	CK(HIP(hipEventRecord)(ev, s));
+	CK(HIP(hipIpcGetEventHandle)(&ex.ev, ev));
+	if (write(from_child[1], &ex, sizeof(ex)) != (ssize_t)sizeof(ex))
+		_exit(5);
+	if (read(to_child[0], &c, 1) != 1)
+		_exit(6);
+	CK(HIP(hipStreamSynchronize)(s));
+	_exit(0);
+}
+
+static int setup(void **state)
+{
+	(void)state;
+	if (pipe(to_child) || pipe(from_child))
+		return -1;
+	child = fork();
+	if (child == 0)
+		exporter();
+	if (child < 0 || read(from_child[0], &ex, sizeof(ex)) != (ssize_t)sizeof(ex))
+		return -1;
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	int st = 0;
+
+	(void)state;
+	if (write(to_child[1], "x", 1) != 1)
+		kill(child, SIGKILL);
+	waitpid(child, &st, 0);
+	return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
+static kvt_dma *open_hsa(int device)
+{
+	struct kvt_dma_config c;
+	kvt_dma *d = NULL;
+
+	memset(&c, 0, sizeof(c));
+	c.size = sizeof(c);
+	c.backend = "hsa";
+	c.device = device;
+	c.flags = KVT_DMA_F_QUIET;
+	assert_int_equal(kvt_dma_open(&c, &d), 0);
+	return d;
+}
+
+/* The device an engine names by HIP's UUID: ordinal 1 here too (the
+ * agent's "GPU-" id as characters); one this node does not have:
+ * -ENODEV, said. */
+static void test_device_of_uuid(void **state)
+{
+	kvt_dma *d = open_hsa(-1);
+	uint8_t other[16] = "0123456789abcdef";
+
+	(void)state;
+	assert_int_equal(kvt_dma_device_of_uuid(d, (const uint8_t *)ex.uuid.bytes), 1);
+	assert_int_equal(kvt_dma_device_of_uuid(d, other), -ENODEV);
+	assert_non_null(strstr(kvt_dma_last_error(), "no device here has that UUID"));
+	kvt_dma_close(d);
+}
+
+/* Openings of one handle are counted here (one pointer, a close each);
+ * a handle of a pointer inside its allocation opens at that pointer,
+ * its length what is left of the allocation; a forged handle: -EINVAL. */
+static void test_mem_open(void **state)
+{
+	kvt_dma *d = open_hsa(1);
+	uint64_t base = 0, len = 0, base2 = 0, len2 = 0, in = 0, in_len = 0;
+	uint8_t bad[64];
+	static char buf[LEN];
+
+	(void)state;
+	assert_int_equal(kvt_dma_ipc_mem_open(d, ex.mem.reserved, &base, &len), 0);
+	assert_int_equal(len, LEN);
+	assert_int_equal(kvt_dma_ipc_mem_open(d, ex.mem.reserved, &base2, &len2), 0);
+	assert_int_equal(base2, base);
+	assert_int_equal(len2, LEN);
+	/* past the late kernel's page: the exporter's 0x11 */
+	assert_int_equal(kvt_dma_dev_read(d, buf, base + 4096, LEN - 4096), 0);
+	for (size_t i = 0; i < LEN - 4096; i++)
+		if (buf[i] != 0x11)
+			fail_msg("byte %zu of the opened memory: %#x", i, buf[i]);
+	assert_int_equal(kvt_dma_ipc_mem_open(d, ex.inner.reserved, &in, &in_len), 0);
+	assert_int_equal(in_len, LEN - 4096);
+	assert_int_equal(kvt_dma_dev_read(d, buf, in, 16), 0);
+	assert_int_equal(buf[0], 0x11);
+	assert_int_equal(kvt_dma_ipc_mem_close(d, in), 0);
+	assert_int_equal(kvt_dma_ipc_mem_close(d, base), 0);
+	assert_int_equal(kvt_dma_dev_read(d, buf, base + 4096, 16), 0); /* one opening left */
+	assert_int_equal(kvt_dma_ipc_mem_close(d, base), 0);
+	assert_int_equal(kvt_dma_ipc_mem_close(d, base), -EINVAL);
+	memcpy(bad, ex.mem.reserved, sizeof(bad));
+	bad[0] ^= 0xff;
+	assert_int_equal(kvt_dma_ipc_mem_open(d, bad, &base, &len), -EINVAL);
+	assert_non_null(strstr(kvt_dma_last_error(), "hipIpcOpenMemHandle"));
+	kvt_dma_close(d);
+}
+
+/* A fence waits for the engine's event on the device (waiting is at once,
+ * the kernel still running); its own event has a handle; a forged event
+ * handle is refused and the fence stays usable; timeline semaphores are
+ * CUDA's, refused by name. */
+static void test_fence(void **state)
+{
+	kvt_dma *d = open_hsa(1);
+	kvt_dma_fence *f = NULL;
+	uint8_t h[64], bad[64];
+	uint64_t off, value;
+
+	(void)state;
+	assert_int_equal(kvt_dma_fence_open(d, &f), 0);
+	assert_int_equal(kvt_dma_fence_wait(f, ex.ev.reserved), 0);
+	assert_true(kvt_dma_fence_stream(f) != 0);
+	memcpy(bad, ex.ev.reserved, sizeof(bad));
+	bad[0] ^= 0xff;
+	assert_int_equal(kvt_dma_fence_wait(f, bad), -EINVAL);
+	assert_int_equal(kvt_dma_fence_signal(f, h), 0);
+	assert_int_equal(kvt_dma_fence_signal_value(f, h, &off, &value), -ENOTSUP);
+	assert_non_null(strstr(kvt_dma_last_error(), "a ROCm engine sends HIP IPC events"));
+	kvt_dma_fence_close(f); /* after the engine's kernel */
+	kvt_dma_close(d);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_device_of_uuid),
+		cmocka_unit_test(test_mem_open),
+		cmocka_unit_test(test_fence),
+	};
+	const char *path = getenv("KVTIER_HIP_LIBRARY");
+	void *l = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
+
+	if (!l || !dlsym(l, "kvt_fake_hip_kernel_write")) {
+		printf("skip: no fake HIP ($KVTIER_HIP_LIBRARY)\n");
+		return 77;
+	}
+	dlclose(l);
+	return cmocka_run_group_tests(tests, setup, teardown);
+}
