@@ -42,9 +42,10 @@
  * handlers; when none returns HSA_STATUS_SUCCESS it prints the fault and
  * aborts the process (runtime.cpp, VMFaultHandler).  kvtier registers one
  * handler per open backend (hsa_amd_register_system_event_handler; ROCr
- * has no way to unregister one, so the small note it points at is never
+ * has no way to unregister one, so the small note it points at is not
  * freed: closing the backend only marks it closed, and a closed note
- * answers "not mine").  The handler, on ROCr's event thread:
+ * answers "not mine" -- unless the runtime itself was unloaded with the
+ * backend, its handler list gone).  The handler, on ROCr's event thread:
  *   - only for a fault on the GPU the backend is bound to (KFD stops the
  *     faulting device's queues; another GPU's copies go on, and a backend
  *     there must not let go of sub-slots they still write), and only the
@@ -233,6 +234,7 @@ struct hip_fns {
 
 struct hsa_be {
 	void *lib;
+	char *path;                 /* the library's, as loaded */
 	int reused;                 /* the library was loaded before us */
 	int inited;                 /* hsa_init succeeded: shut down at fini */
 	struct hsa_fns f;
@@ -501,9 +503,21 @@ static void be_free(struct kvt_dma *d)
 	free(be->sig);
 	if (be->inited)
 		be->f.shut_down();
-	/* A library loaded by us is unloaded; the engine's instance stays. */
-	if (be->lib && !be->reused)
+	/* A library loaded by us is unloaded; the engine's instance stays.
+	 * Unloaded for good (nothing else holds it: no HIP loaded it too),
+	 * the runtime took its handler list, and with it the fault note's
+	 * only reference: the note goes. */
+	if (be->lib && !be->reused) {
+		void *still;
+
 		dlclose(be->lib);
+		still = be->path ? dlopen(be->path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD) : NULL;
+		if (still)
+			dlclose(still);
+		else
+			free(be->fault);
+	}
+	free(be->path);
 	pthread_mutex_destroy(&be->aux_lock);
 	free(be);
 	d->be = NULL;
@@ -600,6 +614,7 @@ static int hsa_init_be(struct kvt_dma *d, char *why, size_t why_len)
 	pthread_mutex_init(&be->fence_mu, NULL);
 	be->g = -1;
 	d->be = be;
+	be->path = strdup(path);
 	be->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
 	be->reused = be->lib != NULL;
 	if (!be->lib)
