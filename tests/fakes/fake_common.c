@@ -474,3 +474,29 @@ int fake_ipc_map(int32_t pid, int32_t fd, uint64_t len, void **out)
 	*out = p;
 	return 0;
 }
+
+void *fake_shared_page(uint64_t len, int *fd, size_t m_off, size_t c_off)
+{
+	pthread_mutexattr_t ma;
+	pthread_condattr_t ca;
+	char *p;
+
+	*fd = memfd_create("fake-gpu-event", MFD_CLOEXEC);
+	if (*fd < 0)
+		return NULL;
+	if (ftruncate(*fd, (off_t)len) ||
+	    (p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0)) == MAP_FAILED) {
+		close(*fd);
+		*fd = -1;
+		return NULL;
+	}
+	pthread_mutexattr_init(&ma);
+	pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+	pthread_mutex_init((pthread_mutex_t *)(p + m_off), &ma);
+	pthread_cond_init((pthread_cond_t *)(p + c_off), &ca);
+	pthread_mutexattr_destroy(&ma);
+	pthread_condattr_destroy(&ca);
+	return p;
+}

@@ -93,6 +93,11 @@ enum { FAKE_IPC_SELF = 1, FAKE_IPC_GONE, FAKE_IPC_NOMEM };
 int fake_ipc_export(uint64_t dev, char *host, uint64_t len);
 void fake_ipc_unexport(uint64_t dev);
 int fake_ipc_map(int32_t pid, int32_t fd, uint64_t len, void **out);
+/* An interprocess event's state: a zeroed page on a memfd (*fd; other
+ * processes map it with fake_ipc_map) holding a process-shared mutex and
+ * condition at m and c (pointers into it).  The page, or NULL. */
+#include <pthread.h>
+void *fake_shared_page(uint64_t len, int *fd, size_t m_off, size_t c_off);
 /* Environment helpers. */
 long fake_env_long(const char *name, long dflt);
 

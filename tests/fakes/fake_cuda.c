@@ -47,6 +47,7 @@
 #include <unistd.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -586,29 +587,14 @@ static CUresult f_cuEventCreate(CUevent *e, unsigned int flags)
 		return CUDA_ERROR_INVALID_VALUE;
 	if (flags & CU_EVENT_INTERPROCESS) {
 		/* its state on a page of its own that other processes map */
-		pthread_mutexattr_t ma;
-		pthread_condattr_t ca;
 		int fd;
 
 		if (!(flags & CU_EVENT_DISABLE_TIMING))
 			return CUDA_ERROR_INVALID_VALUE; /* as the driver asks */
-		fd = memfd_create("fake-cuda-event", MFD_CLOEXEC);
-		if (fd < 0 || ftruncate(fd, EVENT_PAGE)) {
-			if (fd >= 0)
-				close(fd);
+		f = fake_shared_page(EVENT_PAGE, &fd, offsetof(struct fevent, m),
+				     offsetof(struct fevent, c));
+		if (!f)
 			return CUDA_ERROR_OUT_OF_MEMORY;
-		}
-		f = mmap(NULL, EVENT_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-		if (f == MAP_FAILED) {
-			close(fd);
-			return CUDA_ERROR_OUT_OF_MEMORY;
-		}
-		pthread_mutexattr_init(&ma);
-		pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
-		pthread_condattr_init(&ca);
-		pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
-		pthread_mutex_init(&f->m, &ma);
-		pthread_cond_init(&f->c, &ca);
 		f->fd = fd;
 	} else {
 		f = calloc(1, sizeof(*f));

@@ -43,6 +43,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -764,24 +765,12 @@ EXPORT hipError_t hipEventCreateWithFlags(hipEvent_t *out, unsigned flags)
 		return hipErrorOutOfMemory;
 	e->fd = -1;
 	if (flags & hipEventInterprocess) {
-		pthread_mutexattr_t ma;
-		pthread_condattr_t ca;
-
-		e->fd = memfd_create("fake-hip-event", MFD_CLOEXEC);
-		if (e->fd < 0 || ftruncate(e->fd, EVENT_PAGE) ||
-		    (e->s = mmap(NULL, EVENT_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, e->fd, 0)) ==
-			    MAP_FAILED) {
-			if (e->fd >= 0)
-				close(e->fd);
+		e->s = fake_shared_page(EVENT_PAGE, &e->fd, offsetof(struct event_state, m),
+					offsetof(struct event_state, c));
+		if (!e->s) {
 			free(e);
 			return hipErrorOutOfMemory;
 		}
-		pthread_mutexattr_init(&ma);
-		pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
-		pthread_condattr_init(&ca);
-		pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
-		pthread_mutex_init(&e->s->m, &ma);
-		pthread_cond_init(&e->s->c, &ca);
 	} else {
 		e->s = calloc(1, sizeof(*e->s));
 		if (!e->s) {
