@@ -188,7 +188,7 @@ class Client:
         return n
 
     def gpu_kv(self, layers, blocks, heads, block, head, seed, raw=False, device=0,
-               forge=False, uuid=None):
+               forge=False, uuid=None, vmm=False):
         """vLLM's per-layer caches [2, blocks, heads, block, head] (HND,
         float16) in the fake driver's device memory, filled with seeded
         random bytes, as a GPU engine's LMCache adapter registers them:
@@ -197,12 +197,13 @@ class Client:
         layer's offset in the block) or, raw, "cuda_raw" ones (a driver
         handle a layer).  LMCache's own wire classes encode them.  forge:
         raw descriptors that claim twice the blocks their allocations hold;
-        uuid: another device's UUID in the metadata."""
+        uuid: another device's UUID in the metadata; vmm: "cuda_vmm" ones
+        (LMCache's use_vmm_api, a fabric handle), as the first layer's."""
         import random
         from lmcache.v1.platform.base.ipc_wire import (
-            CudaIPCData, RawCudaIPCData, TensorMetadata)
+            CudaIPCData, RawCudaIPCData, TensorMetadata, VmmCudaIPCData)
         from lmcache.v1.platform.devices.cuda.ipc_wrapper import (
-            CudaIPCWrapper, RawCudaIPCWrapper)
+            CudaIPCWrapper, RawCudaIPCWrapper, VmmCudaIPCWrapper)
         from fake_gpu import FakeCuda, FakeHip
         if not getattr(self, "gpu", None):
             self.gpu = FakeHip(device) if os.environ.get("KVTIER_FAKE_HIP") else \
@@ -226,7 +227,11 @@ class Client:
             self.gpu_layers.append(base)
             md = TensorMetadata(dtype="float16", shape=shape, stride=stride, storage_offset=0,
                                 device_uuid=uuid)
-            if raw:
+            if vmm and not i:
+                self.wrappers.append(VmmCudaIPCWrapper.from_wire(VmmCudaIPCData(
+                    version=1, metadata=md, export_id=bytes(16), kind="fabric",
+                    fabric_blob=bytes(64), alloc_size=lb, alloc_offset=0, nbytes=lb)))
+            elif raw:
                 self.wrappers.append(RawCudaIPCWrapper.from_wire(RawCudaIPCData(
                     version=1, metadata=md, ipc_handle=self.gpu.mem_handle(base),
                     alloc_offset=0, nbytes=lb * claim)))

@@ -885,7 +885,8 @@ def test_rocm_descriptors_checked_against_the_runtime(procs):
 def test_gpu_descriptors_checked_against_the_driver(procs):
     """What a GPU descriptor claims is checked against what the driver
     says: a view past the engine's allocation, a device this node does not
-    have -- each refused by name, kvtierd serving on.  So is a timeline
+    have -- each refused by name, kvtierd serving on (and a cuda_vmm
+    descriptor, whose fds LMCache passes out of band: refused, named).  So is a timeline
     semaphore's word: past LMCache's 4096 words (the protocol's bound), or
     past the engine's semaphore buffer (the driver's size): ok=false, an
     answer in the same form, nothing copied."""
@@ -898,6 +899,9 @@ def test_gpu_descriptors_checked_against_the_driver(procs):
         gpu_kv(a, 1, uuid="00000000-1111-2222-3333-444444444444")
         r = a(op="register", iid=42, model=MODEL, world=1, groups_tpb=BLOCK)
         assert "no device here has that UUID" in r.get("err", ""), r
+        gpu_kv(a, 1, vmm=True)
+        r = a(op="register", iid=40, model=MODEL, world=1, groups_tpb=BLOCK)
+        assert "cuda_vmm, LMCache's use_vmm_api, is not built" in r.get("err", ""), r
         gpu_kv(a, 1)
         assert a.ok(op="register", iid=43, model=MODEL, world=1, groups_tpb=BLOCK) is None
         key = dict(model=MODEL, world=1, worker=0, start=0, end=16, iid=43, blocks=[1, 2, 3, 4],

@@ -636,7 +636,10 @@ static int tensor_layout(lmc_front *f, const struct lmc_register *g, const struc
 
 	if (strcmp(t->type, "cpu_shm") && strcmp(t->type, "cuda") && strcmp(t->type, "cuda_raw"))
 		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor: kvtierd serves cpu_shm, "
-				  "cuda and cuda_raw ones (cuda_vmm is not built yet)", i, t->type);
+				  "cuda and cuda_raw ones (cuda_vmm, LMCache's use_vmm_api, is not "
+				  "built: its POSIX fds travel out of band, a channel LMCache 0.5.6's "
+				  "own server lacks too; start the engine without use_vmm_api)", i,
+				  t->type);
 	if (strcmp(t->type, g->tensors[0].type))
 		return refuse_why(f, "kv_cache[%u] is a '%s' descriptor, kv_cache[0] a '%s' one", i,
 				  t->type, g->tensors[0].type);
