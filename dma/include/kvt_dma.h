@@ -392,9 +392,9 @@ uint32_t kvt_dma_max_inflight(const kvt_dma *d);
  * answers -ENOTSUP.  Blocking, not thread-safe against kvt_dma_close. */
 #define KVT_DMA_IPC_BYTES 64
 
-/* The ordinal of the device whose UUID (cuDeviceGetUuid's 16 bytes) this
- * is -- how an engine names its GPU across processes whose
- * CUDA_VISIBLE_DEVICES differ.  The handle need not be bound.  The ordinal,
+/* The ordinal of the device whose UUID (cuDeviceGetUuid's 16 bytes; hsa:
+ * hipDeviceGetUuid's) this is -- how an engine names its GPU across
+ * processes whose CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES differ.  The handle need not be bound.  The ordinal,
  * -ENODEV (no such device here), -ENOTSUP. */
 int kvt_dma_device_of_uuid(kvt_dma *d, const uint8_t uuid[16]);
 

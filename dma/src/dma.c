@@ -796,8 +796,8 @@ int kvt_dma_order_after(kvt_dma *d, uint64_t stream)
 
 static int no_ipc(const kvt_dma *d)
 {
-	return kvt__dma_err(-ENOTSUP, "%s: no GPU IPC (CUDA's IPC handles: the cuda backend "
-			    "only)", d ? d->ops->name : "(NULL handle)");
+	return kvt__dma_err(-ENOTSUP, "%s: no GPU IPC (the cuda backend: CUDA's IPC handles; "
+			    "hsa: HIP's)", d ? d->ops->name : "(NULL handle)");
 }
 
 int kvt_dma_device_of_uuid(kvt_dma *d, const uint8_t uuid[16])

@@ -113,7 +113,7 @@
 #define FAULT_SLICE_NS 10000000ull         /* a deadline-less wait rechecks faults */
 #define FAULT_MAGIC    0x6b7674686661756cull
 #define FENCES         16                  /* order_after's signals (see "Ordering") */
-#define HIP_IPC_OPEN   256                 /* IPC allocations open at once (see "IPC") */
+#define FENCE_IMPORTS  32                  /* engine events a fence keeps imported ("IPC") */
 
 /* ROCm 5.6+ prototypes (engine_id is one bit of hsa_amd_sdma_engine_id_t). */
 typedef hsa_status_t (*copy_on_engine_fn)(void *dst, hsa_agent_t dst_agent,
@@ -228,6 +228,7 @@ struct hip_fns {
 	int (*event_destroy)(void *ev);
 	int (*stream_create)(void **s, unsigned int flags);
 	int (*stream_wait_event)(void *s, void *ev, unsigned int flags);
+	int (*event_query)(void *ev);
 	int (*stream_destroy)(void *s);
 	int (*write_value64)(void *stream, void *ptr, uint64_t value, unsigned int flags);
 };
@@ -275,7 +276,8 @@ struct hsa_be {
 	 * opened here, with their openings counted */
 	struct hip_fns *hip;
 	int hip_dev;
-	struct { char h[KVT_DMA_IPC_BYTES]; uint64_t base, len; uint32_t refs; } ipc[HIP_IPC_OPEN];
+	struct hip_ipc { char h[KVT_DMA_IPC_BYTES]; uint64_t base, len; uint32_t refs; } *ipc;
+	uint32_t n_ipc, cap_ipc;
 };
 
 static const char *st_str(const struct hsa_be *be, hsa_status_t st)
@@ -489,9 +491,11 @@ static void be_free(struct kvt_dma *d)
 		return;
 	if (be->fault) /* stays registered with the runtime: closed, not freed */
 		__atomic_store_n(&be->fault->closed, 1, __ATOMIC_RELEASE);
-	for (int i = 0; be->hip && i < HIP_IPC_OPEN; i++)
-		if (be->ipc[i].refs)
-			be->hip->ipc_close_mem((void *)(uintptr_t)be->ipc[i].base);
+	if (be->hip && be->n_ipc)
+		be->hip->set_device(be->hip_dev);
+	for (uint32_t i = 0; be->hip && i < be->n_ipc; i++)
+		be->hip->ipc_close_mem((void *)(uintptr_t)be->ipc[i].base);
+	free(be->ipc);
 	free(be->hip); /* its library stays loaded: HIP is never unloaded */
 	for (uint32_t i = 0; i < be->n_sig; i++)
 		be->f.signal_destroy(be->sig[i]);
@@ -514,7 +518,7 @@ static void be_free(struct kvt_dma *d)
 		still = be->path ? dlopen(be->path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD) : NULL;
 		if (still)
 			dlclose(still);
-		else
+		else if (be->path) /* (no path: cannot tell; the note stays) */
 			free(be->fault);
 	}
 	free(be->path);
@@ -1240,18 +1244,31 @@ static int hsa_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
  *
  * Memory.  An allocation's openings are counted here: a registration
  * opens one cudaMalloc block once per layer, and HIP's own behaviour on a
- * second open of a handle differs between releases.  The range is HIP's
- * hipMemGetAddressRange of the opened pointer: *len is the bytes from it
- * to the allocation's end (a handle may name a pointer inside its block).
+ * second open of a handle differs between releases.  The open's flag is
+ * hipIpcMemLazyEnablePeerAccess, whose value HIP changed (ROCm 6: 1; 5.x:
+ * 0, and each release refuses the other's): 1 is tried, then 0.  The
+ * range is HIP's hipMemGetAddressRange of the opened pointer: *len is the
+ * bytes from it to the allocation's end (a handle may name a pointer
+ * inside its block).
  *
  * Fences.  As cuda.c's: two HIP streams; `wait` waits for the engine's
- * imported events (hipStreamWaitEvent; the import destroyed at once --
- * the queued wait holds it), and a rank handle's order_after writes its
- * fence signal's 0 on that stream (hsa_order_after: hipStreamWriteValue64
- * of the HIP loaded here), so the SDMA copies start after the engine's
- * work.  `sig` waits for nothing: the fence's interprocess event is
- * recorded there once the copies completed.  LMCache's timeline
- * semaphores are CUDA's (cuda-python): refused by name. */
+ * imported events (hipStreamWaitEvent), and a rank handle's order_after
+ * writes its fence signal's 0 on that stream (hsa_order_after:
+ * hipStreamWriteValue64 of the HIP loaded here), so the SDMA copies start
+ * after the engine's work.  `sig` waits for nothing: the fence's
+ * interprocess event is recorded there once the copies completed.
+ * An import is kept until the wait stream is past its wait (HIP's IPC
+ * event wait reads the exporter's shared page, which destroying the
+ * import unmaps): a marker event recorded behind each wait says when;
+ * at most FENCE_IMPORTS are kept, the passed ones reaped at each wait
+ * (more in flight: the oldest is waited for here).  Known limits, by ROCm
+ * release: where HIP waits for an IPC event on the host (a marker and a
+ * host callback), hipStreamWaitEvent returns only once the engine's event
+ * fired -- kvtierd's thread waits there; and an engine that dies before
+ * its event fires leaves the wait stream blocked for good: fence_close
+ * then abandons the streams (logged) rather than wait on them.
+ * LMCache's timeline semaphores are CUDA's (cuda-python): refused by
+ * name. */
 #define HIP_EVENT_DISABLE_TIMING 0x2
 #define HIP_EVENT_INTERPROCESS   0x4
 #define HIP_STREAM_NON_BLOCKING  0x1
@@ -1345,6 +1362,7 @@ static int hip_load(struct kvt_dma *d)
 	    !HIPSYM(event_record, "hipEventRecord") || !HIPSYM(event_destroy, "hipEventDestroy") ||
 	    !HIPSYM(stream_create, "hipStreamCreateWithFlags") ||
 	    !HIPSYM(stream_wait_event, "hipStreamWaitEvent") ||
+	    !HIPSYM(event_query, "hipEventQuery") ||
 	    !HIPSYM(stream_destroy, "hipStreamDestroy")) {
 		free(h); /* the library stays: HIP is never unloaded */
 		return kvt__dma_err(-ENOTSUP, "hsa: the HIP runtime here has no IPC entry points");
@@ -1356,7 +1374,13 @@ static int hip_load(struct kvt_dma *d)
 		return kvt__dma_err(-ENODEV, "hsa: GPU agent %d reports no UUID", be->g);
 	}
 	e = h->device_count(&n);
-	for (int i = 0; !e && i < n; i++) {
+	if (e) {
+		kvt__dma_err(-ENODEV, "hsa: hipGetDeviceCount: %s (%d)",
+			     h->err_str ? h->err_str(e) : "?", e);
+		free(h);
+		return -ENODEV;
+	}
+	for (int i = 0; i < n; i++) {
 		uint8_t u[16];
 
 		if (!h->device_uuid(u, i) && !memcmp(u, want, 16)) {
@@ -1389,41 +1413,50 @@ static int hip_ready(struct kvt_dma *d)
 static int hsa_ipc_open(struct kvt_dma *d, const void *handle, uint64_t *base, uint64_t *len)
 {
 	struct hsa_be *be = d->be;
+	struct hip_ipc *n;
 	hip_handle h;
 	void *p = NULL, *start = NULL;
 	size_t size = 0;
-	int e, free_i = -1, rc = hip_ready(d);
+	int e, rc = hip_ready(d);
 
 	if (rc)
 		return rc;
-	for (int i = 0; i < HIP_IPC_OPEN; i++) {
-		if (be->ipc[i].refs && !memcmp(be->ipc[i].h, handle, KVT_DMA_IPC_BYTES)) {
+	for (uint32_t i = 0; i < be->n_ipc; i++)
+		if (!memcmp(be->ipc[i].h, handle, KVT_DMA_IPC_BYTES)) {
 			be->ipc[i].refs++;
 			*base = be->ipc[i].base;
 			*len = be->ipc[i].len;
 			return 0;
 		}
-		if (!be->ipc[i].refs && free_i < 0)
-			free_i = i;
+	if (be->n_ipc == be->cap_ipc) {
+		uint32_t cap = be->cap_ipc ? 2 * be->cap_ipc : 64;
+
+		n = realloc(be->ipc, cap * sizeof(*n));
+		if (!n)
+			return kvt__dma_err(-ENOMEM, "hsa: out of memory");
+		be->ipc = n;
+		be->cap_ipc = cap;
 	}
-	if (free_i < 0)
-		return kvt__dma_err(-ENOMEM, "hsa: %d IPC allocations open already", HIP_IPC_OPEN);
 	memcpy(h.b, handle, sizeof(h.b));
-	e = be->hip->ipc_open_mem(&p, h, 0);
-	if (!e)
-		e = be->hip->mem_range(&start, &size, p);
-	if (!e && ((char *)p < (char *)start || (char *)p >= (char *)start + size))
-		e = 1;
-	if (e) {
-		if (p)
-			be->hip->ipc_close_mem(p);
+	e = be->hip->ipc_open_mem(&p, h, 1); /* hipIpcMemLazyEnablePeerAccess (see "Memory") */
+	if (e == 1 /* InvalidValue */)
+		e = be->hip->ipc_open_mem(&p, h, 0);
+	if (e)
 		return kvt__dma_err(hip_errno(e), "hsa: hipIpcOpenMemHandle: %s (%d)",
 				    hip_str(be, e), e);
+	e = be->hip->mem_range(&start, &size, p);
+	if (e || (char *)p < (char *)start || (char *)p >= (char *)start + size) {
+		be->hip->ipc_close_mem(p);
+		return e ? kvt__dma_err(-EIO, "hsa: hipMemGetAddressRange of an opened handle: "
+					"%s (%d)", hip_str(be, e), e)
+			 : kvt__dma_err(-EIO, "hsa: HIP opened a handle at %p, outside the "
+					"allocation it reports (%p, %zu bytes)", p, start, size);
 	}
-	memcpy(be->ipc[free_i].h, handle, KVT_DMA_IPC_BYTES);
-	be->ipc[free_i].base = *base = (uint64_t)(uintptr_t)p;
-	be->ipc[free_i].len = *len = (uint64_t)((char *)start + size - (char *)p);
-	be->ipc[free_i].refs = 1;
+	n = &be->ipc[be->n_ipc++];
+	memcpy(n->h, handle, KVT_DMA_IPC_BYTES);
+	n->base = *base = (uint64_t)(uintptr_t)p;
+	n->len = *len = (uint64_t)((char *)start + size - (char *)p);
+	n->refs = 1;
 	return 0;
 }
 
@@ -1432,13 +1465,12 @@ static int hsa_ipc_close(struct kvt_dma *d, uint64_t base)
 	struct hsa_be *be = d->be;
 	int e;
 
-	if (!be->hip)
-		return kvt__dma_err(-EINVAL, "hsa: no IPC memory is open");
-	for (int i = 0; i < HIP_IPC_OPEN; i++) {
-		if (!be->ipc[i].refs || be->ipc[i].base != base)
+	for (uint32_t i = 0; be->hip && i < be->n_ipc; i++) {
+		if (be->ipc[i].base != base)
 			continue;
 		if (--be->ipc[i].refs)
 			return 0;
+		be->ipc[i] = be->ipc[--be->n_ipc];
 		be->hip->set_device(be->hip_dev);
 		e = be->hip->ipc_close_mem((void *)(uintptr_t)base);
 		return e ? kvt__dma_err(-EIO, "hsa: hipIpcCloseMemHandle: %s", hip_str(be, e)) : 0;
@@ -1452,7 +1484,39 @@ struct hsa_fence {
 	void *wait, *sig;          /* hipStream_t */
 	void *done;                /* hipEvent_t, interprocess */
 	hip_handle done_h;
+	/* the engine's events imported, each with the marker recorded on
+	 * `wait` behind its wait (see "Fences"), oldest first */
+	struct { void *ev, *passed; } imp[FENCE_IMPORTS];
+	uint32_t n_imp;
 };
+
+/* The imports whose waits the stream has passed go, oldest first; with
+ * all_of, every one (waiting for the oldest, at most ~60 s each). */
+static int fence_reap(struct hsa_fence *f, int all_of)
+{
+	struct hsa_be *be = f->head.d->be;
+	uint32_t k = 0;
+
+	for (; k < f->n_imp; k++) {
+		int e = be->hip->event_query(f->imp[k].passed);
+
+		for (uint64_t t0 = kvt__now_ns(); all_of && e == 600 /* NotReady */;
+		     e = be->hip->event_query(f->imp[k].passed)) {
+			struct timespec ts = { 0, 1000000 };
+
+			if (kvt__now_ns() - t0 > 60ull * 1000000000u)
+				break;
+			nanosleep(&ts, NULL);
+		}
+		if (e)
+			break;
+		be->hip->event_destroy(f->imp[k].ev);
+		be->hip->event_destroy(f->imp[k].passed);
+	}
+	memmove(f->imp, f->imp + k, (f->n_imp - k) * sizeof(f->imp[0]));
+	f->n_imp -= k;
+	return f->n_imp ? -EBUSY : 0;
+}
 
 static void hsa_fence_close(struct kvt_dma_fence *hd)
 {
@@ -1464,6 +1528,16 @@ static void hsa_fence_close(struct kvt_dma_fence *hd)
 	be = f->head.d->be;
 	if (be->hip) {
 		be->hip->set_device(be->hip_dev);
+		if (f->n_imp && fence_reap(f, 1)) {
+			/* an engine's event that never fired (the engine died
+			 * first): its wait never ends; destroying the streams
+			 * would wait on it too */
+			kvt__dma_log(f->head.d, KVT_DMA_LOG_ERR, "hsa: a fence abandoned: %u of the "
+				     "engine's events never fired (the engine gone?); its streams "
+				     "and imports are left to the runtime", f->n_imp);
+			free(f);
+			return;
+		}
 		if (f->wait) /* after its work, in the runtime */
 			be->hip->stream_destroy(f->wait);
 		if (f->sig)
@@ -1508,19 +1582,51 @@ static int hsa_fence_wait(struct kvt_dma_fence *hd, const void *handle)
 	struct hsa_fence *f = (struct hsa_fence *)hd;
 	struct hsa_be *be = f->head.d->be;
 	hip_handle h;
-	void *ev = NULL;
+	void *ev = NULL, *passed = NULL;
 	int e, rc = hip_ready(f->head.d);
 
 	if (rc)
 		return rc;
+	if (fence_reap(f, 0) && f->n_imp == FENCE_IMPORTS) {
+		/* the oldest waited for: a slot for this one */
+		void *ev0 = f->imp[0].passed;
+		int w;
+
+		for (uint64_t t0 = kvt__now_ns(); (w = be->hip->event_query(ev0)) == 600;) {
+			struct timespec ts = { 0, 1000000 };
+
+			if (kvt__now_ns() - t0 > 60ull * 1000000000u)
+				return kvt__dma_err(-EIO, "hsa: the engine's event of %u requests ago "
+						    "has not fired in 60 s", FENCE_IMPORTS);
+			nanosleep(&ts, NULL);
+		}
+		fence_reap(f, 0);
+	}
 	memcpy(h.b, handle, sizeof(h.b));
 	e = be->hip->ipc_open_event(&ev, h);
-	if (!e) {
-		e = be->hip->stream_wait_event(f->wait, ev, 0);
+	if (e)
+		return kvt__dma_err(hip_errno(e), "hsa: the engine's IPC event: %s (%d)",
+				    hip_str(be, e), e);
+	e = be->hip->stream_wait_event(f->wait, ev, 0);
+	if (e) { /* nothing queued on it */
 		be->hip->event_destroy(ev);
+		return kvt__dma_err(-EIO, "hsa: hipStreamWaitEvent (the engine's IPC event): "
+				    "%s (%d)", hip_str(be, e), e);
 	}
-	return e ? kvt__dma_err(hip_errno(e), "hsa: the engine's IPC event: %s (%d)",
-				hip_str(be, e), e) : 0;
+	e = be->hip->event_create(&passed, HIP_EVENT_DISABLE_TIMING);
+	if (!e)
+		e = be->hip->event_record(passed, f->wait);
+	if (e) {
+		/* the wait may be queued: the import stays, as a leak, rather
+		 * than be unmapped under it */
+		if (passed)
+			be->hip->event_destroy(passed);
+		return kvt__dma_err(-EIO, "hsa: waiting on the engine's IPC event: %s (%d)",
+				    hip_str(be, e), e);
+	}
+	f->imp[f->n_imp].ev = ev;
+	f->imp[f->n_imp++].passed = passed;
+	return 0;
 }
 
 static uint64_t hsa_fence_stream(const struct kvt_dma_fence *hd)

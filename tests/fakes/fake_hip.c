@@ -23,12 +23,15 @@
  *     from the agent's HSA_AMD_AGENT_INFO_UUID as ROCm's HIP derives it
  *     (the characters after "GPU-");
  *   - events: hipEventRecord completes when the work queued on its stream
- *     before it has run (its thread waits for the stream's signal),
+ *     before it has run (its thread waits for the stream's signal to
+ *     fall to 0, so work queued after it delays it too: later, never
+ *     earlier),
  *     hipStreamWaitEvent holds the stream's later work until the record
  *     made before the wait completes; hipEventInterprocess events keep
  *     their state on a shared page (process-shared mutex and condition),
  *     so a record in one process completes a wait in another; an
- *     imported event may be destroyed while waits on it are queued;
+ *     imported event destroyed while waits on it are queued aborts the
+ *     process (HIP unmaps the page they read);
  *   - kvt_fake_hip_kernel_write: a forward pass writing device memory
  *     late, on a stream.
  * FAKE_HIP_DEVICES=0 in the environment: hipGetDeviceCount says
@@ -99,10 +102,17 @@ static struct { char *host; void *dev; size_t len; } regs[MAX_REG];
  * synchronize: no fill thread outlives it, so none runs in a library the
  * process unloaded after it */
 #define MAX_FILLS 64
+struct op_thread {
+	pthread_t th;
+	void *stage;             /* freed when joined */
+	void *(*fn)(void *);
+	void *arg;
+	atomic_int done;
+};
+
 struct ihipStream_t {
 	hsa_signal_t sig;
-	void *fills[MAX_FILLS];
-	pthread_t fill_th[MAX_FILLS];
+	struct op_thread *th[MAX_FILLS];
 	int n_fills;
 };
 static struct ihipStream_t null_stream;
@@ -368,9 +378,11 @@ EXPORT hipError_t hipStreamSynchronize(hipStream_t s)
 					     HSA_WAIT_STATE_BLOCKED);
 
 	while (st->n_fills) {
-		--st->n_fills;
-		pthread_join(st->fill_th[st->n_fills], NULL);
-		hipHostFree(st->fills[st->n_fills]);
+		struct op_thread *t = st->th[--st->n_fills];
+
+		pthread_join(t->th, NULL);
+		hipHostFree(t->stage);
+		free(t);
 	}
 	return v < 0 ? hipErrorUnknown : hipSuccess;
 }
@@ -467,26 +479,53 @@ static void *run_fill(void *arg)
 }
 
 /* A thread doing a piece of the stream's work, joined at its synchronize
- * (its staging buffer, if any, freed then); a full stream is synchronized
- * first.  counted: the work holds the stream's later work (its signal
- * counts it from here; the thread subtracts it). */
+ * or, finished, when the stream's table is full (its staging buffer, if
+ * any, freed then; none finished: the stream is synchronized).  counted:
+ * the work holds the stream's later work (its signal counts it from here;
+ * the thread subtracts it). */
+static void *op_run(void *arg)
+{
+	struct op_thread *t = arg;
+	void *r = t->fn(t->arg);
+
+	atomic_store(&t->done, 1);
+	return r;
+}
+
 static hipError_t stream_thread(struct ihipStream_t *st, void *(*fn)(void *), void *arg,
 				void *stage, int counted)
 {
-	pthread_t th;
+	struct op_thread *t;
 	hipError_t e;
+	int k = 0;
 
+	for (int i = 0; st->n_fills == MAX_FILLS && i < st->n_fills; i++) {
+		t = st->th[i];
+		if (!atomic_load(&t->done)) {
+			st->th[k++] = t;
+			continue;
+		}
+		pthread_join(t->th, NULL);
+		hipHostFree(t->stage);
+		free(t);
+	}
+	if (st->n_fills == MAX_FILLS)
+		st->n_fills = k;
 	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(st == &null_stream ? NULL : st)))
 		return e;
+	t = calloc(1, sizeof(*t));
+	if (!t)
+		return hipErrorOutOfMemory;
+	*t = (struct op_thread){ .stage = stage, .fn = fn, .arg = arg };
 	if (counted)
 		F.signal_add(st->sig, 1);
-	if (pthread_create(&th, NULL, fn, arg)) {
+	if (pthread_create(&t->th, NULL, op_run, t)) {
 		if (counted)
 			F.signal_subtract(st->sig, 1);
+		free(t);
 		return hipErrorOutOfMemory;
 	}
-	st->fills[st->n_fills] = stage;
-	st->fill_th[st->n_fills++] = th;
+	st->th[st->n_fills++] = t;
 	return hipSuccess;
 }
 
@@ -676,7 +715,7 @@ EXPORT hipError_t hipIpcOpenMemHandle(void **p, hipIpcMemHandle_t handle, unsign
 
 	if (e)
 		return e;
-	if (!p || flags > 1 || !n_gpus)
+	if (!p || flags != 1 /* hipIpcMemLazyEnablePeerAccess, ROCm 6 */ || !n_gpus)
 		return hipErrorInvalidValue;
 	memcpy(&w, handle.reserved, sizeof(w));
 	if (w.offset >= w.size || F.ipc_attach(&w.h, w.size, 1, &gpus[cur], &base))
@@ -796,6 +835,14 @@ EXPORT hipError_t hipEventDestroy(hipEvent_t e)
 {
 	if (!e || e->magic != EVENT_MAGIC)
 		return hipErrorInvalidHandle;
+	if (e->imported && atomic_load(&e->refs) > 1) {
+		/* HIP's IPC event wait reads the exporter's shared page, which
+		 * destroying the import unmaps: as a crash would say it */
+		fprintf(stderr, "fake HIP: an imported IPC event destroyed with %d wait(s) still "
+			"queued on it (HIP unmaps its page under them)\n",
+			atomic_load(&e->refs) - 1);
+		abort();
+	}
 	event_put(e); /* after the records and waits queued on it */
 	return hipSuccess;
 }
@@ -842,6 +889,12 @@ EXPORT hipError_t hipEventRecord(hipEvent_t ev, hipStream_t s)
 	op->st = st;
 	op->e = event_ref(ev);
 	if ((r = stream_thread(st, run_record, op, NULL, 0))) {
+		/* never to be reached: the waits on it must not wait for it */
+		pthread_mutex_lock(&ev->s->m);
+		if (ev->s->reached < op->target)
+			ev->s->reached = op->target;
+		pthread_cond_broadcast(&ev->s->c);
+		pthread_mutex_unlock(&ev->s->m);
 		event_put(op->e);
 		free(op);
 	}

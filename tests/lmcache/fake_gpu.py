@@ -206,8 +206,10 @@ class FakeHip:
             ctypes.byref(ev), IpcHandle((ctypes.c_ubyte * 64)(*handle)))
         self.call("hipStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)(
             self.stream, ev, 0)
-        self.call("hipEventDestroy", ctypes.c_void_p)(ev)
         self.call("hipStreamSynchronize", ctypes.c_void_p)(self.stream)
+        # the import outlives the wait (the fake HIP, as strict as the
+        # strictest release, aborts otherwise)
+        self.call("hipEventDestroy", ctypes.c_void_p)(ev)
 
     def kernel_write(self, dev, byte, n, delay_us):
         self.call("kvt_fake_hip_kernel_write", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,

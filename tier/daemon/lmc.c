@@ -311,9 +311,10 @@ struct lmc_front {
 	/* the GPU drivers (GPU_BACKENDS), for GPU descriptors: a handle per
 	 * device used (opening the engines' handles and the fences), and one
 	 * unbound, for the devices' UUIDs; opened at the first GPU
-	 * registration (a driver that cannot be opened is tried again at the
-	 * next) */
+	 * registration (a driver that cannot be opened is not tried again:
+	 * its reason is kept) */
 	kvt_dma *gpu_any[N_GPU_BACKENDS], *gpu[N_GPU_BACKENDS][MAX_GPUS];
+	char gpu_fail[N_GPU_BACKENDS][256]; /* a driver that did not open: why */
 	int cur_peer;                /* the request's peer */
 	uint64_t told[MAX_TOLD];     /* instances a ping was answered false (ring) */
 	uint8_t told_set[MAX_TOLD];
@@ -834,11 +835,16 @@ static int gpu_of(lmc_front *f, const struct lmc_tensor *t, uint32_t i, int *be)
 	memset(&c, 0, sizeof(c));
 	c.size = sizeof(c);
 	c.flags = KVT_DMA_F_QUIET;
+	c.max_inflight = 1; /* these handles open memory and events; ranks copy */
 	for (*be = 0; *be < N_GPU_BACKENDS; ++*be) {
 		c.backend = GPU_BACKENDS[*be];
 		c.device = -1;
-		if (!f->gpu_any[*be] && kvt_dma_open(&c, &f->gpu_any[*be])) {
-			snprintf(why[*be], sizeof(why[0]), "%s: %s", name[*be], kvt_dma_last_error());
+		if (!f->gpu_any[*be] && !f->gpu_fail[*be][0] &&
+		    kvt_dma_open(&c, &f->gpu_any[*be]))
+			snprintf(f->gpu_fail[*be], sizeof(f->gpu_fail[0]), "%s: %s", name[*be],
+				 kvt_dma_last_error());
+		if (!f->gpu_any[*be]) {
+			snprintf(why[*be], sizeof(why[0]), "%s", f->gpu_fail[*be]);
 			continue;
 		}
 		opened++;
