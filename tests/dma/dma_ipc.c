@@ -23,6 +23,7 @@
 #include <cudaTypedefs.h>
 
 #include "kvt_dma.h"
+#include "ipc_child.h"
 
 #define LEN (3 * 4096 + 100)
 #define LATE_US 300000
@@ -34,8 +35,6 @@ struct exported {
 };
 
 static void *lib;
-static int to_child[2], from_child[2];
-static pid_t child;
 static struct exported ex;
 
 static void *sym(const char *name, int version)
@@ -66,7 +65,6 @@ static void exporter(void)
 	CUipcMemHandle mh;
 	CUipcEventHandle eh;
 	static char buf[LEN];
-	char c;
 	CUstream (*engine)(void) = (CUstream (*)(void))dlsym(lib, "kvt_fake_cuda_engine_stream");
 	int (*kwrite)(CUstream, uint64_t, int, uint64_t, unsigned) =
 		(int (*)(CUstream, uint64_t, int, uint64_t, unsigned))
@@ -91,10 +89,7 @@ static void exporter(void)
 	memcpy(ex.ev, eh.reserved, 64);
 	memcpy(ex.uuid, u.bytes, 16);
 	ex.len = LEN;
-	if (write(from_child[1], &ex, sizeof(ex)) != (ssize_t)sizeof(ex))
-		_exit(6);
-	if (read(to_child[0], &c, 1) < 0)
-		_exit(7);
+	child_publish_and_wait(&ex, sizeof(ex));
 	_exit(0);
 }
 
@@ -106,46 +101,20 @@ static int setup(void **state)
 	if (!path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL)) ||
 	    !dlsym(lib, "kvt_fake_cuda_engine_stream"))
 		return -1;
-	if (pipe(to_child) || pipe(from_child))
-		return -1;
-	child = fork();
-	if (child == 0)
-		exporter();
-	if (child < 0 || read(from_child[0], &ex, sizeof(ex)) != (ssize_t)sizeof(ex))
-		return -1;
-	return 0;
+	return child_start(exporter, &ex, sizeof(ex));
 }
 
 static int teardown(void **state)
 {
-	int st = 0;
-
 	(void)state;
-	if (write(to_child[1], "x", 1) != 1)
-		kill(child, SIGKILL);
-	waitpid(child, &st, 0);
-	return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
-}
-
-static kvt_dma *open_cuda(int device)
-{
-	struct kvt_dma_config c;
-	kvt_dma *d = NULL;
-
-	memset(&c, 0, sizeof(c));
-	c.size = sizeof(c);
-	c.backend = "cuda";
-	c.device = device;
-	c.flags = KVT_DMA_F_QUIET;
-	assert_int_equal(kvt_dma_open(&c, &d), 0);
-	return d;
+	return child_stop();
 }
 
 /* The device an engine names by UUID: ordinal 1 here too; one this node
  * does not have: -ENODEV, said. */
 static void test_device_of_uuid(void **state)
 {
-	kvt_dma *d = open_cuda(-1);
+	kvt_dma *d = open_dma("cuda", -1);
 	uint8_t other[16] = { 1, 2, 3 };
 
 	(void)state;
@@ -160,7 +129,7 @@ static void test_device_of_uuid(void **state)
  * forged handle refused, nothing mapped. */
 static void test_mem_open(void **state)
 {
-	kvt_dma *d = open_cuda(1);
+	kvt_dma *d = open_dma("cuda", 1);
 	uint64_t base = 0, len = 0, base2 = 0, len2 = 0;
 	uint8_t bad[64];
 	static char buf[LEN];
@@ -190,7 +159,7 @@ static void test_mem_open(void **state)
  * refused and the fence stays usable. */
 static void test_fence(void **state)
 {
-	kvt_dma *d = open_cuda(1);
+	kvt_dma *d = open_dma("cuda", 1);
 	kvt_dma_fence *f = NULL;
 	uint8_t h[KVT_DMA_IPC_BYTES], h2[KVT_DMA_IPC_BYTES], bad[64];
 
@@ -215,7 +184,7 @@ static void test_fence(void **state)
  * grows by one a signal, at one place. */
 static void test_fence_values(void **state)
 {
-	kvt_dma *d = open_cuda(1);
+	kvt_dma *d = open_dma("cuda", 1);
 	kvt_dma_fence *f = NULL;
 	uint8_t h[KVT_DMA_IPC_BYTES], h2[KVT_DMA_IPC_BYTES];
 	uint64_t off = 0, v = 0, off2 = 0, v2 = 0;

@@ -24,6 +24,7 @@
 #include <cmocka.h>
 
 #include "kvt_dma.h"
+#include "ipc_child.h"
 
 #define LEN (3 * 4096 + 100)
 #define LATE_US 300000
@@ -36,8 +37,6 @@ struct exported {
 	hipUUID uuid;
 };
 
-static int to_child[2], from_child[2];
-static pid_t child;
 static struct exported ex;
 
 #define CK(x) do { if ((x) != hipSuccess) { fprintf(stderr, "%s\n", #x); _exit(4); } } while (0)
@@ -53,7 +52,6 @@ static void exporter(void)
 	hipStream_t s;
 	hipEvent_t ev;
 	void *p;
-	char c;
 
 	if (!lib || !(*(void **)&kernel_write = dlsym(lib, "kvt_fake_hip_kernel_write")))
 		_exit(3);
@@ -69,10 +67,7 @@ static void exporter(void)
 	CK((hipError_t)kernel_write(s, p, 0x77, 4096, LATE_US));
 	CK(HIP(hipEventRecord)(ev, s));
 	CK(HIP(hipIpcGetEventHandle)(&ex.ev, ev));
-	if (write(from_child[1], &ex, sizeof(ex)) != (ssize_t)sizeof(ex))
-		_exit(5);
-	if (read(to_child[0], &c, 1) != 1)
-		_exit(6);
+	child_publish_and_wait(&ex, sizeof(ex));
 	CK(HIP(hipStreamSynchronize)(s));
 	_exit(0);
 }
@@ -80,39 +75,13 @@ static void exporter(void)
 static int setup(void **state)
 {
 	(void)state;
-	if (pipe(to_child) || pipe(from_child))
-		return -1;
-	child = fork();
-	if (child == 0)
-		exporter();
-	if (child < 0 || read(from_child[0], &ex, sizeof(ex)) != (ssize_t)sizeof(ex))
-		return -1;
-	return 0;
+	return child_start(exporter, &ex, sizeof(ex));
 }
 
 static int teardown(void **state)
 {
-	int st = 0;
-
 	(void)state;
-	if (write(to_child[1], "x", 1) != 1)
-		kill(child, SIGKILL);
-	waitpid(child, &st, 0);
-	return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
-}
-
-static kvt_dma *open_hsa(int device)
-{
-	struct kvt_dma_config c;
-	kvt_dma *d = NULL;
-
-	memset(&c, 0, sizeof(c));
-	c.size = sizeof(c);
-	c.backend = "hsa";
-	c.device = device;
-	c.flags = KVT_DMA_F_QUIET;
-	assert_int_equal(kvt_dma_open(&c, &d), 0);
-	return d;
+	return child_stop();
 }
 
 /* The device an engine names by HIP's UUID: ordinal 1 here too (the
@@ -120,7 +89,7 @@ static kvt_dma *open_hsa(int device)
  * -ENODEV, said. */
 static void test_device_of_uuid(void **state)
 {
-	kvt_dma *d = open_hsa(-1);
+	kvt_dma *d = open_dma("hsa", -1);
 	uint8_t other[16] = "0123456789abcdef";
 
 	(void)state;
@@ -135,7 +104,7 @@ static void test_device_of_uuid(void **state)
  * its length what is left of the allocation; a forged handle: -EINVAL. */
 static void test_mem_open(void **state)
 {
-	kvt_dma *d = open_hsa(1);
+	kvt_dma *d = open_dma("hsa", 1);
 	uint64_t base = 0, len = 0, base2 = 0, len2 = 0, in = 0, in_len = 0;
 	uint8_t bad[64];
 	static char buf[LEN];
@@ -173,7 +142,7 @@ static void test_mem_open(void **state)
  * CUDA's, refused by name. */
 static void test_fence(void **state)
 {
-	kvt_dma *d = open_hsa(1);
+	kvt_dma *d = open_dma("hsa", 1);
 	kvt_dma_fence *f = NULL;
 	uint8_t h[64], bad[64];
 	uint64_t off, value;
