@@ -114,6 +114,7 @@
 #define FAULT_MAGIC    0x6b7674686661756cull
 #define FENCES         16                  /* order_after's signals (see "Ordering") */
 #define FENCE_IMPORTS  32                  /* engine events a fence keeps imported ("IPC") */
+#define FENCE_CLOSE_GRACE_NS 200000000ull  /* a closing fence's wait for them */
 
 /* ROCm 5.6+ prototypes (engine_id is one bit of hsa_amd_sdma_engine_id_t). */
 typedef hsa_status_t (*copy_on_engine_fn)(void *dst, hsa_agent_t dst_agent,
@@ -1266,7 +1267,8 @@ static int hsa_ceiling(struct kvt_dma *d, enum kvt_dma_dir dir, uint64_t dev,
  * host callback), hipStreamWaitEvent returns only once the engine's event
  * fired -- kvtierd's thread waits there; and an engine that dies before
  * its event fires leaves the wait stream blocked for good: fence_close
- * then abandons the streams (logged) rather than wait on them.
+ * gives the waits FENCE_CLOSE_GRACE_NS, then abandons the streams
+ * (logged) rather than hold kvtierd's thread on them.
  * LMCache's timeline semaphores are CUDA's (cuda-python): refused by
  * name. */
 #define HIP_EVENT_DISABLE_TIMING 0x2
@@ -1490,25 +1492,30 @@ struct hsa_fence {
 	uint32_t n_imp;
 };
 
-/* The imports whose waits the stream has passed go, oldest first; with
- * all_of, every one (waiting for the oldest, at most ~60 s each). */
-static int fence_reap(struct hsa_fence *f, int all_of)
+/* hipEventQuery of a marker until the deadline (kvt__now_ns): 0 once it
+ * completed, else HIP's error (600: hipErrorNotReady, still waiting). */
+static int passed_by(struct hsa_be *be, void *marker, uint64_t deadline)
+{
+	int e;
+
+	while ((e = be->hip->event_query(marker)) == 600 && kvt__now_ns() < deadline) {
+		struct timespec ts = { 0, 1000000 };
+
+		nanosleep(&ts, NULL);
+	}
+	return e;
+}
+
+/* The imports whose waits the stream has passed go, oldest first, waiting
+ * up to grace_ns for them; -EBUSY while some remain. */
+static int fence_reap(struct hsa_fence *f, uint64_t grace_ns)
 {
 	struct hsa_be *be = f->head.d->be;
+	uint64_t deadline = kvt__now_ns() + grace_ns;
 	uint32_t k = 0;
 
 	for (; k < f->n_imp; k++) {
-		int e = be->hip->event_query(f->imp[k].passed);
-
-		for (uint64_t t0 = kvt__now_ns(); all_of && e == 600 /* NotReady */;
-		     e = be->hip->event_query(f->imp[k].passed)) {
-			struct timespec ts = { 0, 1000000 };
-
-			if (kvt__now_ns() - t0 > 60ull * 1000000000u)
-				break;
-			nanosleep(&ts, NULL);
-		}
-		if (e)
+		if (passed_by(be, f->imp[k].passed, deadline))
 			break;
 		be->hip->event_destroy(f->imp[k].ev);
 		be->hip->event_destroy(f->imp[k].passed);
@@ -1528,18 +1535,20 @@ static void hsa_fence_close(struct kvt_dma_fence *hd)
 	be = f->head.d->be;
 	if (be->hip) {
 		be->hip->set_device(be->hip_dev);
-		if (f->n_imp && fence_reap(f, 1)) {
+		if (f->n_imp && fence_reap(f, FENCE_CLOSE_GRACE_NS)) {
 			/* an engine's event that never fired (the engine died
-			 * first): its wait never ends; destroying the streams
-			 * would wait on it too */
+			 * first): its wait never ends, and destroying the wait
+			 * stream would wait on it too.  That stream and the
+			 * imports its waits read are left to the runtime; the
+			 * markers (plain events) go. */
 			kvt__dma_log(f->head.d, KVT_DMA_LOG_ERR, "hsa: a fence abandoned: %u of the "
-				     "engine's events never fired (the engine gone?); its streams "
-				     "and imports are left to the runtime", f->n_imp);
-			free(f);
-			return;
-		}
-		if (f->wait) /* after its work, in the runtime */
+				     "engine's events never fired (the engine gone?); its wait "
+				     "stream and imports are left to the runtime", f->n_imp);
+			for (uint32_t i = 0; i < f->n_imp; i++)
+				be->hip->event_destroy(f->imp[i].passed);
+		} else if (f->wait) { /* after its work, in the runtime */
 			be->hip->stream_destroy(f->wait);
+		}
 		if (f->sig)
 			be->hip->stream_destroy(f->sig);
 		if (f->done)
@@ -1589,17 +1598,9 @@ static int hsa_fence_wait(struct kvt_dma_fence *hd, const void *handle)
 		return rc;
 	if (fence_reap(f, 0) && f->n_imp == FENCE_IMPORTS) {
 		/* the oldest waited for: a slot for this one */
-		void *ev0 = f->imp[0].passed;
-		int w;
-
-		for (uint64_t t0 = kvt__now_ns(); (w = be->hip->event_query(ev0)) == 600;) {
-			struct timespec ts = { 0, 1000000 };
-
-			if (kvt__now_ns() - t0 > 60ull * 1000000000u)
-				return kvt__dma_err(-EIO, "hsa: the engine's event of %u requests ago "
-						    "has not fired in 60 s", FENCE_IMPORTS);
-			nanosleep(&ts, NULL);
-		}
+		if (passed_by(be, f->imp[0].passed, kvt__now_ns() + 60ull * 1000000000u))
+			return kvt__dma_err(-EIO, "hsa: the engine's event of %u requests ago "
+					    "has not fired in 60 s", FENCE_IMPORTS);
 		fence_reap(f, 0);
 	}
 	memcpy(h.b, handle, sizeof(h.b));

@@ -164,12 +164,87 @@ static void test_fence(void **state)
 	kvt_dma_close(d);
 }
 
+static char logged[512];
+
+static void keep_log(void *arg, int level, const char *msg)
+{
+	(void)arg;
+	if (level == KVT_DMA_LOG_ERR)
+		snprintf(logged, sizeof(logged), "%s", msg);
+}
+
+/* A second engine that dies before the event it sent fires (a kernel
+ * still running): the fence's wait on it never ends; closing the fence
+ * does not wait for it for good -- it abandons the streams, saying so.
+ * (Forked after this process started the runtime: it only records an
+ * event behind a kernel that does not end, which needs no copy lane.) */
+static void dying_engine(void)
+{
+	void *lib = dlopen(getenv("KVTIER_HIP_LIBRARY"), RTLD_NOW | RTLD_LOCAL);
+	int (*kernel_write)(hipStream_t, void *, int, size_t, unsigned);
+	hipIpcEventHandle_t h;
+	hipStream_t s;
+	hipEvent_t ev;
+	void *p;
+
+	if (!lib || !(*(void **)&kernel_write = dlsym(lib, "kvt_fake_hip_kernel_write")))
+		_exit(3);
+	CK(HIP(hipSetDevice)(1));
+	CK(HIP(hipMalloc)(&p, 4096));
+	CK(HIP(hipStreamCreate)(&s));
+	CK(HIP(hipEventCreateWithFlags)(&ev, hipEventInterprocess | hipEventDisableTiming));
+	CK((hipError_t)kernel_write(s, p, 0x77, 4096, 600u * 1000000u));
+	CK(HIP(hipEventRecord)(ev, s));
+	CK(HIP(hipIpcGetEventHandle)(&h, ev));
+	if (write(from_child[1], &h, sizeof(h)) != (ssize_t)sizeof(h))
+		_exit(5);
+	pause();
+	_exit(0);
+}
+
+static void test_fence_engine_gone(void **state)
+{
+	struct kvt_dma_config c;
+	hipIpcEventHandle_t h;
+	kvt_dma *d = NULL;
+	kvt_dma_fence *f = NULL;
+	int fds[2][2] = { { to_child[0], to_child[1] }, { from_child[0], from_child[1] } };
+	pid_t pid;
+	int st;
+
+	(void)state;
+	memset(&c, 0, sizeof(c));
+	c.size = sizeof(c);
+	c.backend = "hsa";
+	c.device = 1;
+	c.log = keep_log;
+	assert_int_equal(kvt_dma_open(&c, &d), 0);
+	assert_int_equal(pipe(from_child), 0);
+	pid = fork();
+	if (pid == 0)
+		dying_engine();
+	assert_true(pid > 0);
+	assert_int_equal(read(from_child[0], &h, sizeof(h)), (ssize_t)sizeof(h));
+	assert_int_equal(kvt_dma_fence_open(d, &f), 0);
+	assert_int_equal(kvt_dma_fence_wait(f, h.reserved), 0);
+	kill(pid, SIGKILL);
+	waitpid(pid, &st, 0);
+	kvt_dma_fence_close(f); /* returns: the wait is abandoned */
+	assert_non_null(strstr(logged, "a fence abandoned: 1 of the engine's events never fired"));
+	kvt_dma_close(d);
+	close(from_child[0]);
+	close(from_child[1]);
+	to_child[0] = fds[0][0], to_child[1] = fds[0][1];
+	from_child[0] = fds[1][0], from_child[1] = fds[1][1];
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_device_of_uuid),
 		cmocka_unit_test(test_mem_open),
 		cmocka_unit_test(test_fence),
+		cmocka_unit_test(test_fence_engine_gone),
 	};
 	const char *path = getenv("KVTIER_HIP_LIBRARY");
 	void *l = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
