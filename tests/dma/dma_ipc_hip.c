@@ -72,15 +72,63 @@ static void exporter(void)
 	_exit(0);
 }
 
+/* A second engine that dies before the event it sent fires (a kernel
+ * still running): forked at setup, before this process starts a runtime
+ * (a child forked from a process with the runtime's threads has none of
+ * them); it sends its event's handle and waits to be killed. */
+static int die_pipe[2] = { -1, -1 };
+static pid_t dying = -1;
+static hipIpcEventHandle_t dying_ev;
+
+static void dying_engine(void)
+{
+	void *lib = dlopen(getenv("KVTIER_HIP_LIBRARY"), RTLD_NOW | RTLD_LOCAL);
+	int (*kernel_write)(hipStream_t, void *, int, size_t, unsigned);
+	hipIpcEventHandle_t h;
+	hipStream_t s;
+	hipEvent_t ev;
+	void *p;
+
+	if (!lib || !(*(void **)&kernel_write = dlsym(lib, "kvt_fake_hip_kernel_write")))
+		_exit(3);
+	CK(HIP(hipSetDevice)(1));
+	CK(HIP(hipMalloc)(&p, 4096));
+	CK(HIP(hipStreamCreate)(&s));
+	CK(HIP(hipEventCreateWithFlags)(&ev, hipEventInterprocess | hipEventDisableTiming));
+	CK((hipError_t)kernel_write(s, p, 0x77, 4096, 600u * 1000000u));
+	CK(HIP(hipEventRecord)(ev, s));
+	CK(HIP(hipIpcGetEventHandle)(&h, ev));
+	if (write(die_pipe[1], &h, sizeof(h)) != (ssize_t)sizeof(h))
+		_exit(5);
+	for (;;)
+		pause();
+}
+
+static int start_dying_engine(void)
+{
+	if (pipe(die_pipe))
+		return -1;
+	dying = fork();
+	if (dying == 0)
+		dying_engine();
+	close(die_pipe[1]); /* its death: EOF here, never a hang */
+	return dying < 0 || read(die_pipe[0], &dying_ev, sizeof(dying_ev)) !=
+				    (ssize_t)sizeof(dying_ev) ? -1 : 0;
+}
+
 static int setup(void **state)
 {
 	(void)state;
-	return child_start(exporter, &ex, sizeof(ex));
+	return child_start(exporter, &ex, sizeof(ex)) || start_dying_engine() ? -1 : 0;
 }
 
 static int teardown(void **state)
 {
 	(void)state;
+	if (dying > 0) {
+		kill(dying, SIGKILL);
+		waitpid(dying, NULL, 0);
+	}
 	return child_stop();
 }
 
@@ -173,43 +221,14 @@ static void keep_log(void *arg, int level, const char *msg)
 		snprintf(logged, sizeof(logged), "%s", msg);
 }
 
-/* A second engine that dies before the event it sent fires (a kernel
- * still running): the fence's wait on it never ends; closing the fence
- * does not wait for it for good -- it abandons the streams, saying so.
- * (Forked after this process started the runtime: it only records an
- * event behind a kernel that does not end, which needs no copy lane.) */
-static void dying_engine(void)
-{
-	void *lib = dlopen(getenv("KVTIER_HIP_LIBRARY"), RTLD_NOW | RTLD_LOCAL);
-	int (*kernel_write)(hipStream_t, void *, int, size_t, unsigned);
-	hipIpcEventHandle_t h;
-	hipStream_t s;
-	hipEvent_t ev;
-	void *p;
-
-	if (!lib || !(*(void **)&kernel_write = dlsym(lib, "kvt_fake_hip_kernel_write")))
-		_exit(3);
-	CK(HIP(hipSetDevice)(1));
-	CK(HIP(hipMalloc)(&p, 4096));
-	CK(HIP(hipStreamCreate)(&s));
-	CK(HIP(hipEventCreateWithFlags)(&ev, hipEventInterprocess | hipEventDisableTiming));
-	CK((hipError_t)kernel_write(s, p, 0x77, 4096, 600u * 1000000u));
-	CK(HIP(hipEventRecord)(ev, s));
-	CK(HIP(hipIpcGetEventHandle)(&h, ev));
-	if (write(from_child[1], &h, sizeof(h)) != (ssize_t)sizeof(h))
-		_exit(5);
-	pause();
-	_exit(0);
-}
-
+/* The fence's wait on the dying engine's event never ends once it is
+ * gone; closing the fence does not wait for it for good -- it abandons
+ * the wait, saying so. */
 static void test_fence_engine_gone(void **state)
 {
 	struct kvt_dma_config c;
-	hipIpcEventHandle_t h;
 	kvt_dma *d = NULL;
 	kvt_dma_fence *f = NULL;
-	int fds[2][2] = { { to_child[0], to_child[1] }, { from_child[0], from_child[1] } };
-	pid_t pid;
 	int st;
 
 	(void)state;
@@ -219,23 +238,14 @@ static void test_fence_engine_gone(void **state)
 	c.device = 1;
 	c.log = keep_log;
 	assert_int_equal(kvt_dma_open(&c, &d), 0);
-	assert_int_equal(pipe(from_child), 0);
-	pid = fork();
-	if (pid == 0)
-		dying_engine();
-	assert_true(pid > 0);
-	assert_int_equal(read(from_child[0], &h, sizeof(h)), (ssize_t)sizeof(h));
 	assert_int_equal(kvt_dma_fence_open(d, &f), 0);
-	assert_int_equal(kvt_dma_fence_wait(f, h.reserved), 0);
-	kill(pid, SIGKILL);
-	waitpid(pid, &st, 0);
+	assert_int_equal(kvt_dma_fence_wait(f, dying_ev.reserved), 0);
+	kill(dying, SIGKILL);
+	waitpid(dying, &st, 0);
+	dying = -1;
 	kvt_dma_fence_close(f); /* returns: the wait is abandoned */
 	assert_non_null(strstr(logged, "a fence abandoned: 1 of the engine's events never fired"));
 	kvt_dma_close(d);
-	close(from_child[0]);
-	close(from_child[1]);
-	to_child[0] = fds[0][0], to_child[1] = fds[0][1];
-	from_child[0] = fds[1][0], from_child[1] = fds[1][1];
 }
 
 int main(void)
