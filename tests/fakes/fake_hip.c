@@ -33,7 +33,12 @@
  *     imported event destroyed while waits on it are queued aborts the
  *     process (HIP unmaps the page they read);
  *   - kvt_fake_hip_kernel_write: a forward pass writing device memory
- *     late, on a stream.
+ *     late, on a stream;
+ *   - modules (hipModuleLoadData, hipModuleGetFunction, hipModuleUnload,
+ *     hipModuleLaunchKernel) for kvtier's copy kernel alone: the code
+ *     object must be the real compiler's for the agent's target, its one
+ *     kernel kvt_copy_pages with exactly the two parameters the CPU twin
+ *     takes; the launch runs the twin on the stream (see "Modules").
  * FAKE_HIP_DEVICES=0 in the environment: hipGetDeviceCount says
  * hipErrorNoDevice (a machine without a GPU).
  */
@@ -51,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <elf.h>
 #include <sys/mman.h>
 
 #include <hsa/hsa.h>
@@ -78,6 +84,9 @@ static struct {
 	__typeof__(&hsa_signal_add_screlease) signal_add;
 	__typeof__(&hsa_signal_subtract_screlease) signal_subtract;
 	__typeof__(&hsa_signal_wait_scacquire) signal_wait;
+	__typeof__(&hsa_signal_load_scacquire) signal_load;
+	__typeof__(&hsa_agent_iterate_isas) iterate_isas;
+	__typeof__(&hsa_isa_get_info_alt) isa_get_info;
 	__typeof__(&hsa_amd_ipc_memory_create) ipc_create;
 	__typeof__(&hsa_amd_ipc_memory_attach) ipc_attach;
 	__typeof__(&hsa_amd_ipc_memory_detach) ipc_detach;
@@ -91,7 +100,8 @@ static hipError_t init_err = hipSuccess;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static hsa_agent_t cpu, gpus[MAX_GPUS];
 static hsa_amd_memory_pool_t cpu_pool, gpu_pool[MAX_GPUS];
-static int n_gpus, have_cpu_pool, cur;
+static int n_gpus, have_cpu_pool;
+static __thread int cur; /* the current device: HIP's is per thread */
 
 /* registered host ranges: host -> the runtime's device pointer */
 static struct { char *host; void *dev; size_t len; } regs[MAX_REG];
@@ -112,10 +122,16 @@ struct op_thread {
 
 struct ihipStream_t {
 	hsa_signal_t sig;
+	atomic_long kernels;     /* copy kernels queued, not finished ("Modules") */
 	struct op_thread *th[MAX_FILLS];
 	int n_fills;
+	pthread_mutex_t mu;      /* th, n_fills: HIP's calls are thread safe */
+	struct ihipStream_t *next; /* the streams alive (streams_mu) */
 };
-static struct ihipStream_t null_stream;
+static struct ihipStream_t null_stream = { .mu = PTHREAD_MUTEX_INITIALIZER };
+/* every stream alive, for the exit's joins (fini) */
+static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct ihipStream_t *streams = &null_stream;
 
 static hsa_status_t pool_cb(hsa_amd_memory_pool_t p, void *data)
 {
@@ -168,7 +184,8 @@ static void init_once(void)
 	L(pointer_info, "hsa_amd_pointer_info")
 	L(signal_create, "hsa_signal_create") L(signal_destroy, "hsa_signal_destroy")
 	L(signal_add, "hsa_signal_add_screlease") L(signal_subtract, "hsa_signal_subtract_screlease")
-	L(signal_wait, "hsa_signal_wait_scacquire")
+	L(signal_wait, "hsa_signal_wait_scacquire") L(signal_load, "hsa_signal_load_scacquire")
+	L(iterate_isas, "hsa_agent_iterate_isas") L(isa_get_info, "hsa_isa_get_info_alt")
 	L(ipc_create, "hsa_amd_ipc_memory_create") L(ipc_attach, "hsa_amd_ipc_memory_attach")
 	L(ipc_detach, "hsa_amd_ipc_memory_detach")
 #undef L
@@ -183,9 +200,32 @@ static void init_once(void)
 		init_err = hipErrorInitializationError;
 }
 
-/* The runtime's own resources go with the library (LeakSanitizer). */
+/* The runtime's own resources go with the library (LeakSanitizer), and
+ * the finished threads of streams never synchronized -- those of a DMA
+ * handle its process abandoned (kvt_dma_close_within) -- are joined
+ * (ThreadSanitizer's thread leaks). */
 __attribute__((destructor)) static void fini(void)
 {
+	pthread_mutex_lock(&streams_mu);
+	for (struct ihipStream_t *st = streams; st; st = st->next) {
+		int k = 0;
+
+		pthread_mutex_lock(&st->mu);
+		for (int i = 0; i < st->n_fills; i++) {
+			struct op_thread *t = st->th[i];
+
+			if (!atomic_load(&t->done) || t->stage) { /* (a stage is the
+								    * runtime's memory) */
+				st->th[k++] = t;
+				continue;
+			}
+			pthread_join(t->th, NULL);
+			free(t);
+		}
+		st->n_fills = k;
+		pthread_mutex_unlock(&st->mu);
+	}
+	pthread_mutex_unlock(&streams_mu);
 	if (null_stream.sig.handle && F.signal_destroy)
 		F.signal_destroy(null_stream.sig);
 	null_stream.sig.handle = 0;
@@ -205,6 +245,10 @@ EXPORT const char *hipGetErrorString(hipError_t e)
 	case hipErrorInvalidValue: return "hipErrorInvalidValue (fake)";
 	case hipErrorOutOfMemory: return "hipErrorOutOfMemory (fake)";
 	case hipErrorInvalidDevice: return "hipErrorInvalidDevice (fake)";
+	case hipErrorInvalidImage: return "hipErrorInvalidImage (fake)";
+	case hipErrorNoBinaryForGpu: return "hipErrorNoBinaryForGpu (fake)";
+	case hipErrorNotFound: return "hipErrorNotFound (fake)";
+	case hipErrorNotReady: return "hipErrorNotReady (fake)";
 	default: return "hip error (fake)";
 	}
 }
@@ -229,6 +273,18 @@ EXPORT hipError_t hipSetDevice(int d)
 	if (d < 0 || d >= n_gpus)
 		return hipErrorInvalidDevice;
 	cur = d;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipGetDevice(int *d)
+{
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (!d)
+		return hipErrorInvalidValue;
+	*d = cur;
 	return hipSuccess;
 }
 
@@ -367,8 +423,25 @@ EXPORT hipError_t hipStreamCreate(hipStream_t *s)
 		free(st);
 		return hipErrorOutOfMemory;
 	}
+	pthread_mutex_init(&st->mu, NULL);
+	pthread_mutex_lock(&streams_mu);
+	st->next = streams;
+	streams = st;
+	pthread_mutex_unlock(&streams_mu);
 	*s = st;
 	return hipSuccess;
+}
+
+/* the stream's threads joined (under its mu) */
+static void join_all(struct ihipStream_t *st)
+{
+	while (st->n_fills) {
+		struct op_thread *t = st->th[--st->n_fills];
+
+		pthread_join(t->th, NULL);
+		hipHostFree(t->stage);
+		free(t);
+	}
 }
 
 EXPORT hipError_t hipStreamSynchronize(hipStream_t s)
@@ -377,13 +450,9 @@ EXPORT hipError_t hipStreamSynchronize(hipStream_t s)
 	hsa_signal_value_t v = F.signal_wait(st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
 					     HSA_WAIT_STATE_BLOCKED);
 
-	while (st->n_fills) {
-		struct op_thread *t = st->th[--st->n_fills];
-
-		pthread_join(t->th, NULL);
-		hipHostFree(t->stage);
-		free(t);
-	}
+	pthread_mutex_lock(&st->mu);
+	join_all(st);
+	pthread_mutex_unlock(&st->mu);
 	return v < 0 ? hipErrorUnknown : hipSuccess;
 }
 
@@ -392,7 +461,15 @@ EXPORT hipError_t hipStreamDestroy(hipStream_t s)
 	if (!s)
 		return hipErrorInvalidValue;
 	hipStreamSynchronize(s);
+	pthread_mutex_lock(&streams_mu);
+	for (struct ihipStream_t **pp = &streams; *pp; pp = &(*pp)->next)
+		if (*pp == s) {
+			*pp = s->next;
+			break;
+		}
+	pthread_mutex_unlock(&streams_mu);
 	F.signal_destroy(s->sig);
+	pthread_mutex_destroy(&s->mu);
 	free(s);
 	return hipSuccess;
 }
@@ -496,9 +573,9 @@ static hipError_t stream_thread(struct ihipStream_t *st, void *(*fn)(void *), vo
 				void *stage, int counted)
 {
 	struct op_thread *t;
-	hipError_t e;
 	int k = 0;
 
+	pthread_mutex_lock(&st->mu);
 	for (int i = 0; st->n_fills == MAX_FILLS && i < st->n_fills; i++) {
 		t = st->th[i];
 		if (!atomic_load(&t->done)) {
@@ -511,11 +588,16 @@ static hipError_t stream_thread(struct ihipStream_t *st, void *(*fn)(void *), vo
 	}
 	if (st->n_fills == MAX_FILLS)
 		st->n_fills = k;
-	if (st->n_fills == MAX_FILLS && (e = hipStreamSynchronize(st == &null_stream ? NULL : st)))
-		return e;
+	if (st->n_fills == MAX_FILLS) { /* none finished: the stream drained */
+		F.signal_wait(st->sig, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX,
+			      HSA_WAIT_STATE_BLOCKED);
+		join_all(st);
+	}
 	t = calloc(1, sizeof(*t));
-	if (!t)
+	if (!t) {
+		pthread_mutex_unlock(&st->mu);
 		return hipErrorOutOfMemory;
+	}
 	*t = (struct op_thread){ .stage = stage, .fn = fn, .arg = arg };
 	if (counted)
 		F.signal_add(st->sig, 1);
@@ -523,9 +605,11 @@ static hipError_t stream_thread(struct ihipStream_t *st, void *(*fn)(void *), vo
 		if (counted)
 			F.signal_subtract(st->sig, 1);
 		free(t);
+		pthread_mutex_unlock(&st->mu);
 		return hipErrorOutOfMemory;
 	}
 	st->th[st->n_fills++] = t;
+	pthread_mutex_unlock(&st->mu);
 	return hipSuccess;
 }
 
@@ -1020,4 +1104,494 @@ EXPORT hipError_t hipIpcOpenEventHandle(hipEvent_t *out, hipIpcEventHandle_t h)
 	atomic_init(&e->refs, 1);
 	*out = e;
 	return hipSuccess;
+}
+
+/* ---- modules: kvtier's copy kernel ------------------------------------------
+ *
+ * hipModuleLoadData takes what hiprtc made: an AMDGPU ELF code object
+ * (EM_AMDGPU, the HSA OS ABI) whose NT_AMDGPU_METADATA note (msgpack)
+ * names its target and kernels.  It is accepted only for the agents'
+ * processor (hipErrorNoBinaryForGpu otherwise, as HIP refuses a code
+ * object for another GPU) and knows one kernel: kvt_copy_pages
+ * (dma/src/copy_kernel.c) with exactly a global buffer of 8 bytes and a
+ * 4-byte value as its parameters, the hidden ones aside; anything else is
+ * hipErrorInvalidImage, or hipErrorNotFound at hipModuleGetFunction.
+ *
+ * hipModuleLaunchKernel reads the two arguments at the call (as HIP copies
+ * kernel arguments) and runs the kernel's CPU twin on the stream: after the
+ * work queued before it (its thread waits for the stream's other work,
+ * kernels aside, to drain: later, never earlier), and holding the work
+ * queued after it (counted on the stream's signal).  The twin walks the
+ * descriptors -- which must lie in memory the GPU reads (a pool
+ * allocation or a lock) -- and moves each row as a kernel's writes through
+ * the fake HSA (its compute lane: the addresses checked, faults injected
+ * there as for any copy).  A descriptor the runtime refuses is a GPU
+ * memory fault: the process aborts, as ROCr aborts one nobody claims. */
+#define MODULE_MAGIC 0x4b56544d4f44554cull
+#define FN_MAGIC     0x4b5654464e434f50ull
+
+struct ihipModuleSymbol_t {
+	uint64_t magic;
+	struct ihipModule_t *mod;
+};
+
+struct ihipModule_t {
+	uint64_t magic;
+	struct ihipModuleSymbol_t fn;
+};
+
+static atomic_long st_kernel_launches, st_kernel_copies, st_modules_live;
+
+/* tests: "kernel_launches", "kernel_copies" (descriptors run), "modules_live" */
+EXPORT long kvt_fake_hip_stat(const char *key)
+{
+	if (!strcmp(key, "kernel_launches"))
+		return atomic_load(&st_kernel_launches);
+	if (!strcmp(key, "kernel_copies"))
+		return atomic_load(&st_kernel_copies);
+	if (!strcmp(key, "modules_live"))
+		return atomic_load(&st_modules_live);
+	return -1;
+}
+
+/* A small msgpack reader, enough for the metadata note. */
+struct mp {
+	const uint8_t *p, *end;
+};
+
+enum { MP_BAD, MP_SCALAR, MP_STR, MP_ARRAY, MP_MAP };
+
+struct mpv {
+	int kind;
+	uint64_t n;          /* an int's value, a string's length, a container's count */
+	const char *s;
+};
+
+static uint64_t mp_be(const uint8_t *p, int n)
+{
+	uint64_t v = 0;
+
+	for (int i = 0; i < n; i++)
+		v = v << 8 | p[i];
+	return v;
+}
+
+static int mp_need(struct mp *m, uint64_t n)
+{
+	return (uint64_t)(m->end - m->p) >= n;
+}
+
+static struct mpv mp_next(struct mp *m)
+{
+	struct mpv v = { MP_BAD, 0, NULL };
+	uint8_t b;
+	int w = 0;
+
+	if (!mp_need(m, 1))
+		return v;
+	b = *m->p++;
+	if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+		v.kind = MP_SCALAR;
+		v.n = b <= 0x7f ? b : 0;
+		return v;
+	}
+	if ((b & 0xe0) == 0xa0 || b == 0xd9 || b == 0xda || b == 0xdb || b == 0xc4 ||
+	    b == 0xc5 || b == 0xc6) {
+		w = (b & 0xe0) == 0xa0 ? 0 : b == 0xd9 || b == 0xc4 ? 1 : b == 0xda || b == 0xc5 ? 2 : 4;
+		if (!mp_need(m, (uint64_t)w))
+			return v;
+		v.n = w ? mp_be(m->p, w) : (uint64_t)(b & 0x1f);
+		m->p += w;
+		if (!mp_need(m, v.n))
+			return v;
+		v.s = (const char *)m->p;
+		m->p += v.n;
+		v.kind = MP_STR;
+		return v;
+	}
+	if ((b & 0xf0) == 0x90 || (b & 0xf0) == 0x80) {
+		v.kind = (b & 0xf0) == 0x90 ? MP_ARRAY : MP_MAP;
+		v.n = b & 0x0f;
+		return v;
+	}
+	if (b == 0xdc || b == 0xdd || b == 0xde || b == 0xdf) {
+		w = b == 0xdc || b == 0xde ? 2 : 4;
+		if (!mp_need(m, (uint64_t)w))
+			return v;
+		v.kind = b <= 0xdd ? MP_ARRAY : MP_MAP;
+		v.n = mp_be(m->p, w);
+		m->p += w;
+		return v;
+	}
+	if (b >= 0xcc && b <= 0xd3) { /* unsigned and signed ints */
+		w = 1 << ((b - 0xcc) & 3);
+		if (!mp_need(m, (uint64_t)w))
+			return v;
+		v.n = mp_be(m->p, w);
+		m->p += w;
+		v.kind = MP_SCALAR;
+		return v;
+	}
+	if (b == 0xca || b == 0xcb) {
+		w = b == 0xca ? 4 : 8;
+		if (!mp_need(m, (uint64_t)w))
+			return v;
+		m->p += w;
+		v.kind = MP_SCALAR;
+	}
+	return v;
+}
+
+static int mp_skip(struct mp *m, int depth)
+{
+	struct mpv v = mp_next(m);
+
+	if (v.kind == MP_BAD || depth > 16)
+		return -1;
+	if (v.kind == MP_ARRAY || v.kind == MP_MAP)
+		for (uint64_t i = 0; i < v.n * (v.kind == MP_MAP ? 2 : 1); i++)
+			if (mp_skip(m, depth + 1))
+				return -1;
+	return 0;
+}
+
+static int mp_is(struct mpv k, const char *s)
+{
+	return k.kind == MP_STR && k.n == strlen(s) && !memcmp(k.s, s, k.n);
+}
+
+/* One kernel's map: its name kvt_copy_pages and its explicit parameters
+ * exactly (global_buffer, 8), (by_value, 4)?  1 yes, 0 another kernel,
+ * -1 malformed. */
+static int kernel_is_ours(struct mp *m, uint64_t n_keys, int *args_ok)
+{
+	int ours = 0;
+
+	for (uint64_t k = 0; k < n_keys; k++) {
+		struct mpv key = mp_next(m);
+
+		if (key.kind != MP_STR)
+			return -1;
+		if (mp_is(key, ".name")) {
+			struct mpv v = mp_next(m);
+
+			if (v.kind != MP_STR)
+				return -1;
+			ours = mp_is(v, "kvt_copy_pages");
+		} else if (mp_is(key, ".args")) {
+			struct mpv a = mp_next(m);
+			int seen = 0, ok = 1;
+
+			if (a.kind != MP_ARRAY)
+				return -1;
+			for (uint64_t i = 0; i < a.n; i++) {
+				struct mpv am = mp_next(m);
+				uint64_t size = 0;
+				char kind[32] = "";
+
+				if (am.kind != MP_MAP)
+					return -1;
+				for (uint64_t j = 0; j < am.n; j++) {
+					struct mpv ak = mp_next(m), av;
+
+					if (ak.kind != MP_STR)
+						return -1;
+					if (mp_is(ak, ".size") || mp_is(ak, ".value_kind")) {
+						av = mp_next(m);
+						if (mp_is(ak, ".size") && av.kind == MP_SCALAR)
+							size = av.n;
+						else if (av.kind == MP_STR)
+							snprintf(kind, sizeof(kind), "%.*s",
+								 (int)av.n, av.s);
+					} else if (mp_skip(m, 0)) {
+						return -1;
+					}
+				}
+				if (!strncmp(kind, "hidden_", 7))
+					continue;
+				ok &= seen == 0 ? !strcmp(kind, "global_buffer") && size == 8
+					: seen == 1 ? !strcmp(kind, "by_value") && size == 4 : 0;
+				seen++;
+			}
+			*args_ok = ok && seen == 2;
+		} else if (mp_skip(m, 0)) {
+			return -1;
+		}
+	}
+	return ours;
+}
+
+/* The metadata: 0 and *args_ok, target written; -1 malformed or no
+ * kvt_copy_pages. */
+static int read_metadata(const uint8_t *p, size_t n, int *args_ok, char *target, size_t tlen)
+{
+	struct mp m = { p, p + n };
+	struct mpv top = mp_next(&m);
+	int found = 0;
+
+	if (top.kind != MP_MAP)
+		return -1;
+	for (uint64_t k = 0; k < top.n; k++) {
+		struct mpv key = mp_next(&m);
+
+		if (mp_is(key, "amdhsa.target")) {
+			struct mpv v = mp_next(&m);
+
+			if (v.kind != MP_STR)
+				return -1;
+			snprintf(target, tlen, "%.*s", (int)v.n, v.s);
+		} else if (mp_is(key, "amdhsa.kernels")) {
+			struct mpv a = mp_next(&m);
+
+			if (a.kind != MP_ARRAY)
+				return -1;
+			for (uint64_t i = 0; i < a.n; i++) {
+				struct mpv km = mp_next(&m);
+				int ok = 0, r;
+
+				if (km.kind != MP_MAP || (r = kernel_is_ours(&m, km.n, &ok)) < 0)
+					return -1;
+				if (r) {
+					found = 1;
+					*args_ok = ok;
+				}
+			}
+		} else if (key.kind != MP_STR || mp_skip(&m, 0)) {
+			return -1;
+		}
+	}
+	return found ? 0 : -1;
+}
+
+/* The code object's metadata note; NULL when it is not one. */
+static const uint8_t *metadata_note(const uint8_t *img, size_t *len)
+{
+	const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
+
+	if (memcmp(eh->e_ident, ELFMAG, SELFMAG) || eh->e_ident[EI_CLASS] != ELFCLASS64 ||
+	    eh->e_machine != 224 /* EM_AMDGPU */ || eh->e_ident[EI_OSABI] != 64 /* AMDGPU_HSA */ ||
+	    eh->e_shentsize != sizeof(Elf64_Shdr) || eh->e_shnum > 256)
+		return NULL;
+	for (int i = 0; i < eh->e_shnum; i++) {
+		const Elf64_Shdr *sh = (const Elf64_Shdr *)(img + eh->e_shoff) + i;
+		const uint8_t *q = img + sh->sh_offset, *end = q + sh->sh_size;
+
+		if (sh->sh_type != SHT_NOTE || sh->sh_size > (1u << 20))
+			continue;
+		while (q + 12 <= end) {
+			uint32_t namesz, descsz, type;
+
+			memcpy(&namesz, q, 4);
+			memcpy(&descsz, q + 4, 4);
+			memcpy(&type, q + 8, 4);
+			q += 12;
+			if (namesz > 64 || descsz > (uint64_t)(end - q))
+				return NULL;
+			if (type == 32 /* NT_AMDGPU_METADATA */ && namesz == 7 &&
+			    !memcmp(q, "AMDGPU", 7)) {
+				*len = descsz;
+				return q + ((namesz + 3) & ~3u);
+			}
+			q += ((namesz + 3) & ~3u) + ((descsz + 3) & ~3u);
+		}
+	}
+	return NULL;
+}
+
+/* the agents' processor ("gfx90a"), from their ISA's name */
+static hsa_status_t isa_cb(hsa_isa_t isa, void *data)
+{
+	uint32_t n = 0;
+	char name[128] = "";
+
+	if (F.isa_get_info(isa, HSA_ISA_INFO_NAME_LENGTH, &n) || !n || n > sizeof(name) ||
+	    F.isa_get_info(isa, HSA_ISA_INFO_NAME, name))
+		return HSA_STATUS_ERROR;
+	snprintf(data, 64, "%s", name);
+	return HSA_STATUS_INFO_BREAK;
+}
+
+static void processor_of(const char *triple_target, char *out, size_t len)
+{
+	const char *t = strstr(triple_target, "--");
+
+	snprintf(out, len, "%s", t ? t + 2 : triple_target);
+	out[strcspn(out, ":")] = 0;
+}
+
+EXPORT hipError_t hipModuleLoadData(hipModule_t *out, const void *image)
+{
+	char target[128] = "", want[64] = "", isa[64] = "", have[64] = "";
+	const uint8_t *note;
+	struct ihipModule_t *m;
+	size_t len = 0;
+	int args_ok = 0;
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (!out || !image)
+		return hipErrorInvalidValue;
+	if (!(note = metadata_note(image, &len)) ||
+	    read_metadata(note, len, &args_ok, target, sizeof(target))) {
+		fprintf(stderr, "fake HIP: hipModuleLoadData: not an AMDGPU code object with "
+			"kvt_copy_pages in its metadata\n");
+		return hipErrorInvalidImage;
+	}
+	if (!args_ok) {
+		fprintf(stderr, "fake HIP: kvt_copy_pages does not take (const kvt_kcopy *, "
+			"unsigned int): its CPU twin would read other arguments\n");
+		return hipErrorInvalidImage;
+	}
+	if (n_gpus)
+		F.iterate_isas(gpus[cur], isa_cb, isa);
+	processor_of(target, have, sizeof(have));
+	processor_of(isa, want, sizeof(want));
+	if (!*want || strcmp(have, want)) {
+		fprintf(stderr, "fake HIP: a code object for %s, the device is %s\n", target, isa);
+		return hipErrorNoBinaryForGpu;
+	}
+	m = calloc(1, sizeof(*m));
+	if (!m)
+		return hipErrorOutOfMemory;
+	m->magic = MODULE_MAGIC;
+	m->fn = (struct ihipModuleSymbol_t){ FN_MAGIC, m };
+	atomic_fetch_add(&st_modules_live, 1);
+	*out = m;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipModuleGetFunction(hipFunction_t *f, hipModule_t m, const char *name)
+{
+	if (!f || !name)
+		return hipErrorInvalidValue;
+	if (!m || m->magic != MODULE_MAGIC)
+		return hipErrorInvalidResourceHandle;
+	if (strcmp(name, "kvt_copy_pages"))
+		return hipErrorNotFound;
+	*f = &m->fn;
+	return hipSuccess;
+}
+
+EXPORT hipError_t hipModuleUnload(hipModule_t m)
+{
+	if (!m || m->magic != MODULE_MAGIC)
+		return hipErrorInvalidResourceHandle;
+	m->magic = 0;
+	m->fn.magic = 0;
+	free(m);
+	atomic_fetch_sub(&st_modules_live, 1);
+	return hipSuccess;
+}
+
+struct kcopy { /* copy_kernel.c's struct kvt_kcopy */
+	uint64_t src, dst, len, rows, spitch, dpitch;
+};
+
+struct klaunch {
+	struct ihipStream_t *st;
+	uint64_t cp;
+	uint32_t n;
+};
+
+/* The agent a kernel's access to p goes through, and where the CPU reads
+ * it; 0 and NULL for memory the GPU cannot reach. */
+static int kernel_side(uint64_t p, hsa_agent_t *agent, char **host)
+{
+	hsa_amd_pointer_info_t info = { .size = sizeof(info) };
+
+	if (F.pointer_info((void *)(uintptr_t)p, &info, NULL, NULL, NULL) ||
+	    info.type == HSA_EXT_POINTER_TYPE_UNKNOWN)
+		return -1;
+	*agent = info.agentOwner.handle && info.type == HSA_EXT_POINTER_TYPE_HSA &&
+		 !info.hostBaseAddress ? info.agentOwner : cpu;
+	if (host)
+		*host = info.hostBaseAddress ? (char *)info.hostBaseAddress +
+					       (p - (uint64_t)(uintptr_t)info.agentBaseAddress)
+					     : NULL;
+	return 0;
+}
+
+static void kernel_fault(uint64_t va, const char *what)
+{
+	fprintf(stderr, "fake HIP: Memory access fault by GPU on address %#llx (the copy "
+		"kernel's %s). Reason: Page not present or supervisor privilege.\n",
+		(unsigned long long)va, what);
+	abort();
+}
+
+static void *run_kernel(void *arg)
+{
+	struct klaunch *k = arg;
+	struct ihipStream_t *st = k->st;
+	hsa_signal_t done;
+	hsa_agent_t a;
+	char *cps = NULL;
+	uint64_t rows = 0;
+
+	/* after the stream's earlier work: what it counts, less its kernels */
+	while (F.signal_load(st->sig) > atomic_load(&st->kernels))
+		usleep(50);
+	if (k->n && (kernel_side(k->cp, &a, &cps) || !cps))
+		kernel_fault(k->cp, "descriptors");
+	if (F.signal_create(0, 0, NULL, &done))
+		abort();
+	for (uint32_t i = 0; i < k->n; i++) {
+		struct kcopy c;
+
+		memcpy(&c, cps + (size_t)i * sizeof(c), sizeof(c));
+		for (uint64_t r = 0; r < c.rows; r++) {
+			uint64_t s = c.src + r * c.spitch, d = c.dst + r * c.dpitch;
+			hsa_agent_t sa, da;
+
+			if (kernel_side(s, &sa, NULL))
+				kernel_fault(s, "source row");
+			if (kernel_side(d, &da, NULL))
+				kernel_fault(d, "destination row");
+			F.signal_add(done, 1);
+			if (F.kernel_copy((void *)(uintptr_t)d, da, (void *)(uintptr_t)s, sa, c.len,
+					  done))
+				kernel_fault(d, "row (refused by the runtime)");
+			rows++;
+		}
+	}
+	F.signal_wait(done, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX, HSA_WAIT_STATE_BLOCKED);
+	F.signal_destroy(done);
+	atomic_fetch_add(&st_kernel_copies, (long)k->n);
+	(void)rows;
+	F.signal_subtract(st->sig, 1);
+	atomic_fetch_sub(&st->kernels, 1);
+	free(k);
+	return NULL;
+}
+
+EXPORT hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int gx, unsigned int gy,
+					unsigned int gz, unsigned int bx, unsigned int by,
+					unsigned int bz, unsigned int shared, hipStream_t s,
+					void **params, void **extra)
+{
+	struct ihipStream_t *st = s ? s : &null_stream;
+	struct klaunch *k;
+	hipError_t e = ready();
+
+	if (e)
+		return e;
+	if (!f || f->magic != FN_MAGIC)
+		return hipErrorInvalidResourceHandle;
+	if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024 || shared ||
+	    !params || extra || !params[0] || !params[1])
+		return hipErrorInvalidValue;
+	k = calloc(1, sizeof(*k));
+	if (!k)
+		return hipErrorOutOfMemory;
+	k->st = st;
+	memcpy(&k->cp, params[0], sizeof(k->cp));
+	memcpy(&k->n, params[1], sizeof(k->n));
+	atomic_fetch_add(&st_kernel_launches, 1);
+	atomic_fetch_add(&st->kernels, 1);
+	if ((e = stream_thread(st, run_kernel, k, NULL, 1))) {
+		atomic_fetch_sub(&st->kernels, 1);
+		free(k);
+	}
+	return e;
 }

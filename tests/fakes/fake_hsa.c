@@ -311,6 +311,11 @@ EXPORT hsa_status_t hsa_agent_get_info(hsa_agent_t agent, hsa_agent_info_t attri
 		else
 			snprintf(value, 21, "GPU-%016llx", 0x6b76746661b30000ull + (unsigned)g);
 		return HSA_STATUS_SUCCESS;
+	case HSA_AMD_AGENT_INFO_COMPUTE_UNIT_COUNT:
+		if (g < 0)
+			return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+		*(uint32_t *)value = 104; /* an MI210's */
+		return HSA_STATUS_SUCCESS;
 #ifndef FAKE_HSA_52
 	case 0xA10A: /* HSA_AMD_AGENT_INFO_NUM_SDMA_ENG (ROCm 5.6+) */
 		if (g < 0)
@@ -318,6 +323,54 @@ EXPORT hsa_status_t hsa_agent_get_info(hsa_agent_t agent, hsa_agent_info_t attri
 		*(uint32_t *)value = N_SDMA;
 		return HSA_STATUS_SUCCESS;
 #endif
+	default:
+		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
+	}
+}
+
+/* ---- instruction sets ------------------------------------------------------ */
+
+/* One ISA per GPU agent, named as ROCr names it: the triple, "--", the
+ * target ID.  gfx90a (MI210/MI250) by default, a target the Debian
+ * compiler knows, so that the copy kernel's tests compile real code for
+ * it; FAKE_HSA_ISA names another (gfx942: one Debian's ROCm 5.2 predates). */
+#define ISA_HANDLE 0x600u
+
+static const char *isa_name(void)
+{
+	const char *t = getenv("FAKE_HSA_ISA");
+	static __thread char name[96];
+
+	snprintf(name, sizeof(name), "amdgcn-amd-amdhsa--%s",
+		 t && *t ? t : "gfx90a:sramecc+:xnack-");
+	return name;
+}
+
+EXPORT hsa_status_t hsa_agent_iterate_isas(hsa_agent_t agent,
+					   hsa_status_t (*cb)(hsa_isa_t, void *), void *data)
+{
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (gpu_of(agent) < 0)
+		return is_cpu(agent) ? HSA_STATUS_SUCCESS : HSA_STATUS_ERROR_INVALID_AGENT;
+	return cb((hsa_isa_t){ ISA_HANDLE }, data);
+}
+
+EXPORT hsa_status_t hsa_isa_get_info_alt(hsa_isa_t isa, hsa_isa_info_t attribute, void *value)
+{
+	const char *n = isa_name();
+
+	if (!inited())
+		return HSA_STATUS_ERROR_NOT_INITIALIZED;
+	if (isa.handle != ISA_HANDLE)
+		return HSA_STATUS_ERROR_INVALID_ISA;
+	switch (attribute) {
+	case HSA_ISA_INFO_NAME_LENGTH: /* with the NUL, as ROCr counts */
+		*(uint32_t *)value = (uint32_t)strlen(n) + 1;
+		return HSA_STATUS_SUCCESS;
+	case HSA_ISA_INFO_NAME:
+		memcpy(value, n, strlen(n) + 1);
+		return HSA_STATUS_SUCCESS;
 	default:
 		return HSA_STATUS_ERROR_INVALID_ARGUMENT;
 	}
@@ -855,6 +908,8 @@ static char *side(const void *p, uint64_t len, hsa_agent_t agent, const char *wh
 	return h;
 }
 
+#define COMPUTE_LANE (N_SDMA + 2)
+
 static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *src,
 				hsa_agent_t src_agent, size_t size, uint32_t n_dep,
 				const hsa_signal_t *deps, hsa_signal_t completion, int lane)
@@ -894,17 +949,17 @@ static hsa_status_t submit_copy(void *dst, hsa_agent_t dst_agent, const void *sr
 		free(t);
 		return HSA_STATUS_ERROR_INVALID_SIGNAL;
 	}
-	atomic_fetch_add(&st_copies, 1);
+	if (lane != COMPUTE_LANE) /* a kernel's writes are not DMA copies */
+		atomic_fetch_add(&st_copies, 1);
 	if (lane < 0) /* ROCr's own choice: one blit queue per direction */
 		lane = gpu_of(dst_agent) >= 0 ? N_SDMA + 1 : N_SDMA;
 	fake_worker_push_lane(lane, run_copy, t);
 	return HSA_STATUS_SUCCESS;
 }
 
-/* A kernel's writes (the fake HIP's fills): the copy on the GPU's compute
- * lane, not an SDMA or blit one -- a kernel does not queue behind copies,
- * nor they behind it. */
-#define COMPUTE_LANE (N_SDMA + 2)
+/* A kernel's writes (the fake HIP's fills and copy kernel): the copy on the
+ * GPU's compute lane (COMPUTE_LANE), not an SDMA or blit one -- a kernel
+ * does not queue behind copies, nor they behind it. */
 EXPORT hsa_status_t kvt_fake_hsa_kernel_copy(void *dst, hsa_agent_t dst_agent, const void *src,
 					     hsa_agent_t src_agent, size_t size,
 					     hsa_signal_t completion_signal)
