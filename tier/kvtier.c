@@ -1001,7 +1001,7 @@ int kvt_register_kv(kvt_tier *t, uint32_t n_groups, const struct kvt_group_buffe
 	}
 	if (t->env.log_level < KVT_LOG_INFO)
 		dc.flags |= KVT_DMA_F_QUIET;
-	/* cuda's copy kernel for small pages (KVTIER_COPY_KERNEL) */
+	/* the copy kernel for small pages, cuda and hsa (KVTIER_COPY_KERNEL) */
 	if (t->env.copy_kernel == UINT64_MAX)
 		dc.flags |= KVT_DMA_F_NO_KERNEL;
 	else

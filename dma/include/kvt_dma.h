@@ -213,10 +213,10 @@ enum kvt_dma_log_level { KVT_DMA_LOG_ERR = 0, KVT_DMA_LOG_INFO = 1, KVT_DMA_LOG_
 #define KVT_DMA_F_QUIET     0x8u /* default logger: errors only */
 #define KVT_DMA_F_HOST_WORKERS 0x10u /* n_workers is for the host backend only:
 				      * cuda keeps its default streams */
-#define KVT_DMA_F_NO_KERNEL 0x20u /* cuda: DMA only, never the copy kernel */
+#define KVT_DMA_F_NO_KERNEL 0x20u /* cuda, hsa: DMA only, never the copy kernel */
 #define KVT_DMA_F_MASK      0x3fu
 
-/* cuda: plans whose pages (bytes per row, averaged over the plan) are
+/* cuda, hsa: plans whose pages (bytes per row, averaged over the plan) are
  * below this go through the copy kernel rather than the copy engines:
  * vLLM measured batched DMA at 5-7 GB/s below 24 KiB and 40-52 GB/s from
  * 28 KiB on an H100 (copy_kernel.c) */
@@ -244,10 +244,11 @@ struct kvt_dma_config {
 	/* Log sink; NULL: stderr ("kvtier dma: ..."), errors and info. */
 	void (*log)(void *arg, int level, const char *msg);
 	void *log_arg;
-	/* cuda, the copy kernel (unless KVT_DMA_F_NO_KERNEL): plans with pages
-	 * below kernel_below bytes (0: KVT_DMA_KERNEL_BELOW_DEFAULT) go
-	 * through it, on at most kernel_ctas thread blocks (0: an eighth of
-	 * the device's SMs, at least 1) -- the share of the GPU it may take */
+	/* cuda and hsa, the copy kernel (unless KVT_DMA_F_NO_KERNEL): plans
+	 * with pages below kernel_below bytes (0: KVT_DMA_KERNEL_BELOW_DEFAULT)
+	 * go through it, on at most kernel_ctas thread blocks / workgroups (0:
+	 * an eighth of the device's SMs / CUs, at least 1) -- the share of the
+	 * GPU it may take */
 	uint64_t kernel_below;
 	uint32_t kernel_ctas;
 };

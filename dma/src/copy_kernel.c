@@ -11,12 +11,14 @@
  * small pages at once, at the cost of a few SMs.
  *
  * The source is compiled at run time -- NVRTC from the engine's CUDA
- * (cuda.c), so no toolkit is needed where kvtier is built, and the PTX is
- * made for the device it runs on -- and is plain CUDA C that HIP's hiprtc
- * also takes.  It is compiled in CI by the real NVRTC (tests/dma), so a
- * syntax or parameter error fails there; the fake libcuda runs a CPU
- * version of it with the same arguments (tests/fakes/fake_cuda.c), which
- * must stay the kernel's exact meaning.
+ * (nvrtc.c, for cuda.c), hiprtc from the node's ROCm (hiprtc.c, for
+ * hsa.c) -- so no toolkit is needed where kvtier is built, and the code is
+ * made for the device it runs on: plain CUDA C that both compilers take.
+ * It is compiled in CI by the real NVRTC and the real hiprtc (tests/dma),
+ * so a syntax or parameter error fails there; the fake libcuda and the
+ * fake HIP run a CPU version of it with the same arguments
+ * (tests/fakes/fake_cuda.c, fake_hip.c), which must stay the kernel's
+ * exact meaning.
  *
  * Arguments: an array of n descriptors (struct below, 48 bytes, device-
  * readable pinned host memory), each `rows` rows of `len` bytes, row r

@@ -36,8 +36,7 @@
  * pieces: a kernel fault, unlike a failed DMA, is sticky for the whole
  * context -- the engine's too.  No NVRTC, a target it cannot make or a
  * driver that rejects its PTX: DMA only, said in the log and the feature
- * line.  (The HIP twin, through hiprtc, is not built yet: hsa copies by
- * DMA only.)
+ * line.  (The HIP twin: hsa.c, "The copy kernel", compiled by hiprtc.)
  *
  * Completion.  A ticket's copies go on one stream (slot modulo the number
  * of streams), followed by the slot's event; poll is cuEventQuery, wait

@@ -197,7 +197,7 @@ int kvt__dma_add_range(struct kvt_dma *d, uint64_t start, uint64_t end);
  * elsewhere memcpy). */
 void kvt__copy_nt(void *dst, const void *src, size_t n);
 
-/* ---- the copy kernel (copy_kernel.c, nvrtc.c) ----------------------------- */
+/* ---- the copy kernel (copy_kernel.c, nvrtc.c, hiprtc.c) -------------------- */
 
 /* One descriptor of kvt_copy_pages: rows rows of len bytes, row r from
  * src + r * spitch to dst + r * dpitch (device-visible addresses).  The
@@ -214,5 +214,14 @@ extern const char kvt__copy_kernel_name[];
  * NUL-terminated), what saying which NVRTC and target; or -errno, what
  * saying why not. */
 int kvt__nvrtc_ptx(int cc, char **ptx, char *what, size_t what_len);
+
+/* The kernel compiled by HIP's hiprtc (found at run time; hip_lib is the
+ * HIP runtime's handle, which carries hiprtc in ROCm 5) for target, an
+ * agent's target ID (gfx942:sramecc+:xnack-), hip_version as
+ * hipRuntimeGetVersion gives it: 0 and *code, *len (a code object kept for
+ * the process: not to be freed), what saying which hiprtc and target; or
+ * -errno, what saying why not. */
+int kvt__hiprtc_code(const char *target, int hip_version, void *hip_lib, const char **code,
+		     size_t *len, char *what, size_t what_len);
 
 #endif /* KVT_DMA_INT_H */

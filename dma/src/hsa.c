@@ -155,6 +155,8 @@ struct hsa_fns {
 	engine_status_fn engine_status;
 	engine_status_fn preferred_engine;
 	__typeof__(&hsa_amd_register_system_event_handler) register_event_handler;
+	__typeof__(&hsa_agent_iterate_isas) iterate_isas;     /* the copy kernel's target */
+	__typeof__(&hsa_isa_get_info_alt) isa_info;
 };
 
 /* What the fault handler shares with the backend (see "Faults"): owned by
@@ -208,6 +210,8 @@ static const struct sym syms[] = {
 	SYM(engine_status, "hsa_amd_memory_copy_engine_status", 0),
 	SYM(preferred_engine, "hsa_amd_memory_get_preferred_copy_engine", 0),
 	SYM(register_event_handler, "hsa_amd_register_system_event_handler", 0),
+	SYM(iterate_isas, "hsa_agent_iterate_isas", 0),
+	SYM(isa_info, "hsa_isa_get_info_alt", 0),
 };
 
 /* HIP, for IPC (see "IPC") */
@@ -232,6 +236,26 @@ struct hip_fns {
 	int (*event_query)(void *ev);
 	int (*stream_destroy)(void *s);
 	int (*write_value64)(void *stream, void *ptr, uint64_t value, unsigned int flags);
+	/* optional: the copy kernel (see "The copy kernel") */
+	int (*get_device)(int *dev);
+	int (*runtime_version)(int *v);
+	int (*module_load)(void **mod, const void *image);
+	int (*module_fn)(void **fn, void *mod, const char *name);
+	int (*module_unload)(void *mod);
+	int (*launch)(void *fn, unsigned int gx, unsigned int gy, unsigned int gz,
+		      unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
+		      void *stream, void **params, void **extra);
+	int (*stream_sync)(void *s);
+};
+
+/* the copy kernel's per ticket slot: its completion event (made at the
+ * slot's first kernel ticket), its descriptors (CPU pool memory the GPU
+ * reads), and whether the slot's ticket went through the kernel */
+struct hsa_kslot {
+	void *ev;
+	struct kvt__kcopy *kd;
+	uint32_t kcap;
+	int on;
 };
 
 struct hsa_be {
@@ -279,7 +303,28 @@ struct hsa_be {
 	int hip_dev;
 	struct hip_ipc { char h[KVT_DMA_IPC_BYTES]; uint64_t base, len; uint32_t refs; } *ipc;
 	uint32_t n_ipc, cap_ipc;
+	/* the copy kernel (see "The copy kernel"): kfn NULL when copies are
+	 * DMA only.  kfence: order_after's record on the engine's stream,
+	 * kfence_gen the records made (written under fence_mu, read __atomic
+	 * by submit), kstream_gen the record each kernel stream waits behind */
+	void *kmod, *kfn;
+	void *kstream[2];           /* by direction: a load never queues behind a save */
+	void *kfence;
+	uint32_t kfence_gen, kstream_gen[2];
+	struct hsa_kslot *ks;       /* one per ticket slot */
+	uint64_t k_below;
+	uint32_t k_ctas;
+	char kwhat[200];            /* which hiprtc and target, or why none */
 };
+
+/* the copy kernel (see "The copy kernel") */
+static void kernel_load(struct kvt_dma *d);
+static void kernel_free(struct hsa_be *be);
+static int kernel_plan(const struct hsa_be *be, const struct kvt_plan *p);
+static int kernel_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j);
+static int kernel_poll(struct hsa_be *be, uint32_t slot);
+static int kernel_wait(struct hsa_be *be, uint32_t slot, uint64_t deadline);
+static int kernel_order(struct hsa_be *be, uint64_t stream);
 
 static const char *st_str(const struct hsa_be *be, hsa_status_t st)
 {
@@ -492,6 +537,7 @@ static void be_free(struct kvt_dma *d)
 		return;
 	if (be->fault) /* stays registered with the runtime: closed, not freed */
 		__atomic_store_n(&be->fault->closed, 1, __ATOMIC_RELEASE);
+	kernel_free(be);
 	if (be->hip && be->n_ipc)
 		be->hip->set_device(be->hip_dev);
 	for (uint32_t i = 0; be->hip && i < be->n_ipc; i++)
@@ -580,10 +626,10 @@ static void describe_gpu(struct kvt_dma *d)
 	name[sizeof(name) - 1] = 0;
 	snprintf(d->feature, sizeof(d->feature),
 		 "%s (GPU %d of %u), %u SDMA engines, engines d2h 0x%x h2d 0x%x%s, "
-		 "rect %s, runtime %s", name, be->g, be->n_gpus, be->n_sdma,
+		 "rect %s, runtime %s, copy kernel %s", name, be->g, be->n_gpus, be->n_sdma,
 		 be->mask[KVT_DMA_D2H], be->mask[KVT_DMA_H2D],
 		 be->f.copy_on_engine ? "" : " (no _on_engine)",
-		 be->use_rect ? "yes" : "no", be->reused ? "reused" : "loaded");
+		 be->use_rect ? "yes" : "no", be->reused ? "reused" : "loaded", be->kwhat);
 }
 
 static void set_gpu(struct kvt_dma *d, int g)
@@ -600,6 +646,7 @@ static void set_gpu(struct kvt_dma *d, int g)
 		be->mask[KVT_DMA_D2H] = pick_engines(be, be->cpu, be->gpus[g]);
 		be->mask[KVT_DMA_H2D] = pick_engines(be, be->gpus[g], be->cpu);
 	}
+	kernel_load(d);
 	describe_gpu(d);
 }
 
@@ -898,6 +945,10 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 
 	if (hsa_dead(be))
 		return fault_err(be);
+	if (kernel_plan(be, p))
+		return kernel_submit(d, slot, j);
+	if (be->ks)
+		be->ks[slot].on = 0;
 	for (uint32_t i = 0; i < p->n; i++)
 		count += p->copies[i].rows > 1 && rect ? 1 : p->copies[i].rows;
 	be->f.signal_store(sig, count);
@@ -1038,8 +1089,9 @@ static int hsa_order_after(struct kvt_dma *d, uint64_t stream)
 				    "%#llx failed (hipError %d)", (unsigned long long)stream, e);
 	}
 	__atomic_store_n(&be->fence_cur, next + 1, __ATOMIC_RELEASE);
+	e = kernel_order(be, stream);
 	pthread_mutex_unlock(&be->fence_mu);
-	return 0;
+	return e;
 }
 
 static int sig_status(hsa_signal_value_t v)
@@ -1055,6 +1107,8 @@ static int hsa_poll(struct kvt_dma *d, uint32_t slot)
 	 * told once, by every ticket, that this process copies no more */
 	if (hsa_dead(be))
 		return fault_err(be);
+	if (be->ks && be->ks[slot].on)
+		return kernel_poll(be, slot);
 	return sig_status(be->f.signal_load(be->sig[slot]));
 }
 
@@ -1086,6 +1140,8 @@ static int hsa_wait(struct kvt_dma *d, uint32_t slot, uint64_t deadline)
 {
 	struct hsa_be *be = d->be;
 
+	if (be->ks && be->ks[slot].on)
+		return kernel_wait(be, slot, deadline);
 	return sig_wait(be, be->sig[slot], deadline);
 }
 
@@ -1347,12 +1403,19 @@ static int hip_load(struct kvt_dma *d)
 		h->lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
 	if (!h->lib) {
 		free(h);
-		return kvt__dma_err(-ENOTSUP, "hsa: another process's GPU memory needs the HIP "
-				    "runtime (libamdhip64), which is not here");
+		return kvt__dma_err(-ENOTSUP, "hsa: no HIP runtime (libamdhip64) here, which "
+				    "another process's GPU memory and the copy kernel need");
 	}
 #define HIPSYM(field, name) (*(void **)&h->field = dlsym(h->lib, name))
 	HIPSYM(err_str, "hipGetErrorString");
 	HIPSYM(write_value64, "hipStreamWriteValue64");
+	HIPSYM(get_device, "hipGetDevice");
+	HIPSYM(runtime_version, "hipRuntimeGetVersion");
+	HIPSYM(module_load, "hipModuleLoadData");
+	HIPSYM(module_fn, "hipModuleGetFunction");
+	HIPSYM(module_unload, "hipModuleUnload");
+	HIPSYM(launch, "hipModuleLaunchKernel");
+	HIPSYM(stream_sync, "hipStreamSynchronize");
 	if (!HIPSYM(device_count, "hipGetDeviceCount") || !HIPSYM(set_device, "hipSetDevice") ||
 	    !HIPSYM(device_uuid, "hipDeviceGetUuid") ||
 	    !HIPSYM(ipc_open_mem, "hipIpcOpenMemHandle") ||
@@ -1669,6 +1732,340 @@ static int hsa_fence_signal_value(struct kvt_dma_fence *f, void *mem, uint64_t *
 {
 	(void)f, (void)mem, (void)off, (void)value;
 	return hsa_no_values();
+}
+
+/* ---- the copy kernel ---------------------------------------------------------
+ *
+ * Plans of small pages (below k_below, 28 KiB by default: where the copy
+ * engines' cost per descriptor dominates; an SDMA copy has a fixed setup
+ * per command as a CUDA copy engine has) go through kvt_copy_pages
+ * (copy_kernel.c), as on the cuda backend: compiled for the bound agent's
+ * target ID by the node's hiprtc at first use (hiprtc.c), loaded with
+ * hipModuleLoadData into the HIP runtime on this process's ROCr (loaded
+ * here where the engine has not: hip_load), launched with
+ * hipModuleLaunchKernel on one of two HIP streams of our own -- one per
+ * direction, so a load never queues behind a save -- on at most k_ctas
+ * workgroups (an eighth of the CUs by default: a bounded share of the
+ * GPU).  The descriptors lie in the slot's buffer of CPU pool memory the
+ * GPU may read (rewritten only once the slot's ticket completed); the
+ * kernel's threads read and write the arena through its lock, at the
+ * agent pointers the SDMA copies use, and the KV cache directly.  Every
+ * address comes from the plan, checked at bind against the KV cache's
+ * allocations and the registered pieces: a kernel's memory fault stops
+ * every queue of the process (see "Faults"), as an SDMA copy's does.
+ *
+ * Completion: a HIP event recorded behind the launch; poll is
+ * hipEventQuery, a wait sleeps between queries (20 us, doubling to 1 ms),
+ * rechecking faults and its deadline.  Ordering: order_after records an
+ * event on the engine's stream as well as writing its fence signal (see
+ * "Ordering"), and a kernel stream waits on the latest record
+ * (hipStreamWaitEvent, on the device) before its next launch, as cuda.c's
+ * copy streams do.  HIP's current device is per thread: it is set to the
+ * bound GPU around these calls and put back (the engine's thread calls
+ * them).  No HIP, no module API, no hiprtc, a target it predates or a code
+ * object HIP refuses: DMA only, said in the log and the feature line. */
+#define HIP_ERROR_NOT_READY 600
+
+static int hip_on(struct hsa_be *be, int *old)
+{
+	int e;
+
+	*old = -1;
+	if (be->hip->get_device && be->hip->get_device(old))
+		*old = -1;
+	e = *old == be->hip_dev ? 0 : be->hip->set_device(be->hip_dev);
+	return e ? kvt__dma_err(-EIO, "hsa: hipSetDevice(%d): %s", be->hip_dev, hip_str(be, e))
+		 : 0;
+}
+
+static void hip_off(struct hsa_be *be, int old)
+{
+	if (old >= 0 && old != be->hip_dev)
+		be->hip->set_device(old);
+}
+
+/* The bound agent's target ID (gfx942:sramecc+:xnack-), from its first ISA. */
+static hsa_status_t isa_cb(hsa_isa_t isa, void *data)
+{
+	struct { struct hsa_be *be; char *out; } *a = data;
+	hsa_status_t (*info)(hsa_isa_t, hsa_isa_info_t, void *) = a->be->f.isa_info;
+	uint32_t n = 0;
+	char name[160] = "";
+	const char *t;
+
+	if (info(isa, HSA_ISA_INFO_NAME_LENGTH, &n) || !n || n >= sizeof(name) ||
+	    info(isa, HSA_ISA_INFO_NAME, name))
+		return HSA_STATUS_SUCCESS;
+	name[n] = 0;
+	t = strstr(name, "--");
+	snprintf(a->out, 96, "%s", t ? t + 2 : name);
+	return HSA_STATUS_INFO_BREAK;
+}
+
+static void kernel_load(struct kvt_dma *d)
+{
+	struct hsa_be *be = d->be;
+	struct { struct hsa_be *be; char *out; } isa_arg;
+	char target[96] = "", what[160] = "";
+	const char *code = NULL;
+	uint32_t cus = 0;
+	size_t len = 0;
+	int ver = 0, old, e;
+
+	be->k_below = d->cfg.kernel_below ? d->cfg.kernel_below : KVT_DMA_KERNEL_BELOW_DEFAULT;
+	if (d->cfg.flags & KVT_DMA_F_NO_KERNEL) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: asked (KVT_DMA_F_NO_KERNEL)");
+		return;
+	}
+	if (!be->f.iterate_isas || !be->f.isa_info) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: the HSA runtime lists no ISAs");
+		goto dma_only;
+	}
+	isa_arg.be = be;
+	isa_arg.out = target;
+	be->f.iterate_isas(be->gpus[be->g], isa_cb, &isa_arg);
+	if (!*target) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: GPU %d names no ISA", be->g);
+		goto dma_only;
+	}
+	if (hip_load(d)) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: %s", kvt_dma_last_error());
+		goto dma_only;
+	}
+	if (!be->hip->module_load || !be->hip->module_fn || !be->hip->module_unload ||
+	    !be->hip->launch || !be->hip->stream_sync) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: the HIP runtime lacks the module API");
+		goto dma_only;
+	}
+	if (be->hip->runtime_version && be->hip->runtime_version(&ver))
+		ver = 0;
+	if (kvt__hiprtc_code(target, ver, be->hip->lib, &code, &len, what, sizeof(what))) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: %s", what);
+		goto dma_only;
+	}
+	if (hip_on(be, &old)) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: %s", kvt_dma_last_error());
+		goto dma_only;
+	}
+	e = be->hip->module_load(&be->kmod, code);
+	if (e) {
+		be->kmod = NULL;
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: hipModuleLoadData of %s's code object: "
+			 "%s (%d)", what, hip_str(be, e), e);
+	} else if ((e = be->hip->module_fn(&be->kfn, be->kmod, kvt__copy_kernel_name))) {
+		snprintf(be->kwhat, sizeof(be->kwhat), "off: hipModuleGetFunction(%s): %s (%d)",
+			 kvt__copy_kernel_name, hip_str(be, e), e);
+	} else {
+		for (int i = 0; !e && i < 2; i++)
+			e = be->hip->stream_create(&be->kstream[i], HIP_STREAM_NON_BLOCKING);
+		if (!e)
+			e = be->hip->event_create(&be->kfence, HIP_EVENT_DISABLE_TIMING);
+		if (!e && !(be->ks = calloc(d->cfg.max_inflight, sizeof(*be->ks))))
+			e = 2; /* hipErrorOutOfMemory */
+		if (e)
+			snprintf(be->kwhat, sizeof(be->kwhat), "off: creating the copy kernel's "
+				 "streams and events: %s (%d)", hip_str(be, e), e);
+	}
+	hip_off(be, old);
+	if (e) {
+		be->kfn = NULL;
+		goto dma_only;
+	}
+	if (be->f.agent_get_info(be->gpus[be->g],
+				 (hsa_agent_info_t)HSA_AMD_AGENT_INFO_COMPUTE_UNIT_COUNT, &cus) ||
+	    !cus)
+		cus = 8;
+	be->k_ctas = d->cfg.kernel_ctas ? d->cfg.kernel_ctas : (cus / 8 ? cus / 8 : 1);
+	snprintf(be->kwhat, sizeof(be->kwhat), "pages below %llu KiB (%s, %u of %u CUs)",
+		 (unsigned long long)(be->k_below >> 10), what, be->k_ctas, cus);
+	return;
+dma_only:
+	kvt__dma_log(d, KVT_DMA_LOG_INFO, "hsa: copy kernel %s: every copy by DMA (small pages "
+		     "run slower)", be->kwhat);
+}
+
+/* What kernel_load made (before the HSA runtime goes: the descriptors are
+ * its memory).  Tickets have completed: the core drained them. */
+static void kernel_free(struct hsa_be *be)
+{
+	int old = -1;
+
+	if (!be->hip || (!be->kmod && !be->kstream[0] && !be->ks))
+		return;
+	hip_on(be, &old);
+	for (int i = 0; i < 2; i++)
+		if (be->kstream[i]) {
+			be->hip->stream_sync(be->kstream[i]);
+			be->hip->stream_destroy(be->kstream[i]);
+		}
+	for (uint32_t i = 0; be->ks && i < be->n_sig; i++) {
+		if (be->ks[i].ev)
+			be->hip->event_destroy(be->ks[i].ev);
+		if (be->ks[i].kd)
+			be->f.pool_free(be->ks[i].kd);
+	}
+	if (be->kfence)
+		be->hip->event_destroy(be->kfence);
+	if (be->kmod)
+		be->hip->module_unload(be->kmod);
+	hip_off(be, old);
+	free(be->ks);
+	be->ks = NULL;
+	be->kmod = be->kfn = be->kfence = NULL;
+}
+
+/* Whether a plan goes through the copy kernel: its pages, averaged over
+ * its rows, below k_below. */
+static int kernel_plan(const struct hsa_be *be, const struct kvt_plan *p)
+{
+	uint64_t bytes = 0, rows = 0;
+
+	if (!be->kfn || !p->n)
+		return 0;
+	for (uint32_t i = 0; i < p->n; i++) {
+		bytes += p->copies[i].len * p->copies[i].rows;
+		rows += p->copies[i].rows;
+	}
+	return bytes < be->k_below * rows;
+}
+
+static int kernel_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
+{
+	struct hsa_be *be = d->be;
+	struct hsa_kslot *s = &be->ks[slot];
+	const struct kvt_plan *p = j->plan;
+	int d2h = j->dir == KVT_DMA_D2H, old, e = 0;
+	void *st = be->kstream[d2h];
+	uint32_t *sg = &be->kstream_gen[d2h], g;
+	unsigned int n = p->n;
+	const char *what = "";
+	int rc = hip_on(be, &old);
+
+	if (rc)
+		return rc;
+	s->on = 0;
+	if (!s->ev && (e = be->hip->event_create(&s->ev, HIP_EVENT_DISABLE_TIMING))) {
+		s->ev = NULL;
+		what = "hipEventCreateWithFlags (a ticket's)";
+		goto out;
+	}
+	if (n > s->kcap) {
+		void *buf = NULL;
+		hsa_agent_t gpu = be->gpus[be->g];
+		hsa_status_t hs = be->f.pool_allocate(be->cpu_pool, (size_t)n * sizeof(*s->kd), 0,
+						      &buf);
+
+		if (!hs && (hs = be->f.allow_access(1, &gpu, NULL, buf)))
+			be->f.pool_free(buf);
+		if (hs) {
+			hip_off(be, old);
+			return kvt__dma_err(st_errno(hs), "hsa: the copy kernel's descriptors "
+					    "(%u): %s", n, st_str(be, hs));
+		}
+		if (s->kd)
+			be->f.pool_free(s->kd);
+		s->kd = buf;
+		s->kcap = n;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+		uint64_t host = j->host_dev + c->off;
+
+		s->kd[i] = (struct kvt__kcopy){
+			.src = d2h ? c->dev : host, .dst = d2h ? host : c->dev,
+			.len = c->len, .rows = c->rows,
+			.spitch = d2h ? c->dev_pitch : c->host_pitch,
+			.dpitch = d2h ? c->host_pitch : c->dev_pitch,
+		};
+	}
+	/* behind the engine's work, when order_after recorded since this
+	 * stream last waited (the lock only then) */
+	g = __atomic_load_n(&be->kfence_gen, __ATOMIC_ACQUIRE);
+	if (g && __atomic_load_n(sg, __ATOMIC_RELAXED) != g) {
+		pthread_mutex_lock(&be->fence_mu);
+		if (*sg != be->kfence_gen) {
+			e = be->hip->stream_wait_event(st, be->kfence, 0);
+			if (!e)
+				__atomic_store_n(sg, be->kfence_gen, __ATOMIC_RELAXED);
+		}
+		pthread_mutex_unlock(&be->fence_mu);
+		if (e) {
+			what = "hipStreamWaitEvent (behind the engine's stream)";
+			goto out;
+		}
+	}
+	{
+		uint64_t kd = (uint64_t)(uintptr_t)s->kd; /* CPU pool memory: the same
+							   * address on the GPU */
+		void *args[2] = { &kd, &n };
+
+		e = be->hip->launch(be->kfn, n < be->k_ctas ? n : be->k_ctas, 1, 1, 256, 1, 1, 0,
+				    st, args, NULL);
+		if (e) {
+			what = "hipModuleLaunchKernel (the copy kernel)";
+			goto out;
+		}
+	}
+	e = be->hip->event_record(s->ev, st);
+	if (e) {
+		/* the kernel is queued: nothing may stay in flight */
+		what = "hipEventRecord (a ticket's)";
+		be->hip->stream_sync(st);
+		goto out;
+	}
+	s->on = 1;
+out:
+	hip_off(be, old);
+	if (e)
+		return kvt__dma_err(e == 2 ? -ENOMEM : -EIO, "hsa: %s: %s (%d)", what,
+				    hip_str(be, e), e);
+	return 0;
+}
+
+static int kernel_poll(struct hsa_be *be, uint32_t slot)
+{
+	int e;
+
+	if (hsa_dead(be))
+		return fault_err(be);
+	e = be->hip->event_query(be->ks[slot].ev);
+	if (e == HIP_ERROR_NOT_READY)
+		return -EINPROGRESS;
+	return e ? kvt__dma_err(-EIO, "hsa: the copy kernel's ticket: %s (%d)", hip_str(be, e),
+				e)
+		 : 0;
+}
+
+static int kernel_wait(struct hsa_be *be, uint32_t slot, uint64_t deadline)
+{
+	for (uint64_t nap = 20000;;) {
+		struct timespec ts = { 0, (long)nap };
+		int rc = kernel_poll(be, slot);
+
+		if (rc != -EINPROGRESS)
+			return rc;
+		if (deadline != UINT64_MAX && kvt__now_ns() >= deadline)
+			return -ETIMEDOUT;
+		nanosleep(&ts, NULL);
+		if (nap < 1000000)
+			nap *= 2;
+	}
+}
+
+/* order_after's record for the kernel streams, under fence_mu (see "The
+ * copy kernel"). */
+static int kernel_order(struct hsa_be *be, uint64_t stream)
+{
+	int e;
+
+	if (!be->kfn)
+		return 0;
+	e = be->hip->event_record(be->kfence, (void *)(uintptr_t)stream);
+	if (e)
+		return kvt__dma_err(-EINVAL, "hsa: hipEventRecord on the engine's stream %#llx: "
+				    "%s (%d)", (unsigned long long)stream, hip_str(be, e), e);
+	__atomic_store_n(&be->kfence_gen, be->kfence_gen + 1, __ATOMIC_RELEASE);
+	return 0;
 }
 
 const struct kvt_dma_ops kvt__dma_hsa_ops = {
