@@ -56,3 +56,34 @@ const char kvt__copy_kernel_src[] =
 	"		}\n"
 	"	}\n"
 	"}\n";
+
+int kvt__kernel_plan(const struct kvt_plan *p, uint64_t below)
+{
+	uint64_t bytes = 0, rows = 0;
+
+	if (!p->n)
+		return 0;
+	for (uint32_t i = 0; i < p->n; i++) {
+		bytes += p->copies[i].len * p->copies[i].rows;
+		rows += p->copies[i].rows;
+	}
+	return bytes < below * rows;
+}
+
+void kvt__kernel_descs(struct kvt__kcopy *kd, const struct kvt_dma_job *j)
+{
+	const struct kvt_plan *p = j->plan;
+	int d2h = j->dir == KVT_DMA_D2H;
+
+	for (uint32_t i = 0; i < p->n; i++) {
+		const struct kvt_copy *c = &p->copies[i];
+		uint64_t host = j->host_dev + c->off;
+
+		kd[i] = (struct kvt__kcopy){
+			.src = d2h ? c->dev : host, .dst = d2h ? host : c->dev,
+			.len = c->len, .rows = c->rows,
+			.spitch = d2h ? c->dev_pitch : c->host_pitch,
+			.dpitch = d2h ? c->host_pitch : c->dev_pitch,
+		};
+	}
+}

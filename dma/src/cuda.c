@@ -752,30 +752,13 @@ static uint32_t stream_of_ticket(const struct cu_be *be, uint32_t slot, int d2h)
 	return d2h ? loads + slot % (be->n_streams - loads) : slot % loads;
 }
 
-/* Whether a plan goes through the copy kernel: its pages, averaged over
- * its rows, below k_below. */
-static int kernel_plan(const struct cu_be *be, const struct kvt_plan *p)
-{
-	uint64_t bytes = 0, rows = 0;
-
-	if (!be->kfn || !p->n)
-		return 0;
-	for (uint32_t i = 0; i < p->n; i++) {
-		bytes += p->copies[i].len * p->copies[i].rows;
-		rows += p->copies[i].rows;
-	}
-	return bytes < be->k_below * rows;
-}
-
 /* The plan's copies as the kernel's descriptors in the slot's buffer, and
  * the launch on st (in the pushed context).  The buffer is the slot's:
  * rewritten only when its ticket has completed. */
 static CUresult kernel_submit(struct cu_be *be, struct cu_slot *s, const struct kvt_dma_job *j,
 			      CUstream st, const char **what)
 {
-	const struct kvt_plan *p = j->plan;
-	int d2h = j->dir == KVT_DMA_D2H;
-	unsigned int n = p->n;
+	unsigned int n = j->plan->n;
 	CUresult r;
 
 	if (n > s->kcap) {
@@ -799,17 +782,7 @@ static CUresult kernel_submit(struct cu_be *be, struct cu_slot *s, const struct 
 		s->kd_dev = dp;
 		s->kcap = n;
 	}
-	for (uint32_t i = 0; i < n; i++) {
-		const struct kvt_copy *c = &p->copies[i];
-		uint64_t host = j->host_dev + c->off;
-
-		s->kd[i] = (struct kvt__kcopy){
-			.src = d2h ? c->dev : host, .dst = d2h ? host : c->dev,
-			.len = c->len, .rows = c->rows,
-			.spitch = d2h ? c->dev_pitch : c->host_pitch,
-			.dpitch = d2h ? c->host_pitch : c->dev_pitch,
-		};
-	}
+	kvt__kernel_descs(s->kd, j);
 	void *args[2] = { &s->kd_dev, &n };
 
 	*what = "cuLaunchKernel (the copy kernel)";
@@ -854,7 +827,7 @@ static int cu_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job 
 		}
 		pthread_mutex_unlock(&be->fence_mu);
 	}
-	if (r == CUDA_SUCCESS && kernel_plan(be, p)) {
+	if (r == CUDA_SUCCESS && be->kfn && kvt__kernel_plan(p, be->k_below)) {
 		r = kernel_submit(be, s, j, st, &what);
 		goto issued;
 	}

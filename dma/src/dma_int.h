@@ -209,6 +209,12 @@ struct kvt__kcopy {
 extern const char kvt__copy_kernel_src[];
 extern const char kvt__copy_kernel_name[];
 
+/* Whether a plan goes through the copy kernel: its pages, averaged over
+ * its rows, below `below` bytes. */
+int kvt__kernel_plan(const struct kvt_plan *p, uint64_t below);
+/* The job's copies as the kernel's descriptors (kd: p->n of them). */
+void kvt__kernel_descs(struct kvt__kcopy *kd, const struct kvt_dma_job *j);
+
 /* The kernel compiled to PTX for a device of compute capability cc (major
  * * 10 + minor) by the NVRTC found at run time: 0 and *ptx (malloc'ed,
  * NUL-terminated), what saying which NVRTC and target; or -errno, what

@@ -320,7 +320,6 @@ struct hsa_be {
 /* the copy kernel (see "The copy kernel") */
 static void kernel_load(struct kvt_dma *d);
 static void kernel_free(struct hsa_be *be);
-static int kernel_plan(const struct hsa_be *be, const struct kvt_plan *p);
 static int kernel_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j);
 static int kernel_poll(struct hsa_be *be, uint32_t slot);
 static int kernel_wait(struct hsa_be *be, uint32_t slot, uint64_t deadline);
@@ -945,7 +944,7 @@ static int hsa_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job
 
 	if (hsa_dead(be))
 		return fault_err(be);
-	if (kernel_plan(be, p))
+	if (be->kfn && kvt__kernel_plan(p, be->k_below))
 		return kernel_submit(d, slot, j);
 	if (be->ks)
 		be->ks[slot].on = 0;
@@ -1914,21 +1913,6 @@ static void kernel_free(struct hsa_be *be)
 	be->kmod = be->kfn = be->kfence = NULL;
 }
 
-/* Whether a plan goes through the copy kernel: its pages, averaged over
- * its rows, below k_below. */
-static int kernel_plan(const struct hsa_be *be, const struct kvt_plan *p)
-{
-	uint64_t bytes = 0, rows = 0;
-
-	if (!be->kfn || !p->n)
-		return 0;
-	for (uint32_t i = 0; i < p->n; i++) {
-		bytes += p->copies[i].len * p->copies[i].rows;
-		rows += p->copies[i].rows;
-	}
-	return bytes < be->k_below * rows;
-}
-
 static int kernel_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_job *j)
 {
 	struct hsa_be *be = d->be;
@@ -1967,17 +1951,7 @@ static int kernel_submit(struct kvt_dma *d, uint32_t slot, const struct kvt_dma_
 		s->kd = buf;
 		s->kcap = n;
 	}
-	for (uint32_t i = 0; i < n; i++) {
-		const struct kvt_copy *c = &p->copies[i];
-		uint64_t host = j->host_dev + c->off;
-
-		s->kd[i] = (struct kvt__kcopy){
-			.src = d2h ? c->dev : host, .dst = d2h ? host : c->dev,
-			.len = c->len, .rows = c->rows,
-			.spitch = d2h ? c->dev_pitch : c->host_pitch,
-			.dpitch = d2h ? c->host_pitch : c->dev_pitch,
-		};
-	}
+	kvt__kernel_descs(s->kd, j);
 	/* behind the engine's work, when order_after recorded since this
 	 * stream last waited (the lock only then) */
 	g = __atomic_load_n(&be->kfence_gen, __ATOMIC_ACQUIRE);
