@@ -1,5 +1,7 @@
 /* hsa.c - the AMD backend: ROCr (HSA) async copies between the GPU's KV
- * pages and the page-locked arena, on SDMA engines.
+ * pages and the page-locked arena, on SDMA engines; small pages through a
+ * copy kernel of our own, compiled by the node's hiprtc and launched
+ * through HIP (see "The copy kernel", at the end).
  *
  * Runtime.  libhsa-runtime64.so.1 is dlopen'ed, RTLD_NOLOAD first so that
  * an engine's HIP runtime instance is reused (hsa_init is reference counted;
@@ -84,6 +86,9 @@
  * HIP runtime already in the process (RTLD_NOLOAD; $KVTIER_HIP_LIBRARY
  * first): none there, and the engine's stream is not a HIP one, so
  * order_after refuses (-ENOTSUP) and the caller synchronizes on the host.
+ * With the copy kernel loaded, order_after also records a HIP event on the
+ * engine's stream that the kernel's streams wait on (see "The copy
+ * kernel").
  *
  * Known limit: a negative signal ends the ticket with -EIO at once; other
  * copies of the same ticket may still be running (HSA gives no per-copy
@@ -1884,13 +1889,22 @@ dma_only:
 }
 
 /* What kernel_load made (before the HSA runtime goes: the descriptors are
- * its memory).  Tickets have completed: the core drained them. */
+ * its memory).  Tickets have completed: the core drained them (a handle
+ * with copies still running at close is abandoned, never freed). */
 static void kernel_free(struct hsa_be *be)
 {
 	int old = -1;
 
 	if (!be->hip || (!be->kmod && !be->kstream[0] && !be->ks))
 		return;
+	if (hsa_dead(be)) {
+		/* the device's queues are gone: a kernel queued there never
+		 * completes, and a stream's synchronize would wait for it for
+		 * good -- what HIP holds stays with the process */
+		free(be->ks);
+		be->ks = NULL;
+		return;
+	}
 	hip_on(be, &old);
 	for (int i = 0; i < 2; i++)
 		if (be->kstream[i]) {
