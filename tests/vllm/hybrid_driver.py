@@ -7,7 +7,13 @@ own).  Usage: hybrid_driver.py JSON, JSON's keys:
              its KV cache config with the hybrid allocator on, its KV
              tensors, its scheduler, its worker's connector); the forward
              pass alone is this script's stand-in (vLLM's DeepSeek V4 CPU
-             forward cannot run here: test_hybrid_caches.py quotes why)
+             forward cannot run here: test_hybrid_caches.py quotes why).
+             On a CPU without AVX-512, vLLM's AVX2 kernel library has no
+             convert_weight_packed, which DeepSeek V4's weight loading
+             calls to pack weights for that forward: a stand-in returning
+             the weight as it is is registered then (standin_packing in
+             the output), so the engine starts -- its KV caches, which
+             are what this script checks, are vLLM's own either way
   segment    kvtier's segment
   kv_cache_dtype, blocks, chunk_tokens   the engine's and the connector's
   break      "": exact; "skip-cache": a mutated step -- the connector's plan
@@ -155,6 +161,26 @@ class Driver:
             self.sched.kv_cache_config.hash_block_size or cc.block_size, fn)
 
 
+_packing_lib = None
+
+
+def standin_weight_packing():
+    """convert_weight_packed where vLLM's kernel library lacks it (its
+    AVX2 build): True when the stand-in was registered.  The weights it
+    packs feed only the forward pass, which never runs here."""
+    global _packing_lib
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's _C ops)
+    try:
+        torch.ops._C.convert_weight_packed
+        return False
+    except (AttributeError, RuntimeError):
+        pass
+    _packing_lib = torch.library.Library("_C", "FRAGMENT")
+    _packing_lib.define("convert_weight_packed(Tensor weight) -> Tensor")
+    _packing_lib.impl("convert_weight_packed", lambda w: w.clone(), "CPU")
+    return True
+
+
 def engine(o):
     """A real vLLM engine in this process: its scheduler, worker connector
     and KV tensors (the connector holds the dict vLLM registered)."""
@@ -269,6 +295,7 @@ def from_config(o):
 
 def main():
     o = json.loads(sys.argv[1])
+    packing = o.get("kind", "engine") == "engine" and standin_weight_packing()
     llm, sched, wc, kv, vc = engine(o) if o.get("kind", "engine") == "engine" else from_config(o)
     d = Driver(sched, wc, kv, vc)
     hits = {"hit_tokens": 0}
@@ -314,6 +341,7 @@ def main():
         "vgroups": [[v.index, v.kind, v.block_size, v.bpc, v.tail] for v in plan.vgroups],
         "kgroups": [[k.vg, len(k.layers), k.pieces, k.data, k.run, k.tpb] for k in plan.kgroups],
         "model": wc._s.model, "sched_model": sched.connector._s.model,
+        "standin_packing": packing,
         "groups": [len(g.layer_names) for g in sched.kv_cache_config.kv_cache_groups],
     }), file=sys.__stdout__, flush=True)
     os._exit(0)
