@@ -1888,6 +1888,15 @@ dma_only:
 		     "run slower)", be->kwhat);
 }
 
+/* What closed backends left to the process after a GPU fault (kernel_free):
+ * HIP's module, events and streams of kernels that never complete. */
+static struct kernel_kept {
+	void *kmod, *kfence, *kstream[2];
+	struct hsa_kslot *ks;
+	struct kernel_kept *next;
+} *kept_after_fault;
+static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
+
 /* What kernel_load made (before the HSA runtime goes: the descriptors are
  * its memory).  Tickets have completed: the core drained them (a handle
  * with copies still running at close is abandoned, never freed). */
@@ -1900,8 +1909,17 @@ static void kernel_free(struct hsa_be *be)
 	if (hsa_dead(be)) {
 		/* the device's queues are gone: a kernel queued there never
 		 * completes, and a stream's synchronize would wait for it for
-		 * good -- what HIP holds stays with the process */
-		free(be->ks);
+		 * good -- what HIP holds stays with the process, kept here */
+		struct kernel_kept *k = malloc(sizeof(*k));
+
+		if (k) {
+			*k = (struct kernel_kept){ be->kmod, be->kfence,
+						   { be->kstream[0], be->kstream[1] }, be->ks, NULL };
+			pthread_mutex_lock(&kept_mu);
+			k->next = kept_after_fault;
+			kept_after_fault = k;
+			pthread_mutex_unlock(&kept_mu);
+		}
 		be->ks = NULL;
 		return;
 	}
