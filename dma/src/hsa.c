@@ -1467,13 +1467,17 @@ static int hip_load(struct kvt_dma *d)
 	return 0;
 }
 
+/* HIP loaded, and this thread's current device the bound GPU (set only
+ * when it is another: kvtierd's thread serving one GPU sets it once) */
 static int hip_ready(struct kvt_dma *d)
 {
 	struct hsa_be *be = d->be;
-	int e, rc = hsa_dead(be) ? fault_err(be) : hip_load(d);
+	int e, cur = -1, rc = hsa_dead(be) ? fault_err(be) : hip_load(d);
 
 	if (rc)
 		return rc;
+	if (be->hip->get_device && !be->hip->get_device(&cur) && cur == be->hip_dev)
+		return 0;
 	e = be->hip->set_device(be->hip_dev);
 	return e ? kvt__dma_err(-EIO, "hsa: hipSetDevice(%d): %s", be->hip_dev, hip_str(be, e))
 		 : 0;
