@@ -7,7 +7,8 @@
 # Builds kvtier-bench with the hsa backend and the HIP runtime (CMake;
 # headers from Debian's libhsa-runtime-dev / libamdhip64-dev or from
 # /opt/rocm/include), runs the DMA test suite against the real ROCm runtime
-# (test_dma_backend with KVTIER_DMA=hsa, test_dma_plan, test_dma_hip: a
+# (test_dma_backend with KVTIER_DMA=hsa, by DMA and again with every plan
+# through the copy kernel, test_dma_plan, test_dma_hip: a
 # hipMalloc'ed KV cache through the hsa backend, byte exact; a save after a
 # HIP fill on the engine's stream, with and without the order on the device),
 # `kvtier-bench pin` (N processes locking one arena against the amdgpu
@@ -107,6 +108,17 @@ if cmake --build "$bdir" -j "$jobs" --target test_dma_backend test_dma_plan test
 			fail "$t ($t.log)"
 		fi
 	done
+	# again with every plan through the copy kernel (dma/src/copy_kernel.c,
+	# compiled for this GPU by the node's hiprtc at the first bind): its
+	# copies byte exact on the device, ordered after the engine's stream
+	t=test_dma_backend
+	if KVTIER_DMA=hsa KVTIER_TEST_KERNEL=all timeout 600 "$bdir/tests/dma/$t" \
+		>"$out/$t-kernel.log" 2>&1; then
+		rec PASS "$t with every plan through the copy kernel: $(grep -c '\[       OK \]' "$out/$t-kernel.log") ok"
+	else
+		tail -40 "$out/$t-kernel.log"
+		fail "$t with the copy kernel ($t-kernel.log)"
+	fi
 else
 	rec NOTE "DMA test suite not built (cmocka or the HIP headers missing?): only the bench's own verification ran"
 fi
