@@ -315,6 +315,21 @@ static void test_fault_claimed_elsewhere(void **state)
 	kvt_close(owner);
 	kvt_unlink(seg, NULL);
 	fake_ctl("reset", 0);
+	/* with the copy kernel (the fake HIP in the process): a kernel the
+	 * fault caught stays stopped -- the queues were reset above and the
+	 * memory it walked is freed (FAKE_HIP_KERNEL_ROW_US keeps it walking
+	 * until now) */
+	if (getenv("KVTIER_HIP_LIBRARY")) {
+		void *hip = dlopen(getenv("KVTIER_HIP_LIBRARY"), RTLD_NOW | RTLD_NOLOAD);
+		void (*kernels_wait)(void) = NULL;
+
+		if (hip)
+			*(void **)&kernels_wait = dlsym(hip, "kvt_fake_hip_kernels_wait");
+		if (kernels_wait)
+			kernels_wait();
+		if (hip)
+			dlclose(hip);
+	}
 }
 
 int main(void)

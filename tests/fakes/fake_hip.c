@@ -93,6 +93,7 @@ static struct {
 	/* the fake HSA's compute lane, for fills (optional) */
 	hsa_status_t (*kernel_copy)(void *, hsa_agent_t, const void *, hsa_agent_t, size_t,
 				    hsa_signal_t);
+	long (*hsa_stat)(const char *); /* its "queues_dead" (optional) */
 } F;
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -190,6 +191,7 @@ static void init_once(void)
 	L(ipc_detach, "hsa_amd_ipc_memory_detach")
 #undef L
 	*(void **)&F.kernel_copy = dlsym(h, "kvt_fake_hsa_kernel_copy");
+	*(void **)&F.hsa_stat = dlsym(h, "kvt_fake_hsa_stat");
 	if (F.init() || F.iterate_agents(agent_cb, NULL) || !have_cpu_pool) {
 		init_err = hipErrorInitializationError;
 		return;
@@ -1126,7 +1128,9 @@ EXPORT hipError_t hipIpcOpenEventHandle(hipEvent_t *out, hipIpcEventHandle_t h)
  * allocation or a lock) -- and moves each row as a kernel's writes through
  * the fake HSA (its compute lane: the addresses checked, faults injected
  * there as for any copy).  A descriptor the runtime refuses is a GPU
- * memory fault: the process aborts, as ROCr aborts one nobody claims. */
+ * memory fault: the process aborts, as ROCr aborts one nobody claims.
+ * Once a fault stopped the process's queues, a running kernel stops
+ * where it is and never completes (it touches no more memory). */
 #define MODULE_MAGIC 0x4b56544d4f44554cull
 #define FN_MAGIC     0x4b5654464e434f50ull
 
@@ -1141,6 +1145,15 @@ struct ihipModule_t {
 };
 
 static atomic_long st_kernel_launches, st_kernel_copies, st_modules_live;
+static atomic_long kernels_live; /* launched, neither finished nor stopped */
+
+/* Waits until every kernel launched has finished or stopped (a test's end:
+ * none then runs on in memory the test freed). */
+EXPORT void kvt_fake_hip_kernels_wait(void)
+{
+	while (atomic_load(&kernels_live) > 0)
+		usleep(1000);
+}
 
 /* tests: "kernel_launches", "kernel_copies" (descriptors run), "modules_live" */
 EXPORT long kvt_fake_hip_stat(const char *key)
@@ -1492,6 +1505,7 @@ struct klaunch {
 	struct ihipStream_t *st;
 	uint64_t cp;
 	uint32_t n;
+	long faults;     /* the fake HSA's faults at the launch */
 };
 
 /* The agent a kernel's access to p goes through, and where the CPU reads
@@ -1512,12 +1526,43 @@ static int kernel_side(uint64_t p, hsa_agent_t *agent, char **host)
 	return 0;
 }
 
-static void kernel_fault(uint64_t va, const char *what)
+static void *kernel_fault(uint64_t va, const char *what)
 {
 	fprintf(stderr, "fake HIP: Memory access fault by GPU on address %#llx (the copy "
 		"kernel's %s). Reason: Page not present or supervisor privilege.\n",
 		(unsigned long long)va, what);
 	abort();
+}
+
+/* A GPU memory fault stopped the process's queues (the fake HSA's) since
+ * the kernel was launched: a kernel running then stops where it is and
+ * never completes -- even when a test resets the fake's queues after, as
+ * a process's queues never restart. */
+static long faults(void)
+{
+	return F.hsa_stat ? F.hsa_stat("faults") : 0;
+}
+
+static int fault_since(const struct klaunch *k)
+{
+	return faults() != k->faults;
+}
+
+/* the row signals of kernels the fault stopped: rows still queued on the
+ * fake HSA's lanes hold them (kept, reachable) */
+#define STOPPED_MAX 64
+static hsa_signal_t stopped[STOPPED_MAX];
+static atomic_int n_stopped;
+
+static void *kernel_stopped(struct klaunch *k, hsa_signal_t done)
+{
+	int i = atomic_fetch_add(&n_stopped, 1);
+
+	if (i < STOPPED_MAX)
+		stopped[i] = done;
+	free(k);
+	atomic_fetch_sub(&kernels_live, 1);
+	return NULL; /* the stream's count stays: it never completes */
 }
 
 static void *run_kernel(void *arg)
@@ -1528,14 +1573,20 @@ static void *run_kernel(void *arg)
 	hsa_agent_t a;
 	char *cps = NULL;
 	uint64_t rows = 0;
+	/* a schedule point: each row this late (FAKE_HIP_KERNEL_ROW_US), so a
+	 * fault elsewhere lands while the kernel runs and the process goes on
+	 * (test_tier_hsa_fault_kernel) */
+	unsigned row_us = (unsigned)fake_env_long_hip("FAKE_HIP_KERNEL_ROW_US", 0);
 
 	/* after the stream's earlier work: what it counts, less its kernels */
 	while (F.signal_load(st->sig) > atomic_load(&st->kernels))
 		usleep(50);
-	if (k->n && (kernel_side(k->cp, &a, &cps) || !cps))
-		kernel_fault(k->cp, "descriptors");
 	if (F.signal_create(0, 0, NULL, &done))
 		abort();
+	if (fault_since(k))
+		return kernel_stopped(k, done);
+	if (k->n && (kernel_side(k->cp, &a, &cps) || !cps))
+		return fault_since(k) ? kernel_stopped(k, done) : kernel_fault(k->cp, "descriptors");
 	for (uint32_t i = 0; i < k->n; i++) {
 		struct kcopy c;
 
@@ -1544,24 +1595,39 @@ static void *run_kernel(void *arg)
 			uint64_t s = c.src + r * c.spitch, d = c.dst + r * c.dpitch;
 			hsa_agent_t sa, da;
 
+			/* (memory gone after a fault stopped the queues -- the
+			 * process freed it since -- is no fault of this kernel:
+			 * it stopped then; checked again after a refusal) */
+			if (row_us)
+				usleep(row_us);
+			if (fault_since(k))
+				return kernel_stopped(k, done);
 			if (kernel_side(s, &sa, NULL))
-				kernel_fault(s, "source row");
+				return fault_since(k) ? kernel_stopped(k, done)
+						     : kernel_fault(s, "source row");
 			if (kernel_side(d, &da, NULL))
-				kernel_fault(d, "destination row");
+				return fault_since(k) ? kernel_stopped(k, done)
+						     : kernel_fault(d, "destination row");
 			F.signal_add(done, 1);
 			if (F.kernel_copy((void *)(uintptr_t)d, da, (void *)(uintptr_t)s, sa, c.len,
 					  done))
-				kernel_fault(d, "row (refused by the runtime)");
+				return fault_since(k) ? kernel_stopped(k, done)
+						     : kernel_fault(d, "row (refused by the runtime)");
 			rows++;
 		}
 	}
-	F.signal_wait(done, HSA_SIGNAL_CONDITION_LT, 1, UINT64_MAX, HSA_WAIT_STATE_BLOCKED);
+	while (F.signal_load(done) > 0) { /* (rows on a stopped queue never land) */
+		if (fault_since(k))
+			return kernel_stopped(k, done);
+		usleep(50);
+	}
 	F.signal_destroy(done);
 	atomic_fetch_add(&st_kernel_copies, (long)k->n);
 	(void)rows;
 	F.signal_subtract(st->sig, 1);
 	atomic_fetch_sub(&st->kernels, 1);
 	free(k);
+	atomic_fetch_sub(&kernels_live, 1);
 	return NULL;
 }
 
@@ -1585,12 +1651,15 @@ EXPORT hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int gx, unsign
 	if (!k)
 		return hipErrorOutOfMemory;
 	k->st = st;
+	k->faults = faults();
 	memcpy(&k->cp, params[0], sizeof(k->cp));
 	memcpy(&k->n, params[1], sizeof(k->n));
 	atomic_fetch_add(&st_kernel_launches, 1);
 	atomic_fetch_add(&st->kernels, 1);
+	atomic_fetch_add(&kernels_live, 1);
 	if ((e = stream_thread(st, run_kernel, k, NULL, 1))) {
 		atomic_fetch_sub(&st->kernels, 1);
+		atomic_fetch_sub(&kernels_live, 1);
 		free(k);
 	}
 	return e;

@@ -71,6 +71,7 @@ static atomic_long fail_copy, neg_signal, fail_lock, fail_rect, fail_engine, fau
 static struct { hsa_amd_system_event_callback_t cb; void *data; } handlers[MAX_HANDLERS];
 static int n_handlers;
 static atomic_long busy_engines; /* engines copy_engine_status reports busy */
+static atomic_long st_faults;    /* GPU memory faults, for the process's life */
 static atomic_long range_split;  /* device memory reported in pieces of this */
 /* statistics */
 static atomic_long st_copies, st_engine_copies, st_rect_copies, st_locks_total,
@@ -132,6 +133,8 @@ EXPORT long kvt_fake_hsa_stat(const char *key)
 		return fake_worker_out_of_order(0);
 	if (!strcmp(key, "queues_dead"))
 		return fake_copy_halted();
+	if (!strcmp(key, "faults")) /* GPU memory faults so far (never reset) */
+		return atomic_load(&st_faults);
 	if (!strcmp(key, "engine_copies"))
 		return atomic_load(&st_engine_copies);
 	if (!strcmp(key, "engine0"))
@@ -819,6 +822,7 @@ static void gpu_fault(struct ctask *t)
 	int claimed = 0, n;
 
 	fake_copy_halt(t->gpu); /* KFD evicts the process's queues on that GPU, then reports */
+	atomic_fetch_add(&st_faults, 1);
 	memset(&ev, 0, sizeof(ev));
 	ev.event_type = HSA_AMD_GPU_MEMORY_FAULT_EVENT;
 	ev.memory_fault.agent.handle = GPU_AGENT + (uint64_t)(t->gpu < 0 ? 0 : t->gpu);
