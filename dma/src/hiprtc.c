@@ -74,16 +74,14 @@ static int has_hiprtc(void *h)
 	return h && dlsym(h, "hiprtcCompileProgram");
 }
 
-static void *open_hiprtc(void *hip_lib, int hip_major, int *named, char *why, size_t why_len)
+static void *open_hiprtc(void *hip_lib, int hip_major, char *why, size_t why_len)
 {
 	const char *path = getenv("KVTIER_HIPRTC_LIBRARY");
 	char names[3][32];
 	int n = 0;
 	void *h;
 
-	*named = 0;
 	if (path && *path) {
-		*named = 1;
 		h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 		if (!h)
 			kvt__fmt(-ENOENT, why, why_len, "KVTIER_HIPRTC_LIBRARY=%s: %s", path,
@@ -189,7 +187,7 @@ int kvt__hiprtc_code(const char *target, int hip_version, void *hip_lib, const c
 		     size_t *len, char *what, size_t what_len)
 {
 	int hip_major = hip_version / 10000000, hip_minor = hip_version / 100000 % 100;
-	int named = 0, rc = 0;
+	int named, rc = 0;
 	char *c = NULL;
 	size_t n = 0;
 	void *h;
@@ -216,7 +214,7 @@ int kvt__hiprtc_code(const char *target, int hip_version, void *hip_lib, const c
 					"KVTIER_HIPRTC_LIBRARY names a newer one)", hip_major,
 					hip_minor, newer[i].proc, newer[i].major, newer[i].minor);
 		}
-	h = open_hiprtc(hip_lib, hip_major, &named, what, what_len);
+	h = open_hiprtc(hip_lib, hip_major, what, what_len);
 	if (!h) {
 		pthread_mutex_unlock(&cache_mu);
 		return -ENOENT;

@@ -1572,7 +1572,6 @@ static void *run_kernel(void *arg)
 	hsa_signal_t done;
 	hsa_agent_t a;
 	char *cps = NULL;
-	uint64_t rows = 0;
 	/* a schedule point: each row this late (FAKE_HIP_KERNEL_ROW_US), so a
 	 * fault elsewhere lands while the kernel runs and the process goes on
 	 * (test_tier_hsa_fault_kernel) */
@@ -1613,7 +1612,6 @@ static void *run_kernel(void *arg)
 					  done))
 				return fault_since(k) ? kernel_stopped(k, done)
 						     : kernel_fault(d, "row (refused by the runtime)");
-			rows++;
 		}
 	}
 	while (F.signal_load(done) > 0) { /* (rows on a stopped queue never land) */
@@ -1623,7 +1621,6 @@ static void *run_kernel(void *arg)
 	}
 	F.signal_destroy(done);
 	atomic_fetch_add(&st_kernel_copies, (long)k->n);
-	(void)rows;
 	F.signal_subtract(st->sig, 1);
 	atomic_fetch_sub(&st->kernels, 1);
 	free(k);
